@@ -1,0 +1,69 @@
+// The loopback backend: trainer and worker in one process, linked by name. It moves
+// bytes with memcpy through the shared receive pipeline, so it is the reference
+// engine of the conformance suite and a way to test a load_weights without a network.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <asio/thread_pool.hpp>
+
+#include "lib/bucket_plan.h"
+#include "lib/engine.h"
+#include "lib/pipeline.h"
+#include "lib/trainer.h"
+
+namespace refit::loopback {
+
+struct link;
+
+/// {"channel": str, "buffer_bytes": int, "num_buffers": int}: the channel the
+/// sender created and the wire parameters it chose.
+struct init_info final : refit::init_info {
+  std::string channel;
+  wire_params wire;
+  static init_info read(json_reader& r);
+};
+
+/// {"names", "dtype_names", "shapes"}.
+struct update_info final : refit::update_info {
+  static update_info read(json_reader& r);
+};
+
+/// Worker side.
+class engine final : public typed_engine<init_info, update_info> {
+ public:
+  engine(const weight_transfer_config& config, const engine_context& context);
+  ~engine() override;
+  std::string_view backend() const noexcept override { return "loopback"; }
+  bool defers_processing() const noexcept override { return true; }
+
+ protected:
+  asio::awaitable<void> init(const init_info& info) override;
+  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
+  void do_shutdown() override;
+
+ private:
+  std::shared_ptr<link> link_;
+  std::unique_ptr<asio::thread_pool> own_pool_;
+  std::unique_ptr<receive_pipeline> pipeline_;
+};
+
+/// Trainer side. init({"channel": str, "buffer_bytes": int, "num_buffers": int})
+/// creates the channel; workers then init with the same JSON.
+class sender final : public weight_sender {
+ public:
+  sender(const weight_transfer_config& config, const trainer_context& context);
+  ~sender() override;
+  std::string_view backend() const noexcept override { return "loopback"; }
+  asio::awaitable<void> init(const json& trainer_args) override;
+  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
+  void shutdown() override;
+
+ private:
+  weight_transfer_config config_;
+  trainer_context context_;
+  std::shared_ptr<link> link_;
+};
+
+}  // namespace refit::loopback

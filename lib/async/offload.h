@@ -1,0 +1,69 @@
+// Runs CPU work on a thread pool and resumes the caller on its own executor, so a
+// coroutine on an event loop never blocks the loop on heavy work.
+#pragma once
+
+#include <exception>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+#include <asio/associated_executor.hpp>
+#include <asio/async_result.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/post.hpp>
+#include <asio/use_awaitable.hpp>
+
+namespace refit::async {
+
+/// Calls `fn()` on `pool` (any executor, typically asio::thread_pool's) and delivers
+/// its result, or the exception it threw, to `token`'s handler on the handler's own
+/// executor. With the default token, `co_await offload(pool, fn)` returns fn's result
+/// or rethrows its exception in the awaiting coroutine.
+template <class Executor, class Fn,
+          class Token = const asio::use_awaitable_t<>&>
+auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
+  using result = std::invoke_result_t<Fn&>;
+  if constexpr (std::is_void_v<result>) {
+    return asio::async_initiate<Token, void(std::exception_ptr)>(
+        [pool](auto handler, Fn fn) {
+          auto home = asio::make_work_guard(asio::get_associated_executor(handler));
+          asio::post(pool, [handler = std::move(handler), fn = std::move(fn),
+                            home = std::move(home)]() mutable {
+            std::exception_ptr error;
+            try {
+              fn();
+            } catch (...) {
+              error = std::current_exception();
+            }
+            auto ex = home.get_executor();
+            asio::post(ex, [handler = std::move(handler), error]() mutable {
+              std::move(handler)(error);
+            });
+          });
+        },
+        token, std::move(fn));
+  } else {
+    return asio::async_initiate<Token, void(std::exception_ptr, result)>(
+        [pool](auto handler, Fn fn) {
+          auto home = asio::make_work_guard(asio::get_associated_executor(handler));
+          asio::post(pool, [handler = std::move(handler), fn = std::move(fn),
+                            home = std::move(home)]() mutable {
+            std::exception_ptr error;
+            std::optional<result> value;
+            try {
+              value.emplace(fn());
+            } catch (...) {
+              error = std::current_exception();
+            }
+            auto ex = home.get_executor();
+            asio::post(ex, [handler = std::move(handler), error,
+                            value = std::move(value)]() mutable {
+              std::move(handler)(error, value ? std::move(*value) : result{});
+            });
+          });
+        },
+        token, std::move(fn));
+  }
+}
+
+}  // namespace refit::async

@@ -1,0 +1,27 @@
+#include "lib/config.h"
+
+namespace refit {
+
+weight_transfer_config weight_transfer_config::from_json(const json& j) {
+  json_reader r(j, "weight_transfer_config");
+  weight_transfer_config c;
+  c.backend = r.optional<std::string>("backend", c.backend);
+  if (c.backend.empty()) r.fail("member 'backend' must not be empty");
+  auto ms = r.optional<std::int64_t>("timeout_ms", c.timeout.count());
+  if (ms <= 0) r.fail("member 'timeout_ms' must be positive, got " + std::to_string(ms));
+  c.timeout = std::chrono::milliseconds(ms);
+  c.processing_threads = r.optional<std::size_t>("processing_threads", c.processing_threads);
+  if (c.processing_threads == 0 || c.processing_threads > 256)
+    r.fail("member 'processing_threads' must be in [1, 256], got " +
+           std::to_string(c.processing_threads));
+  r.finish();
+  return c;
+}
+
+json weight_transfer_config::to_json() const {
+  return {{"backend", backend},
+          {"timeout_ms", timeout.count()},
+          {"processing_threads", processing_threads}};
+}
+
+}  // namespace refit

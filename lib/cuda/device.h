@@ -1,0 +1,24 @@
+// Probing for CUDA devices.
+#pragma once
+
+#include <string>
+
+namespace refit::cuda {
+
+// The outcome of device_count_or_reason(). A machine without a usable GPU is an
+// expected state (CI, CPU-only hosts), not an exception: callers skip or fall back
+// and show `reason` to the user as is.
+struct device_count_result {
+  int count = 0;       // usable devices; 0 exactly when `reason` is set
+  std::string reason;  // why there is no usable device; empty when count > 0
+
+  explicit operator bool() const noexcept { return count > 0; }
+};
+
+// Asks the CUDA runtime how many devices this process can use. Never throws for
+// CUDA failures; e.g. on a host without a driver the reason is
+// "cudaGetDeviceCount failed: CUDA driver version is insufficient for CUDA runtime
+// version (cudaErrorInsufficientDriver)".
+[[nodiscard]] device_count_result device_count_or_reason();
+
+}  // namespace refit::cuda

@@ -1,0 +1,181 @@
+// The worker side of a weight transfer: refit's rendering of vLLM's
+// WeightTransferEngine. An engine is created by the factory for one backend, parses
+// its typed init/update info from JSON, connects once (init_transfer_engine), then
+// receives any number of updates, handing tensors to load_weights incrementally.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
+
+#include "lib/async/drain_scope.h"
+#include "lib/config.h"
+#include "lib/json_reader.h"
+#include "lib/metadata.h"
+#include "lib/stats.h"
+#include "lib/tensor.h"
+
+namespace refit {
+
+/// Receives a batch of tensors (views into the engine's staging memory, valid only
+/// during the call). Called incrementally, possibly from a processing thread, never
+/// concurrently with itself for one update.
+using load_weights_fn = std::function<void(std::span<const tensor_view>)>;
+
+/// This worker's place in the inference server's parallel layout.
+struct parallel_ranks {
+  int tp_rank = 0, tp_size = 1;
+  int pp_rank = 0, pp_size = 1;
+  int dp_rank = 0, dp_size = 1;
+};
+
+/// The model that receives weights, when the engine is given one (the libtorch
+/// adapter and the examples implement it). Engines never require it: every receive
+/// takes an explicit load_weights.
+class model_target {
+ public:
+  virtual ~model_target() = default;
+  /// Loads a batch of tensors by name; same contract as load_weights_fn.
+  virtual void load_weights(std::span<const tensor_view> weights) = 0;
+  /// A load_weights_fn that forwards to this target.
+  load_weights_fn as_load_weights() {
+    return [this](std::span<const tensor_view> w) { load_weights(w); };
+  }
+};
+
+/// What an engine is created with, besides its config.
+struct engine_context {
+  asio::any_io_executor executor;   ///< where the engine's coroutines run
+  refit::device device;             ///< the device the model lives on
+  parallel_ranks ranks;
+  model_target* model = nullptr;    ///< optional
+  /// Optional executor for CPU post-processing; engines create a pool of
+  /// config.processing_threads when it is empty.
+  asio::any_io_executor processing_executor;
+};
+
+/// Base of every engine's typed init info.
+struct init_info {
+  virtual ~init_info() = default;
+};
+
+/// Base of every engine's typed update info: the tensors of the update.
+struct update_info {
+  virtual ~update_info() = default;
+  update_metadata metadata;
+};
+
+/// The worker-side engine. Public members check the call order and give clear
+/// errors on misuse (receive before init, concurrent receives, use after shutdown);
+/// engines implement the protected do_* hooks.
+class weight_transfer_engine {
+ public:
+  weight_transfer_engine(weight_transfer_config config, engine_context context);
+  virtual ~weight_transfer_engine();
+  weight_transfer_engine(const weight_transfer_engine&) = delete;
+  weight_transfer_engine& operator=(const weight_transfer_engine&) = delete;
+
+  /// The registered backend name.
+  virtual std::string_view backend() const noexcept = 0;
+
+  /// When true, receive_weights completes once the last bucket has arrived and
+  /// post-processing may still run; drain_pending() is its completion.
+  virtual bool defers_processing() const noexcept { return false; }
+
+  /// Builds this engine's typed init info; throws invalid_argument naming the engine
+  /// and the member on a missing, mistyped or unknown member.
+  virtual std::unique_ptr<init_info> parse_init_info(const json& j) const = 0;
+  /// Builds this engine's typed update info, likewise.
+  virtual std::unique_ptr<update_info> parse_update_info(const json& j) const = 0;
+
+  /// Connects to the trainer. May be called again after shutdown() or after a
+  /// failed update to reconnect.
+  asio::awaitable<void> init_transfer_engine(const init_info& info);
+
+  /// Receives one update and hands its tensors to `load_weights`. Without
+  /// defers_processing it completes when every tensor has been loaded; with it,
+  /// when every byte has arrived (call drain_pending() for the rest).
+  asio::awaitable<void> receive_weights(const update_info& info, load_weights_fn load_weights);
+
+  /// Completes when all deferred post-processing has finished; rethrows the first
+  /// error it hit, once. Idempotent; a no-op for engines that do not defer.
+  asio::awaitable<void> drain_pending();
+
+  /// Closes connections and frees staging memory. Idempotent.
+  void shutdown();
+
+  /// Statistics of the last completed update (processing times are final after
+  /// drain_pending()).
+  const update_stats& last_update_stats() const noexcept { return stats_; }
+
+  bool initialized() const noexcept { return state_ == state::ready || state_ == state::receiving; }
+  const weight_transfer_config& config() const noexcept { return config_; }
+  const engine_context& context() const noexcept { return context_; }
+
+ protected:
+  virtual asio::awaitable<void> do_init(const init_info& info) = 0;
+  virtual asio::awaitable<void> do_receive(const update_info& info, load_weights_fn load_weights) = 0;
+  virtual void do_shutdown() = 0;
+
+  /// Where engines start deferred work; drain_pending() joins it.
+  async::drain_scope& deferred() noexcept { return deferred_; }
+  update_stats& mutable_stats() noexcept { return stats_; }
+  /// Throws invalid_argument "<backend>: <what> is for another engine" unless
+  /// `info` is a T.
+  template <class T, class Base>
+  const T& downcast(const Base& info, std::string_view what) const {
+    if (auto p = dynamic_cast<const T*>(&info)) return *p;
+    throw_error(errc::invalid_argument, std::string(backend()) + ": " + std::string(what) +
+                                            " was built by another engine");
+  }
+
+ private:
+  enum class state { created, initializing, ready, receiving, shut_down };
+
+  weight_transfer_config config_;
+  engine_context context_;
+  async::drain_scope deferred_;
+  update_stats stats_;
+  state state_ = state::created;
+};
+
+/// Implements parse_init_info / parse_update_info for typed infos. InitInfo and
+/// UpdateInfo provide `static X read(json_reader&)`; members not read are rejected.
+template <class InitInfo, class UpdateInfo>
+class typed_engine : public weight_transfer_engine {
+ public:
+  using init_info_type = InitInfo;
+  using update_info_type = UpdateInfo;
+  using weight_transfer_engine::weight_transfer_engine;
+
+  std::unique_ptr<init_info> parse_init_info(const json& j) const override {
+    json_reader r(j, std::string(backend()) + " init_info");
+    auto info = std::make_unique<InitInfo>(InitInfo::read(r));
+    r.finish();
+    return info;
+  }
+  std::unique_ptr<update_info> parse_update_info(const json& j) const override {
+    json_reader r(j, std::string(backend()) + " update_info");
+    auto info = std::make_unique<UpdateInfo>(UpdateInfo::read(r));
+    r.finish();
+    return info;
+  }
+
+ protected:
+  virtual asio::awaitable<void> init(const InitInfo& info) = 0;
+  virtual asio::awaitable<void> receive(const UpdateInfo& info, load_weights_fn load_weights) = 0;
+
+ private:
+  asio::awaitable<void> do_init(const init_info& info) final {
+    co_await init(this->template downcast<InitInfo>(info, "init_info"));
+  }
+  asio::awaitable<void> do_receive(const update_info& info, load_weights_fn fn) final {
+    co_await receive(this->template downcast<UpdateInfo>(info, "update_info"), std::move(fn));
+  }
+};
+
+}  // namespace refit

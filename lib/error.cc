@@ -1,0 +1,53 @@
+#include "lib/error.h"
+
+namespace refit {
+namespace {
+
+class category final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "refit"; }
+  std::string message(int value) const override {
+    switch (static_cast<errc>(value)) {
+      case errc::timeout: return "timeout";
+      case errc::peer_lost: return "peer lost";
+      case errc::invalid_argument: return "invalid argument";
+      case errc::protocol_error: return "protocol error";
+      case errc::not_registered: return "not registered";
+      case errc::already_registered: return "already registered";
+      case errc::invalid_state: return "invalid state";
+      case errc::load_failed: return "load failed";
+      case errc::processing_failed: return "processing failed";
+      case errc::integrity_error: return "integrity error";
+      case errc::io_error: return "I/O error";
+      case errc::cancelled: return "cancelled";
+      case errc::unsupported: return "unsupported";
+    }
+    return "refit error " + std::to_string(value);
+  }
+};
+
+}  // namespace
+
+const std::error_category& error_category() noexcept {
+  static const category instance;
+  return instance;
+}
+
+std::error_code make_error_code(errc e) noexcept {
+  return {static_cast<int>(e), error_category()};
+}
+
+error::error(errc code, const std::string& message)
+    : std::system_error(make_error_code(code), message), message_(message) {}
+
+error::error(std::error_code code, const std::string& message)
+    : std::system_error(code, message), message_(message) {}
+
+errc error::kind() const noexcept {
+  return code().category() == error_category() ? static_cast<errc>(code().value())
+                                               : errc{};
+}
+
+void throw_error(errc code, const std::string& message) { throw error(code, message); }
+
+}  // namespace refit

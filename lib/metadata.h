@@ -1,0 +1,31 @@
+// Per-update tensor metadata, the part of every update info that is the same for
+// all engines: names, dtypes and shapes, in the order the trainer sends them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "lib/json_reader.h"
+#include "lib/tensor.h"
+
+namespace refit {
+
+/// The tensors of one update, in send order. Validated: names unique and non-empty,
+/// dtypes known, shapes non-negative with byte sizes that fit in int64.
+struct update_metadata {
+  std::vector<tensor_spec> tensors;
+
+  /// Sum of byte sizes.
+  std::uint64_t total_bytes() const;
+  /// Throws invalid_argument on an empty or duplicate name or a bad shape.
+  void validate() const;
+};
+
+/// Reads vLLM's metadata members `names`, `dtype_names` and `shapes` (parallel
+/// arrays) from `reader`, validating lengths, dtypes, shapes and duplicates.
+update_metadata read_update_metadata(json_reader& reader);
+
+/// Writes the same three members into `out`.
+void write_update_metadata(const update_metadata& meta, json& out);
+
+}  // namespace refit

@@ -1,0 +1,197 @@
+#include "lib/pipeline.h"
+
+#include <cstdlib>
+
+#include <asio/strand.hpp>
+
+#include "lib/async/offload.h"
+
+namespace refit {
+
+using clock_type = std::chrono::steady_clock;
+
+static double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+// load_weights threw: keep the user's words, add where it happened.
+static std::exception_ptr processing_error(std::exception_ptr cause, std::uint64_t bucket,
+                                           const std::vector<tensor_view>& views) {
+  std::string what;
+  try {
+    std::rethrow_exception(cause);
+  } catch (const error& e) {
+    what = e.message();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "a non-standard exception";
+  }
+  std::string where = "bucket " + std::to_string(bucket) + " (";
+  for (std::size_t i = 0; i < views.size() && i < 4; ++i)
+    where += (i ? ", '" : "'") + std::string(views[i].name) + "'";
+  where += views.size() > 4 ? ", ... " + std::to_string(views.size()) + " tensors)" : ")";
+  return std::make_exception_ptr(
+      error(errc::processing_failed, "load_weights failed on " + where + ": " + what));
+}
+
+void host_staging::free_deleter::operator()(std::byte* p) const noexcept { std::free(p); }
+
+host_staging::buffer host_staging::allocate(std::uint64_t bytes) {
+  constexpr std::uint64_t page = 4096;
+  std::uint64_t rounded = (bytes + page - 1) / page * page;
+  void* p = std::aligned_alloc(page, rounded == 0 ? page : rounded);
+  if (!p)
+    throw_error(errc::io_error, "host staging: cannot allocate " + std::to_string(bytes) + " bytes");
+  return buffer(static_cast<std::byte*>(p));
+}
+
+host_staging::host_staging(std::size_t count, std::uint64_t bytes) : slot_bytes_(bytes) {
+  slots_.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) slots_.push_back(allocate(bytes));
+}
+
+std::span<std::byte> host_staging::slot(std::size_t index) {
+  return {slots_.at(index).get(), static_cast<std::size_t>(slot_bytes_)};
+}
+
+std::span<std::byte> host_staging::assembly(std::uint64_t bytes) {
+  if (bytes > assembly_bytes_) {
+    assembly_.reset();  // free first: peak memory is the new size, not old + new
+    assembly_ = allocate(bytes);
+    assembly_bytes_ = bytes;
+  }
+  return {assembly_.get(), static_cast<std::size_t>(bytes)};
+}
+
+std::uint64_t host_staging::allocated_bytes() const noexcept {
+  return slot_bytes_ * slots_.size() + assembly_bytes_;
+}
+
+// What in-flight processing needs after receive() returns (the caller's metadata
+// and callback may be gone by then).
+struct receive_pipeline::update_state {
+  update_metadata meta;
+  load_weights_fn load;
+  asio::strand<asio::any_io_executor> strand;
+  clock_type::time_point start;
+  bool failed = false;  // after a processing error, later buckets are not loaded
+};
+
+receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
+                                   wire_params params, std::unique_ptr<staging_memory> staging)
+    : executor_(executor),
+      processing_(processing),
+      params_(params),
+      staging_(std::move(staging)),
+      slots_(executor, params.num_buffers),
+      assembly_(executor, 1) {
+  params_.validate();
+  if (!staging_ || staging_->slot_count() != params_.num_buffers)
+    throw_error(errc::invalid_argument, "receive_pipeline: staging must have num_buffers slots");
+}
+
+void receive_pipeline::process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
+                               std::optional<std::size_t> slot, bool assembly,
+                               std::uint64_t bucket_index, async::drain_scope& scope,
+                               update_stats& stats) {
+  scope.spawn(process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, stats));
+}
+
+asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_state> state,
+                                                       std::vector<tensor_view> views,
+                                                       std::optional<std::size_t> slot, bool assembly,
+                                                       std::uint64_t bucket_index, update_stats& stats) {
+  std::exception_ptr error;
+  if (!state->failed) {
+    try {
+      double busy = co_await async::offload(state->strand, [&state, &views] {
+        auto t0 = clock_type::now();
+        state->load(std::span<const tensor_view>(views));
+        return seconds_since(t0);
+      });
+      stats.process_s += busy;
+      stats.tensors += views.size();
+    } catch (...) {
+      state->failed = true;
+      error = processing_error(std::current_exception(), bucket_index, views);
+    }
+  }
+  stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
+  if (slot) slots_.release(*slot);
+  if (assembly) assembly_.release(0);
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace refit
+
+namespace refit {
+
+asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta,
+                                                bucket_transport& transport,
+                                                load_weights_fn load_weights,
+                                                async::drain_scope& scope, update_stats& stats) {
+  auto state = std::make_shared<update_state>(update_state{
+      meta, std::move(load_weights), asio::make_strand(processing_), clock_type::now()});
+  const bucket_plan plan = plan_buckets(state->meta, params_);
+  const device dev = staging_->device();
+
+  // Views for the tensors completed by a packed bucket in `base`.
+  auto packed_views = [&](const bucket& b, std::byte* base) {
+    std::vector<tensor_view> views;
+    views.reserve(b.piece_count);
+    for (const auto& p : plan.pieces_of(b))
+      views.emplace_back(state->meta.tensors[p.tensor], base + p.bucket_offset, dev);
+    return views;
+  };
+
+  std::exception_ptr failure;
+  try {
+    for (const bucket& b : plan.buckets) {
+      const bucket_piece& first = plan.pieces[b.first_piece];
+      if (b.split) {
+        // Chunks of one large tensor land at their offsets in the assembly buffer;
+        // the tensor is handed over whole after its last chunk.
+        if (first.tensor_offset == 0) co_await assembly_.acquire();
+        const std::uint64_t total = state->meta.tensors[first.tensor].nbytes();
+        std::byte* base = staging_->assembly(total).data();
+        auto t0 = clock_type::now();
+        co_await transport.receive(b, {base + first.tensor_offset, static_cast<std::size_t>(b.payload_bytes)});
+        stats.receive_s += seconds_since(t0);
+        stats.bytes += b.payload_bytes;
+        ++stats.buckets;
+        if (b.last_chunk)
+          process(state, {tensor_view(state->meta.tensors[first.tensor], base, dev)}, std::nullopt,
+                  true, b.index, scope, stats);
+        continue;
+      }
+      std::size_t slot = co_await slots_.acquire();
+      std::span<std::byte> mem = staging_->slot(slot);
+      auto t0 = clock_type::now();
+      try {
+        co_await transport.receive(b, mem.first(static_cast<std::size_t>(b.payload_bytes)));
+      } catch (...) {
+        slots_.release(slot);
+        throw;
+      }
+      stats.receive_s += seconds_since(t0);
+      for (const auto& p : plan.pieces_of(b)) stats.bytes += p.bytes;
+      ++stats.buckets;
+      process(state, packed_views(b, mem.data()), slot, false, b.index, scope, stats);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    try {
+      co_await scope.join();  // in-flight processing still uses staging
+    } catch (...) {
+    }
+    // Only a split tensor cut short can still hold the assembly buffer now.
+    if (assembly_.available() == 0) assembly_.release(0);
+    std::rethrow_exception(failure);
+  }
+  stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
+}
+
+}  // namespace refit

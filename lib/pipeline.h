@@ -1,0 +1,114 @@
+// The receive pipeline every engine shares:
+//
+//   for bucket k:
+//     slot = co_await ring.acquire()        // waits for processing of bucket k-N
+//     co_await transport.receive(k, slot)
+//     spawn process(k, slot)                // load_weights on the processing executor;
+//                                           // its completion releases the slot
+//
+// so bucket k+1 is received while bucket k is processed, and staging memory stays
+// at num_buffers x buffer_bytes (plus one assembly buffer for tensors larger than a
+// buffer) however large the model is.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
+
+#include "lib/async/drain_scope.h"
+#include "lib/async/slot_ring.h"
+#include "lib/bucket_plan.h"
+#include "lib/engine.h"
+
+namespace refit {
+
+/// Where received bytes land. Host memory here; lib/cuda provides device memory.
+class staging_memory {
+ public:
+  virtual ~staging_memory() = default;
+  virtual refit::device device() const noexcept = 0;
+  virtual std::size_t slot_count() const noexcept = 0;
+  virtual std::span<std::byte> slot(std::size_t index) = 0;
+  /// A buffer of at least `bytes` for assembling a split tensor, grown on demand
+  /// and kept for later updates.
+  virtual std::span<std::byte> assembly(std::uint64_t bytes) = 0;
+  /// Bytes currently allocated (slots plus assembly).
+  virtual std::uint64_t allocated_bytes() const noexcept = 0;
+};
+
+/// Page-aligned host staging: `count` slots of `bytes`, allocated up front.
+class host_staging final : public staging_memory {
+ public:
+  host_staging(std::size_t count, std::uint64_t bytes);
+  refit::device device() const noexcept override { return device::cpu(); }
+  std::size_t slot_count() const noexcept override { return slots_.size(); }
+  std::span<std::byte> slot(std::size_t index) override;
+  std::span<std::byte> assembly(std::uint64_t bytes) override;
+  std::uint64_t allocated_bytes() const noexcept override;
+
+ private:
+  struct free_deleter {
+    void operator()(std::byte* p) const noexcept;
+  };
+  using buffer = std::unique_ptr<std::byte[], free_deleter>;
+  static buffer allocate(std::uint64_t bytes);
+
+  std::uint64_t slot_bytes_;
+  std::vector<buffer> slots_;
+  buffer assembly_;
+  std::uint64_t assembly_bytes_ = 0;
+};
+
+/// The engine-specific part: moving one bucket's payload into memory.
+class bucket_transport {
+ public:
+  virtual ~bucket_transport() = default;
+  /// Receives exactly b.payload_bytes bytes of bucket `b` into `dest`. Throws on
+  /// peer loss, timeout or a protocol violation.
+  virtual asio::awaitable<void> receive(const bucket& b, std::span<std::byte> dest) = 0;
+};
+
+/// Runs updates through staging memory that lives as long as the pipeline.
+class receive_pipeline {
+ public:
+  /// `processing` runs load_weights; calls for one update are serialised on a
+  /// strand of it, in bucket order.
+  receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
+                   wire_params params, std::unique_ptr<staging_memory> staging);
+
+  /// Receives the update described by `meta` through `transport`. Processing runs
+  /// in `scope`: when this completes every bucket has arrived, and scope.join()
+  /// completes when every tensor has been loaded. `stats` is filled in as work
+  /// completes (final after the join). On a transport error, processing already in
+  /// flight is awaited before the error propagates, so staging is never in use
+  /// after a failed receive returns.
+  asio::awaitable<void> receive(const update_metadata& meta, bucket_transport& transport,
+                                load_weights_fn load_weights, async::drain_scope& scope,
+                                update_stats& stats);
+
+  const wire_params& params() const noexcept { return params_; }
+  staging_memory& staging() noexcept { return *staging_; }
+
+ private:
+  struct update_state;
+  void process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
+               std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
+               async::drain_scope& scope, update_stats& stats);
+  asio::awaitable<void> process_bucket(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
+                                       std::optional<std::size_t> slot, bool assembly,
+                                       std::uint64_t bucket_index, update_stats& stats);
+
+  asio::any_io_executor executor_;
+  asio::any_io_executor processing_;
+  wire_params params_;
+  std::unique_ptr<staging_memory> staging_;
+  async::slot_ring slots_;
+  async::slot_ring assembly_;  // one assembly buffer: a split tensor waits for the last one's processing
+};
+
+}  // namespace refit

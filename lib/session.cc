@@ -1,0 +1,63 @@
+#include "lib/session.h"
+
+namespace refit {
+
+void weight_update_session::start_weight_update() {
+  if (active_)
+    throw_error(errc::invalid_state,
+                "start_weight_update: a weight update is already active (finish it first)");
+  if (!engine_.initialized())
+    throw_error(errc::invalid_state,
+                "start_weight_update: the weight transfer engine is not initialised "
+                "(call init_weight_transfer_engine first)");
+  active_ = true;
+  chunks_ = 0;
+}
+
+asio::awaitable<void> weight_update_session::update_weights(const update_info& info,
+                                                            load_weights_fn load_weights) {
+  if (!active_)
+    throw_error(errc::invalid_state, "update_weights: no active weight update (call start_weight_update first)");
+  if (updating_)
+    throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
+  updating_ = true;
+  try {
+    co_await engine_.receive_weights(info, std::move(load_weights));
+  } catch (...) {
+    updating_ = false;
+    throw;
+  }
+  updating_ = false;
+  ++chunks_;
+}
+
+asio::awaitable<void> weight_update_session::update_weights(const json& update_info_json,
+                                                            load_weights_fn load_weights) {
+  if (!active_)
+    throw_error(errc::invalid_state, "update_weights: no active weight update (call start_weight_update first)");
+  auto info = engine_.parse_update_info(update_info_json);
+  co_await update_weights(*info, std::move(load_weights));
+}
+
+asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<std::int64_t> weight_version) {
+  if (!active_)
+    throw_error(errc::invalid_state, "finish_weight_update: no active weight update (call start_weight_update first)");
+  if (updating_)
+    throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
+  active_ = false;
+  co_await engine_.drain_pending();
+  if (weight_version) version_ = weight_version;
+}
+
+asio::awaitable<void> weight_update_session::abort_weight_update() {
+  if (!active_) co_return;
+  active_ = false;
+  // Errors of the aborted update were already reported to whoever failed; drain so
+  // the next update starts clean.
+  try {
+    co_await engine_.drain_pending();
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace refit

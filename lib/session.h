@@ -1,0 +1,52 @@
+// The weight-update session of vLLM's RL API on top of an engine:
+// start_weight_update -> update_weights (one or more chunks) ->
+// finish_weight_update(weight_version). One session is active at a time.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <asio/awaitable.hpp>
+
+#include "lib/engine.h"
+
+namespace refit {
+
+/// Orders the verbs of one weight update around an engine and records the weight
+/// version. Misuse (start twice, update or finish without start, concurrent
+/// update_weights) is refit::error(invalid_state). Use from the engine's executor.
+class weight_update_session {
+ public:
+  explicit weight_update_session(weight_transfer_engine& engine) : engine_(engine) {}
+
+  /// Opens a session; throws invalid_state when one is already active.
+  void start_weight_update();
+
+  /// Receives one chunk of the update into `load_weights`.
+  asio::awaitable<void> update_weights(const update_info& info, load_weights_fn load_weights);
+  /// Same, parsing `update_info_json` with the engine's parser first.
+  asio::awaitable<void> update_weights(const json& update_info_json, load_weights_fn load_weights);
+
+  /// Drains deferred processing, records `weight_version` and closes the session.
+  /// If draining fails the session still closes (the error is rethrown) and the
+  /// version is not recorded.
+  asio::awaitable<void> finish_weight_update(std::optional<std::int64_t> weight_version = std::nullopt);
+
+  /// Closes an active session without recording a version (after a failure).
+  asio::awaitable<void> abort_weight_update();
+
+  bool active() const noexcept { return active_; }
+  /// The version recorded by the last successful finish, if any.
+  std::optional<std::int64_t> weight_version() const noexcept { return version_; }
+  /// Chunks received in the active (or last) session.
+  std::uint64_t chunks() const noexcept { return chunks_; }
+
+ private:
+  weight_transfer_engine& engine_;
+  bool active_ = false;
+  bool updating_ = false;
+  std::uint64_t chunks_ = 0;
+  std::optional<std::int64_t> version_;
+};
+
+}  // namespace refit

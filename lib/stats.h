@@ -1,0 +1,28 @@
+// Per-update statistics every engine reports after receive_weights.
+#pragma once
+
+#include <cstdint>
+
+#include "lib/json_reader.h"
+
+namespace refit {
+
+/// What one update moved and where its time went. Times are seconds of wall clock.
+struct update_stats {
+  std::uint64_t bytes = 0;    ///< tensor bytes received (padding not counted)
+  std::uint64_t tensors = 0;  ///< tensors handed to load_weights
+  std::uint64_t buckets = 0;  ///< buckets received
+  double wall_s = 0;          ///< from receive start to the end of processing
+  double receive_s = 0;       ///< time spent waiting on the transport
+  double process_s = 0;       ///< time spent in post-processing (load_weights)
+  /// Fraction of the shorter of receive/process hidden under the other:
+  /// (receive_s + process_s - wall_s) / min(receive_s, process_s), clamped to [0, 1].
+  double overlap = 0;
+  double gbps = 0;  ///< bytes / wall_s / 1e9
+
+  /// Fills overlap and gbps from the other members.
+  void finalize();
+  json to_json() const;
+};
+
+}  // namespace refit

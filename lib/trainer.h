@@ -1,0 +1,98 @@
+// The trainer side of a weight transfer: refit's counterpart of vLLM's static
+// trainer_send_weights(iterator, trainer_args). C++ has no static virtuals, so each
+// backend registers a weight_sender type under the same name as its engine.
+#pragma once
+
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <ranges>
+#include <string_view>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
+
+#include "lib/config.h"
+#include "lib/json_reader.h"
+#include "lib/metadata.h"
+#include "lib/stats.h"
+#include "lib/tensor.h"
+
+namespace refit {
+
+/// Pull-based iteration over the tensors a trainer sends (the Python iterator). Each
+/// view must stay valid until the next call to next() or until the send completes.
+class tensor_source {
+ public:
+  virtual ~tensor_source() = default;
+  /// The next tensor, or nullopt at the end.
+  virtual std::optional<tensor_view> next() = 0;
+};
+
+/// Adapts any input range of tensor_view (a vector, a ranges pipeline over a model's
+/// parameters, ...) to a tensor_source. The range must outlive the adapter.
+template <std::ranges::input_range R>
+  requires std::convertible_to<std::ranges::range_reference_t<R>, tensor_view>
+class range_source final : public tensor_source {
+ public:
+  explicit range_source(R& range) : it_(std::ranges::begin(range)), end_(std::ranges::end(range)) {}
+  std::optional<tensor_view> next() override {
+    if (it_ == end_) return std::nullopt;
+    tensor_view v = *it_;
+    ++it_;
+    return v;
+  }
+
+ private:
+  std::ranges::iterator_t<R> it_;
+  std::ranges::sentinel_t<R> end_;
+};
+
+/// What a sender is created with.
+struct trainer_context {
+  asio::any_io_executor executor;
+  refit::device device;
+};
+
+/// The trainer-side half of a backend. Typical use:
+///   auto sender = factory.create_sender(config, ctx);
+///   co_await sender->init(trainer_args);               // e.g. accept the workers
+///   co_await trainer_send_weights(*sender, declared, model_tensors);
+class weight_sender {
+ public:
+  virtual ~weight_sender() = default;
+  virtual std::string_view backend() const noexcept = 0;
+
+  /// Connects to the workers. `trainer_args` is backend-specific JSON, read
+  /// strictly like init info.
+  virtual asio::awaitable<void> init(const json& trainer_args) = 0;
+
+  /// Sends one update: the tensors `source` yields, which must match `declared`
+  /// one to one and in order (the first divergent parameter is named in the error).
+  virtual asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) = 0;
+
+  /// Closes connections. Idempotent.
+  virtual void shutdown() = 0;
+
+  /// Statistics of the last send.
+  virtual update_stats last_send_stats() const { return {}; }
+};
+
+/// Sends a range of tensor views through `sender` (the C++ trainer_send_weights).
+template <std::ranges::input_range R>
+asio::awaitable<void> trainer_send_weights(weight_sender& sender, const update_metadata& declared,
+                                           R&& tensors) {
+  range_source<std::remove_reference_t<R>> source(tensors);
+  co_await sender.send_weights(declared, source);
+}
+
+/// The metadata a trainer declares for a set of views (names, dtypes, shapes).
+template <std::ranges::input_range R>
+update_metadata describe(const R& tensors) {
+  update_metadata meta;
+  for (const tensor_view& v : tensors) meta.tensors.push_back(v.spec());
+  meta.validate();
+  return meta;
+}
+
+}  // namespace refit

@@ -1,0 +1,219 @@
+#include "tests/conformance/conformance.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+
+#include "lib/metadata.h"
+#include "tests/support/run.h"
+#include "tests/support/tensors.h"
+
+namespace refit::testing {
+
+json engine_harness::update_info_json(const update_metadata& meta) {
+  json j = json::object();
+  write_update_metadata(meta, j);
+  return j;
+}
+
+asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta,
+                                 std::vector<tensor_view> views) {
+  co_await trainer_send_weights(sender, meta, views);
+}
+
+asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
+                                     load_weights_fn load, bool drain) {
+  co_await engine.receive_weights(*info, std::move(load));
+  if (drain) co_await engine.drain_pending();
+}
+
+namespace {
+
+wire_params small_wire(std::uint64_t buffer = 64 << 10, std::uint32_t buffers = 2) {
+  wire_params w;
+  w.buffer_bytes = buffer;
+  w.num_buffers = buffers;
+  return w;
+}
+
+TEST_P(engine_conformance, round_trip_of_mixed_tensor_set) {
+  connect(small_wire(16 << 10, 2));
+  tensor_set set;
+  set.add("embed.weight", dtype::bfloat16, {300, 64});
+  set.add("layers.0.norm.weight", dtype::float32, {64});
+  set.add("layers.0.q.bias", dtype::float16, {3});  // odd size: next offset needs padding
+  set.add("layers.0.flag", dtype::bool_, {5});
+  set.add("layers.0.q.weight", dtype::float8_e4m3fn, {64, 64});
+  set.add("layers.0.counts", dtype::int64, {7, 3});
+  set.add("layers.0.scale", dtype::float64, {});
+  set.add("lm_head.weight", dtype::bfloat16, {128, 64});
+  capture got;
+  expect_ok(transfer(set, got.fn()));
+  EXPECT_NO_THROW(got.check_equals(set));
+  const auto& stats = harness_->engine().last_update_stats();
+  EXPECT_EQ(stats.bytes, set.meta.total_bytes());
+  EXPECT_EQ(stats.tensors, set.meta.tensors.size());
+  EXPECT_GT(stats.buckets, 1u);
+}
+
+TEST_P(engine_conformance, empty_update_completes_without_loading) {
+  connect(small_wire());
+  tensor_set set;
+  capture got;
+  expect_ok(transfer(set, got.fn()));
+  EXPECT_EQ(got.calls(), 0u);
+}
+
+TEST_P(engine_conformance, zero_size_tensors_are_delivered) {
+  connect(small_wire());
+  tensor_set set;
+  set.add("empty.a", dtype::float32, {0});
+  set.add("real", dtype::float32, {16});
+  set.add("empty.b", dtype::bfloat16, {4, 0, 3});
+  capture got;
+  expect_ok(transfer(set, got.fn()));
+  EXPECT_NO_THROW(got.check_equals(set));
+}
+
+TEST_P(engine_conformance, tensor_larger_than_a_buffer_arrives_whole) {
+  connect(small_wire(16 << 10, 2));
+  tensor_set set;
+  set.add("before", dtype::float32, {100});
+  set.add("huge", dtype::float32, {14500});  // 58000 bytes: 4 chunks of 16 KiB
+  set.add("huge2", dtype::bfloat16, {20000});  // a second split tensor right after
+  set.add("after", dtype::int8, {33});
+  capture got;
+  expect_ok(transfer(set, got.fn()));
+  EXPECT_NO_THROW(got.check_equals(set));
+}
+
+TEST_P(engine_conformance, repeated_updates_reuse_the_engine) {
+  connect(small_wire(32 << 10, 3));
+  for (int round = 0; round < 3; ++round) {
+    tensor_set set;
+    for (int i = 0; i < 20; ++i)
+      set.add("w" + std::to_string(i), dtype::bfloat16, {37 + i, 11}, round + 1);
+    capture got;
+    expect_ok(transfer(set, got.fn()));
+    EXPECT_NO_THROW(got.check_equals(set)) << "round " << round;
+  }
+}
+
+TEST_P(engine_conformance, deferred_processing_completes_in_drain) {
+  connect(small_wire(16 << 10, 8));
+  tensor_set set;
+  for (int i = 0; i < 4; ++i) set.add("t" + std::to_string(i), dtype::float32, {1000});
+  // Processing blocks until the test opens the gate, after receive_weights returned.
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  std::atomic<int> loaded{0};
+  auto load = [&, opened](std::span<const tensor_view> views) {
+    opened.wait();
+    loaded += static_cast<int>(views.size());
+  };
+  auto& engine = harness_->engine();
+  auto info = engine.parse_update_info(harness_->update_info_json(set.meta));
+  auto views = set.views();
+  auto send = spawn(io_, send_views(harness_->sender(), set.meta, views));
+  auto recv = spawn(io_, engine.receive_weights(*info, load));
+  if (!engine.defers_processing()) {
+    gate.set_value();
+    ASSERT_TRUE(run(io_));
+    EXPECT_FALSE(recv->error) << recv->message();
+    EXPECT_EQ(loaded.load(), 4) << "an engine that does not defer loads everything before returning";
+    return;
+  }
+  // Run until receive completes; processing is still held at the gate.
+  ASSERT_TRUE(run_until(io_, [&] { return recv->done; })) << "receive did not complete";
+  EXPECT_FALSE(recv->error) << recv->message();
+  EXPECT_EQ(loaded.load(), 0);
+  gate.set_value();
+  auto drain = spawn(io_, engine.drain_pending());
+  ASSERT_TRUE(run(io_));
+  EXPECT_FALSE(drain->error) << drain->message();
+  EXPECT_EQ(loaded.load(), 4);
+  EXPECT_FALSE(send->error) << send->message();
+  // Idempotent: a second drain has nothing to wait for and nothing to report.
+  auto again = spawn(io_, engine.drain_pending());
+  ASSERT_TRUE(run(io_));
+  EXPECT_TRUE(again->done && !again->error);
+}
+
+TEST_P(engine_conformance, load_weights_error_surfaces_once) {
+  connect(small_wire(16 << 10, 2));
+  tensor_set set;
+  for (int i = 0; i < 6; ++i) set.add("t" + std::to_string(i), dtype::float32, {2000});
+  auto load = [](std::span<const tensor_view> views) {
+    for (const auto& v : views)
+      if (v.name == "t3") throw std::runtime_error("model has no parameter t3");
+  };
+  auto r = transfer(set, load, /*drain=*/true);
+  EXPECT_FALSE(r.first->error) << "the sender is not at fault: " << r.first->message();
+  ASSERT_TRUE(r.second->error);
+  EXPECT_EQ(r.second->kind(), static_cast<int>(errc::processing_failed));
+  EXPECT_NE(r.second->message().find("model has no parameter t3"), std::string::npos) << r.second->message();
+  EXPECT_NE(r.second->message().find("'t3'"), std::string::npos) << r.second->message();
+  // Reported once: the next drain is clean, and the engine takes the next update.
+  auto again = spawn(io_, harness_->engine().drain_pending());
+  ASSERT_TRUE(run(io_));
+  EXPECT_FALSE(again->error) << again->message();
+  capture got;
+  expect_ok(transfer(set, got.fn()));
+  EXPECT_NO_THROW(got.check_equals(set));
+}
+
+TEST_P(engine_conformance, sender_tensor_diverging_from_declaration_is_named) {
+  connect(small_wire());
+  tensor_set set;
+  set.add("a", dtype::float32, {10});
+  set.add("b", dtype::float32, {10});
+  set.add("c", dtype::float32, {10});
+  auto views = set.views();
+  std::vector<std::int64_t> wrong{11};
+  views[1].shape = wrong;
+  capture got;
+  auto r = transfer(set, got.fn(), true, &views);
+  ASSERT_TRUE(r.first->error);
+  EXPECT_EQ(r.first->kind(), static_cast<int>(errc::invalid_argument));
+  EXPECT_NE(r.first->message().find("parameter #1 ('b') shape"), std::string::npos) << r.first->message();
+  EXPECT_TRUE(r.second->done) << "the worker must not hang";
+}
+
+TEST_P(engine_conformance, receive_before_init_is_a_clear_error) {
+  auto& engine = harness_->engine();
+  tensor_set set;
+  set.add("a", dtype::float32, {4});
+  auto info = engine.parse_update_info(harness_->update_info_json(set.meta));
+  capture got;
+  auto r = spawn(io_, engine.receive_weights(*info, got.fn()));
+  ASSERT_TRUE(run(io_));
+  ASSERT_TRUE(r->error);
+  EXPECT_EQ(r->kind(), static_cast<int>(errc::invalid_state));
+  EXPECT_NE(r->message().find("before init_transfer_engine"), std::string::npos) << r->message();
+}
+
+TEST_P(engine_conformance, update_info_rejects_unknown_and_mistyped_members) {
+  auto& engine = harness_->engine();
+  json j = {{"names", {"a"}}, {"dtype_names", {"float32"}}, {"shapes", {{4}}}, {"bogus", 1}};
+  try {
+    engine.parse_update_info(j);
+    ADD_FAILURE() << "unknown member accepted";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::invalid_argument);
+    EXPECT_NE(e.message().find("'bogus'"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find(std::string(engine.backend())), std::string::npos) << e.message();
+  }
+  j.erase("bogus");
+  j["shapes"] = {{"4"}};
+  try {
+    engine.parse_update_info(j);
+    ADD_FAILURE() << "string shape accepted";
+  } catch (const error& e) {
+    EXPECT_NE(e.message().find("shapes[0][0]"), std::string::npos) << e.message();
+  }
+}
+
+}  // namespace
+
+}  // namespace refit::testing

@@ -1,0 +1,49 @@
+#include "tests/support/run.h"
+
+#include "lib/error.h"
+
+namespace refit::testing {
+
+std::string outcome::message() const {
+  if (!error) return {};
+  try {
+    std::rethrow_exception(error);
+  } catch (const refit::error& e) {
+    return e.message();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "non-standard exception";
+  }
+}
+
+int outcome::kind() const {
+  if (!error) return 0;
+  try {
+    std::rethrow_exception(error);
+  } catch (const refit::error& e) {
+    return static_cast<int>(e.kind());
+  } catch (...) {
+    return -1;
+  }
+}
+
+bool run(asio::io_context& io, std::chrono::milliseconds limit) {
+  io.restart();
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!io.stopped()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    io.run_for(std::chrono::milliseconds(100));
+  }
+  return true;
+}
+
+void run_to_completion(asio::io_context& io, asio::awaitable<void> work,
+                       std::chrono::milliseconds limit) {
+  auto result = spawn(io, std::move(work));
+  if (!run(io, limit))
+    throw refit::error(refit::errc::timeout, "test coroutine did not finish in time");
+  if (result->error) std::rethrow_exception(result->error);
+}
+
+}  // namespace refit::testing
