@@ -89,4 +89,13 @@ struct backend_registration {
                        sender_creator create_sender = {});
 };
 
+/// The same for engine and sender types constructible from (config, context):
+///   static refit::backend_type_registration<tcp::engine, tcp::sender> reg{"tcp"};
+template <class Engine, class Sender = void>
+struct backend_type_registration {
+  explicit backend_type_registration(const std::string& name) {
+    engine_factory::instance().register_engine<Engine, Sender>(name);
+  }
+};
+
 }  // namespace refit

@@ -3,6 +3,8 @@
 #include <string>
 #include <unordered_set>
 
+#include <xxhash.h>
+
 namespace refit {
 
 std::uint64_t update_metadata::total_bytes() const {
@@ -27,6 +29,20 @@ void update_metadata::validate() const {
     (void)t.nbytes();
   }
   (void)total_bytes();
+}
+
+std::uint64_t metadata_digest(const update_metadata& meta) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (const auto& t : meta.tensors) {
+    const std::uint64_t header[2] = {t.name.size(), (static_cast<std::uint64_t>(t.dtype) << 32) | t.shape.size()};
+    XXH3_64bits_update(state, header, sizeof header);
+    XXH3_64bits_update(state, t.name.data(), t.name.size());
+    XXH3_64bits_update(state, t.shape.data(), t.shape.size() * sizeof(std::int64_t));
+  }
+  std::uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return digest;
 }
 
 update_metadata read_update_metadata(json_reader& reader) {

@@ -21,6 +21,11 @@ struct update_metadata {
   void validate() const;
 };
 
+/// A 64-bit digest of names, dtypes and shapes in order: both sides of a transfer
+/// compare it before any weight byte moves, so differing metadata is an error, not
+/// a hang or garbage.
+std::uint64_t metadata_digest(const update_metadata& meta);
+
 /// Reads vLLM's metadata members `names`, `dtype_names` and `shapes` (parallel
 /// arrays) from `reader`, validating lengths, dtypes, shapes and duplicates.
 update_metadata read_update_metadata(json_reader& reader);

@@ -1,0 +1,230 @@
+// The TCP trainer: accept the workers, then stream each update to all of them at
+// once with gather writes straight from the trainer's tensors.
+#include <asio/use_awaitable.hpp>
+
+#include "engines/tcp/status_io.h"
+#include "engines/tcp/tcp.h"
+#include "engines/tcp/wire.h"
+#include "lib/async/all_of.h"
+#include "lib/net.h"
+#include "lib/send_cursor.h"
+
+namespace refit::tcp {
+
+namespace {
+using clock_type = std::chrono::steady_clock;
+
+std::string rank_name(int rank) { return "tcp trainer: worker rank " + std::to_string(rank); }
+}  // namespace
+
+sender::sender(const weight_transfer_config& config, const trainer_context& context)
+    : config_(config), context_(context) {
+  if (!context_.executor) throw_error(errc::invalid_argument, "trainer_context: an executor is required");
+}
+
+sender::~sender() { shutdown(); }
+
+std::uint16_t sender::listen(const json& trainer_args) {
+  json_reader r(trainer_args, "tcp trainer_args");
+  address_ = r.required<std::string>("master_address");
+  auto port = r.required<std::uint16_t>("master_port");
+  world_size_ = r.required<int>("world_size");
+  if (world_size_ < 2)
+    r.fail("member 'world_size' must be at least 2 (the trainer and one worker), got " +
+           std::to_string(world_size_));
+  wire_ = wire_params::read(r);
+  auto ms = r.optional<std::int64_t>("timeout_ms", config_.timeout.count());
+  if (ms <= 0) r.fail("member 'timeout_ms' must be positive, got " + std::to_string(ms));
+  timeout_ = std::chrono::milliseconds(ms);
+  r.finish();
+  shutdown();
+  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, address_, port));
+  return acceptor_->local_endpoint().port();
+}
+
+json sender::worker_init_info() const {
+  if (!acceptor_) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
+  json j = {{"master_address", address_},
+            {"master_port", acceptor_->local_endpoint().port()},
+            {"rank_offset", 1},
+            {"world_size", world_size_},
+            {"timeout_ms", timeout_.count()}};
+  wire_.write(j);
+  return j;
+}
+
+asio::awaitable<void> sender::init(const json& trainer_args) {
+  if (!acceptor_ || !trainer_args.is_null()) listen(trainer_args);
+  const int workers = world_size_ - 1;
+  peers_.clear();
+  try {
+    // One deadline for the whole rendezvous: a worker that never comes is an error
+    // naming how many did.
+    const auto give_up = clock_type::now() + timeout_;
+    while (static_cast<int>(peers_.size()) < workers) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now());
+      if (left.count() <= 0) left = std::chrono::milliseconds(1);
+      try {
+        co_await accept_one();
+      } catch (const error& e) {
+        if (e.kind() != errc::timeout) throw;
+        std::string have;
+        for (const auto& p : peers_) have += (have.empty() ? "" : ", ") + std::to_string(p->rank);
+        throw_error(errc::timeout, "tcp trainer: " + std::to_string(peers_.size()) + " of " +
+                                       std::to_string(workers) + " workers connected within " +
+                                       std::to_string(timeout_.count()) + " ms (ranks: " +
+                                       (have.empty() ? "none" : have) + ")");
+      }
+    }
+  } catch (...) {
+    fail_all();
+    throw;
+  }
+  seq_ = 0;
+}
+
+asio::awaitable<void> sender::accept_one() {
+  auto left = timeout_;
+  auto socket = co_await net::accept(*acceptor_, left, "tcp trainer: waiting for workers");
+  std::array<std::byte, sizeof(wire::hello)> raw;
+  co_await net::read_exact(socket, asio::buffer(raw), timeout_, "tcp trainer: reading a worker's hello");
+  auto h = wire::decode<wire::hello>(raw);
+  std::string refusal;
+  errc code = errc::invalid_argument;
+  if (h.magic != wire::hello_magic) {
+    refusal = "not a refit tcp worker (bad magic)";
+    code = errc::protocol_error;
+  } else if (h.version != wire::protocol_version) {
+    refusal = "protocol version " + std::to_string(h.version) + ", trainer speaks " +
+              std::to_string(wire::protocol_version);
+    code = errc::protocol_error;
+  } else if (h.rank < 1 || h.rank >= static_cast<std::uint32_t>(world_size_)) {
+    refusal = "rank " + std::to_string(h.rank) + " outside [1, " + std::to_string(world_size_) + ")";
+  } else if (h.buffer_bytes != wire_.buffer_bytes || h.num_buffers != wire_.num_buffers) {
+    refusal = "wire parameters differ: worker has buffer_bytes " + std::to_string(h.buffer_bytes) +
+              " x " + std::to_string(h.num_buffers) + ", trainer " + std::to_string(wire_.buffer_bytes) +
+              " x " + std::to_string(wire_.num_buffers);
+  } else {
+    for (const auto& p : peers_)
+      if (p->rank == static_cast<int>(h.rank)) refusal = "rank " + std::to_string(h.rank) + " is already connected";
+  }
+  if (!refusal.empty()) {
+    // The refused worker gets the reason; the trainer keeps waiting for valid ones.
+    try {
+      co_await send_status(socket, static_cast<std::uint32_t>(code), 0, refusal, timeout_,
+                           "tcp trainer: refusing a worker");
+    } catch (const error&) {
+    }
+    co_return;
+  }
+  co_await send_status(socket, 0, 0, {}, timeout_, rank_name(h.rank) + ": welcome");
+  peers_.push_back(std::make_unique<peer>(peer{static_cast<int>(h.rank), std::move(socket)}));
+}
+
+void sender::fail_all() {
+  // Closing every connection makes every worker fail fast with peer_lost instead
+  // of waiting out its deadline.
+  for (auto& p : peers_) {
+    std::error_code ignored;
+    p->socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+    p->socket.close(ignored);
+  }
+  peers_.clear();
+}
+
+asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
+  if (peers_.empty())
+    throw_error(errc::invalid_state, "tcp trainer: send_weights before init (or after a failed update; "
+                                     "call init again)");
+  declared.validate();
+  const auto start = clock_type::now();
+  stats_ = {};
+  const bucket_plan plan = plan_buckets(declared, wire_);
+  const std::uint64_t seq = ++seq_;
+
+  // Runs `op(peer)` on every worker at once; an error names the worker's rank.
+  auto on_all = [this](auto op) -> asio::awaitable<void> {
+    std::vector<asio::awaitable<void>> ops;
+    for (auto& p : peers_) ops.push_back(op(*p));
+    co_await async::all_of(std::move(ops));
+  };
+
+  try {
+    wire::update u;
+    u.seq = seq;
+    u.digest = metadata_digest(declared);
+    u.tensors = declared.tensors.size();
+    u.buckets = plan.buckets.size();
+    u.payload_bytes = plan.payload_bytes;
+    const auto update_raw = wire::encode(u);
+    co_await on_all([&](peer& p) -> asio::awaitable<void> {
+      return announce(p, update_raw, seq);
+    });
+
+    send_cursor cursor(declared, plan, source);
+    std::vector<asio::const_buffer> buffers;
+    for (const bucket& b : plan.buckets) {
+      wire::bucket_header h;
+      h.index = b.index;
+      h.payload_bytes = b.payload_bytes;
+      const auto header_raw = wire::encode(h);
+      const auto& payload = cursor.gather(b);
+      // The last bucket goes out only once the source is known to hold no extra
+      // tensors, so workers never apply an update the trainer reports as failed.
+      if (b.index + 1 == plan.buckets.size()) cursor.finish();
+      buffers.clear();
+      buffers.push_back(asio::buffer(header_raw));
+      buffers.insert(buffers.end(), payload.begin(), payload.end());
+      co_await on_all([&](peer& p) -> asio::awaitable<void> {
+        return write_bucket(p, buffers, b.index);
+      });
+      for (const auto& piece : plan.pieces_of(b)) stats_.bytes += piece.bytes;
+      ++stats_.buckets;
+    }
+    if (plan.buckets.empty()) cursor.finish();
+    co_await on_all([&](peer& p) -> asio::awaitable<void> { return confirm(p, seq); });
+  } catch (...) {
+    fail_all();
+    throw;
+  }
+  stats_.tensors = declared.tensors.size();
+  stats_.wall_s = std::chrono::duration<double>(clock_type::now() - start).count();
+  stats_.receive_s = stats_.wall_s;
+  stats_.finalize();
+}
+
+}  // namespace refit::tcp
+
+namespace refit::tcp {
+
+asio::awaitable<void> sender::announce(peer& p, std::array<std::byte, 48> raw,
+                                       std::uint64_t seq) {
+  const std::string who = rank_name(p.rank);
+  co_await net::write_all(p.socket, asio::buffer(raw), timeout_, who + ": update header");
+  auto s = co_await read_status(p.socket, timeout_, who + ": waiting for the worker to accept update " +
+                                                        std::to_string(seq));
+  throw_if_failed(s, who + " refused the update");
+}
+
+asio::awaitable<void> sender::write_bucket(peer& p, const std::vector<asio::const_buffer>& buffers,
+                                           std::uint64_t index) {
+  co_await net::write_all(p.socket, buffers, timeout_, rank_name(p.rank) + ": bucket " + std::to_string(index));
+}
+
+asio::awaitable<void> sender::confirm(peer& p, std::uint64_t seq) {
+  const std::string who = rank_name(p.rank);
+  auto s = co_await read_status(p.socket, timeout_, who + ": waiting for the worker to confirm update " +
+                                                        std::to_string(seq));
+  throw_if_failed(s, who + " failed the update");
+}
+
+void sender::shutdown() {
+  fail_all();
+  if (acceptor_) {
+    std::error_code ignored;
+    acceptor_->close(ignored);
+    acceptor_.reset();
+  }
+}
+
+}  // namespace refit::tcp

@@ -1,0 +1,29 @@
+// Status messages in both directions of the TCP engine's data connection.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include <asio/awaitable.hpp>
+#include <asio/ip/tcp.hpp>
+
+namespace refit::tcp {
+
+struct status_message {
+  std::uint32_t code = 0;  ///< 0 or a refit::errc
+  std::uint64_t seq = 0;
+  std::string message;
+};
+
+asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t code, std::uint64_t seq,
+                                  const std::string& message, std::chrono::milliseconds deadline,
+                                  const std::string& what);
+
+/// Reads one status; a wrong magic or an over-long message is protocol_error.
+asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
+                                            std::chrono::milliseconds deadline, const std::string& what);
+
+/// Throws the error a non-zero status carries, prefixed with `who`.
+void throw_if_failed(const status_message& s, const std::string& who);
+
+}  // namespace refit::tcp

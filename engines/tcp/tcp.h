@@ -1,0 +1,112 @@
+// The TCP backend: one trainer streams every update to N workers over plain TCP
+// (broadcast semantics: each worker receives the full stream). Works on any
+// machine; the embedded default of refit.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <asio/ip/tcp.hpp>
+#include <asio/thread_pool.hpp>
+
+#include "lib/bucket_plan.h"
+#include "lib/engine.h"
+#include "lib/pipeline.h"
+#include "lib/trainer.h"
+
+namespace refit::tcp {
+
+/// Worker init info, like vLLM's NCCL engine's plus the trainer's wire parameters:
+/// {"master_address": str, "master_port": int, "rank_offset": int,
+///  "world_size": int, "buffer_bytes": int, "num_buffers": int, "timeout_ms": int}.
+/// The worker's rank is rank_offset + its local rank (from the engine context's
+/// parallel ranks); the trainer is rank 0.
+struct init_info final : refit::init_info {
+  std::string master_address;
+  std::uint16_t master_port = 0;
+  int rank_offset = 1;
+  int world_size = 2;
+  wire_params wire;
+  std::optional<std::chrono::milliseconds> timeout;
+  static init_info read(json_reader& r);
+};
+
+/// {"names", "dtype_names", "shapes"} (vLLM's metadata members).
+struct update_info final : refit::update_info {
+  static update_info read(json_reader& r);
+};
+
+/// Worker side: connects to the trainer, receives straight into staging slots.
+class engine final : public typed_engine<init_info, update_info> {
+ public:
+  engine(const weight_transfer_config& config, const engine_context& context);
+  ~engine() override;
+  std::string_view backend() const noexcept override { return "tcp"; }
+  bool defers_processing() const noexcept override { return true; }
+  /// This worker's rank once initialised.
+  int rank() const noexcept { return rank_; }
+
+ protected:
+  asio::awaitable<void> init(const init_info& info) override;
+  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
+  void do_shutdown() override;
+
+ private:
+  asio::awaitable<void> receive_on(asio::ip::tcp::socket& socket, const update_info& info,
+                                   load_weights_fn load_weights);
+
+  std::unique_ptr<asio::ip::tcp::socket> socket_;
+  std::unique_ptr<asio::thread_pool> own_pool_;
+  std::unique_ptr<receive_pipeline> pipeline_;
+  std::chrono::milliseconds timeout_{0};
+  int rank_ = -1;
+  std::uint64_t last_seq_ = 0;
+};
+
+/// Trainer side. trainer_args: {"master_address": str, "master_port": int (0: any
+/// free port), "world_size": int, "buffer_bytes": int, "num_buffers": int,
+/// "timeout_ms": int}. init() listens and accepts world_size - 1 workers.
+class sender final : public weight_sender {
+ public:
+  sender(const weight_transfer_config& config, const trainer_context& context);
+  ~sender() override;
+  std::string_view backend() const noexcept override { return "tcp"; }
+
+  /// Binds and listens without waiting for workers; returns the port (useful with
+  /// master_port 0). init() calls it when it has not been called.
+  std::uint16_t listen(const json& trainer_args);
+  /// The init info workers need to reach this trainer (rank_offset 1).
+  json worker_init_info() const;
+
+  asio::awaitable<void> init(const json& trainer_args) override;
+  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
+  void shutdown() override;
+  update_stats last_send_stats() const override { return stats_; }
+
+ private:
+  struct peer {
+    int rank = 0;
+    asio::ip::tcp::socket socket;
+  };
+  asio::awaitable<void> accept_one();
+  asio::awaitable<void> announce(peer& p, std::array<std::byte, 48> raw, std::uint64_t seq);
+  asio::awaitable<void> write_bucket(peer& p, const std::vector<asio::const_buffer>& buffers,
+                                     std::uint64_t index);
+  asio::awaitable<void> confirm(peer& p, std::uint64_t seq);
+  void fail_all();
+
+  weight_transfer_config config_;
+  trainer_context context_;
+  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
+  std::string address_;
+  int world_size_ = 0;
+  wire_params wire_;
+  std::chrono::milliseconds timeout_{0};
+  std::vector<std::unique_ptr<peer>> peers_;
+  std::uint64_t seq_ = 0;
+  update_stats stats_;
+};
+
+}  // namespace refit::tcp

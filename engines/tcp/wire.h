@@ -1,0 +1,86 @@
+// The TCP engine's data-connection protocol. Fixed little-endian headers; every
+// length is checked against what the receiver's own plan expects before a byte of
+// payload is read, so a corrupt or mismatched stream is a typed error.
+//
+//   worker -> trainer   hello        {rank, wire params}
+//   trainer -> worker   status       (ok, or why the worker is refused)
+//   per update:
+//   trainer -> worker   update       {seq, metadata digest, tensors, buckets, bytes}
+//   worker -> trainer   status       (ok, or why the metadata differ)
+//   trainer -> worker   bucket header + payload, for each bucket
+//   worker -> trainer   status       (every byte arrived)
+#pragma once
+
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace refit::tcp::wire {
+
+static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
+
+inline constexpr std::uint32_t protocol_version = 1;
+inline constexpr std::uint32_t hello_magic = 0x48544652;   // "RFTH"
+inline constexpr std::uint32_t status_magic = 0x53544652;  // "RFTS"
+inline constexpr std::uint32_t update_magic = 0x55544652;  // "RFTU"
+inline constexpr std::uint32_t bucket_magic = 0x42544652;  // "RFTB"
+/// Longest status message accepted; longer is a protocol error, not an allocation.
+inline constexpr std::uint32_t max_message = 4096;
+
+struct hello {
+  std::uint32_t magic = hello_magic;
+  std::uint32_t version = protocol_version;
+  std::uint32_t rank = 0;
+  std::uint32_t num_buffers = 0;
+  std::uint64_t buffer_bytes = 0;
+};
+
+/// Followed by message_bytes of UTF-8 text.
+struct status {
+  std::uint32_t magic = status_magic;
+  std::uint32_t code = 0;  ///< 0 or a refit::errc
+  std::uint64_t seq = 0;   ///< the update this answers (0 for hello)
+  std::uint32_t message_bytes = 0;
+  std::uint32_t reserved = 0;
+};
+
+struct update {
+  std::uint32_t magic = update_magic;
+  std::uint32_t reserved = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t digest = 0;
+  std::uint64_t tensors = 0;
+  std::uint64_t buckets = 0;
+  std::uint64_t payload_bytes = 0;
+};
+
+struct bucket_header {
+  std::uint32_t magic = bucket_magic;
+  std::uint32_t flags = 0;
+  std::uint64_t index = 0;
+  std::uint64_t payload_bytes = 0;
+  std::uint64_t checksum = 0;  ///< reserved for per-bucket checksums
+};
+
+// The structs have no padding, so their bytes are the wire bytes.
+static_assert(sizeof(hello) == 24 && sizeof(status) == 24 && sizeof(update) == 48 &&
+              sizeof(bucket_header) == 32);
+
+template <class T>
+std::array<std::byte, sizeof(T)> encode(const T& v) {
+  std::array<std::byte, sizeof(T)> out;
+  std::memcpy(out.data(), &v, sizeof(T));
+  return out;
+}
+
+template <class T>
+T decode(const std::array<std::byte, sizeof(T)>& in) {
+  T v;
+  std::memcpy(&v, in.data(), sizeof(T));
+  return v;
+}
+
+}  // namespace refit::tcp::wire
