@@ -79,7 +79,8 @@ tcp::acceptor listen(const asio::any_io_executor& ex, const std::string& host, s
 asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline,
                                     std::string what) {
   try {
-    auto socket = co_await async::with_deadline(acceptor.async_accept(asio::use_awaitable), deadline, what);
+    tcp::socket socket(acceptor.get_executor());
+    co_await async::with_deadline(acceptor.async_accept(socket, asio::use_awaitable), deadline, what);
     tune(socket);
     co_return socket;
   } catch (const error&) {
