@@ -48,6 +48,24 @@ errc error::kind() const noexcept {
                                                : errc{};
 }
 
+namespace {
+constexpr std::string_view names[] = {
+    "",           "timeout",          "peer_lost",     "invalid_argument",  "protocol_error",
+    "not_registered", "already_registered", "invalid_state", "load_failed", "processing_failed",
+    "integrity_error", "io_error",    "cancelled",     "unsupported"};
+}  // namespace
+
+std::string_view errc_name(errc code) noexcept {
+  auto i = static_cast<std::size_t>(code);
+  return i < std::size(names) ? names[i] : std::string_view("unknown");
+}
+
+errc parse_errc(std::string_view name) noexcept {
+  for (std::size_t i = 1; i < std::size(names); ++i)
+    if (names[i] == name) return static_cast<errc>(i);
+  return errc{};
+}
+
 void throw_error(errc code, const std::string& message) { throw error(code, message); }
 
 }  // namespace refit

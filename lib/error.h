@@ -49,6 +49,11 @@ class error : public std::system_error {
   std::string message_;
 };
 
+/// Stable identifier of a kind ("timeout", "peer_lost", ...), used on the wire.
+std::string_view errc_name(errc code) noexcept;
+/// Inverse of errc_name; errc{} for an unknown name.
+errc parse_errc(std::string_view name) noexcept;
+
 /// Throws refit::error(code, message). Out of line to keep call sites small.
 [[noreturn]] void throw_error(errc code, const std::string& message);
 

@@ -49,7 +49,8 @@ bool run_until(asio::io_context& io, Pred done,
   return done();
 }
 
-/// Runs one coroutine to completion and rethrows its exception.
+/// Runs one coroutine to completion (other work on `io` may stay pending) and
+/// rethrows its exception.
 void run_to_completion(asio::io_context& io, asio::awaitable<void> work,
                        std::chrono::milliseconds limit = std::chrono::seconds(60));
 

@@ -1,0 +1,161 @@
+#include <gtest/gtest.h>
+
+#include <asio/experimental/awaitable_operators.hpp>
+#include <asio/redirect_error.hpp>
+#include <asio/write.hpp>
+
+#include "engines/tcp/tcp.h"
+#include "lib/control/client.h"
+#include "lib/control/worker_host.h"
+#include "lib/net.h"
+#include "tests/support/run.h"
+#include "tests/support/tensors.h"
+
+namespace refit::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+weight_transfer_config tcp_config() {
+  weight_transfer_config c;
+  c.backend = "tcp";
+  c.timeout = 5s;
+  return c;
+}
+
+// A worker host with a tcp engine, a client to it and a tcp trainer, on one loop.
+class control_test : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    factory_.register_engine<tcp::engine, tcp::sender>("tcp");
+    host_ = std::make_unique<control::worker_host>(tcp_config(), engine_context{io_.get_executor()},
+                                                   got_.fn(), factory_);
+    port_ = host_->listen("127.0.0.1", 0);
+    spawn(io_, host_->serve());
+    client_ = std::make_unique<control::client>(io_.get_executor(), 5s);
+    run_to_completion(io_, client_->connect("127.0.0.1", port_));
+    sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
+  }
+  void TearDown() override {
+    client_->close();
+    host_->stop();
+    sender_->shutdown();
+    EXPECT_TRUE(run(io_, 5s)) << "stop() leaves nothing running";
+  }
+
+  json call(const std::string& method, json params = json::object()) {
+    json result;
+    run_to_completion(io_, call_into(method, std::move(params), result));
+    return result;
+  }
+  asio::awaitable<void> call_into(std::string method, json params, json& out) {
+    out = co_await client_->call(method, std::move(params));
+  }
+  // Calls and expects a refit::error of `kind`; returns its message.
+  std::string call_error(const std::string& method, json params, errc kind) {
+    try {
+      call(method, std::move(params));
+    } catch (const error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.message();
+      return e.message();
+    }
+    ADD_FAILURE() << method << " succeeded";
+    return {};
+  }
+
+  asio::awaitable<void> init_both() {
+    using namespace asio::experimental::awaitable_operators;
+    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
+                 {"buffer_bytes", 16384}, {"num_buffers", 2}};
+    sender_->listen(args);
+    json params = {{"init_info", sender_->worker_init_info()}};
+    co_await (sender_->init(nullptr) && init_call(params));
+  }
+  asio::awaitable<void> init_call(json params) {
+    co_await client_->call("init_weight_transfer_engine", params);
+  }
+  asio::awaitable<void> update(tensor_set& set, json& info_during, std::int64_t version) {
+    using namespace asio::experimental::awaitable_operators;
+    co_await client_->call("start_weight_update");
+    json update_info = json::object();
+    write_update_metadata(set.meta, update_info);
+    auto views = set.views();
+    // Bodies built before co_await (GCC 12 and braced lists across suspension).
+    json update_body = {{"update_info", update_info}};
+    json finish_body = {{"weight_version", version}};
+    co_await (client_->call("update_weights", update_body) &&
+              (query(info_during) && send(set.meta, views)));
+    co_await client_->call("finish_weight_update", finish_body);
+  }
+  asio::awaitable<void> query(json& out) { out = co_await client_->call("weight_info"); }
+  asio::awaitable<void> send(const update_metadata& meta, std::vector<tensor_view> views) {
+    co_await trainer_send_weights(*sender_, meta, views);
+  }
+
+  asio::io_context io_;
+  engine_factory factory_;
+  capture got_;
+  std::unique_ptr<control::worker_host> host_;
+  std::uint16_t port_ = 0;
+  std::unique_ptr<control::client> client_;
+  std::unique_ptr<tcp::sender> sender_;
+};
+
+TEST_F(control_test, full_update_through_the_verbs_records_the_version) {
+  run_to_completion(io_, init_both());
+  tensor_set set;
+  for (int i = 0; i < 10; ++i) set.add("layer." + std::to_string(i), dtype::bfloat16, {64, 64});
+  json during;
+  run_to_completion(io_, update(set, during, 7));
+  EXPECT_NO_THROW(got_.check_equals(set));
+  // weight_info was answered while the update was in flight.
+  EXPECT_EQ(during["backend"], "tcp");
+  json info = call("weight_info");
+  EXPECT_EQ(info["weight_version"], 7);
+  EXPECT_EQ(info["session_active"], false);
+  EXPECT_EQ(info["last_update"]["tensors"], 10);
+  EXPECT_EQ(info["last_update"]["bytes"], set.meta.total_bytes());
+}
+
+TEST_F(control_test, misuse_is_a_clear_error) {
+  EXPECT_NE(call_error("start_weight_update", json::object(), errc::invalid_state).find("not initialised"),
+            std::string::npos);
+  run_to_completion(io_, init_both());
+  EXPECT_NE(call_error("finish_weight_update", json::object(), errc::invalid_state).find("no active weight update"),
+            std::string::npos);
+  json update_info = {{"names", json::array()}, {"dtype_names", json::array()}, {"shapes", json::array()}};
+  EXPECT_NE(call_error("update_weights", {{"update_info", update_info}}, errc::invalid_state)
+                .find("call start_weight_update first"),
+            std::string::npos);
+  call("start_weight_update");
+  EXPECT_NE(call_error("start_weight_update", json::object(), errc::invalid_state).find("already active"),
+            std::string::npos);
+}
+
+TEST_F(control_test, bad_requests_get_typed_errors_and_the_host_keeps_serving) {
+  auto msg = call_error("no_such_method", json::object(), errc::invalid_argument);
+  EXPECT_NE(msg.find("unknown method 'no_such_method'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("weight_info"), std::string::npos) << "lists the methods: " << msg;
+  msg = call_error("init_weight_transfer_engine", {{"init_info", {{"master_address", "127.0.0.1"}}}},
+                   errc::invalid_argument);
+  EXPECT_NE(msg.find("tcp init_info"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("master_port"), std::string::npos) << msg;
+  msg = call_error("start_weight_update", {{"surprise", 1}}, errc::invalid_argument);
+  EXPECT_NE(msg.find("'surprise'"), std::string::npos) << msg;
+
+  // A raw connection sending an absurd frame length is dropped without harm.
+  auto raw = [](std::uint16_t port) -> asio::awaitable<void> {
+    auto s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "raw");
+    const std::uint8_t huge[4] = {0xff, 0xff, 0xff, 0xff};
+    co_await asio::async_write(s, asio::buffer(huge), asio::use_awaitable);
+    char byte;
+    std::error_code ec;
+    co_await s.async_read_some(asio::buffer(&byte, 1), asio::redirect_error(asio::use_awaitable, ec));
+    EXPECT_TRUE(ec) << "the host closes a connection with a corrupt frame";
+  };
+  run_to_completion(io_, raw(port_));
+  EXPECT_EQ(call("weight_info")["backend"], "tcp");
+}
+
+}  // namespace
+}  // namespace refit::testing

@@ -1,0 +1,81 @@
+#include "lib/error.h"
+
+#include <set>
+#include <string>
+
+#include <gtest/gtest.h>
+
+namespace refit {
+namespace {
+
+constexpr errc all_kinds[] = {
+    errc::timeout,        errc::peer_lost,         errc::invalid_argument, errc::protocol_error,
+    errc::not_registered, errc::already_registered, errc::invalid_state,    errc::load_failed,
+    errc::processing_failed, errc::integrity_error, errc::io_error,         errc::cancelled,
+    errc::unsupported,
+};
+
+TEST(error_category, is_named_refit_and_describes_every_kind_distinctly) {
+  EXPECT_STREQ(error_category().name(), "refit");
+  std::set<std::string> messages;
+  for (errc e : all_kinds) {
+    std::string m = error_category().message(static_cast<int>(e));
+    EXPECT_FALSE(m.empty()) << static_cast<int>(e);
+    EXPECT_EQ(m.find("refit error"), std::string::npos) << "kind " << static_cast<int>(e) << " has no name";
+    messages.insert(m);
+  }
+  EXPECT_EQ(messages.size(), std::size(all_kinds));
+  EXPECT_EQ(error_category().message(static_cast<int>(errc::timeout)), "timeout");
+  EXPECT_EQ(error_category().message(static_cast<int>(errc::not_registered)), "not registered");
+}
+
+TEST(error_category, unknown_value_is_described_by_number) {
+  EXPECT_EQ(error_category().message(99), "refit error 99");
+}
+
+TEST(error_category, kind_values_are_stable) {
+  // They cross process and plugin boundaries (plugin creators return them as int).
+  EXPECT_EQ(static_cast<int>(errc::timeout), 1);
+  EXPECT_EQ(static_cast<int>(errc::load_failed), 8);
+  EXPECT_EQ(static_cast<int>(errc::unsupported), 13);
+}
+
+TEST(error_code, converts_from_errc_and_compares) {
+  std::error_code ec = errc::peer_lost;
+  EXPECT_EQ(&ec.category(), &error_category());
+  EXPECT_EQ(ec.value(), static_cast<int>(errc::peer_lost));
+  EXPECT_EQ(ec, make_error_code(errc::peer_lost));
+  EXPECT_TRUE(ec == errc::peer_lost);
+  EXPECT_FALSE(ec == errc::timeout);
+  EXPECT_EQ(ec.message(), "peer lost");
+}
+
+TEST(error, what_has_message_and_kind_message_has_message_only) {
+  error e(errc::timeout, "tcp: bucket 3: no progress within 100 ms");
+  EXPECT_EQ(e.kind(), errc::timeout);
+  EXPECT_EQ(e.message(), "tcp: bucket 3: no progress within 100 ms");
+  EXPECT_STREQ(e.what(), "tcp: bucket 3: no progress within 100 ms: timeout");
+  EXPECT_EQ(e.code(), make_error_code(errc::timeout));
+}
+
+TEST(error, kind_of_a_foreign_category_is_empty) {
+  error e(std::make_error_code(std::errc::connection_refused), "connect");
+  EXPECT_EQ(e.kind(), errc{});
+  EXPECT_EQ(e.message(), "connect");
+  EXPECT_EQ(e.code(), std::errc::connection_refused);
+}
+
+TEST(error, throw_error_throws_a_system_error_with_the_kind) {
+  try {
+    throw_error(errc::invalid_state, "receive before init");
+    FAIL() << "throw_error returned";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code(), errc::invalid_state);
+    auto* re = dynamic_cast<const error*>(&e);
+    ASSERT_NE(re, nullptr);
+    EXPECT_EQ(re->message(), "receive before init");
+  }
+}
+
+}  // namespace
+}  // namespace refit
