@@ -56,16 +56,26 @@ struct trainer_context {
 
 /// The trainer-side half of a backend. Typical use:
 ///   auto sender = factory.create_sender(config, ctx);
-///   co_await sender->init(trainer_args);               // e.g. accept the workers
+///   json init_info = sender->prepare(trainer_args);   // e.g. listen
+///   // send init_info to every worker's init_weight_transfer_engine, and meanwhile
+///   co_await sender->connect_workers();
 ///   co_await trainer_send_weights(*sender, declared, model_tensors);
 class weight_sender {
  public:
   virtual ~weight_sender() = default;
   virtual std::string_view backend() const noexcept = 0;
 
-  /// Connects to the workers. `trainer_args` is backend-specific JSON, read
-  /// strictly like init info.
-  virtual asio::awaitable<void> init(const json& trainer_args) = 0;
+  /// Sets up what workers connect to (without waiting for them) and returns the
+  /// init_info JSON every worker passes to init_transfer_engine (rank_offset 1).
+  /// `trainer_args` is backend-specific JSON, read strictly like init info.
+  virtual json prepare(const json& trainer_args) = 0;
+  /// Waits until every worker has connected (within the backend's deadline).
+  virtual asio::awaitable<void> connect_workers() = 0;
+  /// prepare() then connect_workers().
+  asio::awaitable<void> init(const json& trainer_args) {
+    prepare(trainer_args);
+    co_await connect_workers();
+  }
 
   /// Sends one update: the tensors `source` yields, which must match `declared`
   /// one to one and in order (the first divergent parameter is named in the error).

@@ -134,7 +134,7 @@ sender::sender(const weight_transfer_config& config, const trainer_context& cont
 
 sender::~sender() { shutdown(); }
 
-asio::awaitable<void> sender::init(const json& trainer_args) {
+json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "loopback trainer_args");
   std::string channel;
   wire_params wire = read_channel_args(r, channel);
@@ -148,7 +148,9 @@ asio::awaitable<void> sender::init(const json& trainer_args) {
     slot = l;
   }
   link_ = std::move(l);
-  co_return;
+  json init_info = {{"channel", channel}};
+  wire.write(init_info);
+  return init_info;
 }
 
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {

@@ -49,14 +49,15 @@ class engine final : public typed_engine<init_info, update_info> {
   std::unique_ptr<receive_pipeline> pipeline_;
 };
 
-/// Trainer side. init({"channel": str, "buffer_bytes": int, "num_buffers": int})
-/// creates the channel; workers then init with the same JSON.
+/// Trainer side. prepare({"channel": str, "buffer_bytes": int, "num_buffers": int})
+/// opens the channel and returns the same JSON as the workers' init info.
 class sender final : public weight_sender {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
   ~sender() override;
   std::string_view backend() const noexcept override { return "loopback"; }
-  asio::awaitable<void> init(const json& trainer_args) override;
+  json prepare(const json& trainer_args) override;
+  asio::awaitable<void> connect_workers() override { co_return; }
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
   void shutdown() override;
 

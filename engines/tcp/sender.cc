@@ -24,7 +24,7 @@ sender::sender(const weight_transfer_config& config, const trainer_context& cont
 
 sender::~sender() { shutdown(); }
 
-std::uint16_t sender::listen(const json& trainer_args) {
+json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp trainer_args");
   address_ = r.required<std::string>("master_address");
   auto port = r.required<std::uint16_t>("master_port");
@@ -39,7 +39,7 @@ std::uint16_t sender::listen(const json& trainer_args) {
   r.finish();
   shutdown();
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, address_, port));
-  return acceptor_->local_endpoint().port();
+  return worker_init_info();
 }
 
 json sender::worker_init_info() const {
@@ -53,8 +53,8 @@ json sender::worker_init_info() const {
   return j;
 }
 
-asio::awaitable<void> sender::init(const json& trainer_args) {
-  if (!acceptor_ || !trainer_args.is_null()) listen(trainer_args);
+asio::awaitable<void> sender::connect_workers() {
+  if (!acceptor_) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
   const int workers = world_size_ - 1;
   peers_.clear();
   try {

@@ -67,20 +67,18 @@ class engine final : public typed_engine<init_info, update_info> {
 
 /// Trainer side. trainer_args: {"master_address": str, "master_port": int (0: any
 /// free port), "world_size": int, "buffer_bytes": int, "num_buffers": int,
-/// "timeout_ms": int}. init() listens and accepts world_size - 1 workers.
+/// "timeout_ms": int}. prepare() listens; connect_workers() accepts world_size - 1
+/// workers.
 class sender final : public weight_sender {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
   ~sender() override;
   std::string_view backend() const noexcept override { return "tcp"; }
 
-  /// Binds and listens without waiting for workers; returns the port (useful with
-  /// master_port 0). init() calls it when it has not been called.
-  std::uint16_t listen(const json& trainer_args);
-  /// The init info workers need to reach this trainer (rank_offset 1).
-  json worker_init_info() const;
-
-  asio::awaitable<void> init(const json& trainer_args) override;
+  /// Listens; returns the workers' init info with the bound port (master_port 0
+  /// picks a free one).
+  json prepare(const json& trainer_args) override;
+  asio::awaitable<void> connect_workers() override;
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
   void shutdown() override;
   update_stats last_send_stats() const override { return stats_; }
@@ -96,6 +94,7 @@ class sender final : public weight_sender {
                                      std::uint64_t index);
   asio::awaitable<void> confirm(peer& p, std::uint64_t seq);
   void fail_all();
+  json worker_init_info() const;
 
   weight_transfer_config config_;
   trainer_context context_;

@@ -17,29 +17,29 @@ client::~client() { close(); }
 
 asio::awaitable<void> client::connect(const std::string& host, std::uint16_t port) {
   close();
-  peer_ = host + ":" + std::to_string(port);
-  auto socket = co_await net::connect_with_retry(host, port, timeout_, "control: connecting to worker");
-  stream_ = std::make_shared<frame_stream>(std::move(socket));
-  asio::co_spawn(executor_, read_loop(stream_), asio::detached);
+  const std::string peer = host + ":" + std::to_string(port);
+  auto socket = co_await net::connect_with_retry(host, port, timeout_, "control: connecting to worker " + peer);
+  state_ = std::make_shared<connection>(connection{std::make_shared<frame_stream>(std::move(socket)), peer, {}});
+  asio::co_spawn(executor_, read_loop(state_, timeout_), asio::detached);
 }
 
-asio::awaitable<void> client::read_loop(std::shared_ptr<frame_stream> stream) {
+asio::awaitable<void> client::read_loop(std::shared_ptr<connection> c, std::chrono::milliseconds timeout) {
   std::string why = "connection closed";
   try {
     for (;;) {
-      json answer = co_await stream->read(timeout_, /*idle_ok=*/true, "control answer from " + peer_);
-      json_reader r(answer, "control answer from " + peer_);
+      json answer = co_await c->stream->read(timeout, /*idle_ok=*/true, "control answer from " + c->peer);
+      json_reader r(answer, "control answer from " + c->peer);
       auto id = r.required<std::uint64_t>("id");
-      auto it = pending_.find(id);
-      if (it == pending_.end()) continue;  // the caller gave up (timed out) already
+      auto it = c->pending.find(id);
+      if (it == c->pending.end()) continue;  // the caller gave up (timed out) already
       it->second->try_send(std::error_code{}, std::move(answer));
     }
   } catch (const error& e) {
     why = e.message();
   }
-  stream->close();
+  c->stream->close();
   // Every call still waiting learns the connection is gone, now.
-  for (auto& [id, channel] : pending_) channel->try_send(make_error_code(errc::peer_lost), json(why));
+  for (auto& [id, channel] : c->pending) channel->try_send(make_error_code(errc::peer_lost), json(why));
 }
 
 asio::awaitable<json> client::call(const std::string& method, json params,
@@ -48,17 +48,18 @@ asio::awaitable<json> client::call(const std::string& method, json params,
   const auto limit = timeout.value_or(timeout_);
   const std::uint64_t id = next_id_++;
   auto channel = std::make_shared<reply_channel>(executor_, 1);
-  pending_[id] = channel;
+  auto conn = state_;
+  conn->pending[id] = channel;
   struct forget {
-    client* self;
+    std::shared_ptr<connection> conn;
     std::uint64_t id;
-    ~forget() { self->pending_.erase(id); }
-  } guard{this, id};
-  const std::string what = "control: " + method + " on worker " + peer_;
+    ~forget() { conn->pending.erase(id); }
+  } guard{conn, id};
+  const std::string what = "control: " + method + " on worker " + conn->peer;
   // Built before co_await: GCC 12 cannot keep a braced list of string literals alive
   // across a suspension point ("array used as initializer").
   json request = {{"id", id}, {"method", method}, {"params", std::move(params)}};
-  co_await stream_->write(request, limit, what);
+  co_await conn->stream->write(request, limit, what);
   auto reply = co_await async::with_deadline(
       channel->async_receive(asio::experimental::as_tuple(asio::use_awaitable)), limit, what);
   const std::error_code ec = std::get<0>(reply);
@@ -69,7 +70,7 @@ asio::awaitable<json> client::call(const std::string& method, json params,
     errc kind = e.contains("kind") && e["kind"].is_string() ? parse_errc(e["kind"].get<std::string>()) : errc{};
     std::string message = e.contains("message") && e["message"].is_string() ? e["message"].get<std::string>()
                                                                              : e.dump();
-    throw_error(kind == errc{} ? errc::protocol_error : kind, method + " failed on worker " + peer_ + ": " + message);
+    throw_error(kind == errc{} ? errc::protocol_error : kind, method + " failed on worker " + conn->peer + ": " + message);
   }
   if (!answer.contains("result"))
     throw_error(errc::protocol_error, what + ": answer has neither 'result' nor 'error'");
@@ -77,8 +78,8 @@ asio::awaitable<json> client::call(const std::string& method, json params,
 }
 
 void client::close() {
-  if (stream_) stream_->close();
-  stream_.reset();
+  if (state_) state_->stream->close();
+  state_.reset();
 }
 
 }  // namespace refit::control

@@ -30,18 +30,22 @@ class client {
   asio::awaitable<json> call(const std::string& method, json params = json::object(),
                              std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   void close();
-  bool connected() const { return stream_ && stream_->is_open(); }
+  bool connected() const { return state_ && state_->stream->is_open(); }
 
  private:
   using reply_channel = asio::experimental::channel<void(std::error_code, json)>;
-  asio::awaitable<void> read_loop(std::shared_ptr<frame_stream> stream);
+  // Shared with the reader coroutine, which may outlive the client by a little.
+  struct connection {
+    std::shared_ptr<frame_stream> stream;
+    std::string peer;
+    std::map<std::uint64_t, std::shared_ptr<reply_channel>> pending;
+  };
+  static asio::awaitable<void> read_loop(std::shared_ptr<connection> c, std::chrono::milliseconds timeout);
 
   asio::any_io_executor executor_;
   std::chrono::milliseconds timeout_;
-  std::shared_ptr<frame_stream> stream_;
-  std::string peer_;
+  std::shared_ptr<connection> state_;
   std::uint64_t next_id_ = 1;
-  std::map<std::uint64_t, std::shared_ptr<reply_channel>> pending_;
 };
 
 }  // namespace refit::control

@@ -67,9 +67,8 @@ class control_test : public ::testing::Test {
     using namespace asio::experimental::awaitable_operators;
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
                  {"buffer_bytes", 16384}, {"num_buffers", 2}};
-    sender_->listen(args);
-    json params = {{"init_info", sender_->worker_init_info()}};
-    co_await (sender_->init(nullptr) && init_call(params));
+    json params = {{"init_info", sender_->prepare(args)}};
+    co_await (sender_->connect_workers() && init_call(params));
   }
   asio::awaitable<void> init_call(json params) {
     co_await client_->call("init_weight_transfer_engine", params);

@@ -23,10 +23,9 @@ class tcp_harness final : public engine_harness {
   asio::awaitable<void> connect(const wire_params& wire) override {
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
     wire.write(args);
-    sender_->listen(args);
-    auto info = engine_->parse_init_info(sender_->worker_init_info());
+    auto info = engine_->parse_init_info(sender_->prepare(args));
     using namespace asio::experimental::awaitable_operators;
-    co_await (sender_->init(nullptr) && engine_->init_transfer_engine(*info));
+    co_await (sender_->connect_workers() && engine_->init_transfer_engine(*info));
   }
   weight_transfer_engine& engine() override { return *engine_; }
   weight_sender& sender() override { return *sender_; }

@@ -1,0 +1,465 @@
+// The main job: a trainer pushes several rounds of changed weights of a synthetic
+// LLM to N worker processes on loopback, through the control plane and a refit
+// backend, and verifies every tensor on every worker against its own checksums.
+// Progress goes to stderr; the LAST line on stdout is one JSON object.
+//
+//   bazel run //examples/weight_sync -- --workers 2 --model-bytes 1G --updates 3
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
+#include <xxhash.h>
+
+#include "examples/weight_sync/model.h"
+#include "lib/async/all_of.h"
+#include "lib/control/client.h"
+#include "lib/control/worker_host.h"
+#include "lib/factory.h"
+
+extern char** environ;
+
+namespace refit::example {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+struct options {
+  std::string role = "trainer";
+  std::string engine = "tcp";
+  int workers = 2;
+  std::uint64_t model_bytes = 1ull << 30;
+  int layers = 16;
+  std::int64_t vocab = 32000;
+  int updates = 3;
+  std::uint64_t buffer_bytes = 64ull << 20;
+  std::uint32_t num_buffers = 2;
+  double process_cost = 0;  // seconds of simulated post-processing per GB
+  std::int64_t timeout_ms = 60000;
+  bool quiet = false;
+};
+
+const char* usage =
+    "usage: weight_sync [--engine tcp] [--workers N] [--model-bytes SIZE] [--layers N]\n"
+    "                   [--vocab N] [--updates N] [--buffer-bytes SIZE] [--num-buffers N]\n"
+    "                   [--process-cost SECONDS_PER_GB] [--timeout-ms MS] [--quiet]\n"
+    "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
+
+options parse_args(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string value;
+    if (auto eq = a.find('='); eq != std::string::npos) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    }
+    auto next = [&]() -> std::string {
+      if (!value.empty()) return value;
+      if (i + 1 >= argc) throw_error(errc::invalid_argument, a + " needs a value");
+      return argv[++i];
+    };
+    auto integer = [&](long lo, long hi) {
+      std::string v = next();
+      char* end = nullptr;
+      long n = std::strtol(v.c_str(), &end, 10);
+      if (!end || *end || n < lo || n > hi)
+        throw_error(errc::invalid_argument, a + ": expected an integer in [" + std::to_string(lo) + ", " +
+                                                std::to_string(hi) + "], got '" + v + "'");
+      return n;
+    };
+    if (a == "--role") o.role = next();
+    else if (a == "--engine") o.engine = next();
+    else if (a == "--workers") o.workers = static_cast<int>(integer(1, 64));
+    else if (a == "--model-bytes") o.model_bytes = parse_bytes(next(), a);
+    else if (a == "--layers") o.layers = static_cast<int>(integer(1, 1000));
+    else if (a == "--vocab") o.vocab = integer(1, 1 << 22);
+    else if (a == "--updates") o.updates = static_cast<int>(integer(1, 100000));
+    else if (a == "--buffer-bytes") o.buffer_bytes = parse_bytes(next(), a);
+    else if (a == "--num-buffers") o.num_buffers = static_cast<std::uint32_t>(integer(1, 64));
+    else if (a == "--process-cost") {
+      std::string v = next();
+      char* end = nullptr;
+      o.process_cost = std::strtod(v.c_str(), &end);
+      if (!end || *end || o.process_cost < 0 || o.process_cost > 1000)
+        throw_error(errc::invalid_argument, "--process-cost: expected seconds per GB in [0, 1000], got '" + v + "'");
+    } else if (a == "--timeout-ms") o.timeout_ms = integer(1, 86400000);
+    else if (a == "--quiet") o.quiet = true;
+    else if (a == "--help" || a == "-h") {
+      std::cout << usage;
+      std::exit(0);
+    } else
+      throw_error(errc::invalid_argument, "unknown flag '" + a + "'\n" + usage);
+  }
+  return o;
+}
+
+// Simulated post-processing: spins for `bytes` at `cost` seconds per GB, like a
+// dtype conversion or a layout transform would keep a core busy.
+void burn(std::uint64_t bytes, double cost) {
+  if (cost <= 0) return;
+  auto until = clock_type::now() + std::chrono::duration<double>(static_cast<double>(bytes) * cost / 1e9);
+  while (clock_type::now() < until) {
+  }
+}
+
+// ---------------------------------------------------------------- worker
+
+// The worker's "model": one buffer per tensor, filled by load_weights, with a
+// checksum of what it holds.
+class worker_model {
+ public:
+  explicit worker_model(double process_cost) : process_cost_(process_cost) {}
+
+  void load(std::span<const tensor_view> views) {
+    for (const auto& v : views) {
+      auto bytes = v.bytes();
+      std::lock_guard lock(mutex_);
+      auto& slot = tensors_[std::string(v.name)];
+      if (slot.bytes.size() != bytes.size()) slot.bytes.assign(bytes.size(), std::byte{0});
+      std::memcpy(slot.bytes.data(), bytes.data(), bytes.size());
+      slot.checksum = XXH3_64bits(slot.bytes.data(), slot.bytes.size());
+      burn(bytes.size(), process_cost_);
+    }
+  }
+
+  json checksums() const {
+    std::lock_guard lock(mutex_);
+    json out = json::object();
+    for (const auto& [name, t] : tensors_) out[name] = t.checksum;
+    return out;
+  }
+
+ private:
+  struct tensor {
+    std::vector<std::byte> bytes;
+    std::uint64_t checksum = 0;
+  };
+  double process_cost_;
+  mutable std::mutex mutex_;
+  std::map<std::string, tensor> tensors_;
+};
+
+std::uint64_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+int run_worker(const options& o) {
+  prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the trainer
+  asio::io_context io;
+  worker_model model(o.process_cost);
+  weight_transfer_config config;
+  config.backend = o.engine;
+  config.timeout = std::chrono::milliseconds(o.timeout_ms);
+  control::worker_host host(config, engine_context{io.get_executor()},
+                            [&model](std::span<const tensor_view> v) { model.load(v); });
+  const auto port = host.listen("127.0.0.1", 0);
+  host.add_method("weight_checksums", [&model](const json&) -> asio::awaitable<json> {
+    co_return model.checksums();
+  });
+  host.add_method("worker_stats", [](const json&) -> asio::awaitable<json> {
+    co_return json{{"peak_rss_bytes", peak_rss_bytes()}};
+  });
+  host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {
+    asio::post(io, [&] { host.stop(); });
+    co_return json::object();
+  });
+  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));
+  std::fflush(stdout);
+  asio::co_spawn(io, host.serve(), asio::detached);
+  io.run();
+  return 0;
+}
+
+// ---------------------------------------------------------------- trainer
+
+struct worker_process {
+  pid_t pid = -1;
+  std::uint16_t port = 0;
+};
+
+// Starts this binary as a worker and reads the control port it prints.
+worker_process start_worker(const options& o, int index) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) throw_error(errc::io_error, std::string("pipe: ") + std::strerror(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  std::vector<std::string> args = {"weight_sync",   "--role",       "worker",
+                                   "--engine",      o.engine,       "--timeout-ms",
+                                   std::to_string(o.timeout_ms), "--process-cost", std::to_string(o.process_cost)};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  worker_process w;
+  int rc = posix_spawn(&w.pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  if (rc != 0) {
+    close(fds[0]);
+    throw_error(errc::io_error, "cannot start worker " + std::to_string(index) + ": " + std::strerror(rc));
+  }
+  // The port line must come within the timeout; a worker that dies says so.
+  std::string line;
+  auto give_up = clock_type::now() + std::chrono::milliseconds(o.timeout_ms);
+  while (line.find('\n') == std::string::npos) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now()).count();
+    pollfd p{fds[0], POLLIN, 0};
+    if (left <= 0 || poll(&p, 1, static_cast<int>(left)) <= 0) {
+      close(fds[0]);
+      throw_error(errc::timeout, "worker " + std::to_string(index) + " did not report its port in time");
+    }
+    char buf[128];
+    ssize_t n = read(fds[0], buf, sizeof buf);
+    if (n <= 0) {
+      close(fds[0]);
+      throw_error(errc::peer_lost, "worker " + std::to_string(index) + " exited before reporting its port");
+    }
+    line.append(buf, static_cast<std::size_t>(n));
+  }
+  close(fds[0]);
+  unsigned port = 0;
+  if (std::sscanf(line.c_str(), "REFIT_WORKER_PORT %u", &port) != 1 || port == 0 || port > 65535)
+    throw_error(errc::protocol_error, "worker " + std::to_string(index) + " printed '" + line + "'");
+  w.port = static_cast<std::uint16_t>(port);
+  return w;
+}
+
+// The trainer's copy of the model: one arena, tensors back to back.
+struct trainer_model {
+  model_layout layout;
+  std::vector<std::byte> arena;
+  std::vector<tensor_view> views;
+  std::vector<std::uint64_t> checksums;
+
+  explicit trainer_model(model_layout l) : layout(std::move(l)) {
+    arena.resize(layout.meta.total_bytes());
+    std::uint64_t at = 0;
+    for (const auto& t : layout.meta.tensors) {
+      views.emplace_back(t, arena.data() + at);
+      at += t.nbytes();
+    }
+    checksums.resize(views.size());
+  }
+
+  // New weights for round `r`: a cheap pattern that differs per tensor and round.
+  void step(int r) {
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      auto bytes = views[i].bytes();
+      std::uint64_t x = 0x9E3779B97F4A7C15ull * (i + 1) ^ (static_cast<std::uint64_t>(r) << 40);
+      std::size_t n = bytes.size() / 8;
+      auto* words = reinterpret_cast<std::uint64_t*>(bytes.data());
+      for (std::size_t k = 0; k < n; ++k) words[k] = x + k * 0xBF58476D1CE4E5B9ull;
+      for (std::size_t k = n * 8; k < bytes.size(); ++k) bytes[k] = static_cast<std::byte>(x >> (k % 8));
+      checksums[i] = XXH3_64bits(bytes.data(), bytes.size());
+    }
+  }
+};
+
+struct totals {
+  double seconds = 0, receive_s = 0, process_s = 0, overlap = 0;
+  int overlap_samples = 0;
+  bool verified = true;
+  std::uint64_t peak_rss = 0;
+  std::string first_mismatch;
+};
+
+asio::awaitable<void> call_one(control::client& c, std::string method, json params, json* out) {
+  json r = co_await c.call(method, std::move(params));
+  if (out) *out = std::move(r);
+}
+
+// Calls `method` on every worker at once, with params_for(i) for worker i.
+template <class ParamsFor>
+asio::awaitable<void> call_each(std::vector<std::unique_ptr<control::client>>& clients, std::string method,
+                                ParamsFor params_for, std::vector<json>* results = nullptr) {
+  std::vector<asio::awaitable<void>> ops;
+  if (results) results->assign(clients.size(), json());
+  for (std::size_t i = 0; i < clients.size(); ++i)
+    ops.push_back(call_one(*clients[i], method, params_for(i), results ? &(*results)[i] : nullptr));
+  co_await async::all_of(std::move(ops));
+}
+
+asio::awaitable<void> call_all(std::vector<std::unique_ptr<control::client>>& clients, std::string method,
+                               json params, std::vector<json>* results = nullptr) {
+  co_await call_each(clients, std::move(method), [&params](std::size_t) { return params; }, results);
+}
+
+// Both at once; the first error wins (asio's && would report "multiple exceptions").
+asio::awaitable<void> both(asio::awaitable<void> a, asio::awaitable<void> b) {
+  std::vector<asio::awaitable<void>> ops;
+  ops.push_back(std::move(a));
+  ops.push_back(std::move(b));
+  co_await async::all_of(std::move(ops));
+}
+
+asio::awaitable<void> send_round(weight_sender& sender, const update_metadata& meta,
+                                 const std::vector<tensor_view>& views) {
+  co_await trainer_send_weights(sender, meta, views);
+}
+
+asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_process>& procs,
+                                   trainer_model& model, totals& t) {
+  auto ex = co_await asio::this_coro::executor;
+  const auto timeout = std::chrono::milliseconds(o.timeout_ms);
+  std::vector<std::unique_ptr<control::client>> clients;
+  for (const auto& p : procs) {
+    clients.push_back(std::make_unique<control::client>(ex, timeout));
+    co_await clients.back()->connect("127.0.0.1", p.port);
+  }
+
+  weight_transfer_config config;
+  config.backend = o.engine;
+  config.timeout = timeout;
+  auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
+  json trainer_args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", o.workers + 1},
+                       {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
+                       {"timeout_ms", o.timeout_ms}};
+  const json init_info = sender->prepare(trainer_args);
+  // Each worker is its own inference engine here, so each gets its own rank.
+  auto init_for = [&init_info](std::size_t i) {
+    json info = init_info;
+    if (info.contains("rank_offset")) info["rank_offset"] = 1 + static_cast<int>(i);
+    return json{{"init_info", info}};
+  };
+  co_await both(sender->connect_workers(), call_each(clients, "init_weight_transfer_engine", init_for));
+  if (!o.quiet) std::fprintf(stderr, "[refit] %d workers connected over %s\n", o.workers, o.engine.c_str());
+
+  json update_body = json::object();
+  write_update_metadata(model.layout.meta, update_body["update_info"]);
+  const std::uint64_t bytes = model.layout.meta.total_bytes();
+  const json empty = json::object();
+  for (int round = 1; round <= o.updates; ++round) {
+    model.step(round);
+    const auto t0 = clock_type::now();
+    co_await call_all(clients, "start_weight_update", empty);
+    co_await both(call_all(clients, "update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
+    std::vector<json> finished;
+    json finish_body = {{"weight_version", round}};
+    co_await call_all(clients, "finish_weight_update", finish_body, &finished);
+    const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+    t.seconds += seconds;
+    for (const auto& f : finished) {
+      const json& s = f["stats"];
+      t.receive_s += s["receive_s"].get<double>() / o.workers;
+      t.process_s += s["process_s"].get<double>() / o.workers;
+      t.overlap += s["overlap"].get<double>();
+      ++t.overlap_samples;
+    }
+    // Every tensor on every worker against the trainer's checksum of this round.
+    std::vector<json> sums;
+    co_await call_all(clients, "weight_checksums", empty, &sums);
+    std::size_t bad = 0;
+    for (std::size_t w = 0; w < sums.size(); ++w)
+      for (std::size_t i = 0; i < model.views.size(); ++i) {
+        const std::string name(model.views[i].name);
+        if (!sums[w].contains(name) || sums[w][name].get<std::uint64_t>() != model.checksums[i]) {
+          if (t.first_mismatch.empty())
+            t.first_mismatch = "worker " + std::to_string(w) + " tensor '" + name + "' in update " + std::to_string(round);
+          ++bad;
+        }
+      }
+    if (bad) t.verified = false;
+    if (!o.quiet)
+      std::fprintf(stderr, "[refit] update %d/%d: %.2f GB -> %d workers in %.2f s (%.2f GB/s per worker), %s\n",
+                   round, o.updates, bytes / 1e9, o.workers, seconds, bytes / seconds / 1e9,
+                   bad ? ("MISMATCH in " + std::to_string(bad) + " tensors").c_str() : "verified");
+  }
+  std::vector<json> stats;
+  co_await call_all(clients, "worker_stats", empty, &stats);
+  for (const auto& s : stats) t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
+  try {
+    co_await call_all(clients, "shutdown", empty);
+  } catch (const error&) {
+  }
+  sender->shutdown();
+  for (auto& c : clients) c->close();
+}
+
+int run_trainer(const options& o) {
+  trainer_model model(make_layout(o.model_bytes, o.layers, o.vocab));
+  const auto& meta = model.layout.meta;
+  if (!o.quiet)
+    std::fprintf(stderr, "[refit] model: %zu tensors, %.2f GB bf16 (hidden %lld, %d layers); %d workers, engine %s\n",
+                 meta.tensors.size(), meta.total_bytes() / 1e9, static_cast<long long>(model.layout.hidden),
+                 o.layers, o.workers, o.engine.c_str());
+  std::vector<worker_process> procs;
+  totals t;
+  std::string failure;
+  try {
+    for (int i = 0; i < o.workers; ++i) procs.push_back(start_worker(o, i));
+    asio::io_context io;
+    std::exception_ptr error;
+    asio::co_spawn(io, trainer_main(o, procs, model, t), [&](std::exception_ptr e) { error = e; });
+    io.run();
+    if (error) std::rethrow_exception(error);
+  } catch (const error& e) {
+    failure = std::string(errc_name(e.kind())) + ": " + e.message();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  if (!failure.empty()) {
+    t.verified = false;
+    std::fprintf(stderr, "[refit] error: %s\n", failure.c_str());
+  }
+  for (auto& p : procs) {
+    int status = 0;
+    if (!failure.empty()) kill(p.pid, SIGTERM);
+    waitpid(p.pid, &status, 0);
+  }
+  if (!t.first_mismatch.empty()) std::fprintf(stderr, "[refit] first mismatch: %s\n", t.first_mismatch.c_str());
+  const double bytes = static_cast<double>(meta.total_bytes());
+  json result = {{"engine", o.engine},
+                 {"workers", o.workers},
+                 {"tensors", meta.tensors.size()},
+                 {"bytes", meta.total_bytes()},
+                 {"updates", o.updates},
+                 {"seconds", t.seconds},
+                 {"gbps", t.seconds > 0 ? bytes * o.updates / t.seconds / 1e9 : 0.0},
+                 {"receive_s", t.receive_s},
+                 {"process_s", t.process_s},
+                 {"overlap", t.overlap_samples ? t.overlap / t.overlap_samples : 0.0},
+                 {"buffer_bytes", o.buffer_bytes},
+                 {"num_buffers", o.num_buffers},
+                 {"process_cost", o.process_cost},
+                 {"worker_peak_rss_bytes", t.peak_rss},
+                 {"verified", failure.empty() && t.verified}};
+  if (!failure.empty()) result["error"] = failure;
+  std::cout << result.dump() << std::endl;
+  return failure.empty() && t.verified ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace refit::example
+
+int main(int argc, char** argv) {
+  using namespace refit::example;
+  options o;
+  try {
+    o = parse_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "weight_sync: %s\n", e.what());
+    return 2;
+  }
+  return o.role == "worker" ? run_worker(o) : run_trainer(o);
+}
