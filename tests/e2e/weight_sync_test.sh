@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs the main job with real worker processes and checks its last line: every
+# tensor verified on every worker, figures present and sane. Then checks that bad
+# flags fail with a message instead of running.
+set -euo pipefail
+bin="$1"
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+check() {
+  local out last
+  out=$("$bin" --quiet "$@") || fail "weight_sync $* exited non-zero: $out"
+  last=$(printf '%s\n' "$out" | tail -n 1)
+  python3 - "$last" "$@" <<'PY' || fail "bad result for $*: $last"
+import json, sys
+r = json.loads(sys.argv[1])
+for key in ("engine", "workers", "tensors", "bytes", "updates", "seconds", "gbps",
+            "receive_s", "process_s", "overlap", "verified"):
+    assert key in r, key
+assert r["verified"] is True, r
+assert r["gbps"] > 0 and r["seconds"] > 0 and 0 <= r["overlap"] <= 1, r
+print("ok:", " ".join(sys.argv[2:]), "->", r["bytes"], "bytes x", r["updates"], "to", r["workers"], "workers")
+PY
+}
+
+# Tensors larger than a buffer (the embedding) are split across buckets.
+check --workers 2 --model-bytes 24M --layers 2 --updates 2 --buffer-bytes 1M --num-buffers 3
+# One worker, one buffer: no pipelining, still correct.
+check --workers 1 --model-bytes 16M --layers 1 --updates 1 --buffer-bytes 4M --num-buffers 1
+# Three workers with simulated post-processing.
+check --workers 3 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 2M --process-cost 0.05
+
+if err=$("$bin" --workers 0 2>&1); then fail "--workers 0 accepted"; fi
+echo "$err" | grep -q "workers" || fail "no message for --workers 0: $err"
+if err=$("$bin" --model-bytes 12Q 2>&1); then fail "bad size accepted"; fi
+echo "$err" | grep -q "unknown unit" || fail "no message for a bad size: $err"
+echo "1 passed, 0 failed"
