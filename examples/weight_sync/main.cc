@@ -55,12 +55,14 @@ struct options {
   double process_cost = 0;  // seconds of simulated post-processing per GB
   std::int64_t timeout_ms = 60000;
   bool quiet = false;
+  bool print_layout = false;
 };
 
 const char* usage =
     "usage: weight_sync [--engine tcp] [--workers N] [--model-bytes SIZE] [--layers N]\n"
     "                   [--vocab N] [--updates N] [--buffer-bytes SIZE] [--num-buffers N]\n"
     "                   [--process-cost SECONDS_PER_GB] [--timeout-ms MS] [--quiet]\n"
+    "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
 
 options parse_args(int argc, char** argv) {
@@ -103,6 +105,7 @@ options parse_args(int argc, char** argv) {
         throw_error(errc::invalid_argument, "--process-cost: expected seconds per GB in [0, 1000], got '" + v + "'");
     } else if (a == "--timeout-ms") o.timeout_ms = integer(1, 86400000);
     else if (a == "--quiet") o.quiet = true;
+    else if (a == "--print-layout") o.print_layout = true;
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -141,6 +144,12 @@ class worker_model {
     }
   }
 
+  // A server has its model resident before any update: allocate and touch it.
+  void allocate(const update_metadata& meta) {
+    std::lock_guard lock(mutex_);
+    for (const auto& t : meta.tensors) tensors_[t.name].bytes.assign(t.nbytes(), std::byte{0});
+  }
+
   json checksums() const {
     std::lock_guard lock(mutex_);
     json out = json::object();
@@ -176,6 +185,13 @@ int run_worker(const options& o) {
   const auto port = host.listen("127.0.0.1", 0);
   host.add_method("weight_checksums", [&model](const json&) -> asio::awaitable<json> {
     co_return model.checksums();
+  });
+  host.add_method("load_model", [&model](const json& params) -> asio::awaitable<json> {
+    json_reader r(params, "load_model params");
+    auto meta = read_update_metadata(r);
+    r.finish();
+    model.allocate(meta);
+    co_return json::object();
   });
   host.add_method("worker_stats", [](const json&) -> asio::awaitable<json> {
     co_return json{{"peak_rss_bytes", peak_rss_bytes()}};
@@ -347,6 +363,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
 
   json update_body = json::object();
   write_update_metadata(model.layout.meta, update_body["update_info"]);
+  co_await call_all(clients, "load_model", update_body["update_info"]);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
   const json empty = json::object();
   for (int round = 1; round <= o.updates; ++round) {
@@ -397,6 +414,12 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
 }
 
 int run_trainer(const options& o) {
+  if (o.print_layout) {
+    json layout = json::object();
+    write_update_metadata(make_layout(o.model_bytes, o.layers, o.vocab).meta, layout);
+    std::cout << layout.dump() << std::endl;
+    return 0;
+  }
   trainer_model model(make_layout(o.model_bytes, o.layers, o.vocab));
   const auto& meta = model.layout.meta;
   if (!o.quiet)
