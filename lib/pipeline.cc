@@ -1,6 +1,7 @@
 #include "lib/pipeline.h"
 
 #include <cstdlib>
+#include <cstring>
 
 #include <asio/strand.hpp>
 
@@ -48,7 +49,11 @@ host_staging::buffer host_staging::allocate(std::uint64_t bytes) {
 
 host_staging::host_staging(std::size_t count, std::uint64_t bytes) : slot_bytes_(bytes) {
   slots_.reserve(count);
-  for (std::size_t i = 0; i < count; ++i) slots_.push_back(allocate(bytes));
+  for (std::size_t i = 0; i < count; ++i) {
+    slots_.push_back(allocate(bytes));
+    // Fault the pages in now, at init, not during the first update.
+    std::memset(slots_.back().get(), 0, static_cast<std::size_t>(bytes));
+  }
 }
 
 std::span<std::byte> host_staging::slot(std::size_t index) {
