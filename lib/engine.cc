@@ -4,12 +4,17 @@
 
 namespace refit {
 
+namespace {
+// Runs before any member uses the executor.
+engine_context checked(engine_context context) {
+  if (!context.executor) throw_error(errc::invalid_argument, "engine_context: an executor is required");
+  return context;
+}
+}  // namespace
+
 weight_transfer_engine::weight_transfer_engine(weight_transfer_config config,
                                                engine_context context)
-    : config_(std::move(config)), context_(std::move(context)), deferred_(context_.executor) {
-  if (!context_.executor)
-    throw_error(errc::invalid_argument, "engine_context: an executor is required");
-}
+    : config_(std::move(config)), context_(checked(std::move(context))), deferred_(context_.executor) {}
 
 weight_transfer_engine::~weight_transfer_engine() = default;
 
@@ -72,6 +77,11 @@ asio::awaitable<void> weight_transfer_engine::drain_pending() {
 }
 
 void weight_transfer_engine::shutdown() {
+  // Deferred processing still reads staging memory that shutdown may free.
+  if (deferred_.pending() > 0)
+    throw_error(errc::invalid_state, std::string(backend()) + ": shutdown while " +
+                                         std::to_string(deferred_.pending()) +
+                                         " bucket(s) are still being processed; co_await drain_pending() first");
   if (state_ == state::shut_down || state_ == state::created) {
     state_ = state::shut_down;
     return;

@@ -105,7 +105,9 @@ class weight_transfer_engine {
   /// error it hit, once. Idempotent; a no-op for engines that do not defer.
   asio::awaitable<void> drain_pending();
 
-  /// Closes connections and frees staging memory. Idempotent.
+  /// Closes connections and frees staging memory. Idempotent. Refused
+  /// (invalid_state) while deferred processing is pending: drain_pending() first.
+  /// Destroy an engine only when nothing is pending either.
   void shutdown();
 
   /// Statistics of the last completed update (processing times are final after

@@ -1,5 +1,6 @@
 #include "lib/metadata.h"
 
+#include <limits>
 #include <string>
 #include <unordered_set>
 
@@ -10,7 +11,8 @@ namespace refit {
 std::uint64_t update_metadata::total_bytes() const {
   std::uint64_t total = 0;
   for (const auto& t : tensors)
-    if (__builtin_add_overflow(total, t.nbytes(), &total))
+    if (__builtin_add_overflow(total, t.nbytes(), &total) ||
+        total > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
       throw_error(errc::invalid_argument, "update metadata: total byte size overflows");
   return total;
 }

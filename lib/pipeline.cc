@@ -80,18 +80,17 @@ struct receive_pipeline::update_state {
   load_weights_fn load;
   asio::strand<asio::any_io_executor> strand;
   clock_type::time_point start;
-  bool failed = false;  // after a processing error, later buckets are not loaded
+  bool failed = false;  // after a processing error, later buckets are not loaded (strand only)
 };
 
 receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
                                    wire_params params, std::unique_ptr<staging_memory> staging)
     : executor_(executor),
       processing_(processing),
-      params_(params),
+      params_((params.validate(), params)),
       staging_(std::move(staging)),
       slots_(executor, params.num_buffers),
       assembly_(executor, 1) {
-  params_.validate();
   if (!staging_ || staging_->slot_count() != params_.num_buffers)
     throw_error(errc::invalid_argument, "receive_pipeline: staging must have num_buffers slots");
 }
@@ -108,19 +107,26 @@ asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_st
                                                        std::optional<std::size_t> slot, bool assembly,
                                                        std::uint64_t bucket_index, update_stats& stats) {
   std::exception_ptr error;
-  if (!state->failed) {
-    try {
-      double busy = co_await async::offload(state->strand, [&state, &views] {
-        auto t0 = clock_type::now();
+  try {
+    // `failed` is read and written only on the strand, in bucket order, so no
+    // bucket after a failed one is loaded.
+    double busy = co_await async::offload(state->strand, [&state, &views] {
+      if (state->failed) return -1.0;
+      auto t0 = clock_type::now();
+      try {
         state->load(std::span<const tensor_view>(views));
-        return seconds_since(t0);
-      });
+      } catch (...) {
+        state->failed = true;
+        throw;
+      }
+      return seconds_since(t0);
+    });
+    if (busy >= 0) {
       stats.process_s += busy;
       stats.tensors += views.size();
-    } catch (...) {
-      state->failed = true;
-      error = processing_error(std::current_exception(), bucket_index, views);
     }
+  } catch (...) {
+    error = processing_error(std::current_exception(), bucket_index, views);
   }
   stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
   if (slot) slots_.release(*slot);

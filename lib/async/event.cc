@@ -11,6 +11,7 @@ event::event(asio::any_io_executor ex) : timer_(std::move(ex)) {
 
 void event::set() {
   set_ = true;
+  ++generation_;
   timer_.cancel();
 }
 
@@ -20,7 +21,8 @@ void event::reset() {
 }
 
 asio::awaitable<void> event::wait() {
-  while (!set_)
+  const std::uint64_t seen = generation_;
+  while (!set_ && generation_ == seen)
     co_await timer_.async_wait(asio::experimental::as_tuple(asio::use_awaitable));
 }
 

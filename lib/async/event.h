@@ -6,6 +6,8 @@
 #include <asio/awaitable.hpp>
 #include <asio/steady_timer.hpp>
 
+#include <cstdint>
+
 namespace refit::async {
 
 /// Waiters suspend until set(); set() wakes all of them and stays set until reset().
@@ -26,6 +28,9 @@ class event {
   // A timer that never expires on its own; cancelling it is the wake-up broadcast.
   asio::steady_timer timer_;
   bool set_ = false;
+  // Counts set() calls: a waiter woken by a set() returns even if reset() came
+  // before it resumed.
+  std::uint64_t generation_ = 0;
 };
 
 }  // namespace refit::async

@@ -17,6 +17,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "lib/async/all_of.h"
 #include "lib/async/deadline.h"
 #include "lib/async/drain_scope.h"
 #include "lib/async/event.h"
@@ -519,14 +520,10 @@ TEST(with_deadline, an_event_wait_is_cancelled_by_the_deadline) {
   EXPECT_THAT(r->message(), HasSubstr("drain: no progress within 2 ms"));
 }
 
-// BUG (lib/async/deadline.h): with_deadline races `op || timer` with asio's
-// awaitable operator||, which waits for the first operation to *succeed*. When
-// `op` fails (peer lost, protocol error), the timer keeps running; when it fires,
-// with_deadline throws errc::timeout, so the real error is lost and arrives only
-// after the whole deadline ("a dead peer is an error, not a hang" is violated).
-// Disabled until lib/ is fixed; remove DISABLED_ to reproduce (fails with kind
-// timeout instead of peer_lost).
-TEST(with_deadline, DISABLED_failure_of_the_operation_is_reported_not_masked_as_timeout) {
+// Regression test: with_deadline used to race `op || timer` with asio's awaitable
+// operator||, which waits for the first operation to *succeed*; a failing `op` (peer
+// lost) was then reported as errc::timeout once the whole deadline had passed.
+TEST(with_deadline, failure_of_the_operation_is_reported_not_masked_as_timeout) {
   asio::io_context io;
   auto r = spawn(io, async::with_deadline(fail_now(errc::peer_lost, "tcp: connection reset by trainer"),
                                           200ms, "tcp: bucket 0"));
@@ -534,6 +531,83 @@ TEST(with_deadline, DISABLED_failure_of_the_operation_is_reported_not_masked_as_
   ASSERT_TRUE(r->error);
   EXPECT_EQ(r->kind(), static_cast<int>(errc::peer_lost)) << r->message();
   EXPECT_EQ(r->message(), "tcp: connection reset by trainer");
+}
+
+asio::awaitable<void> fail_after_a_wait(async::event& trigger) {
+  co_await trigger.wait();
+  throw_error(errc::protocol_error, "tcp: bad frame header");
+}
+
+TEST(with_deadline, failure_after_suspending_is_reported_at_once) {
+  asio::io_context io;
+  async::event trigger(io.get_executor());
+  // An hour-long deadline: the error must not wait for it.
+  auto r = spawn(io, async::with_deadline(fail_after_a_wait(trigger), std::chrono::hours(1), "tcp: bucket 2"));
+  poll(io);
+  EXPECT_FALSE(r->done);
+  trigger.set();
+  ASSERT_TRUE(testing::run(io, 30s)) << "the error waited for the deadline";
+  EXPECT_EQ(r->kind(), static_cast<int>(errc::protocol_error)) << r->message();
+  EXPECT_EQ(r->message(), "tcp: bad frame header");
+}
+
+// ---- all_of ----
+
+asio::awaitable<void> finish_after(async::event& gate, int id, std::vector<int>& finished, errc fail = errc{}) {
+  co_await gate.wait();
+  finished.push_back(id);
+  if (fail != errc{}) throw_error(fail, "op " + std::to_string(id) + " failed");
+}
+
+asio::awaitable<void> run_all(std::vector<asio::awaitable<void>> ops) { co_await async::all_of(std::move(ops)); }
+
+TEST(all_of, empty_list_completes_at_once) {
+  asio::io_context io;
+  auto r = spawn(io, run_all({}));
+  poll(io);
+  EXPECT_TRUE(r->done && !r->error);
+}
+
+TEST(all_of, waits_for_every_operation) {
+  asio::io_context io;
+  async::event g0(io.get_executor()), g1(io.get_executor()), g2(io.get_executor());
+  std::vector<int> finished;
+  std::vector<asio::awaitable<void>> ops;
+  ops.push_back(finish_after(g0, 0, finished));
+  ops.push_back(finish_after(g1, 1, finished));
+  ops.push_back(finish_after(g2, 2, finished));
+  auto r = spawn(io, run_all(std::move(ops)));
+  poll(io);
+  g2.set();
+  g0.set();
+  poll(io);
+  EXPECT_FALSE(r->done);
+  EXPECT_EQ(finished, (std::vector<int>{2, 0})) << "operations run concurrently";
+  g1.set();
+  poll(io);
+  EXPECT_TRUE(r->done && !r->error) << r->message();
+}
+
+TEST(all_of, rethrows_the_first_error_only_after_all_finished) {
+  asio::io_context io;
+  async::event g0(io.get_executor()), g1(io.get_executor()), g2(io.get_executor());
+  std::vector<int> finished;
+  std::vector<asio::awaitable<void>> ops;
+  ops.push_back(finish_after(g0, 0, finished, errc::io_error));
+  ops.push_back(finish_after(g1, 1, finished, errc::peer_lost));
+  ops.push_back(finish_after(g2, 2, finished));
+  auto r = spawn(io, run_all(std::move(ops)));
+  poll(io);
+  g1.set();
+  poll(io);
+  EXPECT_FALSE(r->done) << "no operation is abandoned half way";
+  g0.set();
+  g2.set();
+  poll(io);
+  ASSERT_TRUE(r->done);
+  EXPECT_EQ(r->kind(), static_cast<int>(errc::peer_lost));
+  EXPECT_EQ(r->message(), "op 1 failed");
+  EXPECT_EQ(finished.size(), 3u);
 }
 
 }  // namespace

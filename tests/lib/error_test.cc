@@ -2,6 +2,7 @@
 
 #include <set>
 #include <string>
+#include <string_view>
 
 #include <gtest/gtest.h>
 
@@ -38,6 +39,22 @@ TEST(error_category, kind_values_are_stable) {
   EXPECT_EQ(static_cast<int>(errc::timeout), 1);
   EXPECT_EQ(static_cast<int>(errc::load_failed), 8);
   EXPECT_EQ(static_cast<int>(errc::unsupported), 13);
+}
+
+TEST(errc_name, is_a_stable_identifier_and_parse_errc_inverts_it) {
+  EXPECT_EQ(errc_name(errc::timeout), "timeout");
+  EXPECT_EQ(errc_name(errc::peer_lost), "peer_lost");
+  EXPECT_EQ(errc_name(errc::unsupported), "unsupported");
+  EXPECT_EQ(errc_name(static_cast<errc>(99)), "unknown");
+  std::set<std::string_view> names;
+  for (errc e : all_kinds) {
+    EXPECT_EQ(parse_errc(errc_name(e)), e) << errc_name(e);
+    names.insert(errc_name(e));
+  }
+  EXPECT_EQ(names.size(), std::size(all_kinds));
+  EXPECT_EQ(parse_errc("no_such_kind"), errc{});
+  EXPECT_EQ(parse_errc(""), errc{});
+  EXPECT_EQ(parse_errc("peer lost"), errc{}) << "the wire name, not the message";
 }
 
 TEST(error_code, converts_from_errc_and_compares) {

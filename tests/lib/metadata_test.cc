@@ -144,5 +144,32 @@ TEST(update_metadata, total_bytes_overflow_is_an_error) {
   EXPECT_EQ(e.message(), "update metadata: total byte size overflows");
 }
 
+TEST(metadata_digest, is_deterministic_and_sensitive_to_every_field_and_the_order) {
+  update_metadata base;
+  base.tensors = {{"a", dtype::float32, {2, 3}}, {"b", dtype::bfloat16, {4}}};
+  const std::uint64_t d = metadata_digest(base);
+  EXPECT_EQ(metadata_digest(base), d);
+  update_metadata copy = base;
+  EXPECT_EQ(metadata_digest(copy), d);
+
+  auto differs = [&](auto change, const char* what) {
+    update_metadata m = base;
+    change(m);
+    EXPECT_NE(metadata_digest(m), d) << what;
+  };
+  differs([](update_metadata& m) { m.tensors[1].name = "c"; }, "name");
+  differs([](update_metadata& m) { m.tensors[1].dtype = dtype::float16; }, "dtype");
+  differs([](update_metadata& m) { m.tensors[0].shape = {3, 2}; }, "shape order");
+  differs([](update_metadata& m) { m.tensors[0].shape = {6}; }, "rank");
+  differs([](update_metadata& m) { std::swap(m.tensors[0], m.tensors[1]); }, "tensor order");
+  differs([](update_metadata& m) { m.tensors.pop_back(); }, "tensor count");
+  // Field boundaries are not ambiguous: "ab"+[] vs "a"+... are different lists.
+  update_metadata x, y;
+  x.tensors = {{"ab", dtype::int8, {}}};
+  y.tensors = {{"a", dtype::int8, {}}, {"b", dtype::int8, {}}};
+  EXPECT_NE(metadata_digest(x), metadata_digest(y));
+  EXPECT_NE(metadata_digest(update_metadata{}), d);
+}
+
 }  // namespace
 }  // namespace refit
