@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -41,6 +42,12 @@ class model_target {
   virtual ~model_target() = default;
   /// Loads a batch of tensors by name; same contract as load_weights_fn.
   virtual void load_weights(std::span<const tensor_view> weights) = 0;
+  /// Memory of exactly spec.nbytes() on the engine's device into which the engine
+  /// may receive `spec`'s bytes directly (no staging copy, no assembly buffer for
+  /// tensors larger than a buffer); load_weights then gets a view of that memory.
+  /// nullopt (the default) receives into staging. Bytes land as they arrive, so a
+  /// failed update leaves such tensors partly written (in-place semantics).
+  virtual std::optional<tensor_view> destination(const tensor_spec& spec) { return std::nullopt; }
   /// A load_weights_fn that forwards to this target.
   load_weights_fn as_load_weights() {
     return [this](std::span<const tensor_view> w) { load_weights(w); };

@@ -138,57 +138,110 @@ asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_st
 
 namespace refit {
 
+namespace {
+
+// Where each tensor's bytes go when its owner offers them directly; nullptr means
+// staging. Checked once per update, before any byte moves.
+std::vector<std::byte*> direct_destinations(const update_metadata& meta, model_target* target, device dev) {
+  std::vector<std::byte*> out(meta.tensors.size(), nullptr);
+  if (!target) return out;
+  for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+    const auto& spec = meta.tensors[i];
+    auto d = target->destination(spec);
+    if (!d) continue;
+    if (d->nbytes() != spec.nbytes() || !(d->device == dev) || (d->data == nullptr && spec.nbytes() != 0))
+      throw_error(errc::invalid_argument,
+                  "model target: destination of '" + spec.name + "' is " + std::to_string(d->nbytes()) +
+                      " bytes on " + to_string(d->device) + ", expected " + std::to_string(spec.nbytes()) +
+                      " bytes on " + to_string(dev));
+    out[i] = d->data;
+  }
+  return out;
+}
+
+// Appends [data, data + n) to a scatter list, merging with the previous range when
+// they touch (a staged bucket stays one buffer).
+void append(std::vector<asio::mutable_buffer>& list, std::byte* data, std::uint64_t n) {
+  if (n == 0) return;
+  if (!list.empty()) {
+    auto& last = list.back();
+    if (static_cast<std::byte*>(last.data()) + last.size() == data) {
+      last = asio::mutable_buffer(last.data(), last.size() + static_cast<std::size_t>(n));
+      return;
+    }
+  }
+  list.emplace_back(data, static_cast<std::size_t>(n));
+}
+
+}  // namespace
+
 asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta,
                                                 bucket_transport& transport,
                                                 load_weights_fn load_weights,
-                                                async::drain_scope& scope, update_stats& stats) {
+                                                async::drain_scope& scope, update_stats& stats,
+                                                model_target* target) {
   auto state = std::make_shared<update_state>(update_state{
       meta, std::move(load_weights), asio::make_strand(processing_), clock_type::now()});
   const bucket_plan plan = plan_buckets(state->meta, params_);
   const device dev = staging_->device();
-
-  // Views for the tensors completed by a packed bucket in `base`.
-  auto packed_views = [&](const bucket& b, std::byte* base) {
-    std::vector<tensor_view> views;
-    views.reserve(b.piece_count);
-    for (const auto& p : plan.pieces_of(b))
-      views.emplace_back(state->meta.tensors[p.tensor], base + p.bucket_offset, dev);
-    return views;
-  };
+  const std::vector<std::byte*> direct = direct_destinations(state->meta, target, dev);
+  std::vector<asio::mutable_buffer> scatter;
 
   std::exception_ptr failure;
   try {
     for (const bucket& b : plan.buckets) {
       const bucket_piece& first = plan.pieces[b.first_piece];
+      scatter.clear();
       if (b.split) {
-        // Chunks of one large tensor land at their offsets in the assembly buffer;
-        // the tensor is handed over whole after its last chunk.
-        if (first.tensor_offset == 0) co_await assembly_.acquire();
-        const std::uint64_t total = state->meta.tensors[first.tensor].nbytes();
-        std::byte* base = staging_->assembly(total).data();
+        // Chunks of one large tensor land at their offsets in its destination or in
+        // the assembly buffer; the tensor is handed over whole after its last chunk.
+        const auto& spec = state->meta.tensors[first.tensor];
+        std::byte* base = direct[first.tensor];
+        const bool assembled = base == nullptr;
+        if (assembled) {
+          if (first.tensor_offset == 0) co_await assembly_.acquire();
+          base = staging_->assembly(spec.nbytes()).data();
+        }
+        append(scatter, base + first.tensor_offset, b.payload_bytes);
         auto t0 = clock_type::now();
-        co_await transport.receive(b, {base + first.tensor_offset, static_cast<std::size_t>(b.payload_bytes)});
+        co_await transport.receive(b, scatter);
         stats.receive_s += seconds_since(t0);
         stats.bytes += b.payload_bytes;
         ++stats.buckets;
         if (b.last_chunk)
-          process(state, {tensor_view(state->meta.tensors[first.tensor], base, dev)}, std::nullopt,
-                  true, b.index, scope, stats);
+          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, scope, stats);
         continue;
       }
       std::size_t slot = co_await slots_.acquire();
-      std::span<std::byte> mem = staging_->slot(slot);
+      std::byte* mem = staging_->slot(slot).data();
+      // Staged pieces (and all padding) land at their offsets in the slot; direct
+      // pieces in their owners' memory.
+      std::vector<tensor_view> views;
+      views.reserve(b.piece_count);
+      std::uint64_t at = 0;
+      for (const auto& p : plan.pieces_of(b)) {
+        const auto& spec = state->meta.tensors[p.tensor];
+        if (std::byte* d = direct[p.tensor]) {
+          append(scatter, mem + at, p.bucket_offset - at);
+          append(scatter, d, p.bytes);
+          views.emplace_back(spec, d, dev);
+        } else {
+          append(scatter, mem + at, p.bucket_offset + p.bytes - at);
+          views.emplace_back(spec, mem + p.bucket_offset, dev);
+        }
+        at = p.bucket_offset + p.bytes;
+        stats.bytes += p.bytes;
+      }
       auto t0 = clock_type::now();
       try {
-        co_await transport.receive(b, mem.first(static_cast<std::size_t>(b.payload_bytes)));
+        co_await transport.receive(b, scatter);
       } catch (...) {
         slots_.release(slot);
         throw;
       }
       stats.receive_s += seconds_since(t0);
-      for (const auto& p : plan.pieces_of(b)) stats.bytes += p.bytes;
       ++stats.buckets;
-      process(state, packed_views(b, mem.data()), slot, false, b.index, scope, stats);
+      process(state, std::move(views), slot, false, b.index, scope, stats);
     }
   } catch (...) {
     failure = std::current_exception();

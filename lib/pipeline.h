@@ -19,6 +19,7 @@
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
+#include <asio/buffer.hpp>
 
 #include "lib/async/drain_scope.h"
 #include "lib/async/slot_ring.h"
@@ -68,9 +69,10 @@ class host_staging final : public staging_memory {
 class bucket_transport {
  public:
   virtual ~bucket_transport() = default;
-  /// Receives exactly b.payload_bytes bytes of bucket `b` into `dest`. Throws on
-  /// peer loss, timeout or a protocol violation.
-  virtual asio::awaitable<void> receive(const bucket& b, std::span<std::byte> dest) = 0;
+  /// Receives exactly b.payload_bytes bytes of bucket `b`, scattered over `dest`
+  /// in order (staging, or a model's own memory). Throws on peer loss, timeout or a
+  /// protocol violation.
+  virtual asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) = 0;
 };
 
 /// Runs updates through staging memory that lives as long as the pipeline.
@@ -86,10 +88,11 @@ class receive_pipeline {
   /// completes when every tensor has been loaded. `stats` is filled in as work
   /// completes (final after the join). On a transport error, processing already in
   /// flight is awaited before the error propagates, so staging is never in use
-  /// after a failed receive returns.
+  /// after a failed receive returns. When `target` gives a destination for a
+  /// tensor, its bytes are received there directly.
   asio::awaitable<void> receive(const update_metadata& meta, bucket_transport& transport,
                                 load_weights_fn load_weights, async::drain_scope& scope,
-                                update_stats& stats);
+                                update_stats& stats, model_target* target = nullptr);
 
   const wire_params& params() const noexcept { return params_; }
   staging_memory& staging() noexcept { return *staging_; }

@@ -19,7 +19,7 @@ namespace refit::loopback {
 struct request {
   std::uint64_t index = 0;
   std::uint64_t bytes = 0;
-  std::span<std::byte> dest;
+  std::span<const asio::mutable_buffer> dest;
 };
 
 struct link {
@@ -63,7 +63,7 @@ namespace {
 class transport final : public bucket_transport {
  public:
   transport(link& l, std::chrono::milliseconds timeout) : link_(l), timeout_(timeout) {}
-  asio::awaitable<void> receive(const bucket& b, std::span<std::byte> dest) override {
+  asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = "loopback: bucket " + std::to_string(b.index);
     co_await async::with_deadline(
         link_.requests.async_send(std::error_code{}, request{b.index, b.payload_bytes, dest},
@@ -117,7 +117,8 @@ asio::awaitable<void> engine::init(const init_info& info) {
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
   transport t(*link_, config().timeout);
-  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats());
+  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(),
+                              context().model);
 }
 
 void engine::do_shutdown() {
@@ -169,7 +170,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
                     what + ": worker expects bucket " + std::to_string(req.index) + " of " +
                         std::to_string(req.bytes) + " bytes, trainer has " +
                         std::to_string(b.payload_bytes) + " bytes (metadata differ)");
-      asio::buffer_copy(asio::buffer(req.dest.data(), req.dest.size()), buffers);
+      asio::buffer_copy(req.dest, buffers);
       co_await async::with_deadline(
           link_->replies.async_send(std::error_code{}, b.index, asio::use_awaitable), config_.timeout,
           what + " (handing the bytes over)");

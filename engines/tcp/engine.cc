@@ -45,7 +45,7 @@ class transport final : public bucket_transport {
   transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, int rank)
       : socket_(s), timeout_(timeout), rank_(rank) {}
 
-  asio::awaitable<void> receive(const bucket& b, std::span<std::byte> dest) override {
+  asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = "tcp worker rank " + std::to_string(rank_) + ": bucket " + std::to_string(b.index);
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
     co_await net::read_exact(socket_, asio::buffer(raw), timeout_, what + " header");
@@ -56,7 +56,7 @@ class transport final : public bucket_transport {
       throw_error(errc::protocol_error, what + ": expected bucket " + std::to_string(b.index) + " of " +
                                             std::to_string(b.payload_bytes) + " bytes, trainer sent bucket " +
                                             std::to_string(h.index) + " of " + std::to_string(h.payload_bytes));
-    co_await net::read_exact(socket_, asio::buffer(dest.data(), dest.size()), timeout_, what + " payload");
+    co_await net::read_exact(socket_, dest, timeout_, what + " payload");
   }
 
  private:
@@ -156,7 +156,8 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const up
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": accepting the update");
 
   transport t(socket, timeout_, rank_);
-  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats());
+  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(),
+                              context().model);
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": confirming the update");
 }
 

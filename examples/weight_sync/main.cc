@@ -56,12 +56,14 @@ struct options {
   std::int64_t timeout_ms = 60000;
   bool quiet = false;
   bool print_layout = false;
+  bool staged = false;  // receive through staging even where the model offers memory
 };
 
 const char* usage =
     "usage: weight_sync [--engine tcp] [--workers N] [--model-bytes SIZE] [--layers N]\n"
     "                   [--vocab N] [--updates N] [--buffer-bytes SIZE] [--num-buffers N]\n"
     "                   [--process-cost SECONDS_PER_GB] [--timeout-ms MS] [--quiet]\n"
+    "                   [--staged]  (receive through staging, not into the model's memory)\n"
     "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
 
@@ -106,6 +108,7 @@ options parse_args(int argc, char** argv) {
     } else if (a == "--timeout-ms") o.timeout_ms = integer(1, 86400000);
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--print-layout") o.print_layout = true;
+    else if (a == "--staged") o.staged = true;
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -126,21 +129,30 @@ void burn(std::uint64_t bytes, double cost) {
 
 // ---------------------------------------------------------------- worker
 
-// The worker's "model": one buffer per tensor, filled by load_weights, with a
-// checksum of what it holds.
-class worker_model {
+// The worker's "model": one buffer per tensor. It offers its buffers as receive
+// destinations (the engine writes weights straight into them); load_weights copies
+// only what came through staging, then runs the simulated post-processing.
+class worker_model final : public model_target {
  public:
-  explicit worker_model(double process_cost) : process_cost_(process_cost) {}
+  worker_model(double process_cost, bool direct) : process_cost_(process_cost), direct_(direct) {}
 
-  void load(std::span<const tensor_view> views) {
+  void load_weights(std::span<const tensor_view> views) override {
     for (const auto& v : views) {
       auto bytes = v.bytes();
       std::lock_guard lock(mutex_);
       auto& slot = tensors_[std::string(v.name)];
       if (slot.bytes.size() != bytes.size()) slot.bytes.assign(bytes.size(), std::byte{0});
-      std::memcpy(slot.bytes.data(), bytes.data(), bytes.size());
+      if (slot.bytes.data() != bytes.data()) std::memcpy(slot.bytes.data(), bytes.data(), bytes.size());
       burn(bytes.size(), process_cost_);
     }
+  }
+
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    if (!direct_) return std::nullopt;
+    std::lock_guard lock(mutex_);
+    auto it = tensors_.find(spec.name);
+    if (it == tensors_.end() || it->second.bytes.size() != spec.nbytes()) return std::nullopt;
+    return tensor_view(spec, it->second.bytes.data());
   }
 
   // A server has its model resident before any update: allocate and touch it.
@@ -163,6 +175,7 @@ class worker_model {
     std::vector<std::byte> bytes;
   };
   double process_cost_;
+  bool direct_;
   mutable std::mutex mutex_;
   std::map<std::string, tensor> tensors_;
 };
@@ -176,12 +189,11 @@ std::uint64_t peak_rss_bytes() {
 int run_worker(const options& o) {
   prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the trainer
   asio::io_context io;
-  worker_model model(o.process_cost);
+  worker_model model(o.process_cost, !o.staged);
   weight_transfer_config config;
   config.backend = o.engine;
   config.timeout = std::chrono::milliseconds(o.timeout_ms);
-  control::worker_host host(config, engine_context{io.get_executor()},
-                            [&model](std::span<const tensor_view> v) { model.load(v); });
+  control::worker_host host(config, engine_context{io.get_executor(), {}, {}, &model}, model.as_load_weights());
   const auto port = host.listen("127.0.0.1", 0);
   host.add_method("weight_checksums", [&model](const json&) -> asio::awaitable<json> {
     co_return model.checksums();
@@ -224,6 +236,7 @@ worker_process start_worker(const options& o, int index) {
   std::vector<std::string> args = {"weight_sync",   "--role",       "worker",
                                    "--engine",      o.engine,       "--timeout-ms",
                                    std::to_string(o.timeout_ms), "--process-cost", std::to_string(o.process_cost)};
+  if (o.staged) args.push_back("--staged");
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -465,6 +478,7 @@ int run_trainer(const options& o) {
                  {"buffer_bytes", o.buffer_bytes},
                  {"num_buffers", o.num_buffers},
                  {"process_cost", o.process_cost},
+                 {"direct_receive", !o.staged},
                  {"worker_peak_rss_bytes", t.peak_rss},
                  {"verified", failure.empty() && t.verified}};
   if (!failure.empty()) result["error"] = failure;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <future>
+#include <map>
 
 #include "lib/metadata.h"
 #include "tests/support/run.h"
@@ -178,6 +179,53 @@ TEST_P(engine_conformance, sender_tensor_diverging_from_declaration_is_named) {
   EXPECT_EQ(r.first->kind(), static_cast<int>(errc::invalid_argument));
   EXPECT_NE(r.first->message().find("parameter #1 ('b') shape"), std::string::npos) << r.first->message();
   EXPECT_TRUE(r.second->done) << "the worker must not hang";
+}
+
+// A model that offers its own memory for some tensors: those bytes must arrive
+// there (no staging copy), the rest through staging, and load_weights sees both.
+class direct_model final : public model_target {
+ public:
+  explicit direct_model(const tensor_set& set) {
+    for (std::size_t i = 0; i < set.meta.tensors.size(); ++i)
+      if (i % 2 == 0) memory_[set.meta.tensors[i].name].resize(set.data[i].size());
+  }
+  void load_weights(std::span<const tensor_view>) override {}
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    auto it = memory_.find(spec.name);
+    if (it == memory_.end()) return std::nullopt;
+    return tensor_view(spec, it->second.data());
+  }
+  bool owns(const tensor_view& v) const {
+    auto it = memory_.find(std::string(v.name));
+    return it != memory_.end() && v.data == it->second.data();
+  }
+  std::map<std::string, std::vector<std::byte>> memory_;
+};
+
+TEST_P(engine_conformance, direct_receive_into_model_memory) {
+  tensor_set set;
+  set.add("a", dtype::float32, {1000});
+  set.add("b", dtype::bfloat16, {77});
+  set.add("big", dtype::float32, {10000});  // 40000 bytes: split over 16 KiB buffers
+  set.add("c", dtype::int8, {13});
+  set.add("d", dtype::float16, {500});
+  set.add("big2", dtype::bfloat16, {30000});  // split, not direct
+  direct_model model(set);
+  harness_ = GetParam().make(io_, &model);
+  connect(small_wire(16 << 10, 2));
+  std::vector<std::string> direct_views, staged_views;
+  capture got;
+  auto copy = got.fn();
+  auto load = [&](std::span<const tensor_view> views) {
+    for (const auto& v : views) (model.owns(v) ? direct_views : staged_views).emplace_back(v.name);
+    copy(views);
+  };
+  expect_ok(transfer(set, load));
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_EQ(direct_views, (std::vector<std::string>{"a", "big", "d"}));
+  EXPECT_EQ(staged_views, (std::vector<std::string>{"b", "c", "big2"}));
+  for (std::size_t i = 0; i < set.meta.tensors.size(); i += 2)
+    EXPECT_EQ(model.memory_[set.meta.tensors[i].name], set.data[i]) << set.meta.tensors[i].name;
 }
 
 TEST_P(engine_conformance, receive_before_init_is_a_clear_error) {

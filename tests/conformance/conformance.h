@@ -36,7 +36,8 @@ class engine_harness {
 
 struct harness_factory {
   std::string name;
-  std::function<std::unique_ptr<engine_harness>(asio::io_context&)> make;
+  /// Builds the harness; `model` goes into the engine's context (may be null).
+  std::function<std::unique_ptr<engine_harness>(asio::io_context&, model_target* model)> make;
   friend void PrintTo(const harness_factory& f, std::ostream* os) { *os << f.name; }
 };
 
@@ -51,7 +52,7 @@ asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique
 /// The suite's fixture; instantiate it with harness_factory values.
 class engine_conformance : public ::testing::TestWithParam<harness_factory> {
  protected:
-  void SetUp() override { harness_ = GetParam().make(io_); }
+  void SetUp() override { harness_ = GetParam().make(io_, nullptr); }
 
   void connect(wire_params wire) {
     run_to_completion(io_, harness_->connect(wire));

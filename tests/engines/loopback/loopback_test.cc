@@ -9,12 +9,12 @@ namespace {
 
 class loopback_harness final : public engine_harness {
  public:
-  explicit loopback_harness(asio::io_context& io) : io_(io) {
+  loopback_harness(asio::io_context& io, model_target* model) : io_(io) {
     weight_transfer_config config;
     config.backend = "loopback";
     config.timeout = std::chrono::seconds(5);
     sender_ = std::make_unique<loopback::sender>(config, trainer_context{io.get_executor(), {}});
-    engine_ = std::make_unique<loopback::engine>(config, engine_context{io.get_executor()});
+    engine_ = std::make_unique<loopback::engine>(config, engine_context{io.get_executor(), {}, {}, model});
   }
   asio::awaitable<void> connect(const wire_params& wire) override {
     static std::atomic<int> counter{0};
@@ -38,8 +38,8 @@ class loopback_harness final : public engine_harness {
 using refit::testing::engine_conformance;
 INSTANTIATE_TEST_SUITE_P(loopback, engine_conformance,
                          ::testing::Values(refit::testing::harness_factory{
-                             "loopback", [](asio::io_context& io) {
+                             "loopback", [](asio::io_context& io, refit::model_target* model) {
                                return std::unique_ptr<refit::testing::engine_harness>(
-                                   new refit::testing::loopback_harness(io));
+                                   new refit::testing::loopback_harness(io, model));
                              }}),
                          [](const auto& info) { return info.param.name; });

@@ -16,9 +16,9 @@ weight_transfer_config tcp_config() {
 
 class tcp_harness final : public engine_harness {
  public:
-  explicit tcp_harness(asio::io_context& io) {
+  tcp_harness(asio::io_context& io, model_target* model) {
     sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io.get_executor(), {}});
-    engine_ = std::make_unique<tcp::engine>(tcp_config(), engine_context{io.get_executor()});
+    engine_ = std::make_unique<tcp::engine>(tcp_config(), engine_context{io.get_executor(), {}, {}, model});
   }
   asio::awaitable<void> connect(const wire_params& wire) override {
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
@@ -41,8 +41,8 @@ class tcp_harness final : public engine_harness {
 using refit::testing::engine_conformance;
 INSTANTIATE_TEST_SUITE_P(tcp, engine_conformance,
                          ::testing::Values(refit::testing::harness_factory{
-                             "tcp", [](asio::io_context& io) {
+                             "tcp", [](asio::io_context& io, refit::model_target* model) {
                                return std::unique_ptr<refit::testing::engine_harness>(
-                                   new refit::testing::tcp_harness(io));
+                                   new refit::testing::tcp_harness(io, model));
                              }}),
                          [](const auto& info) { return info.param.name; });
