@@ -76,6 +76,16 @@ struct update_info {
   update_metadata metadata;
 };
 
+/// Update info that is only the tensor metadata (vLLM's "names", "dtype_names",
+/// "shapes"): what engines use that need nothing else per update.
+struct metadata_update_info : update_info {
+  static metadata_update_info read(json_reader& r) {
+    metadata_update_info info;
+    info.metadata = read_update_metadata(r);
+    return info;
+  }
+};
+
 /// The worker-side engine. Public members check the call order and give clear
 /// errors on misuse (receive before init, concurrent receives, use after shutdown);
 /// engines implement the protected do_* hooks.

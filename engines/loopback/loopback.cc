@@ -51,12 +51,6 @@ init_info init_info::read(json_reader& r) {
   return info;
 }
 
-update_info update_info::read(json_reader& r) {
-  update_info info;
-  info.metadata = read_update_metadata(r);
-  return info;
-}
-
 // ---- worker ----
 
 namespace {

@@ -30,12 +30,6 @@ init_info init_info::read(json_reader& r) {
   return info;
 }
 
-update_info update_info::read(json_reader& r) {
-  update_info info;
-  info.metadata = read_update_metadata(r);
-  return info;
-}
-
 namespace {
 
 // Receives one bucket: header checked against the plan, then the payload straight

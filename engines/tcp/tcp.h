@@ -34,9 +34,7 @@ struct init_info final : refit::init_info {
 };
 
 /// {"names", "dtype_names", "shapes"} (vLLM's metadata members).
-struct update_info final : refit::update_info {
-  static update_info read(json_reader& r);
-};
+using update_info = metadata_update_info;
 
 /// Worker side: connects to the trainer, receives straight into staging slots.
 class engine final : public typed_engine<init_info, update_info> {
