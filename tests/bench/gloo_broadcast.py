@@ -3,8 +3,12 @@
 same tensor set from a trainer (rank 0) to N workers, each receiving into its own
 preallocated tensors. Prints one JSON line: bytes, seconds per update, GB/s per worker.
 
-usage: gloo_broadcast.py LAYOUT_JSON WORKERS UPDATES
+usage: gloo_broadcast.py LAYOUT_JSON WORKERS UPDATES [resident|fresh]
 LAYOUT_JSON: {"names": [...], "dtype_names": [...], "shapes": [...]} (weight_sync --print-layout)
+
+resident: workers receive straight into their resident model tensors (gloo's best case).
+fresh:    workers receive each parameter into a new tensor and copy it into the model,
+          the way vLLM's NCCL weight transfer engine feeds load_weights.
 """
 import json
 import os
@@ -16,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run(rank, world, layout, updates, port, out):
+def run(rank, world, layout, updates, port, out, pattern):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -33,7 +37,12 @@ def run(rank, world, layout, updates, port, out):
         dist.barrier()
         t0 = time.perf_counter()
         for t in tensors:
-            dist.broadcast(t, src=0)
+            if rank == 0 or pattern == "resident":
+                dist.broadcast(t, src=0)
+            else:
+                fresh = torch.empty_like(t)
+                dist.broadcast(fresh, src=0)
+                t.copy_(fresh)
         dist.barrier()
         times.append(time.perf_counter() - t0)
     if rank == 0:
@@ -45,6 +54,8 @@ def main():
     layout = json.load(open(sys.argv[1]))
     workers = int(sys.argv[2])
     updates = int(sys.argv[3])
+    pattern = sys.argv[4] if len(sys.argv) > 4 else "resident"
+    assert pattern in ("resident", "fresh"), pattern
     world = workers + 1
     nbytes = 0
     for d, shape in zip(layout["dtype_names"], layout["shapes"]):
@@ -55,7 +66,7 @@ def main():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=run, args=(r, world, layout, updates, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, layout, updates, port, out, pattern)) for r in range(world)]
     for p in procs:
         p.start()
     times = out.get(timeout=3600)
@@ -63,7 +74,7 @@ def main():
         p.join()
     best = min(times)
     mean = sum(times) / len(times)
-    print(json.dumps({"peer": "torch.distributed gloo broadcast", "torch": torch.__version__,
+    print(json.dumps({"peer": "torch.distributed gloo broadcast", "pattern": pattern, "torch": torch.__version__,
                       "workers": workers, "tensors": len(layout["names"]), "bytes": nbytes,
                       "updates": updates, "seconds_mean": mean, "seconds_best": best,
                       "gbps": nbytes / mean / 1e9}))

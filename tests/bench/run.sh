@@ -3,7 +3,8 @@
 # shared, noisy machine:
 #   - worker-side TCP throughput vs iperf3 loopback (the physical limit here)
 #   - the main job (trainer + 2 workers, ~1 GiB bf16 model) vs torch.distributed
-#     gloo broadcast of the same tensor set (Debian's python3-torch)
+#     gloo broadcast of the same tensor set (Debian's python3-torch), both into
+#     resident tensors and the way vLLM's engine does it (fresh tensor + copy)
 #   - 100k x 4 KiB tensors vs one 400 MiB tensor (per-tensor overhead)
 #   - transfer with equal-cost post-processing vs the larger of the two (overlap)
 #   - worker peak RSS vs model + staging + 100 MiB
@@ -40,7 +41,8 @@ echo "[bench] main job: trainer + 2 workers" >&2
 "$bin/examples/weight_sync/weight_sync" --model-bytes "$model_bytes" --print-layout >"$out/layout.json"
 
 echo "[bench] torch.distributed gloo broadcast, same tensors, trainer + 2 workers" >&2
-/usr/bin/python3 tests/bench/gloo_broadcast.py "$out/layout.json" 2 "$updates" | tee "$out/gloo.json" >&2
+/usr/bin/python3 tests/bench/gloo_broadcast.py "$out/layout.json" 2 "$updates" resident | tee "$out/gloo.json" >&2
+/usr/bin/python3 tests/bench/gloo_broadcast.py "$out/layout.json" 2 "$updates" fresh | tee "$out/gloo_fresh.json" >&2
 
 python3 - "$out" <<'PY'
 import json, sys
@@ -50,6 +52,7 @@ tcp = [json.loads(l) for l in open(f"{d}/tcp.jsonl")]
 summary = next(l for l in tcp if l["case"] == "summary")
 sync = json.load(open(f"{d}/sync.json"))
 gloo = json.load(open(f"{d}/gloo.json"))
+gloo_fresh = json.load(open(f"{d}/gloo_fresh.json"))
 staging = sync["buffer_bytes"] * sync["num_buffers"]
 rss_limit = sync["bytes"] + staging + (100 << 20)
 report = {
@@ -58,8 +61,10 @@ report = {
     "refit_worker_gbps": round(summary["worker_gbps"], 3),
     "worker_vs_iperf3": round(summary["worker_gbps"] / iperf, 3),
     "refit_main_job_gbps_per_worker": round(sync["gbps"], 3),
-    "gloo_gbps_per_worker": round(gloo["gbps"], 3),
-    "refit_vs_gloo": round(sync["gbps"] / gloo["gbps"], 2),
+    "gloo_resident_gbps_per_worker": round(gloo["gbps"], 3),
+    "refit_vs_gloo_resident": round(sync["gbps"] / gloo["gbps"], 2),
+    "gloo_fresh_copy_gbps_per_worker": round(gloo_fresh["gbps"], 3),
+    "refit_vs_gloo_fresh_copy": round(sync["gbps"] / gloo_fresh["gbps"], 2),
     "tiny_vs_big": round(summary["tiny_vs_big"], 3),
     "overlap_wall_vs_larger": round(summary["overlap_wall_vs_larger"], 3),
     "worker_peak_rss_bytes": sync["worker_peak_rss_bytes"],
