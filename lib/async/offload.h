@@ -36,7 +36,9 @@ auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
               error = std::current_exception();
             }
             auto ex = home.get_executor();
-            asio::post(ex, [handler = std::move(handler), error]() mutable {
+            // Moved, not copied: the pool thread keeps no reference to the result,
+            // so it is created here and destroyed on the caller's side only.
+            asio::post(ex, [handler = std::move(handler), error = std::move(error)]() mutable {
               std::move(handler)(error);
             });
           });
@@ -56,7 +58,7 @@ auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
               error = std::current_exception();
             }
             auto ex = home.get_executor();
-            asio::post(ex, [handler = std::move(handler), error,
+            asio::post(ex, [handler = std::move(handler), error = std::move(error),
                             value = std::move(value)]() mutable {
               std::move(handler)(error, value ? std::move(*value) : result{});
             });
