@@ -77,9 +77,9 @@ tcp::acceptor listen(const asio::any_io_executor& ex, const std::string& host, s
 }
 
 asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline,
-                                    std::string what) {
+                                    std::string what, asio::any_io_executor socket_executor) {
   try {
-    tcp::socket socket(acceptor.get_executor());
+    tcp::socket socket(socket_executor ? socket_executor : acceptor.get_executor());
     co_await async::with_deadline(acceptor.async_accept(socket, asio::use_awaitable), deadline, what);
     tune(socket);
     co_return socket;

@@ -60,9 +60,10 @@ asio::awaitable<tcp::socket> connect_with_retry(const std::string& host, std::ui
 /// A listening socket on host:port (port 0: any free port).
 tcp::acceptor listen(const asio::any_io_executor& ex, const std::string& host, std::uint16_t port);
 
-/// Accepts one connection within `deadline`.
+/// Accepts one connection within `deadline`; the socket runs on `socket_executor`
+/// (the acceptor's when empty).
 asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline,
-                                    std::string what);
+                                    std::string what, asio::any_io_executor socket_executor = {});
 
 /// Sets TCP_NODELAY and generous kernel buffers for bulk transfer.
 void tune(tcp::socket& socket);

@@ -20,8 +20,8 @@
 
 namespace refit {
 
-/// Pull-based iteration over the tensors a trainer sends (the Python iterator). Each
-/// view must stay valid until the next call to next() or until the send completes.
+/// Pull-based iteration over the tensors a trainer sends (the Python iterator). The
+/// memory each view points to must stay valid until the send completes.
 class tensor_source {
  public:
   virtual ~tensor_source() = default;

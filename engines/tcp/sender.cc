@@ -1,5 +1,8 @@
 // The TCP trainer: accept the workers, then stream each update to all of them at
 // once with gather writes straight from the trainer's tensors.
+#include <thread>
+
+#include <asio/co_spawn.hpp>
 #include <asio/use_awaitable.hpp>
 
 #include "engines/tcp/status_io.h"
@@ -38,6 +41,10 @@ json sender::prepare(const json& trainer_args) {
   timeout_ = std::chrono::milliseconds(ms);
   r.finish();
   shutdown();
+  if (!io_pool_) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    io_pool_ = std::make_unique<asio::thread_pool>(std::min<unsigned>(cores, static_cast<unsigned>(world_size_ - 1)));
+  }
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, address_, port));
   return worker_init_info();
 }
@@ -84,8 +91,8 @@ asio::awaitable<void> sender::connect_workers() {
 }
 
 asio::awaitable<void> sender::accept_one() {
-  auto left = timeout_;
-  auto socket = co_await net::accept(*acceptor_, left, "tcp trainer: waiting for workers");
+  auto strand = asio::make_strand(io_pool_->get_executor());
+  auto socket = co_await net::accept(*acceptor_, timeout_, "tcp trainer: waiting for workers", strand);
   std::array<std::byte, sizeof(wire::hello)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), timeout_, "tcp trainer: reading a worker's hello");
   auto h = wire::decode<wire::hello>(raw);
@@ -118,7 +125,7 @@ asio::awaitable<void> sender::accept_one() {
     co_return;
   }
   co_await send_status(socket, 0, 0, {}, timeout_, rank_name(h.rank) + ": welcome");
-  peers_.push_back(std::make_unique<peer>(peer{static_cast<int>(h.rank), std::move(socket)}));
+  peers_.push_back(std::make_unique<peer>(peer{static_cast<int>(h.rank), strand, std::move(socket)}));
 }
 
 void sender::fail_all() {
@@ -142,80 +149,63 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   const bucket_plan plan = plan_buckets(declared, wire_);
   const std::uint64_t seq = ++seq_;
 
-  // Runs `op(peer)` on every worker at once; an error names the worker's rank.
-  auto on_all = [this](auto op) -> asio::awaitable<void> {
-    std::vector<asio::awaitable<void>> ops;
-    for (auto& p : peers_) ops.push_back(op(*p));
-    co_await async::all_of(std::move(ops));
-  };
-
   try {
+    // Walk (and check) every tensor the source yields before any byte leaves: a
+    // divergent or extra tensor fails the update while workers have nothing of it.
+    stream s;
     wire::update u;
     u.seq = seq;
     u.digest = metadata_digest(declared);
     u.tensors = declared.tensors.size();
     u.buckets = plan.buckets.size();
     u.payload_bytes = plan.payload_bytes;
-    const auto update_raw = wire::encode(u);
-    co_await on_all([&](peer& p) -> asio::awaitable<void> {
-      return announce(p, update_raw, seq);
-    });
-
+    s.update = wire::encode(u);
+    s.seq = seq;
+    s.headers.resize(plan.buckets.size());
+    s.buckets.resize(plan.buckets.size());
     send_cursor cursor(declared, plan, source);
-    std::vector<asio::const_buffer> buffers;
     for (const bucket& b : plan.buckets) {
       wire::bucket_header h;
       h.index = b.index;
       h.payload_bytes = b.payload_bytes;
-      const auto header_raw = wire::encode(h);
+      s.headers[b.index] = wire::encode(h);
+      auto& buffers = s.buckets[b.index];
+      buffers.push_back(asio::buffer(s.headers[b.index]));
       const auto& payload = cursor.gather(b);
-      // The last bucket goes out only once the source is known to hold no extra
-      // tensors, so workers never apply an update the trainer reports as failed.
-      if (b.index + 1 == plan.buckets.size()) cursor.finish();
-      buffers.clear();
-      buffers.push_back(asio::buffer(header_raw));
       buffers.insert(buffers.end(), payload.begin(), payload.end());
-      co_await on_all([&](peer& p) -> asio::awaitable<void> {
-        return write_bucket(p, buffers, b.index);
-      });
-      for (const auto& piece : plan.pieces_of(b)) stats_.bytes += piece.bytes;
-      ++stats_.buckets;
     }
-    if (plan.buckets.empty()) cursor.finish();
-    co_await on_all([&](peer& p) -> asio::awaitable<void> { return confirm(p, seq); });
+    cursor.finish();
+
+    // Each worker's stream runs on its own strand of the I/O pool, at its own pace:
+    // with several workers the kernel copies run on several cores, and a slow
+    // worker does not stall the others bucket by bucket.
+    std::vector<asio::awaitable<void>> streams;
+    for (auto& p : peers_)
+      streams.push_back(asio::co_spawn(p->strand, stream_to(*p, s), asio::use_awaitable));
+    co_await async::all_of(std::move(streams));
   } catch (...) {
     fail_all();
     throw;
   }
+  stats_.bytes = plan.tensor_bytes;
+  stats_.buckets = plan.buckets.size();
   stats_.tensors = declared.tensors.size();
   stats_.wall_s = std::chrono::duration<double>(clock_type::now() - start).count();
   stats_.receive_s = stats_.wall_s;
   stats_.finalize();
 }
 
-}  // namespace refit::tcp
-
-namespace refit::tcp {
-
-asio::awaitable<void> sender::announce(peer& p, std::array<std::byte, 48> raw,
-                                       std::uint64_t seq) {
+asio::awaitable<void> sender::stream_to(peer& p, const stream& s) {
   const std::string who = rank_name(p.rank);
-  co_await net::write_all(p.socket, asio::buffer(raw), timeout_, who + ": update header");
-  auto s = co_await read_status(p.socket, timeout_, who + ": waiting for the worker to accept update " +
-                                                        std::to_string(seq));
-  throw_if_failed(s, who + " refused the update");
-}
-
-asio::awaitable<void> sender::write_bucket(peer& p, const std::vector<asio::const_buffer>& buffers,
-                                           std::uint64_t index) {
-  co_await net::write_all(p.socket, buffers, timeout_, rank_name(p.rank) + ": bucket " + std::to_string(index));
-}
-
-asio::awaitable<void> sender::confirm(peer& p, std::uint64_t seq) {
-  const std::string who = rank_name(p.rank);
-  auto s = co_await read_status(p.socket, timeout_, who + ": waiting for the worker to confirm update " +
-                                                        std::to_string(seq));
-  throw_if_failed(s, who + " failed the update");
+  co_await net::write_all(p.socket, asio::buffer(s.update), timeout_, who + ": update header");
+  throw_if_failed(co_await read_status(p.socket, timeout_,
+                                       who + ": waiting for the worker to accept update " + std::to_string(s.seq)),
+                  who + " refused the update");
+  for (std::size_t i = 0; i < s.buckets.size(); ++i)
+    co_await net::write_all(p.socket, s.buckets[i], timeout_, who + ": bucket " + std::to_string(i));
+  throw_if_failed(co_await read_status(p.socket, timeout_,
+                                       who + ": waiting for the worker to confirm update " + std::to_string(s.seq)),
+                  who + " failed the update");
 }
 
 void sender::shutdown() {

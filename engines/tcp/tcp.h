@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <asio/ip/tcp.hpp>
+#include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
 
 #include "lib/bucket_plan.h"
@@ -82,20 +83,27 @@ class sender final : public weight_sender {
   update_stats last_send_stats() const override { return stats_; }
 
  private:
+  using pool_strand = asio::strand<asio::thread_pool::executor_type>;
   struct peer {
     int rank = 0;
+    pool_strand strand;            // the worker's socket lives here, in the I/O pool
     asio::ip::tcp::socket socket;
   };
+  // One update's bytes, laid out once and streamed to every worker.
+  struct stream {
+    std::array<std::byte, 48> update;
+    std::uint64_t seq = 0;
+    std::vector<std::array<std::byte, 32>> headers;
+    std::vector<std::vector<asio::const_buffer>> buckets;  // header + payload each
+  };
   asio::awaitable<void> accept_one();
-  asio::awaitable<void> announce(peer& p, std::array<std::byte, 48> raw, std::uint64_t seq);
-  asio::awaitable<void> write_bucket(peer& p, const std::vector<asio::const_buffer>& buffers,
-                                     std::uint64_t index);
-  asio::awaitable<void> confirm(peer& p, std::uint64_t seq);
+  asio::awaitable<void> stream_to(peer& p, const stream& s);
   void fail_all();
   json worker_init_info() const;
 
   weight_transfer_config config_;
   trainer_context context_;
+  std::unique_ptr<asio::thread_pool> io_pool_;  // threads that copy bytes into sockets
   std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
   std::string address_;
   int world_size_ = 0;
