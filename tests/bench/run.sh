@@ -28,9 +28,15 @@ bin=$(bazel info -c opt bazel-bin 2>/dev/null)
 
 echo "[bench] iperf3 loopback" >&2
 port=$((20000 + RANDOM % 20000))
-iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
+iperf3 -s -p "$port" >/dev/null 2>&1 &
 iperf_pid=$!
-for _ in $(seq 50); do iperf3 -c 127.0.0.1 -p "$port" -t 3 -J >"$out/iperf.json" 2>/dev/null && break; sleep 0.1; done
+ok=
+for _ in $(seq 50); do
+  if iperf3 -c 127.0.0.1 -p "$port" -t 3 -J >"$out/iperf.json" 2>/dev/null; then ok=1; break; fi
+  sleep 0.1
+done
+[ -n "$ok" ] || { echo "[bench] iperf3 loopback failed: $(cat "$out/iperf.json")" >&2; exit 1; }
+kill "$iperf_pid" 2>/dev/null || true
 
 echo "[bench] refit TCP engine, worker side" >&2
 "$bin/tests/bench/tcp_bench" --updates 5 | tee "$out/tcp.jsonl" >&2
@@ -67,6 +73,7 @@ report = {
     "refit_vs_gloo_fresh_copy": round(sync["gbps"] / gloo_fresh["gbps"], 2),
     "tiny_vs_big": round(summary["tiny_vs_big"], 3),
     "overlap_wall_vs_larger": round(summary["overlap_wall_vs_larger"], 3),
+    "overlap_spinning_wall_vs_larger": round(summary["overlap_spinning_wall_vs_larger"], 3),
     "worker_peak_rss_bytes": sync["worker_peak_rss_bytes"],
     "rss_limit_bytes": rss_limit,
     "rss_vs_limit": round(sync["worker_peak_rss_bytes"] / rss_limit, 3),
