@@ -18,6 +18,12 @@ weight_transfer_engine::weight_transfer_engine(weight_transfer_config config,
 
 weight_transfer_engine::~weight_transfer_engine() = default;
 
+asio::any_io_executor weight_transfer_engine::processing_executor() {
+  if (context_.processing_executor) return context_.processing_executor;
+  if (!own_pool_) own_pool_ = std::make_unique<asio::thread_pool>(config_.processing_threads);
+  return own_pool_->get_executor();
+}
+
 asio::awaitable<void> weight_transfer_engine::init_transfer_engine(const init_info& info) {
   const std::string name(backend());
   if (state_ == state::initializing || state_ == state::receiving)

@@ -12,6 +12,7 @@
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
+#include <asio/thread_pool.hpp>
 
 #include "lib/async/drain_scope.h"
 #include "lib/config.h"
@@ -142,6 +143,9 @@ class weight_transfer_engine {
 
   /// Where engines start deferred work; drain_pending() joins it.
   async::drain_scope& deferred() noexcept { return deferred_; }
+  /// Where post-processing runs: the context's processing executor, else a pool of
+  /// config().processing_threads owned by the engine (created on first use).
+  asio::any_io_executor processing_executor();
   update_stats& mutable_stats() noexcept { return stats_; }
   /// Throws invalid_argument "<backend>: <what> is for another engine" unless
   /// `info` is a T.
@@ -158,6 +162,7 @@ class weight_transfer_engine {
   weight_transfer_config config_;
   engine_context context_;
   async::drain_scope deferred_;
+  std::unique_ptr<asio::thread_pool> own_pool_;
   update_stats stats_;
   state state_ = state::created;
 };

@@ -5,7 +5,6 @@
 
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/concurrent_channel.hpp>
-#include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 
 #include "lib/async/deadline.h"
@@ -97,13 +96,8 @@ asio::awaitable<void> engine::init(const init_info& info) {
     throw_error(errc::peer_lost, "loopback: no trainer has opened channel '" + info.channel + "'");
   if (!(l->wire == info.wire))
     throw_error(errc::invalid_argument, "loopback: init_info wire parameters differ from the trainer's");
-  auto processing = context().processing_executor;
-  if (!processing) {
-    own_pool_ = std::make_unique<asio::thread_pool>(config().processing_threads);
-    processing = own_pool_->get_executor();
-  }
   pipeline_ = std::make_unique<receive_pipeline>(
-      context().executor, processing, info.wire,
+      context().executor, processing_executor(), info.wire,
       std::make_unique<host_staging>(info.wire.num_buffers, info.wire.buffer_bytes));
   link_ = std::move(l);
   co_return;
@@ -118,8 +112,6 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
 void engine::do_shutdown() {
   link_.reset();
   pipeline_.reset();
-  if (own_pool_) own_pool_->join();
-  own_pool_.reset();
 }
 
 // ---- trainer ----

@@ -6,8 +6,6 @@
 #include <memory>
 #include <string>
 
-#include <asio/thread_pool.hpp>
-
 #include "lib/bucket_plan.h"
 #include "lib/engine.h"
 #include "lib/pipeline.h"
@@ -43,7 +41,6 @@ class engine final : public typed_engine<init_info, update_info> {
 
  private:
   std::shared_ptr<link> link_;
-  std::unique_ptr<asio::thread_pool> own_pool_;
   std::unique_ptr<receive_pipeline> pipeline_;
 };
 

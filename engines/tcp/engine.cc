@@ -93,13 +93,8 @@ asio::awaitable<void> engine::init(const init_info& info) {
 
   // Staging is allocated once here and reused by every update.
   if (!pipeline_ || !(pipeline_->params() == info.wire)) {
-    auto processing = context().processing_executor;
-    if (!processing) {
-      if (!own_pool_) own_pool_ = std::make_unique<asio::thread_pool>(config().processing_threads);
-      processing = own_pool_->get_executor();
-    }
     pipeline_ = std::make_unique<receive_pipeline>(
-        context().executor, processing, info.wire,
+        context().executor, processing_executor(), info.wire,
         std::make_unique<host_staging>(info.wire.num_buffers, info.wire.buffer_bytes));
   }
   socket_ = std::move(socket);

@@ -57,7 +57,6 @@ class engine final : public typed_engine<init_info, update_info> {
                                    load_weights_fn load_weights);
 
   std::unique_ptr<asio::ip::tcp::socket> socket_;
-  std::unique_ptr<asio::thread_pool> own_pool_;
   std::unique_ptr<receive_pipeline> pipeline_;
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
