@@ -17,6 +17,7 @@ wire_params wire_params::read(json_reader& reader) {
   wire_params p;
   p.buffer_bytes = reader.optional<std::uint64_t>("buffer_bytes", p.buffer_bytes);
   p.num_buffers = reader.optional<std::uint32_t>("num_buffers", p.num_buffers);
+  p.checksums = reader.optional<bool>("checksums", p.checksums);
   try {
     p.validate();
   } catch (const error& e) {
@@ -28,6 +29,7 @@ wire_params wire_params::read(json_reader& reader) {
 void wire_params::write(json& out) const {
   out["buffer_bytes"] = buffer_bytes;
   out["num_buffers"] = num_buffers;
+  out["checksums"] = checksums;
 }
 
 namespace {

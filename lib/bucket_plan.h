@@ -20,6 +20,8 @@ struct wire_params {
   std::uint64_t buffer_bytes = 64ull << 20;
   /// Staging buffers per worker: how many buckets may be in flight or processing.
   std::uint32_t num_buffers = 2;
+  /// Per-bucket checksums (XXH3-64 of the payload), verified by every receiver.
+  bool checksums = false;
 
   /// Tensor offsets inside a packed bucket are aligned to this, so views handed to
   /// load_weights are aligned for any dtype and for vector loads.
@@ -28,7 +30,8 @@ struct wire_params {
   /// Throws invalid_argument unless 4 KiB <= buffer_bytes <= 16 GiB and
   /// 1 <= num_buffers <= 64.
   void validate() const;
-  /// Reads optional members "buffer_bytes" and "num_buffers" (defaults above).
+  /// Reads optional members "buffer_bytes", "num_buffers" and "checksums"
+  /// (defaults above).
   static wire_params read(json_reader& reader);
   void write(json& out) const;
   friend bool operator==(const wire_params&, const wire_params&) = default;

@@ -111,7 +111,8 @@ class weight_transfer_engine {
   virtual std::unique_ptr<update_info> parse_update_info(const json& j) const = 0;
 
   /// Connects to the trainer. May be called again after shutdown() or after a
-  /// failed update to reconnect.
+  /// failed update to reconnect. Like every awaitable here it keeps references to
+  /// its arguments: co_await it where the info is alive (not on a temporary).
   asio::awaitable<void> init_transfer_engine(const init_info& info);
 
   /// Receives one update and hands its tensors to `load_weights`. Without

@@ -16,7 +16,8 @@ namespace refit::loopback {
 struct link;
 
 /// {"channel": str, "buffer_bytes": int, "num_buffers": int}: the channel the
-/// sender created and the wire parameters it chose.
+/// sender created and the wire parameters it chose ("checksums" is accepted and
+/// has no effect: bytes never leave the process).
 struct init_info final : refit::init_info {
   std::string channel;
   wire_params wire;

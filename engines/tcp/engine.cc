@@ -5,6 +5,7 @@
 #include "engines/tcp/status_io.h"
 #include "engines/tcp/tcp.h"
 #include "engines/tcp/wire.h"
+#include "lib/checksum.h"
 #include "lib/net.h"
 
 namespace refit::tcp {
@@ -36,8 +37,8 @@ namespace {
 // into the destination (no intermediate copy).
 class transport final : public bucket_transport {
  public:
-  transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, int rank)
-      : socket_(s), timeout_(timeout), rank_(rank) {}
+  transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, int rank, bool checksums)
+      : socket_(s), timeout_(timeout), rank_(rank), checksums_(checksums) {}
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = "tcp worker rank " + std::to_string(rank_) + ": bucket " + std::to_string(b.index);
@@ -50,13 +51,27 @@ class transport final : public bucket_transport {
       throw_error(errc::protocol_error, what + ": expected bucket " + std::to_string(b.index) + " of " +
                                             std::to_string(b.payload_bytes) + " bytes, trainer sent bucket " +
                                             std::to_string(h.index) + " of " + std::to_string(h.payload_bytes));
+    if (((h.flags & wire::flag_checksum) != 0) != checksums_)
+      throw_error(errc::protocol_error, what + ": checksum flag differs from the wire parameters");
     co_await net::read_exact(socket_, dest, timeout_, what + " payload");
+    if (checksums_) {
+      const std::uint64_t got = checksum(dest);
+      if (got != h.checksum)
+        throw_error(errc::integrity_error, what + ": payload checksum " + hex(got) + " differs from the trainer's " +
+                                               hex(h.checksum) + " (corrupted in transit)");
+    }
   }
 
  private:
+  static std::string hex(std::uint64_t v) {
+    char b[20];
+    std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+    return b;
+  }
   asio::ip::tcp::socket& socket_;
   std::chrono::milliseconds timeout_;
   int rank_;
+  bool checksums_;
 };
 
 int local_rank(const parallel_ranks& r) {
@@ -86,6 +101,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
   hello.rank = static_cast<std::uint32_t>(rank_);
   hello.num_buffers = info.wire.num_buffers;
   hello.buffer_bytes = info.wire.buffer_bytes;
+  hello.flags = info.wire.checksums ? wire::flag_checksum : 0;
   auto raw = wire::encode(hello);
   co_await net::write_all(*socket, asio::buffer(raw), timeout_, who + ": hello");
   throw_if_failed(co_await read_status(*socket, timeout_, who + ": waiting for the trainer's welcome"),
@@ -144,7 +160,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const up
   last_seq_ = u.seq;
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": accepting the update");
 
-  transport t(socket, timeout_, rank_);
+  transport t(socket, timeout_, rank_, pipeline_->params().checksums);
   co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(),
                               context().model);
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": confirming the update");

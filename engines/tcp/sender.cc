@@ -9,6 +9,7 @@
 #include "engines/tcp/tcp.h"
 #include "engines/tcp/wire.h"
 #include "lib/async/all_of.h"
+#include "lib/checksum.h"
 #include "lib/net.h"
 #include "lib/send_cursor.h"
 
@@ -50,7 +51,7 @@ json sender::prepare(const json& trainer_args) {
 }
 
 json sender::worker_init_info() const {
-  if (!acceptor_) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
+  if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
   json j = {{"master_address", address_},
             {"master_port", acceptor_->local_endpoint().port()},
             {"rank_offset", 1},
@@ -61,7 +62,7 @@ json sender::worker_init_info() const {
 }
 
 asio::awaitable<void> sender::connect_workers() {
-  if (!acceptor_) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
+  if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
   const int workers = world_size_ - 1;
   peers_.clear();
   try {
@@ -69,6 +70,8 @@ asio::awaitable<void> sender::connect_workers() {
     // naming how many did.
     const auto give_up = clock_type::now() + timeout_;
     while (static_cast<int>(peers_.size()) < workers) {
+      if (!acceptor_->is_open())
+        throw_error(errc::cancelled, "tcp trainer: shut down while waiting for workers");
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now());
       if (left.count() <= 0) left = std::chrono::milliseconds(1);
       try {
@@ -107,10 +110,12 @@ asio::awaitable<void> sender::accept_one() {
     code = errc::protocol_error;
   } else if (h.rank < 1 || h.rank >= static_cast<std::uint32_t>(world_size_)) {
     refusal = "rank " + std::to_string(h.rank) + " outside [1, " + std::to_string(world_size_) + ")";
-  } else if (h.buffer_bytes != wire_.buffer_bytes || h.num_buffers != wire_.num_buffers) {
+  } else if (h.buffer_bytes != wire_.buffer_bytes || h.num_buffers != wire_.num_buffers ||
+             ((h.flags & wire::flag_checksum) != 0) != wire_.checksums) {
     refusal = "wire parameters differ: worker has buffer_bytes " + std::to_string(h.buffer_bytes) +
-              " x " + std::to_string(h.num_buffers) + ", trainer " + std::to_string(wire_.buffer_bytes) +
-              " x " + std::to_string(wire_.num_buffers);
+              " x " + std::to_string(h.num_buffers) + (h.flags & wire::flag_checksum ? " with" : " without") +
+              " checksums, trainer " + std::to_string(wire_.buffer_bytes) + " x " +
+              std::to_string(wire_.num_buffers) + (wire_.checksums ? " with" : " without") + " checksums";
   } else {
     for (const auto& p : peers_)
       if (p->rank == static_cast<int>(h.rank)) refusal = "rank " + std::to_string(h.rank) + " is already connected";
@@ -168,10 +173,14 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       wire::bucket_header h;
       h.index = b.index;
       h.payload_bytes = b.payload_bytes;
+      const auto& payload = cursor.gather(b);
+      if (wire_.checksums) {
+        h.flags |= wire::flag_checksum;
+        h.checksum = checksum(payload);
+      }
       s.headers[b.index] = wire::encode(h);
       auto& buffers = s.buckets[b.index];
       buffers.push_back(asio::buffer(s.headers[b.index]));
-      const auto& payload = cursor.gather(b);
       buffers.insert(buffers.end(), payload.begin(), payload.end());
     }
     cursor.finish();
@@ -210,10 +219,11 @@ asio::awaitable<void> sender::stream_to(peer& p, const stream& s) {
 
 void sender::shutdown() {
   fail_all();
+  // Closed, not destroyed: a coroutine still waiting in accept wakes up cancelled and
+  // finds a closed acceptor rather than freed memory.
   if (acceptor_) {
     std::error_code ignored;
     acceptor_->close(ignored);
-    acceptor_.reset();
   }
 }
 

@@ -30,12 +30,17 @@ inline constexpr std::uint32_t bucket_magic = 0x42544652;  // "RFTB"
 /// Longest status message accepted; longer is a protocol error, not an allocation.
 inline constexpr std::uint32_t max_message = 4096;
 
+/// hello.flags and bucket_header.flags: the payload carries a checksum.
+inline constexpr std::uint32_t flag_checksum = 1;
+
 struct hello {
   std::uint32_t magic = hello_magic;
   std::uint32_t version = protocol_version;
   std::uint32_t rank = 0;
   std::uint32_t num_buffers = 0;
   std::uint64_t buffer_bytes = 0;
+  std::uint32_t flags = 0;
+  std::uint32_t reserved = 0;
 };
 
 /// Followed by message_bytes of UTF-8 text.
@@ -62,11 +67,11 @@ struct bucket_header {
   std::uint32_t flags = 0;
   std::uint64_t index = 0;
   std::uint64_t payload_bytes = 0;
-  std::uint64_t checksum = 0;  ///< reserved for per-bucket checksums
+  std::uint64_t checksum = 0;  ///< XXH3-64 of the payload when flags has flag_checksum
 };
 
 // The structs have no padding, so their bytes are the wire bytes.
-static_assert(sizeof(hello) == 24 && sizeof(status) == 24 && sizeof(update) == 48 &&
+static_assert(sizeof(hello) == 32 && sizeof(status) == 24 && sizeof(update) == 48 &&
               sizeof(bucket_header) == 32);
 
 template <class T>

@@ -57,6 +57,7 @@ struct options {
   bool quiet = false;
   bool print_layout = false;
   bool staged = false;  // receive through staging even where the model offers memory
+  bool checksums = false;
 };
 
 const char* usage =
@@ -64,6 +65,7 @@ const char* usage =
     "                   [--vocab N] [--updates N] [--buffer-bytes SIZE] [--num-buffers N]\n"
     "                   [--process-cost SECONDS_PER_GB] [--timeout-ms MS] [--quiet]\n"
     "                   [--staged]  (receive through staging, not into the model's memory)\n"
+    "                   [--checksums]  (per-bucket XXH3 checksums verified by every worker)\n"
     "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
 
@@ -109,6 +111,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--print-layout") o.print_layout = true;
     else if (a == "--staged") o.staged = true;
+    else if (a == "--checksums") o.checksums = true;
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -363,7 +366,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
   json trainer_args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", o.workers + 1},
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
-                       {"timeout_ms", o.timeout_ms}};
+                       {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
   const json init_info = sender->prepare(trainer_args);
   // Each worker is its own inference engine here, so each gets its own rank.
   auto init_for = [&init_info](std::size_t i) {
@@ -479,6 +482,7 @@ int run_trainer(const options& o) {
                  {"num_buffers", o.num_buffers},
                  {"process_cost", o.process_cost},
                  {"direct_receive", !o.staged},
+                 {"checksums", o.checksums},
                  {"worker_peak_rss_bytes", t.peak_rss},
                  {"verified", failure.empty() && t.verified}};
   if (!failure.empty()) result["error"] = failure;

@@ -26,8 +26,8 @@ PY
 check --workers 2 --model-bytes 24M --layers 2 --updates 2 --buffer-bytes 1M --num-buffers 3
 # One worker, one buffer: no pipelining, still correct; through staging.
 check --workers 1 --model-bytes 16M --layers 1 --updates 1 --buffer-bytes 4M --num-buffers 1 --staged
-# Three workers with simulated post-processing.
-check --workers 3 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 2M --process-cost 0.05
+# Three workers with simulated post-processing and per-bucket checksums.
+check --workers 3 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 2M --process-cost 0.05 --checksums
 
 if err=$("$bin" --workers 0 2>&1); then fail "--workers 0 accepted"; fi
 echo "$err" | grep -q "workers" || fail "no message for --workers 0: $err"

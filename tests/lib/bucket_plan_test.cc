@@ -136,7 +136,7 @@ TEST(wire_params, read_uses_defaults_and_write_round_trips) {
   EXPECT_EQ(wire_params::read(r0), wire_params{});
   json j = json::object();
   wire(1 << 20, 5).write(j);
-  EXPECT_EQ(j, json::parse(R"({"buffer_bytes": 1048576, "num_buffers": 5})"));
+  EXPECT_EQ(j, json::parse(R"({"buffer_bytes": 1048576, "num_buffers": 5, "checksums": false})"));
   json_reader r(j, "tcp init_info");
   EXPECT_EQ(wire_params::read(r), wire(1 << 20, 5));
   EXPECT_NO_THROW(r.finish());

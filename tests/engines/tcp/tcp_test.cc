@@ -1,6 +1,10 @@
 #include "engines/tcp/tcp.h"
 
 #include <asio/experimental/awaitable_operators.hpp>
+#include <asio/redirect_error.hpp>
+#include <asio/write.hpp>
+
+#include "lib/net.h"
 
 #include "tests/conformance/conformance.h"
 
@@ -16,13 +20,15 @@ weight_transfer_config tcp_config() {
 
 class tcp_harness final : public engine_harness {
  public:
-  tcp_harness(asio::io_context& io, model_target* model) {
+  tcp_harness(asio::io_context& io, model_target* model, bool checksums) : checksums_(checksums) {
     sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io.get_executor(), {}});
     engine_ = std::make_unique<tcp::engine>(tcp_config(), engine_context{io.get_executor(), {}, {}, model});
   }
   asio::awaitable<void> connect(const wire_params& wire) override {
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
-    wire.write(args);
+    wire_params w = wire;
+    w.checksums = checksums_;
+    w.write(args);
     auto info = engine_->parse_init_info(sender_->prepare(args));
     using namespace asio::experimental::awaitable_operators;
     co_await (sender_->connect_workers() && engine_->init_transfer_engine(*info));
@@ -31,18 +37,119 @@ class tcp_harness final : public engine_harness {
   weight_sender& sender() override { return *sender_; }
 
  private:
+  bool checksums_;
   std::unique_ptr<tcp::sender> sender_;
   std::unique_ptr<tcp::engine> engine_;
 };
+
+// Forwards bytes between a worker and the trainer, flipping one byte of the
+// trainer's stream at `flip_at` (a corrupt network path).
+class corrupting_proxy {
+ public:
+  corrupting_proxy(asio::io_context& io, std::uint16_t trainer_port, std::uint64_t flip_at)
+      : acceptor_(net::listen(io.get_executor(), "127.0.0.1", 0)), trainer_port_(trainer_port), flip_at_(flip_at) {}
+  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+
+  asio::awaitable<void> run() {
+    auto worker = std::make_shared<asio::ip::tcp::socket>(co_await acceptor_.async_accept(asio::use_awaitable));
+    auto trainer = std::make_shared<asio::ip::tcp::socket>(
+        co_await net::connect_with_retry("127.0.0.1", trainer_port_, std::chrono::seconds(5), "proxy"));
+    using namespace asio::experimental::awaitable_operators;
+    co_await (pump(worker, trainer, false) && pump(trainer, worker, true));
+  }
+
+ private:
+  asio::awaitable<void> pump(std::shared_ptr<asio::ip::tcp::socket> from,
+                             std::shared_ptr<asio::ip::tcp::socket> to, bool corrupt) {
+    std::vector<std::byte> buf(65536);
+    std::uint64_t seen = 0;
+    std::error_code ec;
+    for (;;) {
+      std::size_t n = co_await from->async_read_some(asio::buffer(buf), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+      if (corrupt && flip_at_ >= seen && flip_at_ < seen + n) buf[flip_at_ - seen] ^= std::byte{0x5a};
+      seen += n;
+      co_await asio::async_write(*to, asio::buffer(buf.data(), n), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+    }
+    to->shutdown(asio::ip::tcp::socket::shutdown_both, ec);
+  }
+
+  asio::ip::tcp::acceptor acceptor_;
+  std::uint16_t trainer_port_;
+  std::uint64_t flip_at_;
+};
+
+asio::awaitable<void> init_through(tcp::sender& sender, tcp::engine& engine, json init) {
+  using namespace asio::experimental::awaitable_operators;
+  co_await (sender.connect_workers() && engine.init_transfer_engine(*engine.parse_init_info(init)));
+}
+
+asio::awaitable<void> receive_one(tcp::engine& engine, const update_metadata& meta, load_weights_fn load) {
+  tcp::update_info info;
+  info.metadata = meta;
+  co_await engine.receive_weights(info, std::move(load));
+  co_await engine.drain_pending();
+}
+
+TEST(tcp_integrity, a_corrupted_payload_byte_is_an_integrity_error_naming_the_bucket) {
+  asio::io_context io;
+  tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
+  tcp::engine engine(tcp_config(), engine_context{io.get_executor()});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
+               {"buffer_bytes", 16384}, {"num_buffers", 2}, {"checksums", true}};
+  json init = sender.prepare(args);
+  // Past the handshake and the update header: inside bucket 1's payload.
+  corrupting_proxy proxy(io, init["master_port"].get<std::uint16_t>(), 24 + 48 + 2 * 32 + 16384 + 100);
+  spawn(io, proxy.run());
+  init["master_port"] = proxy.port();
+  run_to_completion(io, init_through(sender, engine, init));
+
+  tensor_set set;
+  for (int i = 0; i < 4; ++i) set.add("t" + std::to_string(i), dtype::float32, {4000});
+  capture got;
+  auto sent = spawn(io, send_views(sender, set.meta, set.views()));
+  auto received = spawn(io, receive_one(engine, set.meta, got.fn()));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  ASSERT_TRUE(received->error) << "corruption went unnoticed";
+  EXPECT_EQ(received->kind(), static_cast<int>(errc::integrity_error)) << received->message();
+  EXPECT_NE(received->message().find("bucket 1"), std::string::npos) << received->message();
+  EXPECT_TRUE(sent->error) << "the trainer learns the update failed";
+  EXPECT_NE(sent->message().find("rank 1"), std::string::npos) << sent->message();
+}
+
+TEST(tcp_integrity, checksum_setting_must_match_between_trainer_and_worker) {
+  asio::io_context io;
+  tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
+  tcp::engine engine(tcp_config(), engine_context{io.get_executor()});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}, {"checksums", true}};
+  json init = sender.prepare(args);
+  init["checksums"] = false;
+  auto info = engine.parse_init_info(init);  // outlives the coroutine that reads it
+  auto t = spawn(io, sender.connect_workers());
+  auto w = spawn(io, engine.init_transfer_engine(*info));
+  ASSERT_TRUE(run_until(io, [&] { return w->done; }));
+  ASSERT_TRUE(w->error);
+  EXPECT_EQ(w->kind(), static_cast<int>(errc::invalid_argument)) << w->message();
+  EXPECT_NE(w->message().find("without checksums"), std::string::npos) << w->message();
+  sender.shutdown();
+  run_until(io, [&] { return t->done; });
+}
 
 }  // namespace
 }  // namespace refit::testing
 
 using refit::testing::engine_conformance;
-INSTANTIATE_TEST_SUITE_P(tcp, engine_conformance,
-                         ::testing::Values(refit::testing::harness_factory{
-                             "tcp", [](asio::io_context& io, refit::model_target* model) {
-                               return std::unique_ptr<refit::testing::engine_harness>(
-                                   new refit::testing::tcp_harness(io, model));
-                             }}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    tcp, engine_conformance,
+    ::testing::Values(refit::testing::harness_factory{"tcp",
+                                                      [](asio::io_context& io, refit::model_target* model) {
+                                                        return std::unique_ptr<refit::testing::engine_harness>(
+                                                            new refit::testing::tcp_harness(io, model, false));
+                                                      }},
+                      refit::testing::harness_factory{"tcp_checksums",
+                                                      [](asio::io_context& io, refit::model_target* model) {
+                                                        return std::unique_ptr<refit::testing::engine_harness>(
+                                                            new refit::testing::tcp_harness(io, model, true));
+                                                      }}),
+    [](const auto& info) { return info.param.name; });
