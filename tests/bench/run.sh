@@ -31,9 +31,15 @@ port=$((20000 + RANDOM % 20000))
 iperf3 -s -p "$port" >/dev/null 2>&1 &
 iperf_pid=$!
 ok=
+# A result counts only if it has the receiver's sum (a refused or cut connection
+# can still exit 0 with an "error" member).
 for _ in $(seq 50); do
-  if iperf3 -c 127.0.0.1 -p "$port" -t 3 -J >"$out/iperf.json" 2>/dev/null; then ok=1; break; fi
-  sleep 0.1
+  iperf3 -c 127.0.0.1 -p "$port" -t 3 -J >"$out/iperf.json" 2>/dev/null || true
+  if python3 -c 'import json,sys; json.load(open(sys.argv[1]))["end"]["sum_received"]' "$out/iperf.json" 2>/dev/null; then
+    ok=1
+    break
+  fi
+  sleep 0.2
 done
 [ -n "$ok" ] || { echo "[bench] iperf3 loopback failed: $(cat "$out/iperf.json")" >&2; exit 1; }
 kill "$iperf_pid" 2>/dev/null || true
