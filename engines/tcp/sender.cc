@@ -26,7 +26,11 @@ sender::sender(const weight_transfer_config& config, const trainer_context& cont
   if (!context_.executor) throw_error(errc::invalid_argument, "trainer_context: an executor is required");
 }
 
-sender::~sender() { shutdown(); }
+sender::~sender() {
+  shutdown();
+  // Let the queued closes run on their strands before the pool goes away.
+  if (io_pool_) io_pool_->join();
+}
 
 json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp trainer_args");
@@ -130,17 +134,20 @@ asio::awaitable<void> sender::accept_one() {
     co_return;
   }
   co_await send_status(socket, 0, 0, {}, timeout_, rank_name(h.rank) + ": welcome");
-  peers_.push_back(std::make_unique<peer>(peer{static_cast<int>(h.rank), strand, std::move(socket)}));
+  peers_.push_back(std::make_shared<peer>(peer{static_cast<int>(h.rank), strand, std::move(socket)}));
 }
 
 void sender::fail_all() {
   // Closing every connection makes every worker fail fast with peer_lost instead
-  // of waiting out its deadline.
-  for (auto& p : peers_) {
-    std::error_code ignored;
-    p->socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    p->socket.close(ignored);
-  }
+  // of waiting out its deadline. A socket is only touched on its own strand (a send
+  // may be writing to it right now, from a pool thread); the closure keeps the peer
+  // alive until it has run.
+  for (auto& p : peers_)
+    asio::post(p->strand, [p] {
+      std::error_code ignored;
+      p->socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+      p->socket.close(ignored);
+    });
   peers_.clear();
 }
 
@@ -190,7 +197,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     // worker does not stall the others bucket by bucket.
     std::vector<asio::awaitable<void>> streams;
     for (auto& p : peers_)
-      streams.push_back(asio::co_spawn(p->strand, stream_to(*p, s), asio::use_awaitable));
+      streams.push_back(asio::co_spawn(p->strand, stream_to(p, s), asio::use_awaitable));
     co_await async::all_of(std::move(streams));
   } catch (...) {
     fail_all();
@@ -204,7 +211,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   stats_.finalize();
 }
 
-asio::awaitable<void> sender::stream_to(peer& p, const stream& s) {
+asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream& s) {
+  peer& p = *keep;
   const std::string who = rank_name(p.rank);
   co_await net::write_all(p.socket, asio::buffer(s.update), timeout_, who + ": update header");
   throw_if_failed(co_await read_status(p.socket, timeout_,

@@ -96,7 +96,7 @@ class sender final : public weight_sender {
     std::vector<std::vector<asio::const_buffer>> buckets;  // header + payload each
   };
   asio::awaitable<void> accept_one();
-  asio::awaitable<void> stream_to(peer& p, const stream& s);
+  asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s);
   void fail_all();
   json worker_init_info() const;
 
@@ -108,7 +108,7 @@ class sender final : public weight_sender {
   int world_size_ = 0;
   wire_params wire_;
   std::chrono::milliseconds timeout_{0};
-  std::vector<std::unique_ptr<peer>> peers_;
+  std::vector<std::shared_ptr<peer>> peers_;  // shared with in-flight streams and closes
   std::uint64_t seq_ = 0;
   update_stats stats_;
 };

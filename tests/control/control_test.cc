@@ -116,6 +116,42 @@ TEST_F(control_test, full_update_through_the_verbs_records_the_version) {
   EXPECT_EQ(info["last_update"]["bytes"], set.meta.total_bytes());
 }
 
+asio::awaitable<void> call_update(control::client& c, json body) { co_await c.call("update_weights", body); }
+
+// The trainer dies mid-transfer: the worker's update fails with peer_lost (not a
+// hang), the host keeps answering, and a new trainer can init and update again.
+TEST_F(control_test, a_trainer_lost_mid_transfer_fails_the_update_and_the_worker_recovers) {
+  run_to_completion(io_, init_both());
+  tensor_set set;
+  for (int i = 0; i < 64; ++i) set.add("w" + std::to_string(i), dtype::bfloat16, {256, 1024});  // 32 MiB
+  call("start_weight_update");
+  json body = json::object();
+  write_update_metadata(set.meta, body["update_info"]);
+  auto updating = spawn(io_, call_update(*client_, body));
+  auto sent = spawn(io_, send(set.meta, set.views()));
+  // Kill the trainer's connections as soon as the worker has loaded something.
+  ASSERT_TRUE(run_until(io_, [&] { return got_.calls() > 0 || updating->done; }));
+  ASSERT_FALSE(updating->done) << "the whole update got through before the trainer died; use more bytes";
+  sender_->shutdown();
+  ASSERT_TRUE(run_until(io_, [&] { return updating->done && sent->done; })) << "a hang";
+  ASSERT_TRUE(updating->error);
+  EXPECT_EQ(updating->kind(), static_cast<int>(errc::peer_lost)) << updating->message();
+  EXPECT_NE(updating->message().find("tcp worker rank 1"), std::string::npos) << updating->message();
+  EXPECT_TRUE(sent->error) << "the trainer's own send reports the failure";
+
+  json info = call("weight_info");
+  EXPECT_EQ(info["session_active"], false) << "a failed chunk ends the session";
+
+  // A new trainer: re-init and a full update succeed.
+  sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
+  run_to_completion(io_, init_both());
+  tensor_set small;
+  for (int i = 0; i < 4; ++i) small.add("v" + std::to_string(i), dtype::float32, {1000});
+  json during;
+  run_to_completion(io_, update(small, during, 2));
+  EXPECT_EQ(call("weight_info")["weight_version"], 2);
+}
+
 TEST_F(control_test, misuse_is_a_clear_error) {
   EXPECT_NE(call_error("start_weight_update", json::object(), errc::invalid_state).find("not initialised"),
             std::string::npos);
