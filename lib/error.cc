@@ -1,5 +1,7 @@
 #include "lib/error.h"
 
+#include <string_view>
+
 namespace refit {
 namespace {
 
@@ -44,8 +46,10 @@ error::error(std::error_code code, const std::string& message)
     : std::system_error(code, message), message_(message) {}
 
 errc error::kind() const noexcept {
-  return code().category() == error_category() ? static_cast<errc>(code().value())
-                                               : errc{};
+  // By name, not address: a plugin linked with its own copy of refit has its own
+  // category object, and its errors must still be recognised.
+  return std::string_view(code().category().name()) == error_category().name() ? static_cast<errc>(code().value())
+                                                                                : errc{};
 }
 
 namespace {

@@ -40,7 +40,8 @@ class error : public std::system_error {
   error(errc code, const std::string& message);
   error(std::error_code code, const std::string& message);
 
-  /// The refit kind, or errc{} for a code of another category.
+  /// The refit kind, or errc{} for a code of another category (categories are
+  /// matched by name, so errors from a plugin with its own copy of refit count).
   errc kind() const noexcept;
   /// The message without the kind suffix.
   const std::string& message() const noexcept { return message_; }
