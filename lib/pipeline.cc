@@ -180,9 +180,16 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta,
                                                 load_weights_fn load_weights,
                                                 async::drain_scope& scope, update_stats& stats,
                                                 model_target* target) {
+  co_await receive(meta, plan_buckets(meta, params_), transport, std::move(load_weights), scope, stats, target);
+}
+
+asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, bucket_plan plan,
+                                                bucket_transport& transport,
+                                                load_weights_fn load_weights,
+                                                async::drain_scope& scope, update_stats& stats,
+                                                model_target* target) {
   auto state = std::make_shared<update_state>(update_state{
       meta, std::move(load_weights), asio::make_strand(processing_), clock_type::now()});
-  const bucket_plan plan = plan_buckets(state->meta, params_);
   const device dev = staging_->device();
   const std::vector<std::byte*> direct = direct_destinations(state->meta, target, dev);
   std::vector<asio::mutable_buffer> scatter;

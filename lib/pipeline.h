@@ -93,6 +93,11 @@ class receive_pipeline {
   asio::awaitable<void> receive(const update_metadata& meta, bucket_transport& transport,
                                 load_weights_fn load_weights, async::drain_scope& scope,
                                 update_stats& stats, model_target* target = nullptr);
+  /// The same with the plan the engine already made (plan_buckets(meta, params())),
+  /// for engines that check it against the trainer before receiving.
+  asio::awaitable<void> receive(const update_metadata& meta, bucket_plan plan, bucket_transport& transport,
+                                load_weights_fn load_weights, async::drain_scope& scope,
+                                update_stats& stats, model_target* target = nullptr);
 
   const wire_params& params() const noexcept { return params_; }
   staging_memory& staging() noexcept { return *staging_; }

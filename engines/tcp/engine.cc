@@ -140,7 +140,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const up
   if (u.magic != wire::update_magic)
     throw_error(errc::protocol_error, who + ": expected an update header, got magic " + std::to_string(u.magic));
 
-  const bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
+  bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
   std::string mismatch;
   if (u.seq <= last_seq_)
     mismatch = "update sequence " + std::to_string(u.seq) + " is not after " + std::to_string(last_seq_);
@@ -161,8 +161,9 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const up
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": accepting the update");
 
   transport t(socket, timeout_, rank_, pipeline_->params().checksums);
-  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(),
-                              context().model);
+  // The plan just checked against the trainer's header is the one received with.
+  co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
+                              mutable_stats(), context().model);
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": confirming the update");
 }
 
