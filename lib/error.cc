@@ -23,6 +23,7 @@ class category final : public std::error_category {
       case errc::io_error: return "I/O error";
       case errc::cancelled: return "cancelled";
       case errc::unsupported: return "unsupported";
+      case errc::auth_error: return "authentication error";
     }
     return "refit error " + std::to_string(value);
   }
@@ -56,7 +57,7 @@ namespace {
 constexpr std::string_view names[] = {
     "",           "timeout",          "peer_lost",     "invalid_argument",  "protocol_error",
     "not_registered", "already_registered", "invalid_state", "load_failed", "processing_failed",
-    "integrity_error", "io_error",    "cancelled",     "unsupported"};
+    "integrity_error", "io_error",    "cancelled",     "unsupported", "auth_error"};
 }  // namespace
 
 std::string_view errc_name(errc code) noexcept {

@@ -25,7 +25,10 @@ enum class errc {
   io_error,            ///< an operating-system I/O failure
   cancelled,           ///< the operation was cancelled (shutdown)
   unsupported,         ///< not available in this build or on this machine
+  auth_error,          ///< shared-secret authentication failed (either side's verdict)
 };
+/// The highest kind: codes above it from a peer or plugin are not refit kinds.
+inline constexpr errc last_errc = errc::auth_error;
 
 /// The category of refit's error codes; name() is "refit".
 const std::error_category& error_category() noexcept;

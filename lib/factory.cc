@@ -59,7 +59,7 @@ std::string join(const std::vector<std::string>& names) {
 // Turns a plugin creator's status into an exception on this side of the boundary.
 void check_plugin_status(int status, const char* err, const std::string& what) {
   if (status == 0) return;
-  auto kind = status > 0 && status <= static_cast<int>(errc::unsupported) ? static_cast<errc>(status)
+  auto kind = status > 0 && status <= static_cast<int>(last_errc) ? static_cast<errc>(status)
                                                                           : errc::load_failed;
   throw_error(kind, what + ": " + (err[0] ? err : "failed without a message"));
 }

@@ -38,7 +38,7 @@ asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
 
 void throw_if_failed(const status_message& s, const std::string& who) {
   if (s.code == 0) return;
-  auto kind = s.code <= static_cast<std::uint32_t>(errc::unsupported) ? static_cast<errc>(s.code)
+  auto kind = s.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(s.code)
                                                                        : errc::protocol_error;
   throw_error(kind, who + ": " + s.message);
 }

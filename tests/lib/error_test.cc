@@ -13,7 +13,7 @@ constexpr errc all_kinds[] = {
     errc::timeout,        errc::peer_lost,         errc::invalid_argument, errc::protocol_error,
     errc::not_registered, errc::already_registered, errc::invalid_state,    errc::load_failed,
     errc::processing_failed, errc::integrity_error, errc::io_error,         errc::cancelled,
-    errc::unsupported,
+    errc::unsupported,    errc::auth_error,
 };
 
 TEST(error_category, is_named_refit_and_describes_every_kind_distinctly) {
@@ -28,6 +28,7 @@ TEST(error_category, is_named_refit_and_describes_every_kind_distinctly) {
   EXPECT_EQ(messages.size(), std::size(all_kinds));
   EXPECT_EQ(error_category().message(static_cast<int>(errc::timeout)), "timeout");
   EXPECT_EQ(error_category().message(static_cast<int>(errc::not_registered)), "not registered");
+  EXPECT_EQ(error_category().message(static_cast<int>(errc::auth_error)), "authentication error");
 }
 
 TEST(error_category, unknown_value_is_described_by_number) {
@@ -39,12 +40,14 @@ TEST(error_category, kind_values_are_stable) {
   EXPECT_EQ(static_cast<int>(errc::timeout), 1);
   EXPECT_EQ(static_cast<int>(errc::load_failed), 8);
   EXPECT_EQ(static_cast<int>(errc::unsupported), 13);
+  EXPECT_EQ(static_cast<int>(errc::auth_error), 14);
 }
 
 TEST(errc_name, is_a_stable_identifier_and_parse_errc_inverts_it) {
   EXPECT_EQ(errc_name(errc::timeout), "timeout");
   EXPECT_EQ(errc_name(errc::peer_lost), "peer_lost");
   EXPECT_EQ(errc_name(errc::unsupported), "unsupported");
+  EXPECT_EQ(errc_name(errc::auth_error), "auth_error");
   EXPECT_EQ(errc_name(static_cast<errc>(99)), "unknown");
   std::set<std::string_view> names;
   for (errc e : all_kinds) {
