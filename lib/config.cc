@@ -2,6 +2,18 @@
 
 namespace refit {
 
+std::string_view to_string(commit_mode mode) noexcept {
+  return mode == commit_mode::staged ? "staged" : "in_place";
+}
+
+std::optional<commit_mode> read_commit_mode(json_reader& r, const std::string& name) {
+  auto text = r.maybe<std::string>(name);
+  if (!text) return std::nullopt;
+  if (*text == "in_place") return commit_mode::in_place;
+  if (*text == "staged") return commit_mode::staged;
+  r.fail("member '" + name + "' must be \"in_place\" or \"staged\", got \"" + *text + "\"");
+}
+
 weight_transfer_config weight_transfer_config::from_json(const json& j) {
   json_reader r(j, "weight_transfer_config");
   weight_transfer_config c;
@@ -14,6 +26,7 @@ weight_transfer_config weight_transfer_config::from_json(const json& j) {
   if (c.processing_threads == 0 || c.processing_threads > 256)
     r.fail("member 'processing_threads' must be in [1, 256], got " +
            std::to_string(c.processing_threads));
+  c.commit = read_commit_mode(r).value_or(c.commit);
   r.finish();
   return c;
 }
@@ -21,7 +34,8 @@ weight_transfer_config weight_transfer_config::from_json(const json& j) {
 json weight_transfer_config::to_json() const {
   return {{"backend", backend},
           {"timeout_ms", timeout.count()},
-          {"processing_threads", processing_threads}};
+          {"processing_threads", processing_threads},
+          {"commit", to_string(commit)}};
 }
 
 }  // namespace refit

@@ -3,11 +3,31 @@
 
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "lib/json_reader.h"
 
 namespace refit {
+
+/// How an update reaches the model's weights.
+enum class commit_mode {
+  /// Tensors are loaded as their buckets arrive: the least memory. A failed update
+  /// leaves the model partly written; it is marked dirty until a full update
+  /// succeeds.
+  in_place,
+  /// Every tensor is received (and checksum-verified, when checksums are on) into
+  /// host memory first; load_weights sees none of the update until all of it has
+  /// arrived. A failed transfer leaves the old weights intact and serving. Costs
+  /// host memory for the whole update (kept for later updates).
+  staged,
+};
+
+/// "in_place" or "staged".
+std::string_view to_string(commit_mode mode) noexcept;
+/// Reads the optional member `name` ("in_place" or "staged").
+std::optional<commit_mode> read_commit_mode(json_reader& r, const std::string& name = "commit");
 
 /// Which backend to use and the settings every backend honours.
 struct weight_transfer_config {
@@ -18,8 +38,16 @@ struct weight_transfer_config {
   std::chrono::milliseconds timeout{60'000};
   /// Threads for CPU post-processing (load_weights) when the context brings none.
   std::size_t processing_threads = 1;
+  /// Shared secret for authenticating every control and data connection
+  /// (challenge-response with HMAC-SHA256, lib/auth.h); empty: unauthenticated.
+  /// Both sides of a connection must agree. Never serialised by to_json; load it
+  /// with auth::read_secret_file or from a secret store, never from init info.
+  std::string auth_secret;
+  /// Commit mode of updates whose update info names none.
+  commit_mode commit = commit_mode::in_place;
 
-  /// Reads {"backend": str, "timeout_ms": int, "processing_threads": int} strictly.
+  /// Reads {"backend": str, "timeout_ms": int, "processing_threads": int,
+  /// "commit": "in_place" | "staged"} strictly.
   static weight_transfer_config from_json(const json& j);
   json to_json() const;
 };

@@ -1,8 +1,122 @@
 #include "lib/engine.h"
 
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+
 #include <asio/co_spawn.hpp>
 
+#include "lib/async/offload.h"
+
 namespace refit {
+
+std::vector<std::pair<std::string, std::uint64_t>> model_target::fingerprint(const std::vector<std::string>&) {
+  throw_error(errc::unsupported, "this model target offers no weight fingerprint");
+}
+
+// Forwards to the context's model and records that the update being received
+// reached it (a direct destination was handed out or load_weights was called).
+class weight_transfer_engine::tracking_target final : public model_target {
+ public:
+  tracking_target(model_target& inner, std::atomic<bool>& touched) : inner_(inner), touched_(touched) {}
+  void load_weights(std::span<const tensor_view> weights) override {
+    touched_ = true;
+    inner_.load_weights(weights);
+  }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    auto d = inner_.destination(spec);
+    if (d) touched_ = true;  // bytes may land there from now on
+    return d;
+  }
+  std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names) override {
+    return inner_.fingerprint(names);
+  }
+
+ private:
+  model_target& inner_;
+  std::atomic<bool>& touched_;
+};
+
+// Host memory for staged commits: every tensor of an update at a 64-byte aligned
+// offset, in metadata order. Grown on demand, kept for later updates.
+class weight_transfer_engine::stage_area {
+ public:
+  // Lays out `meta` (sizes checked) and resets what has arrived.
+  void prepare(const update_metadata& meta) {
+    offsets_.assign(meta.tensors.size(), 0);
+    arrived_.assign(meta.tensors.size(), 0);
+    index_.clear();
+    std::uint64_t at = 0;
+    for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+      offsets_[i] = at;
+      index_.emplace(meta.tensors[i].name, i);
+      at += (meta.tensors[i].nbytes() + 63) / 64 * 64;
+    }
+    if (at > capacity_) {
+      memory_.reset();  // free first: peak is the new size, not old + new
+      void* p = at == 0 ? nullptr : std::aligned_alloc(4096, (at + 4095) / 4096 * 4096);
+      if (at != 0 && !p)
+        throw_error(errc::io_error, "staged commit: cannot allocate " + std::to_string(at) +
+                                        " bytes of host memory for the update (use commit \"in_place\")");
+      memory_.reset(static_cast<std::byte*>(p));
+      capacity_ = at;
+    }
+  }
+  // load_weights of the receive phase: copies each tensor into its place.
+  void stage(const update_metadata& meta, std::span<const tensor_view> views) {
+    for (const auto& v : views) {
+      auto it = index_.find(std::string(v.name));
+      if (it == index_.end())
+        throw_error(errc::protocol_error, "staged commit: tensor '" + std::string(v.name) + "' is not in the update");
+      const auto& spec = meta.tensors[it->second];
+      if (v.nbytes() != spec.nbytes())
+        throw_error(errc::protocol_error, "staged commit: tensor '" + spec.name + "' arrived with " +
+                                              std::to_string(v.nbytes()) + " bytes, expected " +
+                                              std::to_string(spec.nbytes()));
+      if (!(v.device == device::cpu()))
+        throw_error(errc::unsupported, "staged commit: tensor '" + spec.name + "' arrived on " +
+                                           to_string(v.device) +
+                                           "; this engine stages on its device, use commit \"in_place\"");
+      if (spec.nbytes() != 0) std::memcpy(memory_.get() + offsets_[it->second], v.data, spec.nbytes());
+      arrived_[it->second] = 1;
+    }
+  }
+  // Views of the whole update, once every tensor has arrived.
+  std::vector<tensor_view> views(const update_metadata& meta) const {
+    std::vector<tensor_view> out;
+    out.reserve(meta.tensors.size());
+    for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+      if (!arrived_[i])
+        throw_error(errc::protocol_error, "staged commit: tensor '" + meta.tensors[i].name +
+                                              "' never arrived; the update is not committed");
+      out.emplace_back(meta.tensors[i], memory_.get() + offsets_[i]);
+    }
+    return out;
+  }
+  std::uint64_t capacity() const noexcept { return capacity_; }
+
+ private:
+  struct free_deleter {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  std::unique_ptr<std::byte[], free_deleter> memory_;
+  std::uint64_t capacity_ = 0;
+  std::vector<std::uint64_t> offsets_;
+  std::vector<char> arrived_;
+  std::unordered_map<std::string, std::size_t> index_;
+};
+
+static std::string message_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return std::string(errc_name(x.kind())) + ": " + x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "a non-standard exception";
+  }
+}
 
 namespace {
 // Runs before any member uses the executor.
@@ -17,6 +131,24 @@ weight_transfer_engine::weight_transfer_engine(weight_transfer_config config,
     : config_(std::move(config)), context_(checked(std::move(context))), deferred_(context_.executor) {}
 
 weight_transfer_engine::~weight_transfer_engine() = default;
+
+void weight_transfer_engine::mark_weights_dirty(std::string reason) {
+  if (reason.empty()) reason = "marked dirty";
+  dirty_reason_ = std::move(reason);
+}
+
+std::uint64_t weight_transfer_engine::staged_bytes() const noexcept { return stage_ ? stage_->capacity() : 0; }
+
+model_target* weight_transfer_engine::receive_target() noexcept {
+  if (mode_ == commit_mode::staged || !context_.model) return nullptr;
+  if (!tracker_) tracker_ = std::make_unique<tracking_target>(*context_.model, touched_);
+  return tracker_.get();
+}
+
+void weight_transfer_engine::note_failure(const std::string& what, std::exception_ptr error) {
+  if (touched_) mark_weights_dirty(what + " failed after it had started changing the weights (" +
+                                   std::string(to_string(mode_)) + "): " + message_of(error));
+}
 
 asio::any_io_executor weight_transfer_engine::processing_executor() {
   if (context_.processing_executor) return context_.processing_executor;
@@ -61,14 +193,89 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
                                             "processing is pending (call drain_pending first)");
   state_ = state::receiving;
   stats_ = {};
+  mode_ = info.commit.value_or(config_.commit);
+  touched_ = false;
+  if (mode_ == commit_mode::staged) {
+    co_await receive_staged(info, std::move(load_weights));
+    co_return;
+  }
+  // in_place: the user's load_weights marks the model as reached.
+  load_weights_fn tracked = [this, load = std::move(load_weights)](std::span<const tensor_view> w) {
+    touched_ = true;
+    load(w);
+  };
+  std::exception_ptr failure;
   try {
-    co_await do_receive(info, std::move(load_weights));
+    co_await do_receive(info, std::move(tracked));
   } catch (...) {
-    if (state_ == state::receiving) state_ = state::ready;
-    throw;
+    failure = std::current_exception();
   }
   if (state_ == state::receiving) state_ = state::ready;
+  if (failure) {
+    note_failure("an update", failure);
+    std::rethrow_exception(failure);
+  }
   if (!defers_processing()) co_await drain_pending();
+}
+
+asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& info, load_weights_fn load_weights) {
+  if (!stage_) stage_ = std::make_unique<stage_area>();
+  const auto start = std::chrono::steady_clock::now();
+  auto finish_stats = [this, start] {
+    stats_.wall_s = std::max(stats_.wall_s,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    stats_.finalize();
+  };
+  std::exception_ptr failure;
+  try {
+    stage_->prepare(info.metadata);
+    stage_area* stage = stage_.get();
+    const update_metadata* meta = &info.metadata;
+    // Phase 1: every tensor into the stage; the model is not reached.
+    co_await do_receive(info, [stage, meta](std::span<const tensor_view> w) { stage->stage(*meta, w); });
+    co_await deferred_.join();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // Nothing of this update may still use the stage (engines join their
+    // in-flight processing before reporting a transport error; this is a no-op then).
+    try {
+      co_await deferred_.join();
+    } catch (...) {
+    }
+    if (state_ == state::receiving) state_ = state::ready;
+    finish_stats();
+    std::rethrow_exception(failure);
+  }
+  // Phase 2: the commit. Everything arrived and was verified; load_weights now
+  // sees the whole update, in batches, on the processing executor.
+  std::vector<tensor_view> views;
+  try {
+    views = stage_->views(info.metadata);
+    touched_ = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    constexpr std::uint64_t batch_bytes = 64ull << 20;
+    std::size_t first = 0;
+    while (first < views.size()) {
+      std::size_t last = first;
+      std::uint64_t bytes = 0;
+      while (last < views.size() && (last == first || bytes + views[last].nbytes() <= batch_bytes))
+        bytes += views[last++].nbytes();
+      std::span<const tensor_view> batch(views.data() + first, last - first);
+      co_await async::offload(processing_executor(), [&load_weights, batch] { load_weights(batch); });
+      first = last;
+    }
+    stats_.process_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (state_ == state::receiving) state_ = state::ready;
+  finish_stats();
+  if (failure) {
+    note_failure("the commit of a staged update", failure);
+    std::rethrow_exception(failure);
+  }
 }
 
 asio::awaitable<void> weight_transfer_engine::drain_pending() {
@@ -79,7 +286,10 @@ asio::awaitable<void> weight_transfer_engine::drain_pending() {
     error = std::current_exception();
   }
   stats_.finalize();
-  if (error) std::rethrow_exception(error);
+  if (error) {
+    note_failure("processing of an update", error);
+    std::rethrow_exception(error);
+  }
 }
 
 void weight_transfer_engine::shutdown() {
@@ -94,6 +304,7 @@ void weight_transfer_engine::shutdown() {
   }
   state_ = state::shut_down;
   do_shutdown();
+  stage_.reset();
 }
 
 }  // namespace refit

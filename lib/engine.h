@@ -4,8 +4,10 @@
 // receives any number of updates, handing tensors to load_weights incrementally.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
+#include <string>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -49,6 +51,10 @@ class model_target {
   /// nullopt (the default) receives into staging. Bytes land as they arrive, so a
   /// failed update leaves such tensors partly written (in-place semantics).
   virtual std::optional<tensor_view> destination(const tensor_spec& spec) { return std::nullopt; }
+  /// Fingerprints (see lib/fingerprint.h) of the named weights as the model holds
+  /// them now, all weights when `names` is empty; what the worker's
+  /// weight_fingerprint call answers. The default throws unsupported.
+  virtual std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names);
   /// A load_weights_fn that forwards to this target.
   load_weights_fn as_load_weights() {
     return [this](std::span<const tensor_view> w) { load_weights(w); };
@@ -71,18 +77,22 @@ struct init_info {
   virtual ~init_info() = default;
 };
 
-/// Base of every engine's typed update info: the tensors of the update.
+/// Base of every engine's typed update info: the tensors of the update and,
+/// optionally, its commit mode (the config's when absent).
 struct update_info {
   virtual ~update_info() = default;
   update_metadata metadata;
+  std::optional<commit_mode> commit;
 };
 
 /// Update info that is only the tensor metadata (vLLM's "names", "dtype_names",
-/// "shapes"): what engines use that need nothing else per update.
+/// "shapes") and the optional "commit" ("in_place" | "staged"): what engines use
+/// that need nothing else per update.
 struct metadata_update_info : update_info {
   static metadata_update_info read(json_reader& r) {
     metadata_update_info info;
     info.metadata = read_update_metadata(r);
+    info.commit = read_commit_mode(r);
     return info;
   }
 };
@@ -118,6 +128,15 @@ class weight_transfer_engine {
   /// Receives one update and hands its tensors to `load_weights`. Without
   /// defers_processing it completes when every tensor has been loaded; with it,
   /// when every byte has arrived (call drain_pending() for the rest).
+  ///
+  /// The commit mode is info.commit, else config().commit. in_place: tensors are
+  /// loaded as they arrive (or received straight into the model's memory); a
+  /// failure after the first of them marks the weights dirty. staged: every tensor
+  /// is first received into a host buffer owned by the engine; load_weights sees
+  /// the update only once all of it has arrived and been verified, so a transfer
+  /// failure leaves the old weights untouched. A staged receive completes after its
+  /// commit (nothing stays deferred); if load_weights itself throws during the
+  /// commit, the weights are marked dirty.
   asio::awaitable<void> receive_weights(const update_info& info, load_weights_fn load_weights);
 
   /// Completes when all deferred post-processing has finished; rethrows the first
@@ -134,8 +153,24 @@ class weight_transfer_engine {
   const update_stats& last_update_stats() const noexcept { return stats_; }
 
   bool initialized() const noexcept { return state_ == state::ready || state_ == state::receiving; }
+  bool receiving() const noexcept { return state_ == state::receiving; }
+
+  /// True when a failed update may have left the model partly written (in_place
+  /// after its first tensor, or a failing staged commit); dirty_reason() says
+  /// which update failed and how. weight_update_session clears it when an update
+  /// session finishes; direct users call mark_weights_clean() after a full update.
+  bool weights_dirty() const noexcept { return !dirty_reason_.empty(); }
+  const std::string& dirty_reason() const noexcept { return dirty_reason_; }
+  void mark_weights_dirty(std::string reason);
+  void mark_weights_clean() noexcept { dirty_reason_.clear(); }
+  /// Host bytes held for staged commits (0 until the first staged update; freed
+  /// by shutdown()).
+  std::uint64_t staged_bytes() const noexcept;
   const weight_transfer_config& config() const noexcept { return config_; }
   const engine_context& context() const noexcept { return context_; }
+  /// Where post-processing runs: the context's processing executor, else a pool of
+  /// config().processing_threads owned by the engine (created on first use).
+  asio::any_io_executor processing_executor();
 
  protected:
   virtual asio::awaitable<void> do_init(const init_info& info) = 0;
@@ -144,10 +179,11 @@ class weight_transfer_engine {
 
   /// Where engines start deferred work; drain_pending() joins it.
   async::drain_scope& deferred() noexcept { return deferred_; }
-  /// Where post-processing runs: the context's processing executor, else a pool of
-  /// config().processing_threads owned by the engine (created on first use).
-  asio::any_io_executor processing_executor();
   update_stats& mutable_stats() noexcept { return stats_; }
+  /// The model to receive into directly for the update being received: the
+  /// context's model for in_place updates (its writes are tracked for the dirty
+  /// state), nullptr for staged ones. Engines use this, not context().model.
+  model_target* receive_target() noexcept;
   /// Throws invalid_argument "<backend>: <what> is for another engine" unless
   /// `info` is a T.
   template <class T, class Base>
@@ -159,6 +195,11 @@ class weight_transfer_engine {
 
  private:
   enum class state { created, initializing, ready, receiving, shut_down };
+  class tracking_target;
+  class stage_area;
+
+  asio::awaitable<void> receive_staged(const update_info& info, load_weights_fn load_weights);
+  void note_failure(const std::string& what, std::exception_ptr error);
 
   weight_transfer_config config_;
   engine_context context_;
@@ -166,6 +207,11 @@ class weight_transfer_engine {
   std::unique_ptr<asio::thread_pool> own_pool_;
   update_stats stats_;
   state state_ = state::created;
+  commit_mode mode_ = commit_mode::in_place;  // of the update being received (or last)
+  std::atomic<bool> touched_{false};          // the model saw bytes of that update
+  std::unique_ptr<tracking_target> tracker_;
+  std::unique_ptr<stage_area> stage_;
+  std::string dirty_reason_;
 };
 
 /// Implements parse_init_info / parse_update_info for typed infos. InitInfo and

@@ -12,6 +12,7 @@ void weight_update_session::start_weight_update() {
                 "(call init_weight_transfer_engine first)");
   active_ = true;
   chunks_ = 0;
+  failed_ = false;
 }
 
 asio::awaitable<void> weight_update_session::update_weights(const update_info& info,
@@ -21,11 +22,20 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
   if (updating_)
     throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
   updating_ = true;
+  std::exception_ptr failure;
   try {
     co_await engine_.receive_weights(info, std::move(load_weights));
   } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
     updating_ = false;
-    throw;
+    failed_ = true;
+    // Earlier chunks of this session already reached the model.
+    if (chunks_ > 0 && !engine_.weights_dirty())
+      engine_.mark_weights_dirty("chunk " + std::to_string(chunks_ + 1) + " of a weight update failed after " +
+                                 std::to_string(chunks_) + " chunk(s) of it had been applied");
+    std::rethrow_exception(failure);
   }
   updating_ = false;
   ++chunks_;
@@ -47,11 +57,15 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
   active_ = false;
   co_await engine_.drain_pending();
   if (weight_version) version_ = weight_version;
+  if (!failed_) engine_.mark_weights_clean();
 }
 
 asio::awaitable<void> weight_update_session::abort_weight_update() {
   if (!active_) co_return;
   active_ = false;
+  if (chunks_ > 0 && !engine_.weights_dirty())
+    engine_.mark_weights_dirty("a weight update was aborted after " + std::to_string(chunks_) +
+                               " chunk(s) of it had been applied");
   // Errors of the aborted update were already reported to whoever failed; drain so
   // the next update starts clean.
   try {

@@ -29,10 +29,13 @@ class weight_update_session {
 
   /// Drains deferred processing, records `weight_version` and closes the session.
   /// If draining fails the session still closes (the error is rethrown) and the
-  /// version is not recorded.
+  /// version is not recorded. A session that finishes without any failure clears
+  /// the engine's dirty mark (the trainer sent a full update).
   asio::awaitable<void> finish_weight_update(std::optional<std::int64_t> weight_version = std::nullopt);
 
-  /// Closes an active session without recording a version (after a failure).
+  /// Closes an active session without recording a version (after a failure). If
+  /// chunks of it were already applied, the weights are a mix of two versions: the
+  /// engine is marked dirty.
   asio::awaitable<void> abort_weight_update();
 
   bool active() const noexcept { return active_; }
@@ -46,6 +49,7 @@ class weight_update_session {
   bool active_ = false;
   bool updating_ = false;
   std::uint64_t chunks_ = 0;
+  bool failed_ = false;  // a chunk of the active session failed
   std::optional<std::int64_t> version_;
 };
 

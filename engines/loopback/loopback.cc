@@ -106,7 +106,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
   transport t(*link_, config().timeout);
   co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(),
-                              context().model);
+                              receive_target());
 }
 
 void engine::do_shutdown() {

@@ -228,6 +228,81 @@ TEST_P(engine_conformance, direct_receive_into_model_memory) {
     EXPECT_EQ(model.memory_[set.meta.tensors[i].name], set.data[i]) << set.meta.tensors[i].name;
 }
 
+json with_commit(json info, const char* mode) {
+  info["commit"] = mode;
+  return info;
+}
+
+TEST_P(engine_conformance, staged_commit_loads_the_whole_update_at_once_after_it_arrived) {
+  tensor_set set;
+  for (int i = 0; i < 12; ++i) set.add("t" + std::to_string(i), dtype::float32, {3000});  // 12 KiB each
+  set.add("big", dtype::bfloat16, {30000});  // split over 16 KiB buffers
+  direct_model model(set);
+  harness_ = GetParam().make(io_, &model);
+  connect(small_wire(16 << 10, 2));
+  auto& engine = harness_->engine();
+  auto info = engine.parse_update_info(with_commit(harness_->update_info_json(set.meta), "staged"));
+  ASSERT_EQ(info->commit, commit_mode::staged);
+  capture got;
+  auto copy = got.fn();
+  std::size_t direct = 0;
+  auto load = [&](std::span<const tensor_view> views) {
+    for (const auto& v : views) direct += model.owns(v);
+    copy(views);
+  };
+  auto send = spawn(io_, send_views(harness_->sender(), set.meta, set.views()));
+  auto recv = spawn(io_, receive_update(engine, std::move(info), load, /*drain=*/false));
+  ASSERT_TRUE(run(io_)) << "a hang";
+  expect_ok({send, recv});
+  EXPECT_NO_THROW(got.check_equals(set));
+  // One call with every tensor: nothing was loaded before the last bucket arrived,
+  // and nothing went into the model's memory behind load_weights' back.
+  EXPECT_EQ(got.calls(), 1u);
+  EXPECT_EQ(direct, 0u);
+  EXPECT_GE(engine.staged_bytes(), set.meta.total_bytes());
+  EXPECT_FALSE(engine.weights_dirty());
+  EXPECT_GT(engine.last_update_stats().buckets, 2u);
+}
+
+TEST_P(engine_conformance, failing_staged_commit_marks_weights_dirty) {
+  connect(small_wire(16 << 10, 2));
+  tensor_set set;
+  for (int i = 0; i < 4; ++i) set.add("t" + std::to_string(i), dtype::float32, {5000});
+  auto& engine = harness_->engine();
+  auto info = engine.parse_update_info(with_commit(harness_->update_info_json(set.meta), "staged"));
+  auto load = [](std::span<const tensor_view>) { throw std::runtime_error("device full"); };
+  auto send = spawn(io_, send_views(harness_->sender(), set.meta, set.views()));
+  auto recv = spawn(io_, receive_update(engine, std::move(info), load, false));
+  ASSERT_TRUE(run(io_));
+  EXPECT_FALSE(send->error) << send->message();
+  ASSERT_TRUE(recv->error);
+  EXPECT_NE(recv->message().find("device full"), std::string::npos) << recv->message();
+  EXPECT_TRUE(engine.weights_dirty());
+  EXPECT_NE(engine.dirty_reason().find("commit of a staged update"), std::string::npos) << engine.dirty_reason();
+  // The next full update clears it (through a session; here directly).
+  capture got;
+  expect_ok(transfer(set, got.fn()));
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_TRUE(engine.weights_dirty()) << "only a finished session (or the user) declares the weights clean";
+  engine.mark_weights_clean();
+  EXPECT_FALSE(engine.weights_dirty());
+}
+
+TEST_P(engine_conformance, in_place_processing_failure_marks_weights_dirty) {
+  connect(small_wire(16 << 10, 2));
+  tensor_set set;
+  for (int i = 0; i < 6; ++i) set.add("t" + std::to_string(i), dtype::float32, {2000});
+  auto load = [](std::span<const tensor_view> views) {
+    for (const auto& v : views)
+      if (v.name == "t4") throw std::runtime_error("bad t4");
+  };
+  auto r = transfer(set, load, /*drain=*/true);
+  ASSERT_TRUE(r.second->error);
+  EXPECT_TRUE(harness_->engine().weights_dirty()) << "t0..t3 were already loaded";
+  EXPECT_NE(harness_->engine().dirty_reason().find("bad t4"), std::string::npos)
+      << harness_->engine().dirty_reason();
+}
+
 TEST_P(engine_conformance, receive_before_init_is_a_clear_error) {
   auto& engine = harness_->engine();
   tensor_set set;
