@@ -5,6 +5,7 @@
 #include "engines/tcp/status_io.h"
 #include "engines/tcp/tcp.h"
 #include "engines/tcp/wire.h"
+#include "lib/auth.h"
 #include "lib/checksum.h"
 #include "lib/net.h"
 
@@ -45,14 +46,8 @@ class transport final : public bucket_transport {
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
     co_await net::read_exact(socket_, asio::buffer(raw), timeout_, what + " header");
     auto h = wire::decode<wire::bucket_header>(raw);
-    if (h.magic != wire::bucket_magic)
-      throw_error(errc::protocol_error, what + ": expected a bucket header, got magic " + std::to_string(h.magic));
-    if (h.index != b.index || h.payload_bytes != b.payload_bytes)
-      throw_error(errc::protocol_error, what + ": expected bucket " + std::to_string(b.index) + " of " +
-                                            std::to_string(b.payload_bytes) + " bytes, trainer sent bucket " +
-                                            std::to_string(h.index) + " of " + std::to_string(h.payload_bytes));
-    if (((h.flags & wire::flag_checksum) != 0) != checksums_)
-      throw_error(errc::protocol_error, what + ": checksum flag differs from the wire parameters");
+    if (auto mismatch = wire::check_bucket_header(h, b.index, b.payload_bytes, checksums_); !mismatch.empty())
+      throw_error(errc::protocol_error, what + ": " + mismatch);
     co_await net::read_exact(socket_, dest, timeout_, what + " payload");
     if (checksums_) {
       const std::uint64_t got = checksum(dest);
@@ -96,6 +91,9 @@ asio::awaitable<void> engine::init(const init_info& info) {
   const std::string who = "tcp worker rank " + std::to_string(rank_);
   auto socket = std::make_unique<asio::ip::tcp::socket>(co_await net::connect_with_retry(
       info.master_address, info.master_port, timeout_, who + ": connecting to the trainer"));
+  // No weight byte is accepted from a trainer that has not proved the secret.
+  co_await auth::as_client(*socket, config().auth_secret, timeout_, who + ": trainer " + info.master_address + ":" +
+                                                                        std::to_string(info.master_port));
 
   wire::hello hello;
   hello.rank = static_cast<std::uint32_t>(rank_);
@@ -163,7 +161,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const up
   transport t(socket, timeout_, rank_, pipeline_->params().checksums);
   // The plan just checked against the trainer's header is the one received with.
   co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
-                              mutable_stats(), context().model);
+                              mutable_stats(), receive_target());
   co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": confirming the update");
 }
 

@@ -9,6 +9,7 @@
 #include "engines/tcp/tcp.h"
 #include "engines/tcp/wire.h"
 #include "lib/async/all_of.h"
+#include "lib/auth.h"
 #include "lib/checksum.h"
 #include "lib/net.h"
 #include "lib/send_cursor.h"
@@ -79,7 +80,7 @@ asio::awaitable<void> sender::connect_workers() {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now());
       if (left.count() <= 0) left = std::chrono::milliseconds(1);
       try {
-        co_await accept_one();
+        co_await accept_one(left);
       } catch (const error& e) {
         if (e.kind() != errc::timeout) throw;
         std::string have;
@@ -87,7 +88,8 @@ asio::awaitable<void> sender::connect_workers() {
         throw_error(errc::timeout, "tcp trainer: " + std::to_string(peers_.size()) + " of " +
                                        std::to_string(workers) + " workers connected within " +
                                        std::to_string(timeout_.count()) + " ms (ranks: " +
-                                       (have.empty() ? "none" : have) + ")");
+                                       (have.empty() ? "none" : have) + ")" +
+                                       (last_refusal_.empty() ? "" : "; last refused: " + last_refusal_));
       }
     }
   } catch (...) {
@@ -97,11 +99,26 @@ asio::awaitable<void> sender::connect_workers() {
   seq_ = 0;
 }
 
-asio::awaitable<void> sender::accept_one() {
+asio::awaitable<void> sender::accept_one(std::chrono::milliseconds left) {
   auto strand = asio::make_strand(io_pool_->get_executor());
-  auto socket = co_await net::accept(*acceptor_, timeout_, "tcp trainer: waiting for workers", strand);
+  auto socket = co_await net::accept(*acceptor_, left, "tcp trainer: waiting for workers", strand);
+  // A connection that fails authentication or its hello is refused and the
+  // trainer keeps waiting: a stray or hostile peer cannot end the rendezvous.
+  std::string from = "?";
+  {
+    std::error_code ec;
+    auto ep = socket.remote_endpoint(ec);
+    if (!ec) from = ep.address().to_string() + ":" + std::to_string(ep.port());
+  }
+  const auto handshake = std::min(left, timeout_);
   std::array<std::byte, sizeof(wire::hello)> raw;
-  co_await net::read_exact(socket, asio::buffer(raw), timeout_, "tcp trainer: reading a worker's hello");
+  try {
+    co_await auth::as_server(socket, config_.auth_secret, handshake, "tcp trainer: connection from " + from);
+    co_await net::read_exact(socket, asio::buffer(raw), handshake, "tcp trainer: reading the hello of " + from);
+  } catch (const error& e) {
+    last_refusal_ = from + ": " + std::string(errc_name(e.kind())) + ": " + e.message();
+    co_return;
+  }
   auto h = wire::decode<wire::hello>(raw);
   std::string refusal;
   errc code = errc::invalid_argument;
@@ -126,6 +143,7 @@ asio::awaitable<void> sender::accept_one() {
   }
   if (!refusal.empty()) {
     // The refused worker gets the reason; the trainer keeps waiting for valid ones.
+    last_refusal_ = from + ": " + refusal;
     try {
       co_await send_status(socket, static_cast<std::uint32_t>(code), 0, refusal, timeout_,
                            "tcp trainer: refusing a worker");

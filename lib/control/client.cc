@@ -6,12 +6,13 @@
 #include <asio/use_awaitable.hpp>
 
 #include "lib/async/deadline.h"
+#include "lib/auth.h"
 #include "lib/net.h"
 
 namespace refit::control {
 
-client::client(asio::any_io_executor executor, std::chrono::milliseconds timeout)
-    : executor_(std::move(executor)), timeout_(timeout) {}
+client::client(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret)
+    : executor_(std::move(executor)), timeout_(timeout), secret_(std::move(secret)) {}
 
 client::~client() { close(); }
 
@@ -19,6 +20,7 @@ asio::awaitable<void> client::connect(const std::string& host, std::uint16_t por
   close();
   const std::string peer = host + ":" + std::to_string(port);
   auto socket = co_await net::connect_with_retry(host, port, timeout_, "control: connecting to worker " + peer);
+  co_await auth::as_client(socket, secret_, timeout_, "control: worker " + peer);
   state_ = std::make_shared<connection>(connection{std::make_shared<frame_stream>(std::move(socket)), peer, {}});
   asio::co_spawn(executor_, read_loop(state_, timeout_), asio::detached);
 }

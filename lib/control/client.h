@@ -18,8 +18,10 @@ namespace refit::control {
 
 class client {
  public:
-  /// `timeout` bounds every call unless the call gives its own.
-  client(asio::any_io_executor executor, std::chrono::milliseconds timeout);
+  /// `timeout` bounds every call unless the call gives its own. With a non-empty
+  /// `secret`, connect() authenticates with it (lib/auth.h); the worker must hold
+  /// the same one.
+  client(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret = {});
   ~client();
 
   /// Connects (retrying refused connections until the timeout).
@@ -44,6 +46,7 @@ class client {
 
   asio::any_io_executor executor_;
   std::chrono::milliseconds timeout_;
+  std::string secret_;
   std::shared_ptr<connection> state_;
   std::uint64_t next_id_ = 1;
 };

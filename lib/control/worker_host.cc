@@ -4,6 +4,9 @@
 #include <asio/detached.hpp>
 #include <asio/use_awaitable.hpp>
 
+#include "lib/async/offload.h"
+#include "lib/auth.h"
+#include "lib/fingerprint.h"
 #include "lib/net.h"
 
 namespace refit::control {
@@ -56,6 +59,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
     }
     if (failure) {
       // A failed chunk ends the session: the next start_weight_update begins clean.
+      note_error("update_weights", failure);
       co_await session_.abort_weight_update();
       std::rethrow_exception(failure);
     }
@@ -65,8 +69,33 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
     auto r = params_reader(params, "finish_weight_update");
     auto version = r.maybe<std::int64_t>("weight_version");
     r.finish();
-    co_await session_.finish_weight_update(version);
+    std::exception_ptr failure;
+    try {
+      co_await session_.finish_weight_update(version);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (failure) {
+      note_error("finish_weight_update", failure);
+      std::rethrow_exception(failure);
+    }
+    last_error_.clear();
     co_return json{{"stats", engine_->last_update_stats().to_json()}};
+  });
+  add_method("weight_fingerprint", [this](const json& params) -> asio::awaitable<json> {
+    auto r = params_reader(params, "weight_fingerprint");
+    auto names = r.optional<std::vector<std::string>>("names", {});
+    r.finish();
+    if (!context_.model)
+      throw_error(errc::unsupported, "weight_fingerprint: this worker was created without a model target");
+    // Hashing a model reads all of it: not on the event loop.
+    auto* model = context_.model;
+    auto list = co_await async::offload(engine_->processing_executor(),
+                                        [model, names] { return model->fingerprint(names); });
+    json answer = fingerprints_to_json(list);
+    answer["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
+    answer["state"] = weight_state();
+    co_return answer;
   });
   add_method("weight_info", [this](const json& params) -> asio::awaitable<json> {
     auto r = params_reader(params, "weight_info");
@@ -77,13 +106,34 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
 
 worker_host::~worker_host() { stop(); }
 
+void worker_host::note_error(const std::string& method, std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    last_error_ = method + ": " + std::string(errc_name(x.kind())) + ": " + x.message();
+  } catch (const std::exception& x) {
+    last_error_ = method + ": " + x.what();
+  }
+}
+
+std::string worker_host::weight_state() const {
+  if (engine_->weights_dirty()) return "dirty";
+  return session_.active() ? "updating" : "clean";
+}
+
 json worker_host::weight_info() const {
   json info = {{"backend", engine_->backend()},
                {"initialized", engine_->initialized()},
                {"defers_processing", engine_->defers_processing()},
                {"session_active", session_.active()},
+               {"receiving", engine_->receiving()},
+               {"state", weight_state()},
+               {"commit", to_string(config_.commit)},
                {"last_update", engine_->last_update_stats().to_json()}};
   info["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
+  info["dirty_reason"] = engine_->weights_dirty() ? json(engine_->dirty_reason()) : json(nullptr);
+  info["last_error"] = last_error_.empty() ? json(nullptr) : json(last_error_);
+  info["last_refused_connection"] = refused_.empty() ? json(nullptr) : json(refused_);
   return info;
 }
 
@@ -112,6 +162,22 @@ asio::awaitable<void> worker_host::serve() {
 }
 
 asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<frame_stream> stream) {
+  // No frame is read from a peer that has not proved the shared secret.
+  std::string peer = "?";
+  {
+    std::error_code ec;
+    auto ep = stream->socket().remote_endpoint(ec);
+    if (!ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
+  }
+  try {
+    co_await auth::as_server(stream->socket(), config_.auth_secret, config_.timeout,
+                             "control: connection from " + peer);
+  } catch (const error& e) {
+    refused_ = "control: connection from " + peer + " refused: " + std::string(errc_name(e.kind())) + ": " +
+               e.message();
+    stream->close();
+    co_return;
+  }
   for (;;) {
     json request;
     try {
@@ -130,19 +196,15 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<frame_stream> stream, 
   json id = nullptr;
   json answer;
   try {
-    json_reader r(request, "control request");
-    id = r.required<std::uint64_t>("id");
-    auto name = r.required<std::string>("method");
-    json params = r.optional<json>("params", json::object());
-    r.finish();
-    auto it = methods_.find(name);
+    control_request req = parse_request(request, id);
+    auto it = methods_.find(req.method);
     if (it == methods_.end()) {
       std::string known;
       for (const auto& [n, m] : methods_) known += (known.empty() ? "" : ", ") + n;
-      throw_error(errc::invalid_argument, "unknown method '" + name + "' (methods: " + known + ")");
+      throw_error(errc::invalid_argument, "unknown method '" + req.method + "' (methods: " + known + ")");
     }
     method m = it->second;  // a copy: the handler may replace methods while running
-    json result = co_await m(params);
+    json result = co_await m(req.params);
     answer = json::object();
     answer["id"] = id;
     answer["result"] = std::move(result);

@@ -6,6 +6,14 @@
 //   update_weights               {"update_info": {...}}
 //   finish_weight_update         {"weight_version": int}   (optional member)
 //   weight_info                  {}
+//       -> {"weight_version", "state": "clean" | "updating" | "dirty", "dirty_reason",
+//           "session_active", "receiving", "commit", "last_update": stats,
+//           "last_error", "last_refused_connection", ...}
+//       "updating": a session is open (a trainer that dies between its last chunk
+//       and finish_weight_update leaves it so until the next init or start).
+//   weight_fingerprint           {"names": [str]}  (optional; all weights when absent)
+//       -> {"algorithm", "tensors": {name: hex}, "weight_version", "state"}
+//          (needs the engine context's model_target; see lib/fingerprint.h)
 //
 // A request is {"id": int, "method": str, "params": {...}}; the answer is
 // {"id": int, "result": {...}} or {"id": int, "error": {"kind": str, "message": str}}.
@@ -56,6 +64,8 @@ class worker_host {
   asio::awaitable<void> serve_connection(std::shared_ptr<frame_stream> stream);
   asio::awaitable<void> handle(std::shared_ptr<frame_stream> stream, json request);
   json weight_info() const;
+  std::string weight_state() const;
+  void note_error(const std::string& method, std::exception_ptr e);
 
   weight_transfer_config config_;
   engine_context context_;
@@ -66,6 +76,8 @@ class worker_host {
   std::vector<std::weak_ptr<frame_stream>> connections_;
   std::map<std::string, method> methods_;
   bool stopped_ = false;
+  std::string last_error_;
+  std::string refused_;     // why the last control connection was refused  // the last failed update_weights / finish_weight_update
 };
 
 }  // namespace refit::control

@@ -7,6 +7,7 @@
 #include "engines/tcp/tcp.h"
 #include "lib/control/client.h"
 #include "lib/control/worker_host.h"
+#include "lib/auth.h"
 #include "lib/net.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -181,6 +182,7 @@ TEST_F(control_test, bad_requests_get_typed_errors_and_the_host_keeps_serving) {
   // A raw connection sending an absurd frame length is dropped without harm.
   auto raw = [](std::uint16_t port) -> asio::awaitable<void> {
     auto s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "raw");
+    co_await auth::as_client(s, "", 5s, "raw");  // this host has no secret
     const std::uint8_t huge[4] = {0xff, 0xff, 0xff, 0xff};
     co_await asio::async_write(s, asio::buffer(huge), asio::use_awaitable);
     char byte;
@@ -190,6 +192,38 @@ TEST_F(control_test, bad_requests_get_typed_errors_and_the_host_keeps_serving) {
   };
   run_to_completion(io_, raw(port_));
   EXPECT_EQ(call("weight_info")["backend"], "tcp");
+}
+
+TEST(control_auth, a_host_with_a_secret_serves_only_clients_that_prove_it) {
+  asio::io_context io;
+  engine_factory factory;
+  factory.register_engine<tcp::engine, tcp::sender>("tcp");
+  auto config = tcp_config();
+  config.auth_secret = "control secret";
+  capture got;
+  control::worker_host host(config, engine_context{io.get_executor()}, got.fn(), factory);
+  const auto port = host.listen("127.0.0.1", 0);
+  spawn(io, host.serve());
+  for (const char* wrong : {"", "control secreT"}) {
+    control::client c(io.get_executor(), 5s, wrong);
+    auto r = spawn(io, c.connect("127.0.0.1", port));
+    ASSERT_TRUE(run_until(io, [&] { return r->done; }));
+    ASSERT_TRUE(r->error) << "connected with '" << wrong << "'";
+    EXPECT_EQ(r->kind(), static_cast<int>(errc::auth_error)) << r->message();
+  }
+  control::client good(io.get_executor(), 5s, "control secret");
+  json info;
+  auto call_info = [&]() -> asio::awaitable<void> {
+    co_await good.connect("127.0.0.1", port);
+    info = co_await good.call("weight_info");
+  };
+  run_to_completion(io, call_info());
+  EXPECT_EQ(info["state"], "clean");
+  ASSERT_TRUE(info["last_refused_connection"].is_string()) << info.dump();
+  EXPECT_NE(info["last_refused_connection"].get<std::string>().find("auth_error"), std::string::npos) << info.dump();
+  good.close();
+  host.stop();
+  EXPECT_TRUE(run(io, 5s));
 }
 
 }  // namespace

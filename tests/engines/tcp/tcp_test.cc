@@ -11,18 +11,20 @@
 namespace refit::testing {
 namespace {
 
-weight_transfer_config tcp_config() {
+weight_transfer_config tcp_config(std::string secret = {}) {
   weight_transfer_config config;
   config.backend = "tcp";
   config.timeout = std::chrono::seconds(5);
+  config.auth_secret = std::move(secret);
   return config;
 }
 
 class tcp_harness final : public engine_harness {
  public:
-  tcp_harness(asio::io_context& io, model_target* model, bool checksums) : checksums_(checksums) {
-    sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io.get_executor(), {}});
-    engine_ = std::make_unique<tcp::engine>(tcp_config(), engine_context{io.get_executor(), {}, {}, model});
+  tcp_harness(asio::io_context& io, model_target* model, bool checksums, std::string secret = {})
+      : checksums_(checksums) {
+    sender_ = std::make_unique<tcp::sender>(tcp_config(secret), trainer_context{io.get_executor(), {}});
+    engine_ = std::make_unique<tcp::engine>(tcp_config(secret), engine_context{io.get_executor(), {}, {}, model});
   }
   asio::awaitable<void> connect(const wire_params& wire) override {
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
@@ -118,6 +120,100 @@ TEST(tcp_integrity, a_corrupted_payload_byte_is_an_integrity_error_naming_the_bu
   EXPECT_NE(sent->message().find("rank 1"), std::string::npos) << sent->message();
 }
 
+// A checksummed transfer corrupted inside bucket 1: the update fails there. What
+// the model holds afterwards depends on the commit mode.
+struct corrupted_update {
+  std::shared_ptr<outcome> sent, received;
+  std::size_t loads = 0;
+  bool dirty = false;
+  std::string dirty_reason;
+};
+
+corrupted_update corrupt_bucket_1(const char* commit) {
+  asio::io_context io;
+  tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
+  tcp::engine engine(tcp_config(), engine_context{io.get_executor()});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
+               {"buffer_bytes", 16384}, {"num_buffers", 2}, {"checksums", true}};
+  json init = sender.prepare(args);
+  corrupting_proxy proxy(io, init["master_port"].get<std::uint16_t>(), 24 + 48 + 2 * 32 + 16384 + 100);
+  spawn(io, proxy.run());
+  init["master_port"] = proxy.port();
+  run_to_completion(io, init_through(sender, engine, init));
+  tensor_set set;
+  for (int i = 0; i < 4; ++i) set.add("t" + std::to_string(i), dtype::float32, {4000});
+  json info_json = json::object();
+  write_update_metadata(set.meta, info_json);
+  info_json["commit"] = commit;
+  auto info = engine.parse_update_info(info_json);
+  corrupted_update r;
+  std::atomic<std::size_t> loads{0};
+  auto load = [&loads](std::span<const tensor_view> v) { loads += v.size(); };
+  r.sent = spawn(io, send_views(sender, set.meta, set.views()));
+  r.received = spawn(io, receive_update(engine, std::move(info), load, true));
+  EXPECT_TRUE(run_until(io, [&] { return r.sent->done && r.received->done; })) << "a hang";
+  r.loads = loads;
+  r.dirty = engine.weights_dirty();
+  r.dirty_reason = engine.dirty_reason();
+  sender.shutdown();
+  return r;
+}
+
+TEST(tcp_commit, staged_update_cut_short_never_reaches_the_model) {
+  auto r = corrupt_bucket_1("staged");
+  ASSERT_TRUE(r.received->error);
+  EXPECT_EQ(r.received->kind(), static_cast<int>(errc::integrity_error)) << r.received->message();
+  EXPECT_EQ(r.loads, 0u) << "load_weights saw part of a failed staged update";
+  EXPECT_FALSE(r.dirty) << r.dirty_reason;
+}
+
+TEST(tcp_commit, in_place_update_cut_short_marks_the_weights_dirty) {
+  auto r = corrupt_bucket_1("in_place");
+  ASSERT_TRUE(r.received->error);
+  EXPECT_EQ(r.received->kind(), static_cast<int>(errc::integrity_error)) << r.received->message();
+  EXPECT_GT(r.loads, 0u) << "bucket 0 was loaded before bucket 1 failed";
+  EXPECT_TRUE(r.dirty);
+  EXPECT_NE(r.dirty_reason.find("integrity_error"), std::string::npos) << r.dirty_reason;
+}
+
+TEST(tcp_auth, a_worker_with_another_secret_is_refused_before_any_weight_byte) {
+  asio::io_context io;
+  auto config = tcp_config("trainer-secret");
+  config.timeout = std::chrono::milliseconds(800);
+  tcp::sender sender(config, trainer_context{io.get_executor(), {}});
+  tcp::engine engine(tcp_config("guess"), engine_context{io.get_executor()});
+  json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+  auto info = engine.parse_init_info(init);
+  auto t = spawn(io, sender.connect_workers());
+  auto w = spawn(io, engine.init_transfer_engine(*info));
+  ASSERT_TRUE(run_until(io, [&] { return w->done && t->done; })) << "a hang";
+  ASSERT_TRUE(w->error);
+  EXPECT_EQ(w->kind(), static_cast<int>(errc::auth_error)) << w->message();
+  EXPECT_FALSE(engine.initialized());
+  ASSERT_TRUE(t->error);
+  EXPECT_EQ(t->kind(), static_cast<int>(errc::timeout)) << t->message();
+  EXPECT_NE(t->message().find("0 of 1 workers"), std::string::npos) << t->message();
+  EXPECT_NE(t->message().find("auth_error"), std::string::npos) << "names why: " << t->message();
+  sender.shutdown();
+}
+
+TEST(tcp_auth, a_trainer_without_the_secret_is_refused_by_the_worker) {
+  asio::io_context io;
+  auto config = tcp_config();
+  config.timeout = std::chrono::milliseconds(800);
+  tcp::sender sender(config, trainer_context{io.get_executor(), {}});
+  tcp::engine engine(tcp_config("worker-secret"), engine_context{io.get_executor()});
+  json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+  auto info = engine.parse_init_info(init);
+  auto t = spawn(io, sender.connect_workers());
+  auto w = spawn(io, engine.init_transfer_engine(*info));
+  ASSERT_TRUE(run_until(io, [&] { return w->done && t->done; })) << "a hang";
+  ASSERT_TRUE(w->error);
+  EXPECT_EQ(w->kind(), static_cast<int>(errc::auth_error)) << w->message();
+  ASSERT_TRUE(t->error);
+  sender.shutdown();
+}
+
 TEST(tcp_integrity, checksum_setting_must_match_between_trainer_and_worker) {
   asio::io_context io;
   tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
@@ -151,5 +247,11 @@ INSTANTIATE_TEST_SUITE_P(
                                                       [](asio::io_context& io, refit::model_target* model) {
                                                         return std::unique_ptr<refit::testing::engine_harness>(
                                                             new refit::testing::tcp_harness(io, model, true));
+                                                      }},
+                      refit::testing::harness_factory{"tcp_auth",
+                                                      [](asio::io_context& io, refit::model_target* model) {
+                                                        return std::unique_ptr<refit::testing::engine_harness>(
+                                                            new refit::testing::tcp_harness(io, model, true,
+                                                                                            "shared secret"));
                                                       }}),
     [](const auto& info) { return info.param.name; });
