@@ -27,13 +27,14 @@
 #include <asio/detached.hpp>
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
-#include <xxhash.h>
 
 #include "examples/weight_sync/model.h"
 #include "lib/async/all_of.h"
+#include "lib/auth.h"
 #include "lib/control/client.h"
 #include "lib/control/worker_host.h"
 #include "lib/factory.h"
+#include "lib/fingerprint.h"
 
 extern char** environ;
 
@@ -56,18 +57,50 @@ struct options {
   std::int64_t timeout_ms = 60000;
   bool quiet = false;
   bool print_layout = false;
-  bool staged = false;  // receive through staging even where the model offers memory
+  bool no_direct = false;  // receive through staging even where the model offers memory
   bool checksums = false;
+  commit_mode commit = commit_mode::in_place;
+  std::string listen = "127.0.0.1";       // workers' control address; the trainer's data address
+  std::vector<std::uint16_t> connect;     // trainer: use running workers instead of starting them
+  std::uint16_t master_port = 0;          // trainer: data port (0: any free port)
+  std::vector<std::uint16_t> advertise;   // trainer: data ports workers are told (proxies in front), one or one each
+  int first_round = 1;                    // trainer: number of the first update (its weights)
+  std::string secret_file;                // shared secret for every connection
+  std::string secret;                     // loaded from secret_file
 };
 
 const char* usage =
     "usage: weight_sync [--engine tcp] [--workers N] [--model-bytes SIZE] [--layers N]\n"
     "                   [--vocab N] [--updates N] [--buffer-bytes SIZE] [--num-buffers N]\n"
     "                   [--process-cost SECONDS_PER_GB] [--timeout-ms MS] [--quiet]\n"
-    "                   [--staged]  (receive through staging, not into the model's memory)\n"
+    "                   [--no-direct]  (receive through staging, not into the model's memory)\n"
     "                   [--checksums]  (per-bucket XXH3 checksums verified by every worker)\n"
+    "                   [--commit in_place|staged]  (how updates reach the model; default in_place)\n"
+    "                   [--auth-secret-file PATH]  (authenticate every connection; mode 0600;\n"
+    "                                              default $REFIT_AUTH_SECRET_FILE)\n"
+    "                   [--listen ADDRESS]  (address workers and the trainer listen on; 127.0.0.1)\n"
+    "                   [--connect PORT,PORT,...]  (trainer: drive running workers, do not start any)\n"
+    "                   [--master-port N] [--advertise-port N[,N...]] [--first-round N]  (trainer)\n"
+    "                   [--role worker]  (serve the control verbs; prints REFIT_WORKER_PORT <port>)\n"
     "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
+
+// "4001,4002" -> ports.
+std::vector<std::uint16_t> port_list(const std::string& flag, const std::string& list) {
+  std::vector<std::uint16_t> out;
+  std::size_t at = 0;
+  for (;;) {
+    auto comma = list.find(',', at);
+    std::string item = list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    char* end = nullptr;
+    long port = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || !end || *end || port < 1 || port > 65535)
+      throw_error(errc::invalid_argument, flag + ": expected ports like 4001,4002, got '" + list + "'");
+    out.push_back(static_cast<std::uint16_t>(port));
+    if (comma == std::string::npos) return out;
+    at = comma + 1;
+  }
+}
 
 options parse_args(int argc, char** argv) {
   options o;
@@ -110,7 +143,18 @@ options parse_args(int argc, char** argv) {
     } else if (a == "--timeout-ms") o.timeout_ms = integer(1, 86400000);
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--print-layout") o.print_layout = true;
-    else if (a == "--staged") o.staged = true;
+    else if (a == "--no-direct") o.no_direct = true;
+    else if (a == "--commit") {
+      std::string v = next();
+      if (v == "staged") o.commit = commit_mode::staged;
+      else if (v == "in_place") o.commit = commit_mode::in_place;
+      else throw_error(errc::invalid_argument, "--commit: expected in_place or staged, got '" + v + "'");
+    } else if (a == "--auth-secret-file") o.secret_file = next();
+    else if (a == "--listen") o.listen = next();
+    else if (a == "--master-port") o.master_port = static_cast<std::uint16_t>(integer(0, 65535));
+    else if (a == "--advertise-port") o.advertise = port_list(a, next());
+    else if (a == "--first-round") o.first_round = static_cast<int>(integer(1, 1 << 30));
+    else if (a == "--connect") o.connect = port_list(a, next());
     else if (a == "--checksums") o.checksums = true;
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
@@ -118,6 +162,15 @@ options parse_args(int argc, char** argv) {
     } else
       throw_error(errc::invalid_argument, "unknown flag '" + a + "'\n" + usage);
   }
+  if (o.role != "trainer" && o.role != "worker")
+    throw_error(errc::invalid_argument, "--role: expected trainer or worker, got '" + o.role + "'");
+  if (o.secret_file.empty())
+    if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;
+  if (!o.secret_file.empty()) o.secret = auth::read_secret_file(o.secret_file);
+  if (!o.connect.empty()) o.workers = static_cast<int>(o.connect.size());
+  if (o.advertise.size() > 1 && o.advertise.size() != static_cast<std::size_t>(o.workers))
+    throw_error(errc::invalid_argument, "--advertise-port: give one port, or one per worker (" +
+                                            std::to_string(o.workers) + ")");
   return o;
 }
 
@@ -144,6 +197,7 @@ class worker_model final : public model_target {
       auto bytes = v.bytes();
       std::lock_guard lock(mutex_);
       auto& slot = tensors_[std::string(v.name)];
+      slot.spec = tensor_spec{std::string(v.name), v.dtype, std::vector<std::int64_t>(v.shape.begin(), v.shape.end())};
       if (slot.bytes.size() != bytes.size()) slot.bytes.assign(bytes.size(), std::byte{0});
       if (slot.bytes.data() != bytes.data()) std::memcpy(slot.bytes.data(), bytes.data(), bytes.size());
       burn(bytes.size(), process_cost_);
@@ -161,20 +215,24 @@ class worker_model final : public model_target {
   // A server has its model resident before any update: allocate and touch it.
   void allocate(const update_metadata& meta) {
     std::lock_guard lock(mutex_);
-    for (const auto& t : meta.tensors) tensors_[t.name].bytes.assign(t.nbytes(), std::byte{0});
+    for (const auto& t : meta.tensors) {
+      tensors_[t.name].bytes.assign(t.nbytes(), std::byte{0});
+      tensors_[t.name].spec = t;
+    }
   }
 
-  // Checksums of what the model holds now: computed on request (after the update,
-  // outside its timing), so verification reads the model's memory itself.
-  json checksums() const {
+  // What the worker's weight_fingerprint call answers: computed on request from the
+  // model's own memory (after the update, outside its timing).
+  fingerprint_list fingerprint(const std::vector<std::string>& names) override {
     std::lock_guard lock(mutex_);
-    json out = json::object();
-    for (const auto& [name, t] : tensors_) out[name] = XXH3_64bits(t.bytes.data(), t.bytes.size());
-    return out;
+    std::vector<tensor_view> views;
+    for (auto& [name, t] : tensors_) views.emplace_back(t.spec, t.bytes.data());
+    return fingerprint_all(views, names);
   }
 
  private:
   struct tensor {
+    tensor_spec spec;
     std::vector<std::byte> bytes;
   };
   double process_cost_;
@@ -192,15 +250,14 @@ std::uint64_t peak_rss_bytes() {
 int run_worker(const options& o) {
   prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the trainer
   asio::io_context io;
-  worker_model model(o.process_cost, !o.staged);
+  worker_model model(o.process_cost, !o.no_direct);
   weight_transfer_config config;
   config.backend = o.engine;
   config.timeout = std::chrono::milliseconds(o.timeout_ms);
+  config.commit = o.commit;
+  config.auth_secret = o.secret;
   control::worker_host host(config, engine_context{io.get_executor(), {}, {}, &model}, model.as_load_weights());
-  const auto port = host.listen("127.0.0.1", 0);
-  host.add_method("weight_checksums", [&model](const json&) -> asio::awaitable<json> {
-    co_return model.checksums();
-  });
+  const auto port = host.listen(o.listen, 0);
   host.add_method("load_model", [&model](const json& params) -> asio::awaitable<json> {
     json_reader r(params, "load_model params");
     auto meta = read_update_metadata(r);
@@ -238,8 +295,13 @@ worker_process start_worker(const options& o, int index) {
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
   std::vector<std::string> args = {"weight_sync",   "--role",       "worker",
                                    "--engine",      o.engine,       "--timeout-ms",
-                                   std::to_string(o.timeout_ms), "--process-cost", std::to_string(o.process_cost)};
-  if (o.staged) args.push_back("--staged");
+                                   std::to_string(o.timeout_ms), "--process-cost", std::to_string(o.process_cost),
+                                   "--commit",      std::string(to_string(o.commit)), "--listen", o.listen};
+  if (o.no_direct) args.push_back("--no-direct");
+  if (!o.secret_file.empty()) {
+    args.push_back("--auth-secret-file");
+    args.push_back(o.secret_file);
+  }
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -282,7 +344,6 @@ struct trainer_model {
   model_layout layout;
   std::vector<std::byte> arena;
   std::vector<tensor_view> views;
-  std::vector<std::uint64_t> checksums;
 
   explicit trainer_model(model_layout l) : layout(std::move(l)) {
     arena.resize(layout.meta.total_bytes());
@@ -291,7 +352,6 @@ struct trainer_model {
       views.emplace_back(t, arena.data() + at);
       at += t.nbytes();
     }
-    checksums.resize(views.size());
   }
 
   // New weights for round `r`: a cheap pattern that differs per tensor and round.
@@ -303,7 +363,6 @@ struct trainer_model {
       auto* words = reinterpret_cast<std::uint64_t*>(bytes.data());
       for (std::size_t k = 0; k < n; ++k) words[k] = x + k * 0xBF58476D1CE4E5B9ull;
       for (std::size_t k = n * 8; k < bytes.size(); ++k) bytes[k] = static_cast<std::byte>(x >> (k % 8));
-      checksums[i] = XXH3_64bits(bytes.data(), bytes.size());
     }
   }
 };
@@ -311,14 +370,28 @@ struct trainer_model {
 struct totals {
   double seconds = 0, receive_s = 0, process_s = 0, overlap = 0;
   int overlap_samples = 0;
+  int rounds_done = 0;
   bool verified = true;
   std::uint64_t peak_rss = 0;
   std::string first_mismatch;
 };
 
-asio::awaitable<void> call_one(control::client& c, std::string method, json params, json* out) {
-  json r = co_await c.call(method, std::move(params));
-  if (out) *out = std::move(r);
+// One call; an error names the worker (its index and data rank) before the method.
+asio::awaitable<void> call_one(control::client& c, std::size_t index, std::string method, json params, json* out) {
+  std::exception_ptr failure;
+  try {
+    json r = co_await c.call(method, std::move(params));
+    if (out) *out = std::move(r);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (!failure) co_return;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const error& e) {
+    throw error(e.code(), "worker " + std::to_string(index) + " (rank " + std::to_string(index + 1) + "): " +
+                              e.message());
+  }
 }
 
 // Calls `method` on every worker at once, with params_for(i) for worker i.
@@ -328,7 +401,7 @@ asio::awaitable<void> call_each(std::vector<std::unique_ptr<control::client>>& c
   std::vector<asio::awaitable<void>> ops;
   if (results) results->assign(clients.size(), json());
   for (std::size_t i = 0; i < clients.size(); ++i)
-    ops.push_back(call_one(*clients[i], method, params_for(i), results ? &(*results)[i] : nullptr));
+    ops.push_back(call_one(*clients[i], i, method, params_for(i), results ? &(*results)[i] : nullptr));
   co_await async::all_of(std::move(ops));
 }
 
@@ -356,22 +429,24 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
   std::vector<std::unique_ptr<control::client>> clients;
   for (const auto& p : procs) {
-    clients.push_back(std::make_unique<control::client>(ex, timeout));
-    co_await clients.back()->connect("127.0.0.1", p.port);
+    clients.push_back(std::make_unique<control::client>(ex, timeout, o.secret));
+    co_await clients.back()->connect(o.listen, p.port);
   }
 
   weight_transfer_config config;
   config.backend = o.engine;
   config.timeout = timeout;
+  config.auth_secret = o.secret;
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
-  json trainer_args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", o.workers + 1},
+  json trainer_args = {{"master_address", o.listen}, {"master_port", o.master_port}, {"world_size", o.workers + 1},
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
                        {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
   const json init_info = sender->prepare(trainer_args);
   // Each worker is its own inference engine here, so each gets its own rank.
-  auto init_for = [&init_info](std::size_t i) {
+  auto init_for = [&init_info, &o](std::size_t i) {
     json info = init_info;
     if (info.contains("rank_offset")) info["rank_offset"] = 1 + static_cast<int>(i);
+    if (!o.advertise.empty()) info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
     return json{{"init_info", info}};
   };
   co_await both(sender->connect_workers(), call_each(clients, "init_weight_transfer_engine", init_for));
@@ -379,11 +454,13 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
 
   json update_body = json::object();
   write_update_metadata(model.layout.meta, update_body["update_info"]);
-  co_await call_all(clients, "load_model", update_body["update_info"]);
+  if (o.connect.empty()) co_await call_all(clients, "load_model", update_body["update_info"]);
+  update_body["update_info"]["commit"] = to_string(o.commit);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
   const json empty = json::object();
-  for (int round = 1; round <= o.updates; ++round) {
+  for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
     model.step(round);
+    const auto expected = fingerprint_all(model.views);
     const auto t0 = clock_type::now();
     co_await call_all(clients, "start_weight_update", empty);
     co_await both(call_all(clients, "update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
@@ -399,31 +476,37 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
       t.overlap += s["overlap"].get<double>();
       ++t.overlap_samples;
     }
-    // Every tensor on every worker against the trainer's checksum of this round.
-    std::vector<json> sums;
-    co_await call_all(clients, "weight_checksums", empty, &sums);
+    // Every tensor on every worker against the trainer's own: the workers'
+    // weight_fingerprint call hashes what their models hold now.
+    std::vector<json> answers;
+    co_await call_all(clients, "weight_fingerprint", empty, &answers);
     std::size_t bad = 0;
-    for (std::size_t w = 0; w < sums.size(); ++w)
-      for (std::size_t i = 0; i < model.views.size(); ++i) {
-        const std::string name(model.views[i].name);
-        if (!sums[w].contains(name) || sums[w][name].get<std::uint64_t>() != model.checksums[i]) {
-          if (t.first_mismatch.empty())
-            t.first_mismatch = "worker " + std::to_string(w) + " tensor '" + name + "' in update " + std::to_string(round);
-          ++bad;
-        }
-      }
+    for (std::size_t w = 0; w < answers.size(); ++w) {
+      auto diff = compare_fingerprints(expected, fingerprints_from_json(
+                                                     json{{"algorithm", answers[w]["algorithm"]},
+                                                          {"tensors", answers[w]["tensors"]}}));
+      if (answers[w]["state"] != "clean") diff.push_back("state is " + answers[w]["state"].dump());
+      if (answers[w]["weight_version"] != round) diff.push_back("version is " + answers[w]["weight_version"].dump());
+      if (!diff.empty() && t.first_mismatch.empty())
+        t.first_mismatch = "worker " + std::to_string(w) + " after update " + std::to_string(round) + ": " + diff[0];
+      bad += diff.size();
+    }
     if (bad) t.verified = false;
+    ++t.rounds_done;
     if (!o.quiet)
-      std::fprintf(stderr, "[refit] update %d/%d: %.2f GB -> %d workers in %.2f s (%.2f GB/s per worker), %s\n",
-                   round, o.updates, bytes / 1e9, o.workers, seconds, bytes / seconds / 1e9,
+      std::fprintf(stderr, "[refit] update %d (%d/%d): %.2f GB -> %d workers in %.2f s (%.2f GB/s per worker), %s\n",
+                   round, round - o.first_round + 1, o.updates, bytes / 1e9, o.workers, seconds,
+                   bytes / seconds / 1e9,
                    bad ? ("MISMATCH in " + std::to_string(bad) + " tensors").c_str() : "verified");
   }
   std::vector<json> stats;
   co_await call_all(clients, "worker_stats", empty, &stats);
   for (const auto& s : stats) t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
-  try {
-    co_await call_all(clients, "shutdown", empty);
-  } catch (const error&) {
+  if (o.connect.empty()) {  // workers this trainer started end with it
+    try {
+      co_await call_all(clients, "shutdown", empty);
+    } catch (const error&) {
+    }
   }
   sender->shutdown();
   for (auto& c : clients) c->close();
@@ -446,7 +529,10 @@ int run_trainer(const options& o) {
   totals t;
   std::string failure;
   try {
-    for (int i = 0; i < o.workers; ++i) procs.push_back(start_worker(o, i));
+    if (o.connect.empty())
+      for (int i = 0; i < o.workers; ++i) procs.push_back(start_worker(o, i));
+    else
+      for (auto port : o.connect) procs.push_back(worker_process{-1, port});
     asio::io_context io;
     std::exception_ptr error;
     asio::co_spawn(io, trainer_main(o, procs, model, t), [&](std::exception_ptr e) { error = e; });
@@ -462,6 +548,7 @@ int run_trainer(const options& o) {
     std::fprintf(stderr, "[refit] error: %s\n", failure.c_str());
   }
   for (auto& p : procs) {
+    if (p.pid < 0) continue;  // --connect: not ours
     int status = 0;
     if (!failure.empty()) kill(p.pid, SIGTERM);
     waitpid(p.pid, &status, 0);
@@ -481,8 +568,12 @@ int run_trainer(const options& o) {
                  {"buffer_bytes", o.buffer_bytes},
                  {"num_buffers", o.num_buffers},
                  {"process_cost", o.process_cost},
-                 {"direct_receive", !o.staged},
+                 {"direct_receive", !o.no_direct && o.commit == commit_mode::in_place},
                  {"checksums", o.checksums},
+                 {"commit", to_string(o.commit)},
+                 {"authenticated", !o.secret.empty()},
+                 {"first_round", o.first_round},
+                 {"rounds_verified", t.verified ? t.rounds_done : 0},
                  {"worker_peak_rss_bytes", t.peak_rss},
                  {"verified", failure.empty() && t.verified}};
   if (!failure.empty()) result["error"] = failure;

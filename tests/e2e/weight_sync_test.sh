@@ -25,9 +25,19 @@ PY
 # Tensors larger than a buffer (the embedding) are split across buckets.
 check --workers 2 --model-bytes 24M --layers 2 --updates 2 --buffer-bytes 1M --num-buffers 3
 # One worker, one buffer: no pipelining, still correct; through staging.
-check --workers 1 --model-bytes 16M --layers 1 --updates 1 --buffer-bytes 4M --num-buffers 1 --staged
+check --workers 1 --model-bytes 16M --layers 1 --updates 1 --buffer-bytes 4M --num-buffers 1 --no-direct
 # Three workers with simulated post-processing and per-bucket checksums.
 check --workers 3 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 2M --process-cost 0.05 --checksums
+# Staged commits over authenticated connections (a secret file of mode 0600).
+secret_dir=$(mktemp -d)
+trap 'rm -rf "$secret_dir"' EXIT
+printf 'e2e-secret\n' > "$secret_dir/secret"
+chmod 600 "$secret_dir/secret"
+check --workers 2 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 1M --commit staged --checksums \
+  --auth-secret-file "$secret_dir/secret"
+chmod 644 "$secret_dir/secret"
+if err=$("$bin" --auth-secret-file "$secret_dir/secret" 2>&1); then fail "a world-readable secret accepted"; fi
+echo "$err" | grep -q "chmod 600" || fail "no advice for a world-readable secret: $err"
 
 if err=$("$bin" --workers 0 2>&1); then fail "--workers 0 accepted"; fi
 echo "$err" | grep -q "workers" || fail "no message for --workers 0: $err"

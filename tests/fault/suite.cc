@@ -1,0 +1,742 @@
+// The fault-injection suite: real worker and trainer processes (the main job's
+// binary, examples/weight_sync) with faults injected at random points of the
+// weight stream, through one data proxy per worker:
+//
+//   kill_trainer  SIGKILL the trainer when worker k's stream reaches a random bucket
+//   kill_worker   SIGKILL worker k there (it is restarted for the recovery)
+//   corrupt       flip one byte of worker k's stream there (checksums on)
+//   stall         stop forwarding worker k's stream there for twice the deadline
+//   impostor      a trainer with the wrong shared secret tries to drive the workers
+//   slow          (not a fault) throttle every stream, within the deadline: must succeed
+//
+// After each fault: every side that should see an error saw one within its
+// deadline (detected), every process finished or answered in time (no hang), and
+// no worker claims weights it does not hold: a worker reporting "clean" holds
+// exactly its reported version's weights, and a staged update never touched the
+// old weights (no lost update). Then a new trainer runs a full update, which every
+// worker must verify (recovery). Worker descriptors and threads are compared at the
+// start and the end (nothing leaks across failures).
+//
+//   bazel run //tests/fault:suite -- [--rounds N] [--seed S] [--short]
+//
+// Progress goes to stderr; the last stdout line is one JSON object with
+// faults_injected, faults_detected, lost_updates, hangs and the rest. Exit status
+// 0 only when every fault was detected, nothing was lost and nothing hung.
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/io_context.hpp>
+#include <asio/posix/stream_descriptor.hpp>
+#include <asio/read.hpp>
+#include <asio/redirect_error.hpp>
+#include <asio/steady_timer.hpp>
+#include <asio/use_awaitable.hpp>
+#include <asio/write.hpp>
+
+#include "lib/auth.h"
+#include "lib/control/client.h"
+#include "lib/fingerprint.h"
+#include "lib/net.h"
+
+extern char** environ;
+
+namespace refit::fault {
+namespace {
+
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+struct options {
+  std::string binary;  // examples/weight_sync
+  int rounds = 2;      // scenarios of each fault kind
+  std::uint64_t seed = 0;
+  int workers = 2;
+  std::string model_bytes = "24M";
+  std::int64_t timeout_ms = 1500;
+};
+
+void say(const std::string& line) { std::fprintf(stderr, "[fault] %s\n", line.c_str()); }
+
+// ------------------------------------------------------------------ processes
+
+struct process {
+  pid_t pid = -1;
+  int out = -1;  // its stdout
+};
+
+process start(const std::vector<std::string>& args, const std::string& log) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) throw_error(errc::io_error, std::string("pipe: ") + std::strerror(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  process p;
+  int rc = posix_spawn(&p.pid, copy[0].c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  if (rc != 0) {
+    close(fds[0]);
+    throw_error(errc::io_error, "cannot start " + copy[0] + ": " + std::strerror(rc));
+  }
+  p.out = fds[0];
+  return p;
+}
+
+// Waits for the process to exit, up to `limit`; nullopt if it did not (a hang).
+std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds limit) {
+  const auto until = clock_type::now() + limit;
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    if (r < 0) return -1;
+    if (clock_type::now() >= until) return std::nullopt;
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+int count_entries(const std::string& dir) {
+  int n = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (auto* e = readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+struct worker {
+  process proc;
+  std::uint16_t port = 0;
+  std::unique_ptr<control::client> client;
+  int fds = 0, threads = 0;  // at the start, for the leak check
+};
+
+std::uint16_t free_port() {
+  asio::io_context io;
+  asio::ip::tcp::acceptor a(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  return a.local_endpoint().port();
+}
+
+// ------------------------------------------------------------------ data proxy
+
+enum class action { none, kill_trainer, kill_worker, corrupt, stall, throttle };
+
+// Forwards one worker's data connection to the trainer, injecting `act` when the
+// trainer-to-worker stream passes byte `at`.
+class proxy {
+ public:
+  proxy(asio::io_context& io, std::uint16_t trainer_port)
+      : io_(io), acceptor_(net::listen(io.get_executor(), "127.0.0.1", 0)), trainer_port_(trainer_port) {}
+  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+
+  action act = action::none;
+  std::uint64_t at = 0;
+  std::function<void()> kill;            // for kill_* actions
+  std::chrono::milliseconds stall{0};
+  double throttle_bytes_per_s = 0;
+  bool fired = false;
+
+  void start() { asio::co_spawn(io_, serve(), asio::detached); }
+  void stop() {
+    std::error_code ec;
+    acceptor_.close(ec);
+    for (auto& s : sockets_) s->close(ec);
+  }
+
+ private:
+  asio::awaitable<void> serve() {
+    for (;;) {
+      std::error_code ec;
+      auto worker = std::make_shared<asio::ip::tcp::socket>(io_);
+      co_await acceptor_.async_accept(*worker, asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) co_return;
+      auto trainer = std::make_shared<asio::ip::tcp::socket>(io_);
+      co_await trainer->async_connect(
+          asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), trainer_port_),
+          asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) {
+        worker->close(ec);
+        continue;
+      }
+      sockets_.push_back(worker);
+      sockets_.push_back(trainer);
+      asio::co_spawn(io_, pump(worker, trainer, false), asio::detached);
+      asio::co_spawn(io_, pump(trainer, worker, true), asio::detached);
+    }
+  }
+
+  asio::awaitable<void> pump(std::shared_ptr<asio::ip::tcp::socket> from, std::shared_ptr<asio::ip::tcp::socket> to,
+                             bool downstream) {
+    std::vector<std::byte> buf(64 << 10);
+    std::uint64_t seen = 0;
+    std::error_code ec;
+    asio::steady_timer timer(io_);
+    for (;;) {
+      std::size_t n = co_await from->async_read_some(asio::buffer(buf), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+      if (downstream && act == action::throttle && throttle_bytes_per_s > 0) {
+        timer.expires_after(std::chrono::microseconds(static_cast<std::int64_t>(n / throttle_bytes_per_s * 1e6)));
+        co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      }
+      if (downstream && !fired && act != action::none && act != action::throttle && at < seen + n) {
+        fired = true;
+        if (act == action::corrupt) {
+          buf[at >= seen ? at - seen : 0] ^= std::byte{0x5a};
+        } else if (act == action::stall) {
+          timer.expires_after(stall);
+          co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+          break;
+        } else {
+          if (kill) kill();
+          // What was in flight when the process died is what it sent; forward it.
+        }
+      }
+      seen += n;
+      co_await asio::async_write(*to, asio::buffer(buf.data(), n), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+    }
+    from->close(ec);
+    to->close(ec);
+  }
+
+  asio::io_context& io_;
+  asio::ip::tcp::acceptor acceptor_;
+  std::uint16_t trainer_port_;
+  std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets_;
+};
+
+// ------------------------------------------------------------------ the suite
+
+struct report {
+  int scenarios = 0, injected = 0, detected = 0, lost = 0, hangs = 0, recoveries = 0, recoveries_failed = 0;
+  int slow_ok = 0, slow_failed = 0;
+  json by_kind = json::object();
+  std::vector<std::string> problems;
+};
+
+class suite {
+ public:
+  explicit suite(options o) : o_(std::move(o)), rng_(o_.seed) {
+    char tmpl[] = "/tmp/refit-fault-XXXXXX";
+    if (!mkdtemp(tmpl)) throw_error(errc::io_error, "mkdtemp failed");
+    dir_ = tmpl;
+    secret_file_ = dir_ + "/secret";
+    wrong_secret_file_ = dir_ + "/wrong-secret";
+    write_secret(secret_file_, "fault-suite-secret-" + std::to_string(o_.seed));
+    write_secret(wrong_secret_file_, "not-the-secret");
+    secret_ = auth::read_secret_file(secret_file_);
+  }
+
+  json run() {
+    const auto t0 = clock_type::now();
+    for (int i = 0; i < o_.workers; ++i) workers_.push_back(start_worker(i));
+    // A baseline: every worker holds a known version.
+    if (!recover("baseline")) throw_error(errc::io_error, "the baseline update failed; see " + dir_);
+    for (auto& w : workers_) {
+      w.fds = count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd");
+      w.threads = count_entries("/proc/" + std::to_string(w.proc.pid) + "/task");
+    }
+    const std::vector<std::string> kinds = {"kill_trainer", "kill_worker", "corrupt", "stall", "impostor", "slow"};
+    for (int r = 0; r < o_.rounds; ++r)
+      for (std::size_t k = 0; k < kinds.size(); ++k) {
+        // Both commit modes for every kind over the rounds (alternating).
+        const char* commit = (r + k) % 2 == 0 ? "staged" : "in_place";
+        try {
+          scenario(kinds[k], commit);
+        } catch (const std::exception& e) {
+          ++r_.recoveries_failed;
+          r_.problems.push_back(kinds[k] + ": the suite could not complete the scenario: " + e.what());
+          say(kinds[k] + ": suite error: " + e.what());
+        }
+      }
+    // Leak check on the workers that lived through every fault.
+    int fd_growth = 0, thread_growth = 0;
+    for (auto& w : workers_) {
+      if (w.fds == 0) continue;  // restarted: no baseline
+      fd_growth = std::max(fd_growth, count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd") - w.fds);
+      thread_growth =
+          std::max(thread_growth, count_entries("/proc/" + std::to_string(w.proc.pid) + "/task") - w.threads);
+    }
+    if (fd_growth > 0) r_.problems.push_back("worker descriptors grew by " + std::to_string(fd_growth));
+    if (thread_growth > 0) r_.problems.push_back("worker threads grew by " + std::to_string(thread_growth));
+    for (auto& w : workers_) stop_worker(w);
+    const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+    const bool ok = r_.detected == r_.injected && r_.lost == 0 && r_.hangs == 0 && r_.recoveries_failed == 0 &&
+                    r_.slow_failed == 0 && fd_growth <= 0 && thread_growth <= 0;
+    if (ok) {
+      std::string cmd = "rm -rf '" + dir_ + "'";
+      if (std::system(cmd.c_str()) != 0) say("could not remove " + dir_);
+    } else {
+      say("logs kept in " + dir_);
+    }
+    json problems = r_.problems;
+    return {{"scenarios", r_.scenarios},
+            {"faults_injected", r_.injected},
+            {"faults_detected", r_.detected},
+            {"lost_updates", r_.lost},
+            {"hangs", r_.hangs},
+            {"recoveries", r_.recoveries},
+            {"recoveries_failed", r_.recoveries_failed},
+            {"slow_within_deadline_ok", r_.slow_ok},
+            {"slow_within_deadline_failed", r_.slow_failed},
+            {"worker_fd_growth", fd_growth},
+            {"worker_thread_growth", thread_growth},
+            {"by_kind", r_.by_kind},
+            {"problems", problems},
+            {"seed", o_.seed},
+            {"workers", o_.workers},
+            {"model_bytes", o_.model_bytes},
+            {"timeout_ms", o_.timeout_ms},
+            {"seconds", seconds},
+            {"passed", ok}};
+  }
+
+ private:
+  static void write_secret(const std::string& path, const std::string& value) {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0 || ::write(fd, value.data(), value.size()) != static_cast<ssize_t>(value.size()))
+      throw_error(errc::io_error, "cannot write " + path);
+    ::close(fd);
+  }
+
+  worker start_worker(int index) {
+    worker w;
+    w.proc = start({o_.binary, "--role", "worker", "--timeout-ms", std::to_string(o_.timeout_ms),
+                    "--auth-secret-file", secret_file_},
+                   dir_ + "/worker" + std::to_string(index) + ".log");
+    std::string line;
+    const auto until = clock_type::now() + 10s;
+    while (line.find('\n') == std::string::npos) {
+      pollfd p{w.proc.out, POLLIN, 0};
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - clock_type::now()).count();
+      if (left <= 0 || poll(&p, 1, static_cast<int>(left)) <= 0)
+        throw_error(errc::timeout, "worker " + std::to_string(index) + " did not report its port");
+      char buf[128];
+      ssize_t n = ::read(w.proc.out, buf, sizeof buf);
+      if (n <= 0) throw_error(errc::peer_lost, "worker " + std::to_string(index) + " exited at start");
+      line.append(buf, static_cast<std::size_t>(n));
+    }
+    unsigned port = 0;
+    if (std::sscanf(line.c_str(), "REFIT_WORKER_PORT %u", &port) != 1)
+      throw_error(errc::protocol_error, "worker printed '" + line + "'");
+    w.port = static_cast<std::uint16_t>(port);
+    w.client = std::make_unique<control::client>(io_.get_executor(), std::chrono::milliseconds(o_.timeout_ms * 2),
+                                                 secret_);
+    run_sync(w.client->connect("127.0.0.1", w.port));
+    return w;
+  }
+
+  void stop_worker(worker& w) {
+    if (w.client) w.client->close();
+    if (w.proc.pid > 0) {
+      kill(w.proc.pid, SIGTERM);
+      if (!wait_exit(w.proc.pid, 5s)) {
+        kill(w.proc.pid, SIGKILL);
+        wait_exit(w.proc.pid, 5s);
+      }
+      close(w.proc.out);
+      w.proc.pid = -1;
+    }
+  }
+
+  // Runs an awaitable on the suite's loop to completion (rethrowing its error).
+  template <class T>
+  T run_sync(asio::awaitable<T> a) {
+    std::exception_ptr error;
+    std::optional<T> value;
+    bool done = false;
+    asio::co_spawn(io_, std::move(a), [&](std::exception_ptr e, T v) {
+      error = e;
+      value = std::move(v);
+      done = true;
+    });
+    io_.restart();
+    while (!done) io_.run_one();
+    if (error) std::rethrow_exception(error);
+    return std::move(*value);
+  }
+  void run_sync(asio::awaitable<void> a) {
+    std::exception_ptr error;
+    bool done = false;
+    asio::co_spawn(io_, std::move(a), [&](std::exception_ptr e) {
+      error = e;
+      done = true;
+    });
+    io_.restart();
+    while (!done) io_.run_one();
+    if (error) std::rethrow_exception(error);
+  }
+
+  static asio::awaitable<json> call(control::client& c, std::string method) { co_return co_await c.call(method); }
+
+  // Starts a trainer and serves its proxies until it exits (or is found hung).
+  struct trainer_result {
+    bool exited = false;
+    int status = 0;
+    json last;  // its last stdout line, if JSON
+  };
+  trainer_result run_trainer(const std::vector<std::string>& extra, std::vector<std::unique_ptr<proxy>>* proxies,
+                             const std::string& log, process* out_proc = nullptr) {
+    std::vector<std::string> args = {o_.binary,        "--quiet",        "--model-bytes", o_.model_bytes,
+                                     "--layers",       "2",              "--vocab",       "4000",
+                                     "--buffer-bytes", "1M",             "--num-buffers", "2",
+                                     "--timeout-ms",   std::to_string(o_.timeout_ms)};
+    std::string ports;
+    for (auto& w : workers_) ports += (ports.empty() ? "" : ",") + std::to_string(w.port);
+    args.push_back("--connect");
+    args.push_back(ports);
+    args.insert(args.end(), extra.begin(), extra.end());
+    process p = start(args, log);
+    if (out_proc) *out_proc = p;
+    // Its stdout, read on the loop while the proxies forward its streams.
+    auto text = std::make_shared<std::string>();
+    auto eof = std::make_shared<bool>(false);
+    auto reader = [](asio::io_context& io, int fd, std::shared_ptr<std::string> text,
+                     std::shared_ptr<bool> eof) -> asio::awaitable<void> {
+      asio::posix::stream_descriptor d(io, ::dup(fd));
+      char buf[4096];
+      for (;;) {
+        std::error_code ec;
+        std::size_t n = co_await d.async_read_some(asio::buffer(buf), asio::redirect_error(asio::use_awaitable, ec));
+        if (ec) break;
+        text->append(buf, n);
+      }
+      *eof = true;
+    };
+    asio::co_spawn(io_, reader(io_, p.out, text, eof), asio::detached);
+    // Generous: a trainer must end within a few deadlines of its last progress.
+    const auto limit = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 6) + 20s;
+    io_.restart();
+    while (!*eof && clock_type::now() < limit) io_.run_for(20ms);
+    trainer_result r;
+    if (auto st = wait_exit(p.pid, *eof ? std::chrono::milliseconds(o_.timeout_ms * 2) : 0ms)) {
+      r.exited = true;
+      r.status = *st;
+    } else {
+      kill(p.pid, SIGKILL);
+      wait_exit(p.pid, 5s);
+    }
+    if (proxies)
+      for (auto& px : *proxies) px->stop();
+    io_.restart();
+    io_.poll();
+    close(p.out);
+    auto nl = text->find_last_of('\n', text->size() >= 2 ? text->size() - 2 : 0);
+    std::string last = text->substr(nl == std::string::npos ? 0 : nl + 1);
+    r.last = json::parse(last, nullptr, false);
+    return r;
+  }
+
+  // A full update by a new trainer that every worker must verify.
+  bool recover(const std::string& why) {
+    const int round = ++version_;
+    auto r = run_trainer({"--first-round", std::to_string(round), "--updates", "1", "--checksums",
+                          "--auth-secret-file", secret_file_},
+                         nullptr, dir_ + "/trainer-" + std::to_string(round) + "-recover.log");
+    const bool ok = r.exited && WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0 && r.last.is_object() &&
+                    r.last.value("verified", false);
+    if (!ok) {
+      if (!r.exited) ++r_.hangs;
+      r_.problems.push_back("recovery after " + why + " failed: " + (r.last.is_object() ? r.last.dump() : "no JSON"));
+      --version_;
+      return false;
+    }
+    fingerprints_[round] = fingerprint_of(workers_[0]);
+    return true;
+  }
+
+  fingerprint_list fingerprint_of(worker& w) {
+    json a = run_sync(call(*w.client, "weight_fingerprint"));
+    return fingerprints_from_json(json{{"algorithm", a["algorithm"]}, {"tensors", a["tensors"]}});
+  }
+
+  // Polls a worker until no update is being received there; nullopt if it stays
+  // busy (a hang) or stops answering. (A session may stay open: a trainer that died
+  // after the worker's last chunk never finishes it.)
+  std::optional<json> settled_info(worker& w) {
+    const auto until = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 4);
+    while (clock_type::now() < until) {
+      try {
+        json info = run_sync(call(*w.client, "weight_info"));
+        if (!info["receiving"].get<bool>()) return info;
+      } catch (const error&) {
+        return std::nullopt;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return std::nullopt;
+  }
+
+  void scenario(const std::string& kind, const std::string& commit) {
+    ++r_.scenarios;
+    const int target = std::uniform_int_distribution<int>(0, o_.workers - 1)(rng_);
+    const double fraction = std::uniform_real_distribution<double>(0.05, 0.9)(rng_);
+    const std::uint64_t model = 24ull << 20;
+    const std::uint64_t at = 300 + static_cast<std::uint64_t>(fraction * model);
+    const int round = version_ + 1;
+    const std::string name = kind + "#" + std::to_string(r_.scenarios) + " (" + commit + ", worker " +
+                             std::to_string(target) + ", byte " + std::to_string(at) + ")";
+    std::vector<json> before(workers_.size());
+    for (std::size_t i = 0; i < workers_.size(); ++i) before[i] = run_sync(call(*workers_[i].client, "weight_info"));
+
+    // Proxies in front of the trainer's data port, one per worker.
+    const std::uint16_t master = free_port();
+    std::vector<std::unique_ptr<proxy>> proxies;
+    std::string advertise;
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      proxies.push_back(std::make_unique<proxy>(io_, master));
+      advertise += (advertise.empty() ? "" : ",") + std::to_string(proxies.back()->port());
+    }
+    process trainer_proc;
+    bool killed_worker = false;
+    auto& px = *proxies[target];
+    px.at = at;
+    if (kind == "kill_trainer") {
+      px.act = action::kill_trainer;
+      px.kill = [&trainer_proc] { kill(trainer_proc.pid, SIGKILL); };
+    } else if (kind == "kill_worker") {
+      px.act = action::kill_worker;
+      pid_t victim = workers_[target].proc.pid;
+      px.kill = [victim, &killed_worker] {
+        kill(victim, SIGKILL);
+        killed_worker = true;
+      };
+    } else if (kind == "corrupt") {
+      px.act = action::corrupt;
+    } else if (kind == "stall") {
+      px.act = action::stall;
+      px.stall = std::chrono::milliseconds(o_.timeout_ms * 2);
+    } else if (kind == "slow") {
+      for (auto& p : proxies) {
+        p->act = action::throttle;
+        p->throttle_bytes_per_s = 40e6;
+      }
+    }
+    for (auto& p : proxies) p->start();
+
+    std::vector<std::string> extra = {"--first-round",  std::to_string(round),
+                                      "--updates",      "1",
+                                      "--commit",       commit,
+                                      "--master-port",  std::to_string(master),
+                                      "--advertise-port", advertise,
+                                      "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
+    if (kind == "corrupt") extra.push_back("--checksums");
+    say(name + ": running");
+    auto result = run_trainer(extra, &proxies, dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + kind + ".log",
+                              &trainer_proc);
+    bool hang = !result.exited;
+    const std::string trainer_error =
+        result.last.is_object() && result.last.contains("error") ? result.last["error"].get<std::string>() : "";
+
+    if (kind == "slow") {
+      const bool ok = !hang && result.last.is_object() && result.last.value("verified", false);
+      if (ok) {
+        ++r_.slow_ok;
+        version_ = round;
+        fingerprints_[round] = fingerprint_of(workers_[0]);
+      } else {
+        ++r_.slow_failed;
+        r_.problems.push_back(name + ": a slow stream within the deadline failed: " +
+                              (result.last.is_object() ? result.last.dump() : "no JSON"));
+      }
+      if (hang) ++r_.hangs;
+      say(name + (ok ? ": completed and verified" : ": FAILED"));
+      return;
+    }
+    ++r_.injected;
+    json& stats = r_.by_kind[kind];
+    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
+    stats["injected"] = stats["injected"].get<int>() + 1;
+
+    // What each side reported.
+    bool detected = true;
+    std::vector<std::string> missed;
+    std::vector<std::optional<json>> after(workers_.size());
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      if (kind == "kill_worker" && static_cast<int>(i) == target && killed_worker) continue;
+      after[i] = settled_info(workers_[i]);
+      if (!after[i]) {
+        hang = true;
+        missed.push_back("worker " + std::to_string(i) + " stayed busy or stopped answering");
+      }
+    }
+    auto worker_error = [&](std::size_t i) -> std::string {
+      if (!after[i]) return {};
+      const json& e = (*after[i])["last_error"];
+      // A new error since the scenario began.
+      if (!e.is_string() || e == before[i]["last_error"]) return {};
+      return e.get<std::string>();
+    };
+    const std::string rank = "rank " + std::to_string(target + 1);
+    if (kind == "kill_trainer") {
+      if (!px.fired) missed.push_back("the kill point was never reached");
+      for (std::size_t i = 0; i < workers_.size(); ++i)
+        if (worker_error(i).empty()) missed.push_back("worker " + std::to_string(i) + " reported no error");
+    } else if (kind == "kill_worker") {
+      if (!killed_worker) missed.push_back("the kill point was never reached");
+      if (trainer_error.find(rank) == std::string::npos)
+        missed.push_back("the trainer did not name the lost " + rank + ": '" + trainer_error + "'");
+    } else if (kind == "corrupt") {
+      const std::string e = worker_error(target);
+      if (e.find("integrity_error") == std::string::npos && e.find("protocol_error") == std::string::npos)
+        missed.push_back("worker " + std::to_string(target) + " did not report the corruption: '" + e + "'");
+      if (trainer_error.empty()) missed.push_back("the trainer reported success");
+    } else if (kind == "stall") {
+      const std::string e = worker_error(target);
+      if (e.find("timeout") == std::string::npos)
+        missed.push_back("worker " + std::to_string(target) + " did not time out: '" + e + "'");
+      if (trainer_error.empty()) missed.push_back("the trainer reported success");
+    } else if (kind == "impostor") {
+      if (trainer_error.find("auth_error") == std::string::npos)
+        missed.push_back("the impostor trainer was not refused: '" + trainer_error + "'");
+      // It gives up at the first worker that refuses it.
+      bool recorded = false;
+      for (std::size_t i = 0; i < workers_.size(); ++i)
+        recorded |= after[i] && (*after[i])["last_refused_connection"].is_string() &&
+                    (*after[i])["last_refused_connection"] != before[i]["last_refused_connection"];
+      if (!recorded) missed.push_back("no worker recorded the refused connection");
+    }
+    if (result.exited && WIFEXITED(result.status) && WEXITSTATUS(result.status) == 0)
+      missed.push_back("the trainer exited with success");
+    detected = missed.empty();
+    if (hang) ++r_.hangs;
+
+    // Nothing lost: a worker that says clean holds its version's weights; where the
+    // update failed, staged left the old weights intact and clean, and in_place
+    // either did too or says dirty. (Where it completed but the trainer died before
+    // finishing, the worker says "updating": new weights, not yet claimed.)
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      if (!after[i]) continue;
+      const bool failed_here = !worker_error(i).empty();
+      const json& info = *after[i];
+      const std::string state = info["state"];
+      const auto fp = fingerprint_of(workers_[i]);
+      const bool has_version = info["weight_version"].is_number_integer();
+      const int v = has_version ? info["weight_version"].get<int>() : -1;
+      auto known = fingerprints_.find(v);
+      const bool matches = known != fingerprints_.end() && compare_fingerprints(known->second, fp).empty();
+      std::string lost;
+      if (state == "clean" && !matches)
+        lost = "says clean at version " + std::to_string(v) + " but holds other weights";
+      else if (failed_here && commit == "staged" && (state != "clean" || v != version_ || !matches))
+        lost = "a failed staged update changed the weights (state " + state + ", version " + std::to_string(v) + ")";
+      else if (failed_here && state == "updating")
+        lost = "its update failed but it still says updating";
+      if (!lost.empty()) {
+        ++r_.lost;
+        r_.problems.push_back(name + ": worker " + std::to_string(i) + " " + lost);
+      }
+    }
+    if (detected) {
+      ++r_.detected;
+      stats["detected"] = stats["detected"].get<int>() + 1;
+    } else {
+      for (auto& m : missed) r_.problems.push_back(name + ": " + m);
+    }
+    say(name + ": " + (detected ? "detected" : "MISSED: " + missed.front()) +
+        (trainer_error.empty() ? "" : "; trainer: " + trainer_error.substr(0, 160)));
+
+    // Recovery: restart a killed worker, then a full update everyone verifies.
+    if (killed_worker) {
+      wait_exit(workers_[target].proc.pid, 5s);
+      close(workers_[target].proc.out);
+      workers_[target].client->close();
+      workers_[target] = start_worker(target);
+    }
+    if (recover(name)) ++r_.recoveries;
+    else ++r_.recoveries_failed;
+  }
+
+  options o_;
+  std::mt19937_64 rng_;
+  asio::io_context io_;
+  std::string dir_, secret_file_, wrong_secret_file_, secret_;
+  std::vector<worker> workers_;
+  int version_ = 0;
+  std::map<int, fingerprint_list> fingerprints_;
+  report r_;
+};
+
+}  // namespace
+}  // namespace refit::fault
+
+int main(int argc, char** argv) {
+  using namespace refit::fault;
+  using refit::json;
+  signal(SIGPIPE, SIG_IGN);
+  options o;
+  o.seed = static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) % 1000000;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "suite: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--binary") o.binary = value();
+    else if (a == "--rounds") o.rounds = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--seed") o.seed = std::strtoull(value().c_str(), nullptr, 10);
+    else if (a == "--workers") o.workers = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--timeout-ms") o.timeout_ms = std::max(200, std::atoi(value().c_str()));
+    else if (a == "--short") o.rounds = 1;
+    else {
+      std::fprintf(stderr,
+                   "usage: suite --binary PATH/weight_sync [--rounds N] [--seed S] [--workers N] [--timeout-ms MS] "
+                   "[--short]\n");
+      return 2;
+    }
+  }
+  if (o.binary.empty()) {
+    std::fprintf(stderr, "suite: --binary is required (bazel run //tests/fault:suite passes it)\n");
+    return 2;
+  }
+  if (o.binary.find('/') != std::string::npos && o.binary[0] != '/') {
+    char cwd[4096];
+    if (getcwd(cwd, sizeof cwd)) o.binary = std::string(cwd) + "/" + o.binary;
+  }
+  say("seed " + std::to_string(o.seed) + ", " + std::to_string(o.rounds) + " round(s) of every fault, " +
+      std::to_string(o.workers) + " workers");
+  try {
+    suite s(o);
+    json r = s.run();
+    std::cout << r.dump() << std::endl;
+    return r["passed"].get<bool>() ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[fault] suite error: %s\n", e.what());
+    std::cout << json{{"error", e.what()}, {"faults_injected", 0}, {"faults_detected", 0}, {"lost_updates", -1},
+                      {"hangs", -1}, {"passed", false}}
+                     .dump()
+              << std::endl;
+    return 1;
+  }
+}
