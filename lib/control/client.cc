@@ -16,7 +16,7 @@ client::client(asio::any_io_executor executor, std::chrono::milliseconds timeout
 
 client::~client() { close(); }
 
-asio::awaitable<void> client::connect(const std::string& host, std::uint16_t port) {
+asio::awaitable<void> client::connect(std::string host, std::uint16_t port) {
   close();
   const std::string peer = host + ":" + std::to_string(port);
   auto socket = co_await net::connect_with_retry(host, port, timeout_, "control: connecting to worker " + peer);

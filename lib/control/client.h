@@ -25,7 +25,7 @@ class client {
   ~client();
 
   /// Connects (retrying refused connections until the timeout).
-  asio::awaitable<void> connect(const std::string& host, std::uint16_t port);
+  asio::awaitable<void> connect(std::string host, std::uint16_t port);
   /// Calls `method`; returns its result or throws the refit::error the worker
   /// answered with (same kind and message, prefixed with the method), timeout if
   /// no answer comes in time, peer_lost if the connection drops.

@@ -262,6 +262,8 @@ TEST_P(engine_conformance, staged_commit_loads_the_whole_update_at_once_after_it
   EXPECT_GE(engine.staged_bytes(), set.meta.total_bytes());
   EXPECT_FALSE(engine.weights_dirty());
   EXPECT_GT(engine.last_update_stats().buckets, 2u);
+  engine.shutdown();
+  EXPECT_EQ(engine.staged_bytes(), 0u) << "shutdown frees the stage";
 }
 
 TEST_P(engine_conformance, failing_staged_commit_marks_weights_dirty) {

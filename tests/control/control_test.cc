@@ -142,6 +142,11 @@ TEST_F(control_test, a_trainer_lost_mid_transfer_fails_the_update_and_the_worker
 
   json info = call("weight_info");
   EXPECT_EQ(info["session_active"], false) << "a failed chunk ends the session";
+  // in_place (the default) and some tensors were loaded: the weights are dirty, and
+  // weight_info says so and why, until a full update succeeds.
+  EXPECT_EQ(info["state"], "dirty") << info.dump();
+  EXPECT_NE(info["dirty_reason"].get<std::string>().find("peer_lost"), std::string::npos) << info.dump();
+  EXPECT_NE(info["last_error"].get<std::string>().find("update_weights"), std::string::npos) << info.dump();
 
   // A new trainer: re-init and a full update succeed.
   sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
@@ -150,7 +155,42 @@ TEST_F(control_test, a_trainer_lost_mid_transfer_fails_the_update_and_the_worker
   for (int i = 0; i < 4; ++i) small.add("v" + std::to_string(i), dtype::float32, {1000});
   json during;
   run_to_completion(io_, update(small, during, 2));
-  EXPECT_EQ(call("weight_info")["weight_version"], 2);
+  info = call("weight_info");
+  EXPECT_EQ(info["weight_version"], 2);
+  EXPECT_EQ(info["state"], "clean") << info.dump();
+  EXPECT_TRUE(info["dirty_reason"].is_null()) << info.dump();
+}
+
+// The worker's update_info disagrees with what the trainer sends: both sides get a
+// protocol error naming the difference before any weight byte moves, the model is
+// untouched, and after a re-init the next update goes through.
+TEST_F(control_test, metadata_disagreeing_with_the_trainer_is_refused_before_any_byte) {
+  run_to_completion(io_, init_both());
+  tensor_set set;
+  for (int i = 0; i < 4; ++i) set.add("w" + std::to_string(i), dtype::float32, {1000});
+  tensor_set declared = set;
+  declared.meta.tensors[2].shape = {999};  // the worker was told another shape
+  call("start_weight_update");
+  json body = json::object();
+  write_update_metadata(declared.meta, body["update_info"]);
+  auto updating = spawn(io_, call_update(*client_, body));
+  auto sent = spawn(io_, send(set.meta, set.views()));
+  ASSERT_TRUE(run_until(io_, [&] { return updating->done && sent->done; })) << "a hang";
+  ASSERT_TRUE(updating->error);
+  EXPECT_EQ(updating->kind(), static_cast<int>(errc::protocol_error)) << updating->message();
+  EXPECT_NE(updating->message().find("names, dtypes or shapes differ"), std::string::npos) << updating->message();
+  ASSERT_TRUE(sent->error);
+  EXPECT_NE(sent->message().find("names, dtypes or shapes differ"), std::string::npos)
+      << "the trainer hears why: " << sent->message();
+  EXPECT_EQ(got_.calls(), 0u) << "nothing was loaded";
+  EXPECT_EQ(call("weight_info")["state"], "clean");
+
+  sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
+  run_to_completion(io_, init_both());
+  json during;
+  run_to_completion(io_, update(set, during, 3));
+  EXPECT_NO_THROW(got_.check_equals(set));
+  EXPECT_EQ(call("weight_info")["weight_version"], 3);
 }
 
 TEST_F(control_test, misuse_is_a_clear_error) {

@@ -1,5 +1,8 @@
 #include "engines/tcp/tcp.h"
 
+#include <filesystem>
+#include <thread>
+
 #include <asio/experimental/awaitable_operators.hpp>
 #include <asio/redirect_error.hpp>
 #include <asio/write.hpp>
@@ -174,6 +177,30 @@ TEST(tcp_commit, in_place_update_cut_short_marks_the_weights_dirty) {
   EXPECT_GT(r.loads, 0u) << "bucket 0 was loaded before bucket 1 failed";
   EXPECT_TRUE(r.dirty);
   EXPECT_NE(r.dirty_reason.find("integrity_error"), std::string::npos) << r.dirty_reason;
+}
+
+int open_descriptors() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) n += e.exists() ? 1 : 0;
+  return n;
+}
+int live_threads() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+TEST(tcp_leaks, failed_updates_leave_no_descriptors_threads_or_stage_behind) {
+  corrupt_bucket_1("staged");  // first use: thread pools and lazily built state
+  const int fds = open_descriptors(), threads = live_threads();
+  for (int i = 0; i < 5; ++i) {
+    auto r = corrupt_bucket_1(i % 2 ? "staged" : "in_place");
+    ASSERT_TRUE(r.received->error);
+  }
+  EXPECT_EQ(open_descriptors(), fds) << "sockets leaked across failed updates";
+  // Pools are joined when their engines and senders go; allow for the exiting ones.
+  for (int i = 0; i < 100 && live_threads() > threads; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_LE(live_threads(), threads) << "threads leaked across failed updates";
 }
 
 TEST(tcp_auth, a_worker_with_another_secret_is_refused_before_any_weight_byte) {
