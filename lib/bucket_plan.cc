@@ -43,6 +43,13 @@ bucket_plan plan_buckets(const update_metadata& meta, const wire_params& params)
   bucket open;  // the packed bucket being filled
   bool has_open = false;
 
+  auto too_many = [&](std::uint64_t more, std::uint32_t tensor) {
+    throw_error(errc::invalid_argument,
+                "bucket plan: tensor #" + std::to_string(tensor) + " ('" + meta.tensors[tensor].name +
+                    "') brings the update to " + std::to_string(plan.buckets.size() + more) +
+                    " or more buckets of " + std::to_string(cap) + " bytes, more than the limit " +
+                    std::to_string(max_buckets) + " (use a larger buffer_bytes)");
+  };
   auto close_open = [&] {
     if (!has_open) return;
     open.index = plan.buckets.size();
@@ -56,6 +63,9 @@ bucket_plan plan_buckets(const update_metadata& meta, const wire_params& params)
     plan.tensor_bytes += n;
     if (n > cap) {
       close_open();
+      // Checked before any of the chunks is recorded: their count can be absurd.
+      const std::uint64_t chunks = n / cap + (n % cap != 0);
+      if (chunks > max_buckets - plan.buckets.size()) too_many(chunks, i);
       plan.largest_split_tensor = std::max(plan.largest_split_tensor, n);
       for (std::uint64_t off = 0; off < n; off += cap) {
         bucket b;
@@ -77,6 +87,7 @@ bucket_plan plan_buckets(const update_metadata& meta, const wire_params& params)
       at = 0;
     }
     if (!has_open) {
+      if (plan.buckets.size() >= max_buckets) too_many(1, i);
       open = bucket{};
       open.first_piece = plan.pieces.size();
       has_open = true;

@@ -71,8 +71,14 @@ struct bucket_plan {
   }
 };
 
+/// Most buckets one update may be cut into. Sizes come from metadata a peer
+/// declares: a 1 TiB tensor in 4 KiB buckets is an error, not 2^28 bucket records
+/// (10 GiB of plan). 2^22 buckets of the default 64 MiB carry 256 TiB.
+inline constexpr std::uint64_t max_buckets = 1ull << 22;
+
 /// Cuts `meta` into buckets of at most params.buffer_bytes. Deterministic: depends
-/// only on its arguments. Zero-byte tensors ride in packed buckets.
+/// only on its arguments. Zero-byte tensors ride in packed buckets. More than
+/// max_buckets buckets is invalid_argument, thrown before they are allocated.
 bucket_plan plan_buckets(const update_metadata& meta, const wire_params& params);
 
 }  // namespace refit

@@ -4,6 +4,7 @@
 // (engine and info kind) and the member path.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -20,12 +21,26 @@ namespace refit {
 
 using json = nlohmann::json;
 
-/// Parses JSON text; malformed text is refit::error(invalid_argument) naming
-/// `context` and the byte offset.
+/// Deepest nesting of arrays and objects accepted from text. refit's documents nest
+/// a few levels; copying or dumping a json value recurses once per level, so a
+/// deeper document (a few bytes per level) could exhaust the stack.
+inline constexpr std::size_t max_json_depth = 64;
+
+/// The deepest nesting of arrays and objects in JSON `text`, counting no further
+/// than `stop_above + 1`. Meaningful for valid JSON only (a parser rejects the rest).
+std::size_t json_nesting_depth(std::string_view text, std::size_t stop_above = max_json_depth);
+
+/// Parses JSON text; malformed text (including a number out of range and nesting
+/// deeper than max_json_depth) is refit::error(invalid_argument) naming `context`
+/// and, for a syntax error, the byte offset.
 json parse_json_text(std::string_view text, std::string_view context);
 
+/// `text` with every byte that is not part of a valid UTF-8 sequence replaced by
+/// '?': for messages that quote raw input, since messages travel in JSON.
+std::string valid_utf8(std::string_view text);
+
 /// The JSON type name used in messages ("string", "number", "object", ...), plus a
-/// short excerpt of the value.
+/// short excerpt of the value (valid UTF-8, whatever the value's size or depth).
 std::string describe_json(const json& value);
 
 /// Reads members of one JSON object. Construct, read each member, then call

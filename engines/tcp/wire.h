@@ -88,4 +88,50 @@ T decode(const std::array<std::byte, sizeof(T)>& in) {
   return v;
 }
 
+/// Checks a bucket header against what the receiver's plan expects: bucket
+/// `expected_index` of `expected_bytes`, carrying a checksum exactly when `checksums`.
+/// Returns "" when it matches, else what differs (the caller adds who and throws
+/// protocol_error). The checksum value itself is checked after the payload.
+inline std::string check_bucket_header(const bucket_header& h, std::uint64_t expected_index,
+                                       std::uint64_t expected_bytes, bool checksums) {
+  if (h.magic != bucket_magic) return "expected a bucket header, got magic " + std::to_string(h.magic);
+  if (h.index != expected_index || h.payload_bytes != expected_bytes)
+    return "expected bucket " + std::to_string(expected_index) + " of " + std::to_string(expected_bytes) +
+           " bytes, trainer sent bucket " + std::to_string(h.index) + " of " + std::to_string(h.payload_bytes);
+  if (((h.flags & flag_checksum) != 0) != checksums) return "checksum flag differs from the wire parameters";
+  return {};
+}
+
+/// What the receiver expects of an update header: its own view of the update.
+struct update_expectation {
+  std::uint64_t last_seq = 0;  ///< the last update accepted (0: none yet)
+  std::uint64_t tensors = 0;
+  std::uint64_t digest = 0;    ///< metadata_digest of its update info
+  std::uint64_t buckets = 0;   ///< of its own bucket plan
+  std::uint64_t payload_bytes = 0;
+};
+
+/// Checks an update header's magic. Returns "" when it is one, else what came. A
+/// wrong magic means the stream is out of step: nothing is answered.
+inline std::string check_update_magic(const update& u) {
+  if (u.magic == update_magic) return {};
+  return "expected an update header, got magic " + std::to_string(u.magic);
+}
+
+/// Checks an update header (magic already checked) against the receiver's
+/// expectation. Returns "" when it matches, else the mismatch, which the receiver
+/// sends back in its status before failing with protocol_error.
+inline std::string check_update_header(const update& u, const update_expectation& e) {
+  if (u.seq <= e.last_seq)
+    return "update sequence " + std::to_string(u.seq) + " is not after " + std::to_string(e.last_seq);
+  if (u.tensors != e.tensors)
+    return "trainer sends " + std::to_string(u.tensors) + " tensors, this update_info declares " +
+           std::to_string(e.tensors);
+  if (u.digest != e.digest) return "tensor names, dtypes or shapes differ between the trainer and this update_info";
+  if (u.buckets != e.buckets || u.payload_bytes != e.payload_bytes)
+    return "bucket plans differ (trainer " + std::to_string(u.buckets) + " buckets, worker " +
+           std::to_string(e.buckets) + ")";
+  return {};
+}
+
 }  // namespace refit::tcp::wire

@@ -10,6 +10,43 @@
 
 namespace refit::control {
 
+std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uint32_t max_frame,
+                                  const std::string& what) {
+  const std::uint32_t len = (std::uint32_t(raw[0]) << 24) | (std::uint32_t(raw[1]) << 16) |
+                            (std::uint32_t(raw[2]) << 8) | std::uint32_t(raw[3]);
+  if (len > max_frame)
+    throw_error(errc::protocol_error, what + ": frame of " + std::to_string(len) + " bytes, limit " +
+                                          std::to_string(max_frame));
+  return len;
+}
+
+json parse_frame_body(std::string_view text, const std::string& what) {
+  // nlohmann's parser is iterative, but copying or dumping a value recurses once per
+  // level: a small frame of nested brackets would otherwise overflow the stack.
+  if (json_nesting_depth(text) > max_json_depth)
+    throw_error(errc::protocol_error, what + ": JSON frame nests deeper than " + std::to_string(max_json_depth) +
+                                          " levels");
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw_error(errc::protocol_error, what + ": malformed JSON frame at byte " + std::to_string(e.byte));
+  } catch (const json::exception& e) {
+    // out_of_range: a number too large for a double ("1e999").
+    throw_error(errc::protocol_error, what + ": malformed JSON frame: " + valid_utf8(e.what()));
+  }
+}
+
+control_request parse_request(const json& message, json& id) {
+  json_reader r(message, "control request");
+  control_request request;
+  request.id = r.required<std::uint64_t>("id");
+  id = request.id;
+  request.method = r.required<std::string>("method");
+  request.params = r.optional<json>("params", json::object());
+  r.finish();
+  return request;
+}
+
 frame_stream::frame_stream(asio::ip::tcp::socket socket, std::uint32_t max_frame)
     : socket_(std::move(socket)), max_frame_(max_frame), write_idle_(socket_.get_executor()) {
   write_idle_.set();
@@ -27,18 +64,10 @@ asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, boo
   } else {
     co_await net::read_exact(socket_, asio::buffer(len_raw), deadline, what);
   }
-  const std::uint32_t len = (std::uint32_t(len_raw[0]) << 24) | (std::uint32_t(len_raw[1]) << 16) |
-                            (std::uint32_t(len_raw[2]) << 8) | std::uint32_t(len_raw[3]);
-  if (len > max_frame_)
-    throw_error(errc::protocol_error, what + ": frame of " + std::to_string(len) + " bytes, limit " +
-                                          std::to_string(max_frame_));
+  const std::uint32_t len = decode_frame_length(len_raw, max_frame_, what);
   std::string text(len, '\0');
   co_await net::read_exact(socket_, asio::buffer(text), deadline, what);
-  try {
-    co_return json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw_error(errc::protocol_error, what + ": malformed JSON frame at byte " + std::to_string(e.byte));
-  }
+  co_return parse_frame_body(text, what);
 }
 
 asio::awaitable<void> frame_stream::write(const json& message, std::chrono::milliseconds deadline,

@@ -350,6 +350,34 @@ TEST(plan_buckets, is_deterministic_and_holds_its_invariants_on_varied_updates) 
   }
 }
 
+// Found writing tests/fuzz/info_fuzz: a declared 1 TiB tensor with 4 KiB
+// buffers tried to record 2^28 buckets and ended in std::bad_alloc (or the OOM
+// killer) inside the worker, before the trainer's header was even checked.
+TEST(plan_buckets, absurd_bucket_counts_are_refused_before_allocating) {
+  update_metadata huge;
+  huge.tensors = {{"small", dtype::int8, {10}}, {"huge", dtype::uint8, {std::int64_t{1} << 40}}};
+  auto e = REFIT_THROWN(plan_buckets(huge, wire(4096)));
+  EXPECT_EQ(e.kind(), errc::invalid_argument);
+  EXPECT_THAT(e.message(), HasSubstr("tensor #1 ('huge')"));
+  EXPECT_THAT(e.message(), HasSubstr("more than the limit " + std::to_string(max_buckets)));
+  // The largest tensor in the largest buffers is fine: 2^40 / 16 GiB = 64 buckets.
+  EXPECT_EQ(plan_buckets(huge, wire(16ull << 30)).buckets.size(), 65u);
+}
+
+TEST(plan_buckets, the_bucket_limit_is_exact) {
+  // max_buckets - 1 chunks of one tensor plus one packed bucket: exactly the limit.
+  update_metadata meta = bytes_of({std::int64_t((max_buckets - 1) * 4096), 1});
+  auto plan = plan_buckets(meta, wire(4096));
+  EXPECT_EQ(plan.buckets.size(), max_buckets);
+  // One more packed bucket is one too many.
+  meta.tensors.push_back({"t2", dtype::int8, {4096}});
+  auto e = REFIT_THROWN(plan_buckets(meta, wire(4096)));
+  EXPECT_THAT(e.message(), HasSubstr("tensor #2 ('t2')"));
+  // As is one more chunk of the split tensor.
+  e = REFIT_THROWN(plan_buckets(bytes_of({std::int64_t(max_buckets * 4096 + 1)}), wire(4096)));
+  EXPECT_THAT(e.message(), HasSubstr("tensor #0 ('t0')"));
+}
+
 TEST(plan_buckets, num_buffers_does_not_change_the_plan) {
   auto meta = bytes_of({100, 5000, 7, 4096, 0, 3000, 3000});
   EXPECT_TRUE(same_plan(plan_buckets(meta, wire(4096, 1)), plan_buckets(meta, wire(4096, 64))));

@@ -34,6 +34,85 @@ TEST(parse_json_text, malformed_text_names_context_and_offset) {
   EXPECT_THAT(e.message(), StartsWith("ctl: malformed JSON at byte"));
 }
 
+// Found writing tests/fuzz: nlohmann reports a number too large for a double as
+// out_of_range, not parse_error; it escaped as a non-refit exception (from
+// frame_stream::read it skipped the control client's clean-up, so its pending calls
+// waited for their deadlines instead of failing).
+TEST(parse_json_text, number_out_of_range_is_malformed_json) {
+  auto e = REFIT_THROWN(parse_json_text(R"({"a": 1e999})", "tcp init_info"));
+  EXPECT_EQ(e.kind(), errc::invalid_argument);
+  EXPECT_THAT(e.message(), StartsWith("tcp init_info: malformed JSON"));
+  EXPECT_THAT(e.message(), HasSubstr("1e999"));
+}
+
+// Found writing tests/fuzz: copying or dumping a json value recurses per level;
+// 100k nested brackets (200 KB of text) overflowed the stack of whoever copied the
+// parsed value (the worker host copies a request's params).
+TEST(parse_json_text, nesting_deeper_than_the_limit_is_refused) {
+  auto nested = [](std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  EXPECT_NO_THROW(parse_json_text(nested(max_json_depth), "ctl"));
+  auto e = REFIT_THROWN(parse_json_text(nested(max_json_depth + 1), "ctl"));
+  EXPECT_EQ(e.kind(), errc::invalid_argument);
+  EXPECT_THAT(e.message(), HasSubstr("nests deeper than 64 levels"));
+  EXPECT_NO_THROW(parse_json_text(R"({"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\"[["})",
+                                  "brackets in strings do not count"));
+  e = REFIT_THROWN(parse_json_text(nested(100000), "ctl"));
+  EXPECT_THAT(e.message(), HasSubstr("nests deeper"));
+}
+
+// Found by tests/fuzz/info_fuzz: nlohmann's parse_error message quotes the input
+// where it stopped ("last read: '\xff'"); an error message that is not valid UTF-8
+// cannot be sent in a control answer (dump() throws type_error 316).
+TEST(parse_json_text, malformed_text_message_is_valid_utf8) {
+  auto e = REFIT_THROWN(parse_json_text("{\"a\": 1, \"\xff\xff\": 2}", "ctl"));
+  EXPECT_THAT(e.message(), StartsWith("ctl: malformed JSON at byte"));
+  EXPECT_NO_THROW((void)json(e.message()).dump()) << e.message();
+}
+
+TEST(valid_utf8, keeps_well_formed_sequences_and_replaces_the_rest) {
+  EXPECT_EQ(valid_utf8("plain \t ascii"), "plain \t ascii");
+  EXPECT_EQ(valid_utf8("\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80"), "\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80");
+  EXPECT_EQ(valid_utf8("a\xff" "b"), "a?b");
+  EXPECT_EQ(valid_utf8("\xc3"), "?");                  // truncated
+  EXPECT_EQ(valid_utf8("\xc0\xaf"), "??");            // overlong '/'
+  EXPECT_EQ(valid_utf8("\xed\xa0\x80"), "???");      // a surrogate
+  EXPECT_EQ(valid_utf8("\xf4\x90\x80\x80"), "????");  // above U+10FFFF
+  std::string all;
+  for (int c = 0; c < 256; ++c) all += static_cast<char>(c);
+  EXPECT_NO_THROW((void)json(valid_utf8(all)).dump());
+}
+
+TEST(json_nesting_depth, counts_arrays_and_objects_outside_strings) {
+  EXPECT_EQ(json_nesting_depth("1"), 0u);
+  EXPECT_EQ(json_nesting_depth(R"({"a": [1, {"b": []}], "c": {}})"), 4u);
+  EXPECT_EQ(json_nesting_depth(R"(["]]]\"[[[", ["x"]])"), 2u);
+  // Stops counting once past the limit it was given.
+  EXPECT_EQ(json_nesting_depth(std::string(1000, '['), 10), 11u);
+}
+
+// Found writing tests/fuzz: the excerpt was cut at byte 37, which can split a UTF-8
+// character; the worker host's answer carrying the message then failed to serialize
+// (nlohmann type_error 316) and was never sent: the call waited for its deadline.
+TEST(describe_json, excerpt_is_valid_utf8_and_bounded) {
+  std::string text;
+  for (int i = 0; i < 30; ++i) text += "\xc3\xa9";  // é, two bytes each
+  for (const json& v : {json(text), json::array({text}), json{{"k", text}}, json{{text, 1}}}) {
+    std::string d = describe_json(v);
+    EXPECT_THAT(d, EndsWith("..."));
+    EXPECT_LE(d.size(), std::string(v.type_name()).size() + 1 + 40);
+    EXPECT_NO_THROW((void)json(d).dump()) << d;
+  }
+  // Bounded work and recursion for a value of any depth (not built from text, so not
+  // limited by max_json_depth).
+  json deep = json::array();
+  json* inner = &deep;
+  for (int i = 0; i < 200000; ++i) {
+    inner->push_back(json::array());
+    inner = &inner->back();
+  }
+  EXPECT_EQ(describe_json(deep), "array " + std::string(37, '[') + "...");
+}
+
 TEST(describe_json, names_the_type_and_an_excerpt) {
   EXPECT_EQ(describe_json(json("abc")), "string \"abc\"");
   EXPECT_EQ(describe_json(json(5)), "number 5");
