@@ -135,21 +135,12 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const up
   std::array<std::byte, sizeof(wire::update)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), timeout_, who + ": waiting for the update header");
   auto u = wire::decode<wire::update>(raw);
-  if (u.magic != wire::update_magic)
-    throw_error(errc::protocol_error, who + ": expected an update header, got magic " + std::to_string(u.magic));
+  if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, who + ": " + bad);
 
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-  std::string mismatch;
-  if (u.seq <= last_seq_)
-    mismatch = "update sequence " + std::to_string(u.seq) + " is not after " + std::to_string(last_seq_);
-  else if (u.tensors != info.metadata.tensors.size())
-    mismatch = "trainer sends " + std::to_string(u.tensors) + " tensors, this update_info declares " +
-               std::to_string(info.metadata.tensors.size());
-  else if (u.digest != metadata_digest(info.metadata))
-    mismatch = "tensor names, dtypes or shapes differ between the trainer and this update_info";
-  else if (u.buckets != plan.buckets.size() || u.payload_bytes != plan.payload_bytes)
-    mismatch = "bucket plans differ (trainer " + std::to_string(u.buckets) + " buckets, worker " +
-               std::to_string(plan.buckets.size()) + ")";
+  const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
+                                          plan.buckets.size(), plan.payload_bytes};
+  const std::string mismatch = wire::check_update_header(u, expected);
   if (!mismatch.empty()) {
     co_await send_status(socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, mismatch, timeout_,
                          who + ": refusing the update");
