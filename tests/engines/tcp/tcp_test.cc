@@ -97,32 +97,6 @@ asio::awaitable<void> receive_one(tcp::engine& engine, const update_metadata& me
   co_await engine.drain_pending();
 }
 
-TEST(tcp_integrity, a_corrupted_payload_byte_is_an_integrity_error_naming_the_bucket) {
-  asio::io_context io;
-  tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
-  tcp::engine engine(tcp_config(), engine_context{io.get_executor()});
-  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
-               {"buffer_bytes", 16384}, {"num_buffers", 2}, {"checksums", true}};
-  json init = sender.prepare(args);
-  // Past the handshake and the update header: inside bucket 1's payload.
-  corrupting_proxy proxy(io, init["master_port"].get<std::uint16_t>(), 24 + 48 + 2 * 32 + 16384 + 100);
-  spawn(io, proxy.run());
-  init["master_port"] = proxy.port();
-  run_to_completion(io, init_through(sender, engine, init));
-
-  tensor_set set;
-  for (int i = 0; i < 4; ++i) set.add("t" + std::to_string(i), dtype::float32, {4000});
-  capture got;
-  auto sent = spawn(io, send_views(sender, set.meta, set.views()));
-  auto received = spawn(io, receive_one(engine, set.meta, got.fn()));
-  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
-  ASSERT_TRUE(received->error) << "corruption went unnoticed";
-  EXPECT_EQ(received->kind(), static_cast<int>(errc::integrity_error)) << received->message();
-  EXPECT_NE(received->message().find("bucket 1"), std::string::npos) << received->message();
-  EXPECT_TRUE(sent->error) << "the trainer learns the update failed";
-  EXPECT_NE(sent->message().find("rank 1"), std::string::npos) << sent->message();
-}
-
 // A checksummed transfer corrupted inside bucket 1: the update fails there. What
 // the model holds afterwards depends on the commit mode.
 struct corrupted_update {
@@ -160,6 +134,15 @@ corrupted_update corrupt_bucket_1(const char* commit) {
   r.dirty_reason = engine.dirty_reason();
   sender.shutdown();
   return r;
+}
+
+TEST(tcp_integrity, a_corrupted_payload_byte_is_an_integrity_error_naming_the_bucket) {
+  auto r = corrupt_bucket_1("in_place");
+  ASSERT_TRUE(r.received->error) << "corruption went unnoticed";
+  EXPECT_EQ(r.received->kind(), static_cast<int>(errc::integrity_error)) << r.received->message();
+  EXPECT_NE(r.received->message().find("bucket 1"), std::string::npos) << r.received->message();
+  EXPECT_TRUE(r.sent->error) << "the trainer learns the update failed";
+  EXPECT_NE(r.sent->message().find("rank 1"), std::string::npos) << r.sent->message();
 }
 
 TEST(tcp_commit, staged_update_cut_short_never_reaches_the_model) {
@@ -203,42 +186,52 @@ TEST(tcp_leaks, failed_updates_leave_no_descriptors_threads_or_stage_behind) {
   EXPECT_LE(live_threads(), threads) << "threads leaked across failed updates";
 }
 
-TEST(tcp_auth, a_worker_with_another_secret_is_refused_before_any_weight_byte) {
+// A trainer and a worker with the given secrets try to connect.
+struct auth_attempt {
+  std::shared_ptr<outcome> trainer, worker;
+  bool worker_initialized = true;
+};
+
+auth_attempt connect_with(const std::string& trainer_secret, const std::string& worker_secret) {
   asio::io_context io;
-  auto config = tcp_config("trainer-secret");
+  auto config = tcp_config(trainer_secret);
   config.timeout = std::chrono::milliseconds(800);
   tcp::sender sender(config, trainer_context{io.get_executor(), {}});
-  tcp::engine engine(tcp_config("guess"), engine_context{io.get_executor()});
+  tcp::engine engine(tcp_config(worker_secret), engine_context{io.get_executor()});
   json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
   auto info = engine.parse_init_info(init);
-  auto t = spawn(io, sender.connect_workers());
-  auto w = spawn(io, engine.init_transfer_engine(*info));
-  ASSERT_TRUE(run_until(io, [&] { return w->done && t->done; })) << "a hang";
-  ASSERT_TRUE(w->error);
-  EXPECT_EQ(w->kind(), static_cast<int>(errc::auth_error)) << w->message();
-  EXPECT_FALSE(engine.initialized());
-  ASSERT_TRUE(t->error);
-  EXPECT_EQ(t->kind(), static_cast<int>(errc::timeout)) << t->message();
-  EXPECT_NE(t->message().find("0 of 1 workers"), std::string::npos) << t->message();
-  EXPECT_NE(t->message().find("auth_error"), std::string::npos) << "names why: " << t->message();
+  auth_attempt r;
+  r.trainer = spawn(io, sender.connect_workers());
+  r.worker = spawn(io, engine.init_transfer_engine(*info));
+  EXPECT_TRUE(run_until(io, [&] { return r.worker->done && r.trainer->done; })) << "a hang";
+  r.worker_initialized = engine.initialized();
   sender.shutdown();
+  return r;
+}
+
+TEST(tcp_auth, a_worker_with_another_secret_is_refused_before_any_weight_byte) {
+  auto r = connect_with("trainer-secret", "guess");
+  ASSERT_TRUE(r.worker->error);
+  EXPECT_EQ(r.worker->kind(), static_cast<int>(errc::auth_error)) << r.worker->message();
+  EXPECT_FALSE(r.worker_initialized);
+  ASSERT_TRUE(r.trainer->error);
+  EXPECT_EQ(r.trainer->kind(), static_cast<int>(errc::timeout)) << r.trainer->message();
+  EXPECT_NE(r.trainer->message().find("0 of 1 workers"), std::string::npos) << r.trainer->message();
+  EXPECT_NE(r.trainer->message().find("auth_error"), std::string::npos) << "names why: " << r.trainer->message();
 }
 
 TEST(tcp_auth, a_trainer_without_the_secret_is_refused_by_the_worker) {
-  asio::io_context io;
-  auto config = tcp_config();
-  config.timeout = std::chrono::milliseconds(800);
-  tcp::sender sender(config, trainer_context{io.get_executor(), {}});
-  tcp::engine engine(tcp_config("worker-secret"), engine_context{io.get_executor()});
-  json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
-  auto info = engine.parse_init_info(init);
-  auto t = spawn(io, sender.connect_workers());
-  auto w = spawn(io, engine.init_transfer_engine(*info));
-  ASSERT_TRUE(run_until(io, [&] { return w->done && t->done; })) << "a hang";
-  ASSERT_TRUE(w->error);
-  EXPECT_EQ(w->kind(), static_cast<int>(errc::auth_error)) << w->message();
-  ASSERT_TRUE(t->error);
-  sender.shutdown();
+  auto r = connect_with("", "worker-secret");
+  ASSERT_TRUE(r.worker->error);
+  EXPECT_EQ(r.worker->kind(), static_cast<int>(errc::auth_error)) << r.worker->message();
+  EXPECT_TRUE(r.trainer->error);
+}
+
+TEST(tcp_auth, the_same_secret_on_both_sides_connects) {
+  auto r = connect_with("same", "same");
+  EXPECT_FALSE(r.worker->error) << r.worker->message();
+  EXPECT_FALSE(r.trainer->error) << r.trainer->message();
+  EXPECT_TRUE(r.worker_initialized);
 }
 
 TEST(tcp_integrity, checksum_setting_must_match_between_trainer_and_worker) {
