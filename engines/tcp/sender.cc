@@ -2,13 +2,19 @@
 // once with gather writes straight from the trainer's tensors.
 #include <thread>
 
+#include <algorithm>
+
 #include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/redirect_error.hpp>
 #include <asio/use_awaitable.hpp>
 
 #include "engines/tcp/status_io.h"
 #include "engines/tcp/tcp.h"
 #include "engines/tcp/wire.h"
 #include "lib/async/all_of.h"
+#include "lib/async/deadline.h"
+#include "lib/async/event.h"
 #include "lib/auth.h"
 #include "lib/checksum.h"
 #include "lib/net.h"
@@ -66,60 +72,67 @@ json sender::worker_init_info() const {
   return j;
 }
 
-asio::awaitable<void> sender::connect_workers() {
-  if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
-  const int workers = world_size_ - 1;
-  peers_.clear();
-  try {
-    // One deadline for the whole rendezvous: a worker that never comes is an error
-    // naming how many did.
-    const auto give_up = clock_type::now() + timeout_;
-    while (static_cast<int>(peers_.size()) < workers) {
-      if (!acceptor_->is_open())
-        throw_error(errc::cancelled, "tcp trainer: shut down while waiting for workers");
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now());
-      if (left.count() <= 0) left = std::chrono::milliseconds(1);
-      try {
-        co_await accept_one(left);
-      } catch (const error& e) {
-        if (e.kind() != errc::timeout) throw;
-        std::string have;
-        for (const auto& p : peers_) have += (have.empty() ? "" : ", ") + std::to_string(p->rank);
-        throw_error(errc::timeout, "tcp trainer: " + std::to_string(peers_.size()) + " of " +
-                                       std::to_string(workers) + " workers connected within " +
-                                       std::to_string(timeout_.count()) + " ms (ranks: " +
-                                       (have.empty() ? "none" : have) + ")" +
-                                       (last_refusal_.empty() ? "" : "; last refused: " + last_refusal_));
-      }
+// What the handshakes of one rendezvous share. They run concurrently on the
+// trainer's executor, so a slow or silent connection delays nobody; they touch
+// only this (never the sender, which may be gone when a cancelled one resumes).
+struct sender::rendezvous {
+  rendezvous(asio::any_io_executor ex, std::string secret, std::chrono::milliseconds timeout, wire_params wire,
+             int world_size)
+      : executor(ex), secret(std::move(secret)), timeout(timeout), wire(wire), world_size(world_size), changed(ex) {}
+  asio::any_io_executor executor;
+  std::string secret;
+  std::chrono::milliseconds timeout;
+  wire_params wire;
+  int world_size;
+  std::vector<std::pair<int, std::shared_ptr<asio::ip::tcp::socket>>> joined;  // welcomed
+  std::vector<int> claimed;                                                    // welcomed or being welcomed
+  std::vector<std::weak_ptr<asio::ip::tcp::socket>> pending;
+  std::string last_refusal;
+  async::event changed;  // a worker joined or accepting stopped
+  bool done = false, accepting = true;
+};
+
+asio::awaitable<void> sender::accept_loop(std::shared_ptr<rendezvous> r, asio::ip::tcp::acceptor& acceptor) {
+  while (!r->done) {
+    auto socket = std::make_shared<asio::ip::tcp::socket>(r->executor);
+    std::error_code ec;
+    co_await acceptor.async_accept(*socket, asio::redirect_error(asio::use_awaitable, ec));
+    if (r->done) break;  // the acceptor may be gone: touch nothing of it
+    if (ec) {
+      if (ec == asio::error::operation_aborted || ec == asio::error::bad_descriptor) break;
+      continue;  // e.g. out of descriptors: keep accepting
     }
-  } catch (...) {
-    fail_all();
-    throw;
+    net::tune(*socket);
+    r->pending.push_back(socket);
+    asio::co_spawn(r->executor, handshake(r, socket), asio::detached);
   }
-  seq_ = 0;
+  r->accepting = false;
+  r->changed.set();
 }
 
-asio::awaitable<void> sender::accept_one(std::chrono::milliseconds left) {
-  auto strand = asio::make_strand(io_pool_->get_executor());
-  auto socket = co_await net::accept(*acceptor_, left, "tcp trainer: waiting for workers", strand);
+asio::awaitable<void> sender::handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<asio::ip::tcp::socket> socket) {
   // A connection that fails authentication or its hello is refused and the
   // trainer keeps waiting: a stray or hostile peer cannot end the rendezvous.
   std::string from = "?";
   {
     std::error_code ec;
-    auto ep = socket.remote_endpoint(ec);
+    auto ep = socket->remote_endpoint(ec);
     if (!ec) from = ep.address().to_string() + ":" + std::to_string(ep.port());
   }
-  const auto handshake = std::min(left, timeout_);
   std::array<std::byte, sizeof(wire::hello)> raw;
+  std::string failure;
   try {
-    co_await auth::as_server(socket, config_.auth_secret, handshake, "tcp trainer: connection from " + from);
-    co_await net::read_exact(socket, asio::buffer(raw), handshake, "tcp trainer: reading the hello of " + from);
+    co_await auth::as_server(*socket, r->secret, r->timeout, "tcp trainer: connection from " + from);
+    co_await net::read_exact(*socket, asio::buffer(raw), r->timeout, "tcp trainer: reading the hello of " + from);
   } catch (const error& e) {
-    last_refusal_ = from + ": " + std::string(errc_name(e.kind())) + ": " + e.message();
+    failure = from + ": " + std::string(errc_name(e.kind())) + ": " + e.message();
+  }
+  if (r->done) co_return;
+  if (!failure.empty()) {
+    r->last_refusal = failure;
     co_return;
   }
-  auto h = wire::decode<wire::hello>(raw);
+  const auto h = wire::decode<wire::hello>(raw);
   std::string refusal;
   errc code = errc::invalid_argument;
   if (h.magic != wire::hello_magic) {
@@ -129,30 +142,100 @@ asio::awaitable<void> sender::accept_one(std::chrono::milliseconds left) {
     refusal = "protocol version " + std::to_string(h.version) + ", trainer speaks " +
               std::to_string(wire::protocol_version);
     code = errc::protocol_error;
-  } else if (h.rank < 1 || h.rank >= static_cast<std::uint32_t>(world_size_)) {
-    refusal = "rank " + std::to_string(h.rank) + " outside [1, " + std::to_string(world_size_) + ")";
-  } else if (h.buffer_bytes != wire_.buffer_bytes || h.num_buffers != wire_.num_buffers ||
-             ((h.flags & wire::flag_checksum) != 0) != wire_.checksums) {
-    refusal = "wire parameters differ: worker has buffer_bytes " + std::to_string(h.buffer_bytes) +
-              " x " + std::to_string(h.num_buffers) + (h.flags & wire::flag_checksum ? " with" : " without") +
-              " checksums, trainer " + std::to_string(wire_.buffer_bytes) + " x " +
-              std::to_string(wire_.num_buffers) + (wire_.checksums ? " with" : " without") + " checksums";
-  } else {
-    for (const auto& p : peers_)
-      if (p->rank == static_cast<int>(h.rank)) refusal = "rank " + std::to_string(h.rank) + " is already connected";
+  } else if (h.rank < 1 || h.rank >= static_cast<std::uint32_t>(r->world_size)) {
+    refusal = "rank " + std::to_string(h.rank) + " outside [1, " + std::to_string(r->world_size) + ")";
+  } else if (h.buffer_bytes != r->wire.buffer_bytes || h.num_buffers != r->wire.num_buffers ||
+             ((h.flags & wire::flag_checksum) != 0) != r->wire.checksums) {
+    refusal = "wire parameters differ: worker has buffer_bytes " + std::to_string(h.buffer_bytes) + " x " +
+              std::to_string(h.num_buffers) + (h.flags & wire::flag_checksum ? " with" : " without") +
+              " checksums, trainer " + std::to_string(r->wire.buffer_bytes) + " x " +
+              std::to_string(r->wire.num_buffers) + (r->wire.checksums ? " with" : " without") + " checksums";
+  } else if (std::find(r->claimed.begin(), r->claimed.end(), static_cast<int>(h.rank)) != r->claimed.end()) {
+    refusal = "rank " + std::to_string(h.rank) + " is already connected";
   }
   if (!refusal.empty()) {
     // The refused worker gets the reason; the trainer keeps waiting for valid ones.
-    last_refusal_ = from + ": " + refusal;
+    r->last_refusal = from + ": " + refusal;
     try {
-      co_await send_status(socket, static_cast<std::uint32_t>(code), 0, refusal, timeout_,
+      co_await send_status(*socket, static_cast<std::uint32_t>(code), 0, refusal, r->timeout,
                            "tcp trainer: refusing a worker");
     } catch (const error&) {
     }
     co_return;
   }
-  co_await send_status(socket, 0, 0, {}, timeout_, rank_name(h.rank) + ": welcome");
-  peers_.push_back(std::make_shared<peer>(peer{static_cast<int>(h.rank), strand, std::move(socket)}));
+  const int rank = static_cast<int>(h.rank);
+  r->claimed.push_back(rank);
+  try {
+    co_await send_status(*socket, 0, 0, {}, r->timeout, rank_name(rank) + ": welcome");
+  } catch (const error& e) {
+    std::erase(r->claimed, rank);
+    if (!r->done) r->last_refusal = from + ": " + std::string(errc_name(e.kind())) + ": " + e.message();
+    co_return;
+  }
+  if (r->done) co_return;
+  r->joined.emplace_back(rank, socket);
+  r->changed.set();
+}
+
+asio::awaitable<void> sender::connect_workers() {
+  if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
+  const int workers = world_size_ - 1;
+  fail_all();
+  auto r = std::make_shared<rendezvous>(context_.executor, config_.auth_secret, timeout_, wire_, world_size_);
+  asio::co_spawn(context_.executor, accept_loop(r, *acceptor_), asio::detached);
+  // One deadline for the whole rendezvous: a worker that never comes is an error
+  // naming how many did.
+  const auto give_up = clock_type::now() + timeout_;
+  std::exception_ptr failure;
+  try {
+    while (static_cast<int>(r->joined.size()) < workers) {
+      if (!r->accepting) throw_error(errc::cancelled, "tcp trainer: shut down while waiting for workers");
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now());
+      bool expired = left.count() <= 0;
+      if (!expired) {
+        r->changed.reset();
+        try {
+          co_await async::with_deadline(r->changed.wait(), left, "tcp trainer: waiting for workers");
+        } catch (const error& e) {
+          if (e.kind() != errc::timeout) throw;
+          expired = true;
+        }
+      }
+      if (expired && static_cast<int>(r->joined.size()) < workers) {
+        std::string have;
+        for (const auto& [rank, socket] : r->joined) have += (have.empty() ? "" : ", ") + std::to_string(rank);
+        throw_error(errc::timeout, "tcp trainer: " + std::to_string(r->joined.size()) + " of " +
+                                       std::to_string(workers) + " workers connected within " +
+                                       std::to_string(timeout_.count()) + " ms (ranks: " +
+                                       (have.empty() ? "none" : have) + ")" +
+                                       (r->last_refusal.empty() ? "" : "; last refused: " + r->last_refusal));
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // Stop accepting; handshakes still running are cut off.
+  r->done = true;
+  std::error_code ignored;
+  if (acceptor_) acceptor_->cancel(ignored);
+  for (auto& weak : r->pending)
+    if (auto s = weak.lock(); s && std::none_of(r->joined.begin(), r->joined.end(),
+                                                [&s](const auto& j) { return j.second == s; }))
+      s->close(ignored);
+  if (failure) {
+    for (auto& [rank, socket] : r->joined) socket->close(ignored);
+    std::rethrow_exception(failure);
+  }
+  // Each worker's socket moves to its own strand of the I/O pool, where its
+  // streams run.
+  for (auto& [rank, socket] : r->joined) {
+    auto strand = asio::make_strand(io_pool_->get_executor());
+    const auto protocol = socket->local_endpoint().protocol();
+    asio::ip::tcp::socket moved(strand);
+    moved.assign(protocol, socket->release());
+    peers_.push_back(std::make_shared<peer>(peer{rank, strand, std::move(moved)}));
+  }
+  seq_ = 0;
 }
 
 void sender::fail_all() {

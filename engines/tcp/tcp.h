@@ -95,7 +95,9 @@ class sender final : public weight_sender {
     std::vector<std::array<std::byte, 32>> headers;
     std::vector<std::vector<asio::const_buffer>> buckets;  // header + payload each
   };
-  asio::awaitable<void> accept_one(std::chrono::milliseconds left);
+  struct rendezvous;
+  static asio::awaitable<void> accept_loop(std::shared_ptr<rendezvous> r, asio::ip::tcp::acceptor& acceptor);
+  static asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<asio::ip::tcp::socket> socket);
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s);
   void fail_all();
   json worker_init_info() const;
@@ -111,7 +113,6 @@ class sender final : public weight_sender {
   std::vector<std::shared_ptr<peer>> peers_;  // shared with in-flight streams and closes
   std::uint64_t seq_ = 0;
   update_stats stats_;
-  std::string last_refusal_;  // why the last connection was refused during the rendezvous
 };
 
 }  // namespace refit::tcp

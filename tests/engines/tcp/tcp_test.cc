@@ -234,6 +234,33 @@ TEST(tcp_auth, the_same_secret_on_both_sides_connects) {
   EXPECT_TRUE(r.worker_initialized);
 }
 
+// Handshakes run concurrently: a connection that says nothing does not hold up the
+// workers behind it, and it is cut off when the rendezvous completes.
+TEST(tcp_rendezvous, a_silent_connection_does_not_delay_the_workers) {
+  asio::io_context io;
+  tcp::sender sender(tcp_config("s"), trainer_context{io.get_executor(), {}});  // 5 s deadline
+  tcp::engine engine(tcp_config("s"), engine_context{io.get_executor()});
+  json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+  auto info = engine.parse_init_info(init);
+  asio::ip::tcp::socket silent(io);
+  silent.connect({asio::ip::make_address("127.0.0.1"), init["master_port"].get<std::uint16_t>()});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto t = spawn(io, sender.connect_workers());
+  auto w = spawn(io, engine.init_transfer_engine(*info));
+  ASSERT_TRUE(run_until(io, [&] { return w->done && t->done; })) << "a hang";
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_FALSE(t->error) << t->message();
+  EXPECT_FALSE(w->error) << w->message();
+  EXPECT_LT(took, std::chrono::milliseconds(2500)) << "the silent peer held the rendezvous";
+  // The silent peer was cut off: it reads the challenge, then end of stream.
+  std::vector<std::byte> buf(4096);
+  std::error_code ec;
+  std::size_t total = 0;
+  for (int i = 0; i < 8 && !ec; ++i) total += silent.read_some(asio::buffer(buf), ec);
+  EXPECT_EQ(ec, asio::error::eof) << ec.message() << " after " << total << " bytes";
+  sender.shutdown();
+}
+
 TEST(tcp_integrity, checksum_setting_must_match_between_trainer_and_worker) {
   asio::io_context io;
   tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
