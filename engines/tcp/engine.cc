@@ -2,35 +2,14 @@
 // header against this worker's own plan and receive buckets into staging slots.
 #include <asio/use_awaitable.hpp>
 
-#include "engines/tcp/status_io.h"
 #include "engines/tcp/tcp.h"
-#include "engines/tcp/wire.h"
-#include "lib/auth.h"
+#include "lib/group/wire.h"
 #include "lib/checksum.h"
 #include "lib/net.h"
 
 namespace refit::tcp {
 
-init_info init_info::read(json_reader& r) {
-  init_info info;
-  info.master_address = r.required<std::string>("master_address");
-  if (info.master_address.empty()) r.fail("member 'master_address' must not be empty");
-  info.master_port = r.required<std::uint16_t>("master_port");
-  if (info.master_port == 0) r.fail("member 'master_port' must be a port in [1, 65535], got 0");
-  info.rank_offset = r.required<int>("rank_offset");
-  info.world_size = r.required<int>("world_size");
-  if (info.world_size < 2)
-    r.fail("member 'world_size' must be at least 2 (the trainer and one worker), got " +
-           std::to_string(info.world_size));
-  if (info.rank_offset < 1 || info.rank_offset >= info.world_size)
-    r.fail("member 'rank_offset' must be in [1, world_size), got " + std::to_string(info.rank_offset));
-  info.wire = wire_params::read(r);
-  if (auto ms = r.maybe<std::int64_t>("timeout_ms")) {
-    if (*ms <= 0) r.fail("member 'timeout_ms' must be positive, got " + std::to_string(*ms));
-    info.timeout = std::chrono::milliseconds(*ms);
-  }
-  return info;
-}
+namespace wire = group::wire;
 
 namespace {
 
@@ -69,10 +48,6 @@ class transport final : public bucket_transport {
   bool checksums_;
 };
 
-int local_rank(const parallel_ranks& r) {
-  return r.tp_rank + r.tp_size * (r.pp_rank + r.pp_size * r.dp_rank);
-}
-
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
@@ -82,28 +57,11 @@ engine::~engine() { do_shutdown(); }
 
 asio::awaitable<void> engine::init(const init_info& info) {
   timeout_ = info.timeout.value_or(config().timeout);
-  rank_ = info.rank_offset + local_rank(context().ranks);
-  if (rank_ >= info.world_size)
-    throw_error(errc::invalid_argument,
-                "tcp init_info: this worker's rank " + std::to_string(rank_) + " (rank_offset " +
-                    std::to_string(info.rank_offset) + " + local rank) is not below world_size " +
-                    std::to_string(info.world_size));
+  rank_ = group::worker_rank(info, context().ranks, "tcp");
   const std::string who = "tcp worker rank " + std::to_string(rank_);
-  auto socket = std::make_unique<asio::ip::tcp::socket>(co_await net::connect_with_retry(
-      info.master_address, info.master_port, timeout_, who + ": connecting to the trainer"));
-  // No weight byte is accepted from a trainer that has not proved the secret.
-  co_await auth::as_client(*socket, config().auth_secret, timeout_, who + ": trainer " + info.master_address + ":" +
-                                                                        std::to_string(info.master_port));
-
-  wire::hello hello;
-  hello.rank = static_cast<std::uint32_t>(rank_);
-  hello.num_buffers = info.wire.num_buffers;
-  hello.buffer_bytes = info.wire.buffer_bytes;
-  hello.flags = info.wire.checksums ? wire::flag_checksum : 0;
-  auto raw = wire::encode(hello);
-  co_await net::write_all(*socket, asio::buffer(raw), timeout_, who + ": hello");
-  throw_if_failed(co_await read_status(*socket, timeout_, who + ": waiting for the trainer's welcome"),
-                  who + ": the trainer refused this worker");
+  auto joined = co_await group::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
+                                     timeout_, who);
+  auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(joined.socket));
 
   // Staging is allocated once here and reused by every update.
   if (!pipeline_ || !(pipeline_->params() == info.wire)) {
@@ -132,28 +90,14 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
 asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const update_info& info,
                                          load_weights_fn load_weights) {
   const std::string who = "tcp worker rank " + std::to_string(rank_);
-  std::array<std::byte, sizeof(wire::update)> raw;
-  co_await net::read_exact(socket, asio::buffer(raw), timeout_, who + ": waiting for the update header");
-  auto u = wire::decode<wire::update>(raw);
-  if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, who + ": " + bad);
-
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-  const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
-                                          plan.buckets.size(), plan.payload_bytes};
-  const std::string mismatch = wire::check_update_header(u, expected);
-  if (!mismatch.empty()) {
-    co_await send_status(socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, mismatch, timeout_,
-                         who + ": refusing the update");
-    throw_error(errc::protocol_error, who + ": " + mismatch);
-  }
-  last_seq_ = u.seq;
-  co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": accepting the update");
+  last_seq_ = co_await group::accept_update(socket, last_seq_, info.metadata, plan, timeout_, who);
 
   transport t(socket, timeout_, rank_, pipeline_->params().checksums);
   // The plan just checked against the trainer's header is the one received with.
   co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
                               mutable_stats(), receive_target());
-  co_await send_status(socket, 0, u.seq, {}, timeout_, who + ": confirming the update");
+  co_await group::confirm_update(socket, last_seq_, timeout_, who);
 }
 
 void engine::do_shutdown() {

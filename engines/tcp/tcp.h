@@ -14,6 +14,7 @@
 
 #include "lib/bucket_plan.h"
 #include "lib/engine.h"
+#include "lib/group/group.h"
 #include "lib/pipeline.h"
 #include "lib/trainer.h"
 
@@ -24,14 +25,12 @@ namespace refit::tcp {
 ///  "world_size": int, "buffer_bytes": int, "num_buffers": int, "timeout_ms": int}.
 /// The worker's rank is rank_offset + its local rank (from the engine context's
 /// parallel ranks); the trainer is rank 0.
-struct init_info final : refit::init_info {
-  std::string master_address;
-  std::uint16_t master_port = 0;
-  int rank_offset = 1;
-  int world_size = 2;
-  wire_params wire;
-  std::optional<std::chrono::milliseconds> timeout;
-  static init_info read(json_reader& r);
+struct init_info final : refit::init_info, group::join_info {
+  static init_info read(json_reader& r) {
+    init_info info;
+    static_cast<group::join_info&>(info) = group::join_info::read(r);
+    return info;
+  }
 };
 
 /// {"names", "dtype_names", "shapes"} (vLLM's metadata members).
@@ -95,9 +94,6 @@ class sender final : public weight_sender {
     std::vector<std::array<std::byte, 32>> headers;
     std::vector<std::vector<asio::const_buffer>> buckets;  // header + payload each
   };
-  struct rendezvous;
-  static asio::awaitable<void> accept_loop(std::shared_ptr<rendezvous> r, asio::ip::tcp::acceptor& acceptor);
-  static asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<asio::ip::tcp::socket> socket);
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s);
   void fail_all();
   json worker_init_info() const;

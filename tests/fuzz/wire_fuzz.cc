@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "engines/tcp/wire.h"
+#include "lib/group/wire.h"
 #include "lib/bucket_plan.h"
 #include "lib/metadata.h"
 #include "tests/fuzz/fuzz.h"
@@ -20,7 +20,7 @@
 namespace refit::fuzz {
 namespace {
 
-namespace wire = tcp::wire;
+namespace wire = group::wire;
 
 class reader {
  public:

@@ -1,4 +1,4 @@
-// Status messages in both directions of the TCP engine's data connection.
+// Status messages in both directions of a group engine's side channel.
 #pragma once
 
 #include <chrono>
@@ -7,7 +7,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
 
-namespace refit::tcp {
+namespace refit::group {
 
 struct status_message {
   std::uint32_t code = 0;  ///< 0 or a refit::errc
@@ -26,4 +26,4 @@ asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
 /// Throws the error a non-zero status carries, prefixed with `who`.
 void throw_if_failed(const status_message& s, const std::string& who);
 
-}  // namespace refit::tcp
+}  // namespace refit::group

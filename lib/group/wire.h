@@ -1,13 +1,16 @@
-// The TCP engine's data-connection protocol. Fixed little-endian headers; every
-// length is checked against what the receiver's own plan expects before a byte of
-// payload is read, so a corrupt or mismatched stream is a typed error.
+// The side-channel protocol of group engines (tcp, nccl): one TCP connection per
+// worker to the trainer. Fixed little-endian headers; every length is checked
+// against what the receiver's own plan expects before a byte of payload is read,
+// so a corrupt or mismatched stream is a typed error.
 //
+//   (authentication, lib/auth.h)
 //   worker -> trainer   hello        {rank, wire params}
-//   trainer -> worker   status       (ok, or why the worker is refused)
+//   trainer -> worker   status       (ok with the welcome text, or why the worker is refused)
 //   per update:
 //   trainer -> worker   update       {seq, metadata digest, tensors, buckets, bytes}
 //   worker -> trainer   status       (ok, or why the metadata differ)
-//   trainer -> worker   bucket header + payload, for each bucket
+//   the buckets         tcp: bucket header + payload on this connection;
+//                       nccl: broadcasts on the communicator
 //   worker -> trainer   status       (every byte arrived)
 #pragma once
 
@@ -18,7 +21,7 @@
 #include <cstring>
 #include <string>
 
-namespace refit::tcp::wire {
+namespace refit::group::wire {
 
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
@@ -134,4 +137,4 @@ inline std::string check_update_header(const update& u, const update_expectation
   return {};
 }
 
-}  // namespace refit::tcp::wire
+}  // namespace refit::group::wire

@@ -1,11 +1,11 @@
-#include "engines/tcp/status_io.h"
+#include "lib/group/status_io.h"
 
 #include <vector>
 
-#include "engines/tcp/wire.h"
+#include "lib/group/wire.h"
 #include "lib/net.h"
 
-namespace refit::tcp {
+namespace refit::group {
 
 asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t code, std::uint64_t seq,
                                   const std::string& message, std::chrono::milliseconds deadline,
@@ -43,4 +43,4 @@ void throw_if_failed(const status_message& s, const std::string& who) {
   throw_error(kind, who + ": " + s.message);
 }
 
-}  // namespace refit::tcp
+}  // namespace refit::group
