@@ -37,35 +37,24 @@ sender::~sender() {
 
 json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp trainer_args");
-  address_ = r.required<std::string>("master_address");
-  auto port = r.required<std::uint16_t>("master_port");
-  world_size_ = r.required<int>("world_size");
-  if (world_size_ < 2)
-    r.fail("member 'world_size' must be at least 2 (the trainer and one worker), got " +
-           std::to_string(world_size_));
-  wire_ = wire_params::read(r);
-  auto ms = r.optional<std::int64_t>("timeout_ms", config_.timeout.count());
-  if (ms <= 0) r.fail("member 'timeout_ms' must be positive, got " + std::to_string(ms));
-  timeout_ = std::chrono::milliseconds(ms);
+  const auto args = group::trainer_args::read(r, config_.timeout);
   r.finish();
+  args_ = args;
+  world_size_ = args.world_size;
+  wire_ = args.wire;
+  timeout_ = args.timeout;
   shutdown();
   if (!io_pool_) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     io_pool_ = std::make_unique<asio::thread_pool>(std::min<unsigned>(cores, static_cast<unsigned>(world_size_ - 1)));
   }
-  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, address_, port));
+  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, args.address, args.port));
   return worker_init_info();
 }
 
 json sender::worker_init_info() const {
   if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
-  json j = {{"master_address", address_},
-            {"master_port", acceptor_->local_endpoint().port()},
-            {"rank_offset", 1},
-            {"world_size", world_size_},
-            {"timeout_ms", timeout_.count()}};
-  wire_.write(j);
-  return j;
+  return group::worker_init_info(args_, acceptor_->local_endpoint().port());
 }
 
 asio::awaitable<void> sender::connect_workers() {

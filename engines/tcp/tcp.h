@@ -102,7 +102,7 @@ class sender final : public weight_sender {
   trainer_context context_;
   std::unique_ptr<asio::thread_pool> io_pool_;  // threads that copy bytes into sockets
   std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
-  std::string address_;
+  group::trainer_args args_;
   int world_size_ = 0;
   wire_params wire_;
   std::chrono::milliseconds timeout_{0};

@@ -39,6 +39,30 @@ join_info join_info::read(json_reader& r) {
   return info;
 }
 
+trainer_args trainer_args::read(json_reader& r, std::chrono::milliseconds default_timeout) {
+  trainer_args a;
+  a.address = r.required<std::string>("master_address");
+  a.port = r.required<std::uint16_t>("master_port");
+  a.world_size = r.required<int>("world_size");
+  if (a.world_size < 2)
+    r.fail("member 'world_size' must be at least 2 (the trainer and one worker), got " + std::to_string(a.world_size));
+  a.wire = wire_params::read(r);
+  auto ms = r.optional<std::int64_t>("timeout_ms", default_timeout.count());
+  if (ms <= 0) r.fail("member 'timeout_ms' must be positive, got " + std::to_string(ms));
+  a.timeout = std::chrono::milliseconds(ms);
+  return a;
+}
+
+json worker_init_info(const trainer_args& args, std::uint16_t port) {
+  json j = {{"master_address", args.address},
+            {"master_port", port},
+            {"rank_offset", 1},
+            {"world_size", args.world_size},
+            {"timeout_ms", args.timeout.count()}};
+  args.wire.write(j);
+  return j;
+}
+
 int worker_rank(const join_info& info, const parallel_ranks& r, const std::string& backend) {
   const int local = r.tp_rank + r.tp_size * (r.pp_rank + r.pp_size * r.dp_rank);
   const int rank = info.rank_offset + local;

@@ -36,6 +36,22 @@ struct join_info {
   static join_info read(json_reader& r);
 };
 
+/// The trainer's arguments: {"master_address": str, "master_port": int (0: any
+/// free port), "world_size": int, wire parameters, "timeout_ms": int (default: the
+/// config's)}.
+struct trainer_args {
+  std::string address;
+  std::uint16_t port = 0;
+  int world_size = 2;
+  wire_params wire;
+  std::chrono::milliseconds timeout{0};
+  static trainer_args read(json_reader& r, std::chrono::milliseconds default_timeout);
+};
+
+/// The init info for the workers of a trainer listening on `port`: a join_info
+/// with rank_offset 1.
+json worker_init_info(const trainer_args& args, std::uint16_t port);
+
 /// This worker's rank from the info and its parallel layout; invalid_argument
 /// when it is not below world_size.
 int worker_rank(const join_info& info, const parallel_ranks& ranks, const std::string& backend);

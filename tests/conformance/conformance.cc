@@ -222,6 +222,12 @@ TEST_P(engine_conformance, direct_receive_into_model_memory) {
   };
   expect_ok(transfer(set, load));
   EXPECT_NO_THROW(got.check_equals(set));
+  if (!harness_->direct_receive()) {
+    // Everything through staging, still correct.
+    EXPECT_TRUE(direct_views.empty());
+    EXPECT_EQ(staged_views.size(), set.meta.tensors.size());
+    return;
+  }
   EXPECT_EQ(direct_views, (std::vector<std::string>{"a", "big", "d"}));
   EXPECT_EQ(staged_views, (std::vector<std::string>{"b", "c", "big2"}));
   for (std::size_t i = 0; i < set.meta.tensors.size(); i += 2)
