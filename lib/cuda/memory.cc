@@ -1,0 +1,83 @@
+#include "lib/cuda/memory.h"
+
+#include <utility>
+
+#include "lib/cuda/error.h"
+
+namespace refit::cuda {
+namespace {
+
+// Makes `device` current for the scope and restores the previous one, so that an
+// allocation on another device does not change the caller's state.
+class current_device {
+ public:
+  explicit current_device(int device) {
+    REFIT_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) REFIT_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~current_device() { (void)cudaSetDevice(previous_); }
+  current_device(const current_device&) = delete;
+  current_device& operator=(const current_device&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+device_buffer::device_buffer(std::size_t bytes) {
+  REFIT_CUDA_CHECK(cudaGetDevice(&device_));
+  if (bytes == 0) return;
+  REFIT_CUDA_CHECK(cudaMalloc(&data_, bytes));
+  size_ = bytes;
+}
+
+device_buffer::device_buffer(std::size_t bytes, int device) : device_(device) {
+  if (bytes == 0) return;
+  const current_device scope(device);
+  REFIT_CUDA_CHECK(cudaMalloc(&data_, bytes));
+  size_ = bytes;
+}
+
+device_buffer::~device_buffer() {
+  if (data_ != nullptr) (void)cudaFree(data_);
+}
+
+device_buffer::device_buffer(device_buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      device_(other.device_) {}
+
+device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) (void)cudaFree(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+pinned_buffer::pinned_buffer(std::size_t bytes, unsigned flags) {
+  if (bytes == 0) return;
+  REFIT_CUDA_CHECK(cudaHostAlloc(&data_, bytes, flags));
+  size_ = bytes;
+}
+
+pinned_buffer::~pinned_buffer() {
+  if (data_ != nullptr) (void)cudaFreeHost(data_);
+}
+
+pinned_buffer::pinned_buffer(pinned_buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+pinned_buffer& pinned_buffer::operator=(pinned_buffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+}  // namespace refit::cuda
