@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Runs lib/cuda's GPU test binaries and the kernel benchmark, already built here with
-#   bazel build --config=cuda //tests/cuda/...
-# on a machine with a GPU, where Bazel need not exist: copy the binaries (they link
-# the CUDA runtime statically; the machine needs glibc >= this one's and a driver)
-# and run
-#   tests/cuda/gpu_check.sh DIR_WITH_THE_BINARIES
-# A test that skips (no device) counts as a failure here: this script is the GPU check.
+# The GPU check: runs the GPU test binaries and the kernel benchmark, built here with
+#   bazel build --config=cuda //tests/cuda/... //tests/engines/nccl/...
+# on a machine with a GPU, where Bazel need not exist. Copy bazel-bin's tests/cuda
+# and tests/engines/nccl folders (the binaries link the CUDA runtime statically;
+# NCCL is loaded from LD_LIBRARY_PATH, e.g. a torch venv's nvidia/nccl/lib) and run
+#   tests/cuda/gpu_check.sh BIN_ROOT [REPORT_DIR]
+# BIN_ROOT holds tests/cuda/ and tests/engines/nccl/. A test that skips (no device)
+# counts as a failure here: this script is the GPU check. With REPORT_DIR, every
+# test's output and the benchmark's JSON line are written there too.
 set -u
-dir=${1:-$(bazel info --config=cuda bazel-bin 2>/dev/null)/tests/cuda}
-tests="raii_test await_gpu_test unpack_test convert_kernels_test fill_bytes_test await_test"
+root=${1:-$(bazel info --config=cuda bazel-bin 2>/dev/null)}
+report=${2:-}
+[ -n "$report" ] && mkdir -p "$report"
+tests="tests/cuda/raii_test tests/cuda/await_gpu_test tests/cuda/unpack_test tests/cuda/convert_kernels_test
+       tests/cuda/fill_bytes_test tests/cuda/await_test tests/engines/nccl/nccl_gpu_test"
 status=0
 for t in $tests; do
-  out=$(timeout 120 "$dir/$t" 2>&1)
+  out=$(timeout 120 "$root/$t" 2>&1)
   rc=$?
+  [ -n "$report" ] && printf '%s\n' "$out" > "$report/$(basename "$t").log"
   if [ $rc -ne 0 ] || grep -q "SKIPPED" <<<"$out"; then
     echo "FAIL $t (rc=$rc)"
     tail -40 <<<"$out"
@@ -21,5 +27,7 @@ for t in $tests; do
     echo "PASS $t: $(grep -E '^\[  PASSED  \]' <<<"$out")"
   fi
 done
-timeout 120 "$dir/kernel_bench" || status=1
+bench=$(timeout 300 "$root/tests/cuda/kernel_bench") || status=1
+echo "$bench"
+[ -n "$report" ] && printf '%s\n' "$bench" > "$report/kernel_bench.json"
 exit $status
