@@ -58,6 +58,11 @@ class collective_provider {
   /// Whether the trainer's tensors may live on a device (NCCL) or must be host
   /// memory (host collective).
   virtual bool device_sources() const noexcept = 0;
+  /// Wraps a worker's load_weights for this memory: for NCCL, load_weights runs
+  /// with a processing stream current (lib/cuda/processing.h) and the wrapper waits
+  /// for that stream before returning, so the staging slot is reused only after the
+  /// GPU work that reads it. The host collective returns `load` as is.
+  virtual load_weights_fn processing(load_weights_fn load) { return load; }
 };
 
 /// The in-process host collective: every rank lives in this process and runs on one

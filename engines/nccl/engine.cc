@@ -77,8 +77,8 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     last_seq_ = co_await group::accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who);
     transport t(comm_, timeout_, rank_);
     // No direct receive: a broadcast lands in one contiguous buffer per bucket.
-    co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
-                                mutable_stats(), nullptr);
+    co_await pipeline_->receive(info.metadata, std::move(plan), t, provider_->processing(std::move(load_weights)),
+                                deferred(), mutable_stats(), nullptr);
     co_await group::confirm_update(*socket_, last_seq_, timeout_, who);
   } catch (...) {
     failure = std::current_exception();

@@ -17,7 +17,9 @@
 #include "engines/nccl/nccl_collective.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/memory.h"
+#include "lib/cuda/event.h"
 #include "lib/cuda/nccl_error.h"
+#include "lib/cuda/processing.h"
 #include "lib/cuda/stream.h"
 
 namespace refit::nccl {
@@ -216,8 +218,26 @@ class nccl_provider final : public collective_provider {
 
   bool device_sources() const noexcept override { return true; }
 
+  load_weights_fn processing(load_weights_fn load) override {
+    // One processing stream for the provider (created once, not per update); one
+    // event per processing thread. Runs on the pipeline's processing executor, so
+    // waiting here holds a processing thread, never the event loop.
+    return [this, load = std::move(load)](std::span<const tensor_view> views) {
+      // Processing threads start on device 0: use the device the stream is on.
+      REFIT_CUDA_CHECK(cudaSetDevice(processing_stream_.device()));
+      thread_local cuda::event done;
+      {
+        cuda::processing_scope scope(processing_stream_.get());
+        load(views);
+      }
+      done.record(processing_stream_);
+      done.synchronize();
+    };
+  }
+
  private:
-  cuda::stream stream_;
+  cuda::stream stream_;             // packing
+  cuda::stream processing_stream_;  // workers' load_weights
 };
 
 }  // namespace
