@@ -17,9 +17,8 @@
 #include "engines/nccl/nccl_collective.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/memory.h"
-#include "lib/cuda/event.h"
 #include "lib/cuda/nccl_error.h"
-#include "lib/cuda/processing.h"
+#include "lib/cuda/staging.h"
 #include "lib/cuda/stream.h"
 
 namespace refit::nccl {
@@ -120,34 +119,6 @@ class nccl_collective final : public collective {
   cuda::stream stream_;
 };
 
-// Receive staging and packing buffers in device memory.
-class device_staging final : public staging_memory {
- public:
-  device_staging(std::size_t count, std::uint64_t bytes) : bytes_(bytes) {
-    REFIT_CUDA_CHECK(cudaGetDevice(&device_));
-    for (std::size_t i = 0; i < count; ++i) slots_.emplace_back(static_cast<std::size_t>(bytes), device_);
-  }
-  refit::device device() const noexcept override { return refit::device::cuda(device_); }
-  std::size_t slot_count() const noexcept override { return slots_.size(); }
-  std::span<std::byte> slot(std::size_t index) override {
-    return {static_cast<std::byte*>(slots_.at(index).data()), static_cast<std::size_t>(bytes_)};
-  }
-  std::span<std::byte> assembly(std::uint64_t bytes) override {
-    if (bytes > assembly_.size()) {
-      assembly_ = cuda::device_buffer();  // free first
-      assembly_ = cuda::device_buffer(static_cast<std::size_t>(bytes), device_);
-    }
-    return {static_cast<std::byte*>(assembly_.data()), static_cast<std::size_t>(bytes)};
-  }
-  std::uint64_t allocated_bytes() const noexcept override { return bytes_ * slots_.size() + assembly_.size(); }
-
- private:
-  std::uint64_t bytes_;
-  int device_ = 0;
-  std::vector<cuda::device_buffer> slots_;
-  cuda::device_buffer assembly_;
-};
-
 class nccl_provider final : public collective_provider {
  public:
   std::string name() const override { return "nccl"; }
@@ -196,7 +167,7 @@ class nccl_provider final : public collective_provider {
   }
 
   std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) override {
-    return std::make_unique<device_staging>(count, bytes);
+    return std::make_unique<cuda::device_staging>(count, bytes);
   }
 
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
@@ -218,22 +189,8 @@ class nccl_provider final : public collective_provider {
 
   bool device_sources() const noexcept override { return true; }
 
-  load_weights_fn processing(load_weights_fn load) override {
-    // One processing stream for the provider (created once, not per update); one
-    // event per processing thread. Runs on the pipeline's processing executor, so
-    // waiting here holds a processing thread, never the event loop.
-    return [this, load = std::move(load)](std::span<const tensor_view> views) {
-      // Processing threads start on device 0: use the device the stream is on.
-      REFIT_CUDA_CHECK(cudaSetDevice(processing_stream_.device()));
-      thread_local cuda::event done;
-      {
-        cuda::processing_scope scope(processing_stream_.get());
-        load(views);
-      }
-      done.record(processing_stream_);
-      done.synchronize();
-    };
-  }
+  // One processing stream for the provider, created once (not per update).
+  load_weights_fn processing(load_weights_fn load) override { return cuda::on_stream(std::move(load), processing_stream_); }
 
  private:
   cuda::stream stream_;             // packing

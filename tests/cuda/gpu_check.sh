@@ -13,7 +13,8 @@ root=${1:-$(bazel info --config=cuda bazel-bin 2>/dev/null)}
 report=${2:-}
 [ -n "$report" ] && mkdir -p "$report"
 tests="tests/cuda/raii_test tests/cuda/await_gpu_test tests/cuda/unpack_test tests/cuda/convert_kernels_test
-       tests/cuda/fill_bytes_test tests/cuda/await_test tests/engines/nccl/nccl_gpu_test"
+       tests/cuda/fill_bytes_test tests/cuda/await_test tests/cuda/pipeline_gpu_test
+       tests/engines/nccl/nccl_gpu_test"
 status=0
 for t in $tests; do
   out=$(timeout 120 "$root/$t" 2>&1)
@@ -27,7 +28,9 @@ for t in $tests; do
     echo "PASS $t: $(grep -E '^\[  PASSED  \]' <<<"$out")"
   fi
 done
-bench=$(timeout 300 "$root/tests/cuda/kernel_bench") || status=1
-echo "$bench"
-[ -n "$report" ] && printf '%s\n' "$bench" > "$report/kernel_bench.json"
+for b in kernel_bench pipeline_bench; do
+  bench=$(timeout 300 "$root/tests/cuda/$b") || status=1
+  echo "$bench"
+  [ -n "$report" ] && printf '%s\n' "$bench" > "$report/$b.json"
+done
 exit $status
