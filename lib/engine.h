@@ -163,6 +163,8 @@ class weight_transfer_engine {
   const std::string& dirty_reason() const noexcept { return dirty_reason_; }
   void mark_weights_dirty(std::string reason);
   void mark_weights_clean() noexcept { dirty_reason_.clear(); }
+  /// Called by weight_update_session when a session ends (finished or aborted).
+  void session_finished() { do_session_finished(); }
   /// Host bytes held for staged commits (0 until the first staged update; freed
   /// by shutdown()).
   std::uint64_t staged_bytes() const noexcept;
@@ -176,6 +178,9 @@ class weight_transfer_engine {
   virtual asio::awaitable<void> do_init(const init_info& info) = 0;
   virtual asio::awaitable<void> do_receive(const update_info& info, load_weights_fn load_weights) = 0;
   virtual void do_shutdown() = 0;
+  /// An update session ended (finish or abort): engines release per-session
+  /// resources here (e.g. IPC mappings). Default: nothing.
+  virtual void do_session_finished() {}
 
   /// Where engines start deferred work; drain_pending() joins it.
   async::drain_scope& deferred() noexcept { return deferred_; }

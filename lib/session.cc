@@ -55,7 +55,14 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
   if (updating_)
     throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
   active_ = false;
-  co_await engine_.drain_pending();
+  std::exception_ptr failure;
+  try {
+    co_await engine_.drain_pending();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  engine_.session_finished();
+  if (failure) std::rethrow_exception(failure);
   if (weight_version) version_ = weight_version;
   if (!failed_) engine_.mark_weights_clean();
 }
@@ -72,6 +79,7 @@ asio::awaitable<void> weight_update_session::abort_weight_update() {
     co_await engine_.drain_pending();
   } catch (const std::exception&) {
   }
+  engine_.session_finished();
 }
 
 }  // namespace refit

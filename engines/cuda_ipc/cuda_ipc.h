@@ -1,0 +1,142 @@
+// The CUDA IPC backend for colocated RL (trainer and inference on the same GPUs):
+// the trainer exports num_buffers reusable packed buffers on its GPU and, per
+// bucket, tells each worker which buffer holds it (its IPC handle, the GPU's UUID,
+// the bucket's size) over the side channel (lib/group). The worker opens each
+// handle once (cached, keyed by handle and GPU UUID, so a worker that sees the GPU
+// under another device index still finds it), copies the bucket into its staging
+// slot and says "consumed"; only then may the trainer overwrite that buffer. The
+// worker's processing (load_weights, on its own stream for CUDA) overlaps the next
+// bucket's hand-over through the receive pipeline. Mappings are closed when an
+// update session finishes, on re-init and at shutdown.
+//
+// The memory side is an ipc_provider: CUDA IPC in --config=cuda builds (registered
+// as "cuda_ipc"), or in-process host memory, with which the whole engine runs on CPU
+// in the conformance suite.
+#pragma once
+
+#include <array>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include <asio/ip/tcp.hpp>
+
+#include "lib/engine.h"
+#include "lib/group/group.h"
+#include "lib/pipeline.h"
+#include "lib/trainer.h"
+
+namespace refit::cuda_ipc {
+
+/// An exported buffer's handle: CUDA's 64-byte cudaIpcMemHandle_t, or the host
+/// provider's id.
+using handle_bytes = std::array<std::byte, 64>;
+/// The GPU's UUID (cudaDeviceProp::uuid), the same in every process.
+using gpu_uuid = std::array<std::byte, 16>;
+
+/// Memory that can be shared between processes on one GPU.
+class ipc_provider {
+ public:
+  virtual ~ipc_provider() = default;
+  virtual std::string name() const = 0;
+  /// `count` exportable buffers of `bytes` (the trainer's packed buffers) on the
+  /// current device.
+  virtual std::unique_ptr<staging_memory> make_exportable(std::size_t count, std::uint64_t bytes) = 0;
+  /// The handle of buffer `index` of `memory` (made by make_exportable) and its GPU.
+  virtual std::pair<handle_bytes, gpu_uuid> export_buffer(staging_memory& memory, std::size_t index) = 0;
+  /// Maps another process's buffer; invalid_argument naming what is wrong when the
+  /// handle is not valid here (no such GPU, stale or foreign handle).
+  virtual std::byte* open(const handle_bytes& handle, const gpu_uuid& gpu) = 0;
+  /// Unmaps what open() returned.
+  virtual void close(std::byte* mapped) noexcept = 0;
+  /// Copies `bytes` from `src` (mapped) into `dst` (staging); completes when done.
+  virtual asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) = 0;
+  /// Packs the trainer's pieces into `dst` (exportable memory); completes when done.
+  virtual asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) = 0;
+  /// The worker's receive staging.
+  virtual std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) = 0;
+  virtual bool device_sources() const noexcept = 0;
+  /// Wraps load_weights for this memory (see nccl::collective_provider::processing).
+  virtual load_weights_fn processing(load_weights_fn load) { return load; }
+};
+
+/// In-process host memory "shared" by handle: every process is this one (tests).
+std::shared_ptr<ipc_provider> host_ipc();
+
+/// A worker's cache of opened handles: each is opened once and closed by clear().
+class handle_cache {
+ public:
+  explicit handle_cache(std::shared_ptr<ipc_provider> provider) : provider_(std::move(provider)) {}
+  ~handle_cache() { clear(); }
+  handle_cache(const handle_cache&) = delete;
+  handle_cache& operator=(const handle_cache&) = delete;
+  std::byte* get(const handle_bytes& handle, const gpu_uuid& gpu);
+  void clear() noexcept;
+  std::size_t size() const noexcept { return mapped_.size(); }
+  std::uint64_t opens() const noexcept { return opens_; }
+
+ private:
+  std::shared_ptr<ipc_provider> provider_;
+  std::map<std::pair<handle_bytes, gpu_uuid>, std::byte*> mapped_;
+  std::uint64_t opens_ = 0;
+};
+
+/// Worker init info: group::join_info (checksums refused: the bytes never leave
+/// the GPU's memory).
+struct init_info final : refit::init_info, group::join_info {
+  static init_info read(json_reader& r);
+};
+using update_info = metadata_update_info;
+
+/// Worker side.
+class engine final : public typed_engine<init_info, update_info> {
+ public:
+  engine(const weight_transfer_config& config, const engine_context& context, std::shared_ptr<ipc_provider> provider);
+  ~engine() override;
+  std::string_view backend() const noexcept override { return "cuda_ipc"; }
+  bool defers_processing() const noexcept override { return true; }
+  /// Mappings currently open (for tests and weight_info).
+  const handle_cache& handles() const noexcept { return *handles_; }
+
+ protected:
+  asio::awaitable<void> init(const init_info& info) override;
+  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
+  void do_shutdown() override;
+  void do_session_finished() override;
+
+ private:
+  std::shared_ptr<ipc_provider> provider_;
+  std::unique_ptr<handle_cache> handles_;
+  std::unique_ptr<asio::ip::tcp::socket> socket_;
+  std::unique_ptr<receive_pipeline> pipeline_;
+  std::chrono::milliseconds timeout_{0};
+  int rank_ = -1;
+  std::uint64_t last_seq_ = 0;
+};
+
+/// Trainer side; trainer_args as group::trainer_args.
+class sender final : public weight_sender {
+ public:
+  sender(const weight_transfer_config& config, const trainer_context& context, std::shared_ptr<ipc_provider> provider);
+  ~sender() override;
+  std::string_view backend() const noexcept override { return "cuda_ipc"; }
+  json prepare(const json& trainer_args) override;
+  asio::awaitable<void> connect_workers() override;
+  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
+  void shutdown() override;
+  update_stats last_send_stats() const override { return stats_; }
+
+ private:
+  void fail_all();
+  weight_transfer_config config_;
+  trainer_context context_;
+  std::shared_ptr<ipc_provider> provider_;
+  group::trainer_args args_;
+  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
+  std::vector<group::member> peers_;
+  std::unique_ptr<staging_memory> buffers_;  // exported, rotating
+  std::uint64_t seq_ = 0;
+  update_stats stats_;
+};
+
+}  // namespace refit::cuda_ipc
