@@ -1,0 +1,117 @@
+#include "engines/cuda_ipc/cuda_ipc_provider.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include <asio/steady_timer.hpp>
+#include <asio/this_coro.hpp>
+#include <asio/use_awaitable.hpp>
+
+#include "lib/cuda/error.h"
+#include "lib/cuda/staging.h"
+#include "lib/cuda/stream.h"
+
+namespace refit::cuda_ipc {
+namespace {
+
+static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(handle_bytes));
+
+gpu_uuid uuid_of(int device) {
+  cudaDeviceProp prop{};
+  REFIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  gpu_uuid u;
+  std::memcpy(u.data(), prop.uuid.bytes, u.size());
+  return u;
+}
+
+// Waits for `s` without blocking the executor.
+asio::awaitable<void> finished(cudaStream_t s) {
+  asio::steady_timer timer(co_await asio::this_coro::executor);
+  std::chrono::microseconds next{10};
+  for (;;) {
+    const cudaError_t q = cudaStreamQuery(s);
+    if (q == cudaSuccess) co_return;
+    if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery(ipc stream)", std::source_location::current());
+    timer.expires_after(next);
+    co_await timer.async_wait(asio::use_awaitable);
+    next = std::min<std::chrono::microseconds>(next * 2, std::chrono::milliseconds(1));
+  }
+}
+
+class cuda_provider final : public ipc_provider {
+ public:
+  std::string name() const override { return "cuda"; }
+
+  std::unique_ptr<staging_memory> make_exportable(std::size_t count, std::uint64_t bytes) override {
+    return std::make_unique<cuda::device_staging>(count, bytes);
+  }
+
+  std::pair<handle_bytes, gpu_uuid> export_buffer(staging_memory& memory, std::size_t index) override {
+    cudaIpcMemHandle_t h;
+    REFIT_CUDA_CHECK(cudaIpcGetMemHandle(&h, memory.slot(index).data()));
+    handle_bytes out;
+    std::memcpy(out.data(), &h, out.size());
+    return {out, uuid_of(memory.device().index)};
+  }
+
+  std::byte* open(const handle_bytes& handle, const gpu_uuid& gpu) override {
+    int count = 0;
+    REFIT_CUDA_CHECK(cudaGetDeviceCount(&count));
+    int device = -1;
+    for (int d = 0; d < count && device < 0; ++d)
+      if (uuid_of(d) == gpu) device = d;
+    if (device < 0)
+      throw_error(errc::invalid_argument, "cuda ipc: the trainer's buffer is on a GPU this process cannot see "
+                                          "(no device with its UUID; check CUDA_VISIBLE_DEVICES)");
+    int previous = 0;
+    REFIT_CUDA_CHECK(cudaGetDevice(&previous));
+    REFIT_CUDA_CHECK(cudaSetDevice(device));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof h);
+    void* p = nullptr;
+    const cudaError_t r = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    cudaSetDevice(previous);
+    if (r != cudaSuccess) {
+      cudaGetLastError();  // clear
+      throw_error(errc::invalid_argument, std::string("cuda ipc: cudaIpcOpenMemHandle refused the handle (") +
+                                              cudaGetErrorName(r) + ": " + cudaGetErrorString(r) +
+                                              "); a stale handle, or one from this same process");
+    }
+    return static_cast<std::byte*>(p);
+  }
+
+  void close(std::byte* mapped) noexcept override { cudaIpcCloseMemHandle(mapped); }
+
+  asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) override {
+    if (bytes) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()));
+    co_await finished(stream_.get());
+  }
+
+  asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
+    for (const auto& p : pieces) {
+      if (p.size()) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, stream_.get()));
+      dst += p.size();
+    }
+    co_await finished(stream_.get());
+  }
+
+  std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) override {
+    return std::make_unique<cuda::device_staging>(count, bytes);
+  }
+  bool device_sources() const noexcept override { return true; }
+  load_weights_fn processing(load_weights_fn load) override { return cuda::on_stream(std::move(load), processing_); }
+
+ private:
+  cuda::stream stream_;      // copies and packing
+  cuda::stream processing_;  // workers' load_weights
+};
+
+}  // namespace
+
+std::shared_ptr<ipc_provider> cuda_ipcs() {
+  static auto provider = std::make_shared<cuda_provider>();
+  return provider;
+}
+
+}  // namespace refit::cuda_ipc

@@ -1,0 +1,20 @@
+// Registers "cuda_ipc" with the process-wide factory (CUDA builds; linked in through
+// //engines:all).
+#include "engines/cuda_ipc/cuda_ipc.h"
+#include "engines/cuda_ipc/cuda_ipc_provider.h"
+#include "lib/factory.h"
+
+namespace {
+const bool registered = [] {
+  refit::engine_factory::instance().register_backend(
+      "cuda_ipc",
+      [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
+        return std::unique_ptr<refit::weight_transfer_engine>(
+            new refit::cuda_ipc::engine(c, ctx, refit::cuda_ipc::cuda_ipcs()));
+      },
+      [](const refit::weight_transfer_config& c, const refit::trainer_context& ctx) {
+        return std::unique_ptr<refit::weight_sender>(new refit::cuda_ipc::sender(c, ctx, refit::cuda_ipc::cuda_ipcs()));
+      });
+  return true;
+}();
+}  // namespace
