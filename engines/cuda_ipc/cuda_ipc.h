@@ -17,14 +17,8 @@
 #include <array>
 #include <map>
 #include <memory>
-#include <vector>
 
-#include <asio/ip/tcp.hpp>
-
-#include "lib/engine.h"
-#include "lib/group/group.h"
-#include "lib/pipeline.h"
-#include "lib/trainer.h"
+#include "lib/group/engine_base.h"
 
 namespace refit::cuda_ipc {
 
@@ -83,60 +77,46 @@ class handle_cache {
 
 /// Worker init info: group::join_info (checksums refused: the bytes never leave
 /// the GPU's memory).
-struct init_info final : refit::init_info, group::join_info {
-  static init_info read(json_reader& r);
-};
+using init_info = group::stream_free_init_info;
 using update_info = metadata_update_info;
 
-/// Worker side.
-class engine final : public typed_engine<init_info, update_info> {
+/// Worker side: each bucket is copied out of the trainer's exported buffer.
+class engine final : public group::worker_engine {
  public:
   engine(const weight_transfer_config& config, const engine_context& context, std::shared_ptr<ipc_provider> provider);
-  ~engine() override;
+  ~engine() override { close(); }
   std::string_view backend() const noexcept override { return "cuda_ipc"; }
-  bool defers_processing() const noexcept override { return true; }
   /// Mappings currently open (for tests and weight_info).
   const handle_cache& handles() const noexcept { return *handles_; }
 
  protected:
-  asio::awaitable<void> init(const init_info& info) override;
-  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
-  void do_shutdown() override;
-  void do_session_finished() override;
+  std::unique_ptr<staging_memory> make_staging(const wire_params& wire) override {
+    return provider_->make_staging(wire.num_buffers, wire.buffer_bytes);
+  }
+  std::unique_ptr<bucket_transport> make_transport() override;
+  load_weights_fn wrap(load_weights_fn load) override { return provider_->processing(std::move(load)); }
+  void close_transport() noexcept override { handles_->clear(); }
+  void do_session_finished() override { handles_->clear(); }
 
  private:
   std::shared_ptr<ipc_provider> provider_;
   std::unique_ptr<handle_cache> handles_;
-  std::unique_ptr<asio::ip::tcp::socket> socket_;
-  std::unique_ptr<receive_pipeline> pipeline_;
-  std::chrono::milliseconds timeout_{0};
-  int rank_ = -1;
-  std::uint64_t last_seq_ = 0;
 };
 
-/// Trainer side; trainer_args as group::trainer_args.
-class sender final : public weight_sender {
+/// Trainer side; trainer_args as group::trainer_args (checksums refused).
+class sender final : public group::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context, std::shared_ptr<ipc_provider> provider);
-  ~sender() override;
+  ~sender() override { shutdown(); }
   std::string_view backend() const noexcept override { return "cuda_ipc"; }
-  json prepare(const json& trainer_args) override;
-  asio::awaitable<void> connect_workers() override;
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
-  void shutdown() override;
-  update_stats last_send_stats() const override { return stats_; }
+
+ protected:
+  void prepared() override;
 
  private:
-  void fail_all();
-  weight_transfer_config config_;
-  trainer_context context_;
   std::shared_ptr<ipc_provider> provider_;
-  group::trainer_args args_;
-  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
-  std::vector<group::member> peers_;
-  std::unique_ptr<staging_memory> buffers_;  // exported, rotating
-  std::uint64_t seq_ = 0;
-  update_stats stats_;
+  std::unique_ptr<staging_memory> buffers_;  // exported, rotating; live as long as the sender
 };
 
 }  // namespace refit::cuda_ipc

@@ -1,6 +1,7 @@
 // The CUDA IPC worker: per bucket, read which exported buffer holds it, map that
 // buffer once (cached), copy the bucket into a staging slot and tell the trainer
-// the buffer is consumed; processing overlaps the next hand-over.
+// the buffer is consumed; processing overlaps the next hand-over (the rest is
+// group::worker_engine).
 #include "engines/cuda_ipc/cuda_ipc.h"
 #include "engines/cuda_ipc/wire.h"
 #include "lib/group/status_io.h"
@@ -20,14 +21,6 @@ std::byte* handle_cache::get(const handle_bytes& handle, const gpu_uuid& gpu) {
 void handle_cache::clear() noexcept {
   for (auto& [key, p] : mapped_) provider_->close(p);
   mapped_.clear();
-}
-
-init_info init_info::read(json_reader& r) {
-  init_info info;
-  static_cast<group::join_info&>(info) = group::join_info::read(r);
-  if (info.wire.checksums)
-    r.fail("member 'checksums' is not supported by cuda_ipc (the bytes never leave the GPU's memory)");
-  return info;
 }
 
 namespace {
@@ -73,58 +66,13 @@ class transport final : public bucket_transport {
 
 engine::engine(const weight_transfer_config& config, const engine_context& context,
                std::shared_ptr<ipc_provider> provider)
-    : typed_engine(config, context), provider_(std::move(provider)) {
+    : worker_engine(config, context), provider_(std::move(provider)) {
   if (!provider_) throw_error(errc::invalid_argument, "cuda_ipc engine: an ipc provider is required");
   handles_ = std::make_unique<handle_cache>(provider_);
 }
 
-engine::~engine() { do_shutdown(); }
-
-asio::awaitable<void> engine::init(const init_info& info) {
-  timeout_ = info.timeout.value_or(config().timeout);
-  rank_ = group::worker_rank(info, context().ranks, "cuda_ipc");
-  const std::string who = "cuda_ipc worker rank " + std::to_string(rank_);
-  auto joined = co_await group::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
-                                     timeout_, who);
-  if (!pipeline_ || !(pipeline_->params() == info.wire))
-    pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   provider_->make_staging(info.wire.num_buffers, info.wire.buffer_bytes));
-  socket_ = std::make_unique<asio::ip::tcp::socket>(std::move(joined.socket));
-  last_seq_ = 0;
-}
-
-asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
-  const std::string who = "cuda_ipc worker rank " + std::to_string(rank_);
-  if (!socket_)
-    throw_error(errc::invalid_state, who + ": the connection to the trainer was closed by an earlier failure; "
-                                           "call init_transfer_engine again");
-  std::exception_ptr failure;
-  try {
-    bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-    last_seq_ = co_await group::accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who);
-    transport t(*socket_, *handles_, *provider_, pipeline_->params().num_buffers, timeout_, rank_);
-    co_await pipeline_->receive(info.metadata, std::move(plan), t, provider_->processing(std::move(load_weights)),
-                                deferred(), mutable_stats(), nullptr);
-    co_await group::confirm_update(*socket_, last_seq_, timeout_, who);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
-    do_shutdown();
-    std::rethrow_exception(failure);
-  }
-}
-
-void engine::do_session_finished() { handles_->clear(); }
-
-void engine::do_shutdown() {
-  if (handles_) handles_->clear();
-  if (socket_) {
-    std::error_code ignored;
-    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    socket_->close(ignored);
-    socket_.reset();
-  }
+std::unique_ptr<bucket_transport> engine::make_transport() {
+  return std::make_unique<transport>(side_channel(), *handles_, *provider_, wire().num_buffers, timeout(), rank());
 }
 
 }  // namespace refit::cuda_ipc

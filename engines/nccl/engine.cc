@@ -1,17 +1,8 @@
-// The NCCL worker: join through the side channel (which brings the communicator
-// id), join the communicator, then per update check the trainer's header against
-// this worker's own plan and receive every bucket by broadcast into a staging slot.
+// The NCCL worker: the side channel's welcome brings the communicator id; each
+// bucket is one broadcast into a staging slot (the rest is group::worker_engine).
 #include "engines/nccl/nccl.h"
 
 namespace refit::nccl {
-
-init_info init_info::read(json_reader& r) {
-  init_info info;
-  static_cast<group::join_info&>(info) = group::join_info::read(r);
-  if (info.wire.checksums)
-    r.fail("member 'checksums' is not supported by nccl (a collective has no byte stream to checksum)");
-  return info;
-}
 
 namespace {
 
@@ -42,65 +33,28 @@ class transport final : public bucket_transport {
 
 engine::engine(const weight_transfer_config& config, const engine_context& context,
                std::shared_ptr<collective_provider> provider)
-    : typed_engine(config, context), provider_(std::move(provider)) {
+    : worker_engine(config, context), provider_(std::move(provider)) {
   if (!provider_) throw_error(errc::invalid_argument, "nccl engine: a collective provider is required");
 }
 
-engine::~engine() { do_shutdown(); }
-
-asio::awaitable<void> engine::init(const init_info& info) {
-  timeout_ = info.timeout.value_or(config().timeout);
-  rank_ = group::worker_rank(info, context().ranks, "nccl");
-  const std::string who = "nccl worker rank " + std::to_string(rank_);
-  auto joined = co_await group::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
-                                     timeout_, who);
-  if (joined.welcome.empty())
-    throw_error(errc::protocol_error, who + ": the trainer's welcome carries no communicator id");
-  auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(joined.socket));
-  comm_ = co_await provider_->join(joined.welcome, rank_, info.world_size, context().executor, timeout_);
-  // Staging is allocated once here and reused by every update.
-  if (!pipeline_ || !(pipeline_->params() == info.wire))
-    pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   provider_->make_staging(info.wire.num_buffers, info.wire.buffer_bytes));
-  socket_ = std::move(socket);
-  last_seq_ = 0;
+asio::awaitable<void> engine::joined(const init_info& info, const std::string& welcome) {
+  if (welcome.empty()) throw_error(errc::protocol_error, who() + ": the trainer's welcome carries no communicator id");
+  comm_ = co_await provider_->join(welcome, rank(), info.world_size, context().executor, timeout());
 }
 
-asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
-  const std::string who = "nccl worker rank " + std::to_string(rank_);
-  if (!socket_ || !comm_)
-    throw_error(errc::invalid_state, who + ": the connection to the trainer was closed by an earlier failure; "
-                                           "call init_transfer_engine again");
-  std::exception_ptr failure;
-  try {
-    bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-    last_seq_ = co_await group::accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who);
-    transport t(comm_, timeout_, rank_);
-    // No direct receive: a broadcast lands in one contiguous buffer per bucket.
-    co_await pipeline_->receive(info.metadata, std::move(plan), t, provider_->processing(std::move(load_weights)),
-                                deferred(), mutable_stats(), nullptr);
-    co_await group::confirm_update(*socket_, last_seq_, timeout_, who);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
-    // The communicator's position is unknown after a failure: abort it (the
-    // trainer and the other workers fail too instead of hanging) and re-init.
-    do_shutdown();
-    std::rethrow_exception(failure);
-  }
+std::unique_ptr<staging_memory> engine::make_staging(const wire_params& wire) {
+  return provider_->make_staging(wire.num_buffers, wire.buffer_bytes);
 }
 
-void engine::do_shutdown() {
+std::unique_ptr<bucket_transport> engine::make_transport() {
+  if (!comm_) throw_error(errc::invalid_state, who() + ": no communicator; call init_transfer_engine again");
+  return std::make_unique<transport>(comm_, timeout(), rank());
+}
+
+void engine::close_transport() noexcept {
   if (comm_) {
     comm_->abort();
     comm_.reset();
-  }
-  if (socket_) {
-    std::error_code ignored;
-    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    socket_->close(ignored);
-    socket_.reset();
   }
 }
 

@@ -11,79 +11,57 @@
 #pragma once
 
 #include <memory>
-#include <vector>
-
-#include <asio/ip/tcp.hpp>
 
 #include "engines/nccl/collective.h"
-#include "lib/engine.h"
-#include "lib/group/group.h"
-#include "lib/pipeline.h"
-#include "lib/trainer.h"
+#include "lib/group/engine_base.h"
 
 namespace refit::nccl {
 
 /// Worker init info, as vLLM's NCCL engine's plus the trainer's wire parameters
-/// (see group::join_info). Checksums are not offered: a collective has no byte
-/// stream to checksum on the way.
-struct init_info final : refit::init_info, group::join_info {
-  static init_info read(json_reader& r);
-};
-
+/// (group::join_info; checksums refused: a collective has no byte stream).
+using init_info = group::stream_free_init_info;
 using update_info = metadata_update_info;
 
-/// Worker side.
-class engine final : public typed_engine<init_info, update_info> {
+/// Worker side: each bucket is one broadcast into a staging slot.
+class engine final : public group::worker_engine {
  public:
   engine(const weight_transfer_config& config, const engine_context& context,
          std::shared_ptr<collective_provider> provider);
-  ~engine() override;
+  ~engine() override { close(); }
   std::string_view backend() const noexcept override { return "nccl"; }
-  bool defers_processing() const noexcept override { return true; }
-  int rank() const noexcept { return rank_; }
 
  protected:
-  asio::awaitable<void> init(const init_info& info) override;
-  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
-  void do_shutdown() override;
+  asio::awaitable<void> joined(const init_info& info, const std::string& welcome) override;
+  std::unique_ptr<staging_memory> make_staging(const wire_params& wire) override;
+  std::unique_ptr<bucket_transport> make_transport() override;
+  load_weights_fn wrap(load_weights_fn load) override { return provider_->processing(std::move(load)); }
+  void close_transport() noexcept override;
 
  private:
   std::shared_ptr<collective_provider> provider_;
-  std::unique_ptr<asio::ip::tcp::socket> socket_;  // side channel to the trainer
-  std::shared_ptr<collective> comm_;               // shared with a receive in flight
-  std::unique_ptr<receive_pipeline> pipeline_;
-  std::chrono::milliseconds timeout_{0};
-  int rank_ = -1;
-  std::uint64_t last_seq_ = 0;
+  std::shared_ptr<collective> comm_;  // shared with a receive in flight
 };
 
 /// Trainer side. trainer_args as group::trainer_args ("checksums" refused).
-class sender final : public weight_sender {
+class sender final : public group::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context,
          std::shared_ptr<collective_provider> provider);
-  ~sender() override;
+  ~sender() override { shutdown(); }
   std::string_view backend() const noexcept override { return "nccl"; }
-  json prepare(const json& trainer_args) override;
-  asio::awaitable<void> connect_workers() override;
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
-  void shutdown() override;
-  update_stats last_send_stats() const override { return stats_; }
+
+ protected:
+  void prepared() override;
+  std::string welcome() override { return group_id_; }
+  asio::awaitable<void> connected() override;
+  void close_transport() noexcept override;
 
  private:
-  void fail_all();
-
-  weight_transfer_config config_;
-  trainer_context context_;
   std::shared_ptr<collective_provider> provider_;
-  group::trainer_args args_;
-  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
   std::string group_id_;
-  std::vector<group::member> peers_;
-  std::shared_ptr<collective> comm_;  // shared with a send in flight (shutdown aborts it)
+  std::shared_ptr<collective> comm_;      // shared with a send in flight (shutdown aborts it)
   std::unique_ptr<staging_memory> pack_;  // num_buffers rotating packing buffers
-  std::uint64_t seq_ = 0;
-  update_stats stats_;
 };
 
 }  // namespace refit::nccl

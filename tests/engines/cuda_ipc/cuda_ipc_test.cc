@@ -6,43 +6,17 @@
 #include <asio/experimental/awaitable_operators.hpp>
 
 #include "lib/session.h"
-#include "tests/conformance/conformance.h"
+#include "tests/conformance/provider_harness.h"
 
 namespace refit::testing {
 namespace {
 
-weight_transfer_config ipc_config(std::string secret = {}) {
-  weight_transfer_config config;
-  config.backend = "cuda_ipc";
-  config.timeout = std::chrono::seconds(5);
-  config.auth_secret = std::move(secret);
-  return config;
-}
 
-class ipc_harness final : public engine_harness {
- public:
-  ipc_harness(asio::io_context& io, model_target* model, std::string secret = {}) {
-    auto provider = cuda_ipc::host_ipc();
-    sender_ = std::make_unique<cuda_ipc::sender>(ipc_config(secret), trainer_context{io.get_executor(), {}}, provider);
-    engine_ = std::make_unique<cuda_ipc::engine>(ipc_config(secret), engine_context{io.get_executor(), {}, {}, model},
-                                                 provider);
-  }
-  asio::awaitable<void> connect(const wire_params& wire) override {
-    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
-    wire.write(args);
-    info_ = engine_->parse_init_info(sender_->prepare(args));
-    using namespace asio::experimental::awaitable_operators;
-    co_await (sender_->connect_workers() && engine_->init_transfer_engine(*info_));
-  }
-  weight_transfer_engine& engine() override { return *engine_; }
-  weight_sender& sender() override { return *sender_; }
-  bool direct_receive() const override { return false; }
-  cuda_ipc::engine& ipc_engine() { return *engine_; }
-
- private:
-  std::unique_ptr<cuda_ipc::sender> sender_;
-  std::unique_ptr<cuda_ipc::engine> engine_;
-  std::unique_ptr<refit::init_info> info_;
+using ipc_harness_base = provider_harness<cuda_ipc::engine, cuda_ipc::sender>;
+struct ipc_harness : ipc_harness_base {
+  ipc_harness(asio::io_context& io, model_target* model, std::string secret = {})
+      : ipc_harness_base(io, model, cuda_ipc::host_ipc(), "cuda_ipc", secret) {}
+  cuda_ipc::engine& ipc_engine() { return typed_engine(); }
 };
 
 wire_params small_wire() {

@@ -4,7 +4,7 @@
 
 #include <asio/experimental/awaitable_operators.hpp>
 
-#include "tests/conformance/conformance.h"
+#include "tests/conformance/provider_harness.h"
 
 namespace refit::testing {
 namespace {
@@ -17,30 +17,10 @@ weight_transfer_config nccl_config(std::string secret = {}) {
   return config;
 }
 
-class nccl_harness final : public engine_harness {
- public:
-  nccl_harness(asio::io_context& io, model_target* model, std::string secret = {}) {
-    auto provider = nccl::host_collectives();
-    sender_ = std::make_unique<nccl::sender>(nccl_config(secret), trainer_context{io.get_executor(), {}}, provider);
-    engine_ = std::make_unique<nccl::engine>(nccl_config(secret), engine_context{io.get_executor(), {}, {}, model},
-                                             provider);
-  }
-  asio::awaitable<void> connect(const wire_params& wire) override {
-    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
-    wire.write(args);
-    info_ = engine_->parse_init_info(sender_->prepare(args));
-    using namespace asio::experimental::awaitable_operators;
-    co_await (sender_->connect_workers() && engine_->init_transfer_engine(*info_));
-  }
-  weight_transfer_engine& engine() override { return *engine_; }
-  weight_sender& sender() override { return *sender_; }
-  bool direct_receive() const override { return false; }
-  nccl::sender& nccl_sender() { return *sender_; }
-
- private:
-  std::unique_ptr<nccl::sender> sender_;
-  std::unique_ptr<nccl::engine> engine_;
-  std::unique_ptr<refit::init_info> info_;
+using nccl_harness_base = provider_harness<nccl::engine, nccl::sender>;
+struct nccl_harness : nccl_harness_base {
+  nccl_harness(asio::io_context& io, model_target* model, std::string secret = {})
+      : nccl_harness_base(io, model, nccl::host_collectives(), "nccl", secret) {}
 };
 
 asio::awaitable<void> receive_one(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
