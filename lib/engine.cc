@@ -49,7 +49,7 @@ class weight_transfer_engine::stage_area {
     std::uint64_t at = 0;
     for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
       offsets_[i] = at;
-      index_.emplace(meta.tensors[i].name, i);
+      index_.emplace(meta.tensors[i].name, i);  // views into `meta`, alive for the update
       at += (meta.tensors[i].nbytes() + 63) / 64 * 64;
     }
     if (at > capacity_) {
@@ -65,7 +65,7 @@ class weight_transfer_engine::stage_area {
   // load_weights of the receive phase: copies each tensor into its place.
   void stage(const update_metadata& meta, std::span<const tensor_view> views) {
     for (const auto& v : views) {
-      auto it = index_.find(std::string(v.name));
+      auto it = index_.find(v.name);  // no allocation per tensor
       if (it == index_.end())
         throw_error(errc::protocol_error, "staged commit: tensor '" + std::string(v.name) + "' is not in the update");
       const auto& spec = meta.tensors[it->second];
@@ -103,7 +103,7 @@ class weight_transfer_engine::stage_area {
   std::uint64_t capacity_ = 0;
   std::vector<std::uint64_t> offsets_;
   std::vector<char> arrived_;
-  std::unordered_map<std::string, std::size_t> index_;
+  std::unordered_map<std::string_view, std::size_t> index_;
 };
 
 static std::string message_of(std::exception_ptr e) {

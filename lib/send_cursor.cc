@@ -1,5 +1,7 @@
 #include "lib/send_cursor.h"
 
+#include <cstring>
+
 #include <string>
 
 namespace refit {
@@ -65,6 +67,15 @@ void send_cursor::finish() {
     throw_error(errc::invalid_argument,
                 "trainer sent more tensors than the " + std::to_string(declared_.tensors.size()) +
                     " declared; first extra: '" + std::string(extra->name) + "'");
+}
+
+std::size_t pack_pieces(std::span<const asio::const_buffer> pieces, std::byte* dst) {
+  std::size_t at = 0;
+  for (const auto& p : pieces) {
+    if (p.size()) std::memcpy(dst + at, p.data(), p.size());
+    at += p.size();
+  }
+  return at;
 }
 
 }  // namespace refit

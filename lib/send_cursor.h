@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 #include <vector>
 
 #include <asio/buffer.hpp>
@@ -46,5 +47,9 @@ class send_cursor {
   std::vector<tensor_view> views_;
   std::vector<asio::const_buffer> buffers_;
 };
+
+/// Copies `pieces` (a gather list, e.g. send_cursor::gather's) back to back into
+/// host memory at `dst`; returns the bytes copied.
+std::size_t pack_pieces(std::span<const asio::const_buffer> pieces, std::byte* dst);
 
 }  // namespace refit

@@ -4,10 +4,8 @@
 
 #include <cstring>
 
-#include <asio/steady_timer.hpp>
-#include <asio/this_coro.hpp>
-#include <asio/use_awaitable.hpp>
 
+#include "lib/cuda/await.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/staging.h"
 #include "lib/cuda/stream.h"
@@ -23,20 +21,6 @@ gpu_uuid uuid_of(int device) {
   gpu_uuid u;
   std::memcpy(u.data(), prop.uuid.bytes, u.size());
   return u;
-}
-
-// Waits for `s` without blocking the executor.
-asio::awaitable<void> finished(cudaStream_t s) {
-  asio::steady_timer timer(co_await asio::this_coro::executor);
-  std::chrono::microseconds next{10};
-  for (;;) {
-    const cudaError_t q = cudaStreamQuery(s);
-    if (q == cudaSuccess) co_return;
-    if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery(ipc stream)", std::source_location::current());
-    timer.expires_after(next);
-    co_await timer.async_wait(asio::use_awaitable);
-    next = std::min<std::chrono::microseconds>(next * 2, std::chrono::milliseconds(1));
-  }
 }
 
 class cuda_provider final : public ipc_provider {
@@ -85,15 +69,11 @@ class cuda_provider final : public ipc_provider {
 
   asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) override {
     if (bytes) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()));
-    co_await finished(stream_.get());
+    co_await cuda::when_done(stream_.get());
   }
 
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
-    for (const auto& p : pieces) {
-      if (p.size()) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, stream_.get()));
-      dst += p.size();
-    }
-    co_await finished(stream_.get());
+    co_await cuda::pack_pieces_async(pieces, dst, stream_);
   }
 
   std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) override {

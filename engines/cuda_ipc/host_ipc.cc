@@ -7,6 +7,7 @@
 #include <random>
 
 #include "engines/cuda_ipc/cuda_ipc.h"
+#include "lib/send_cursor.h"
 
 namespace refit::cuda_ipc {
 namespace {
@@ -50,10 +51,7 @@ class host_provider final : public ipc_provider {
     co_return;
   }
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
-    for (const auto& p : pieces) {
-      if (p.size()) std::memcpy(dst, p.data(), p.size());
-      dst += p.size();
-    }
+    pack_pieces(pieces, dst);
     co_return;
   }
   std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) override {

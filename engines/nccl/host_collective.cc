@@ -13,6 +13,7 @@
 
 #include "engines/nccl/collective.h"
 #include "lib/async/deadline.h"
+#include "lib/send_cursor.h"
 
 namespace refit::nccl {
 namespace {
@@ -123,10 +124,7 @@ class host_provider final : public collective_provider {
   }
 
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
-    for (const auto& p : pieces) {
-      if (p.size()) std::memcpy(dst, p.data(), p.size());
-      dst += p.size();
-    }
+    pack_pieces(pieces, dst);
     co_return;
   }
 

@@ -171,20 +171,7 @@ class nccl_provider final : public collective_provider {
   }
 
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
-    // Host or device sources alike (unified addressing); then wait without
-    // blocking the loop.
-    for (const auto& p : pieces) {
-      if (p.size()) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, stream_.get()));
-      dst += p.size();
-    }
-    asio::steady_timer timer(co_await asio::this_coro::executor);
-    backoff b;
-    for (;;) {
-      const cudaError_t q = cudaStreamQuery(stream_.get());
-      if (q == cudaSuccess) co_return;
-      if (q != cudaErrorNotReady) cuda::throw_cuda_error(q, "cudaStreamQuery(packing stream)", std::source_location::current());
-      co_await b.wait(timer);
-    }
+    co_await cuda::pack_pieces_async(pieces, dst, stream_);
   }
 
   bool device_sources() const noexcept override { return true; }

@@ -1,5 +1,6 @@
 #include "lib/cuda/staging.h"
 
+#include "lib/cuda/await.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/processing.h"
 
@@ -24,6 +25,14 @@ std::span<std::byte> device_staging::assembly(std::uint64_t bytes) {
 }
 
 std::uint64_t device_staging::allocated_bytes() const noexcept { return bytes_ * slots_.size() + assembly_.size(); }
+
+asio::awaitable<void> pack_pieces_async(std::span<const asio::const_buffer> pieces, std::byte* dst, const stream& s) {
+  for (const auto& p : pieces) {
+    if (p.size()) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, s.get()));
+    dst += p.size();
+  }
+  co_await when_done(s.get());
+}
 
 load_weights_fn on_stream(load_weights_fn load, const stream& s) {
   return [load = std::move(load), &s](std::span<const tensor_view> views) {

@@ -31,6 +31,11 @@ class device_staging final : public staging_memory {
   device_buffer assembly_;
 };
 
+/// Enqueues copies of `pieces` (host or device memory, unified addressing) back to
+/// back into device memory at `dst` on `s`, and completes when they are done,
+/// without blocking the awaiting executor (the CUDA-to-asio bridge).
+asio::awaitable<void> pack_pieces_async(std::span<const asio::const_buffer> pieces, std::byte* dst, const stream& s);
+
 /// Wraps `load` so that it runs with `s` as the current processing stream
 /// (lib/cuda/processing.h) on `s`'s device, then waits for `s` (an event per
 /// processing thread) before returning: the pipeline reuses a staging slot only

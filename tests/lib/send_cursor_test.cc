@@ -320,3 +320,15 @@ TEST(describe, declares_what_the_views_are_and_rejects_duplicates) {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+TEST(pack_pieces, copies_a_gather_list_back_to_back) {
+  const char a[] = "abc", b[] = "", c[] = "defg";
+  std::vector<asio::const_buffer> pieces{asio::buffer(a, 3), asio::buffer(b, 0), asio::buffer(c, 4)};
+  std::byte out[8]{};
+  EXPECT_EQ(pack_pieces(pieces, out), 7u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(out), 7), "abcdefg");
+}
+}  // namespace
+}  // namespace refit
