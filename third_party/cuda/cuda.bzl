@@ -132,3 +132,19 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
         target_compatible_with = compatible,
         **kwargs
     )
+
+def cuda_test(name, srcs, deps = [], gpu = False, size = "small", **kwargs):
+    """A CUDA test: one self-contained binary (static CUDA runtime, so it can be
+    copied to a GPU machine), built only with --config=cuda, linked with gtest_main.
+    gpu = True tags it "gpu": it needs a device and skips itself, with the reason,
+    without one."""
+    native.cc_test(
+        name = name,
+        size = size,
+        srcs = srcs,
+        linkstatic = True,
+        tags = (["gpu"] if gpu else []) + kwargs.pop("tags", []),
+        target_compatible_with = cuda_only(),
+        deps = deps + ["//third_party:gtest_main"],
+        **kwargs
+    )
