@@ -28,6 +28,14 @@ using handle_bytes = std::array<std::byte, 64>;
 /// The GPU's UUID (cudaDeviceProp::uuid), the same in every process.
 using gpu_uuid = std::array<std::byte, 16>;
 
+/// One copy of a batch: `bytes` from `src` (mapped) to `dst` (staging or a model's
+/// memory).
+struct copy_piece {
+  const std::byte* src = nullptr;
+  std::byte* dst = nullptr;
+  std::uint64_t bytes = 0;
+};
+
 /// Memory that can be shared between processes on one GPU.
 class ipc_provider {
  public:
@@ -45,6 +53,12 @@ class ipc_provider {
   virtual void close(std::byte* mapped) noexcept = 0;
   /// Copies `bytes` from `src` (mapped) into `dst` (staging); completes when done.
   virtual asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) = 0;
+  /// Every copy of `pieces`, in as few operations as the memory allows (many small
+  /// tensors: one batched kernel on CUDA); completes when all are done. The
+  /// default calls copy() for each.
+  virtual asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces);
+  /// The UUID of `device` as this process sees it (all zeros for host memory).
+  virtual gpu_uuid uuid_of(const refit::device& device) = 0;
   /// Packs the trainer's pieces into `dst` (exportable memory); completes when done.
   virtual asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) = 0;
   /// The worker's receive staging.

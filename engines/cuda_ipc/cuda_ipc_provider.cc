@@ -3,19 +3,22 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 
 #include "lib/cuda/await.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/staging.h"
 #include "lib/cuda/stream.h"
+#include "lib/cuda/unpack.h"
 
 namespace refit::cuda_ipc {
 namespace {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(handle_bytes));
 
-gpu_uuid uuid_of(int device) {
+gpu_uuid uuid_of_device(int device) {
   cudaDeviceProp prop{};
   REFIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   gpu_uuid u;
@@ -36,7 +39,7 @@ class cuda_provider final : public ipc_provider {
     REFIT_CUDA_CHECK(cudaIpcGetMemHandle(&h, memory.slot(index).data()));
     handle_bytes out;
     std::memcpy(out.data(), &h, out.size());
-    return {out, uuid_of(memory.device().index)};
+    return {out, uuid_of_device(memory.device().index)};
   }
 
   std::byte* open(const handle_bytes& handle, const gpu_uuid& gpu) override {
@@ -44,7 +47,7 @@ class cuda_provider final : public ipc_provider {
     REFIT_CUDA_CHECK(cudaGetDeviceCount(&count));
     int device = -1;
     for (int d = 0; d < count && device < 0; ++d)
-      if (uuid_of(d) == gpu) device = d;
+      if (uuid_of_device(d) == gpu) device = d;
     if (device < 0)
       throw_error(errc::invalid_argument, "cuda ipc: the trainer's buffer is on a GPU this process cannot see "
                                           "(no device with its UUID; check CUDA_VISIBLE_DEVICES)");
@@ -72,6 +75,29 @@ class cuda_provider final : public ipc_provider {
     co_await cuda::when_done(stream_.get());
   }
 
+  asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) override {
+    // Large pieces go to the copy engines one by one; the small ones (most of a
+    // model's tensors) in one batched kernel launch.
+    std::vector<cuda::piece> small;
+    for (const auto& p : pieces) {
+      if (p.bytes >= large_copy_bytes)
+        REFIT_CUDA_CHECK(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDeviceToDevice, stream_.get()));
+      else if (p.bytes)
+        small.push_back({p.src, p.dst, p.bytes});
+    }
+    if (!small.empty()) {
+      std::lock_guard lock(unpack_mutex_);  // engines of one process share this provider
+      unpacker_.unpack(small, stream_.get());
+    }
+    co_await cuda::when_done(stream_.get());
+  }
+
+  gpu_uuid uuid_of(const refit::device& d) override {
+    if (!d.is_cuda())
+      throw_error(errc::invalid_argument, "cuda ipc: the engine's device is " + to_string(d) + ", not a CUDA device");
+    return uuid_of_device(d.index);
+  }
+
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
     co_await cuda::pack_pieces_async(pieces, dst, stream_);
   }
@@ -83,7 +109,10 @@ class cuda_provider final : public ipc_provider {
   load_weights_fn processing(load_weights_fn load) override { return cuda::on_stream(std::move(load), processing_); }
 
  private:
+  static constexpr std::uint64_t large_copy_bytes = 1 << 20;
   cuda::stream stream_;      // copies and packing
+  std::mutex unpack_mutex_;
+  cuda::unpacker unpacker_;  // batched small copies on stream_
   cuda::stream processing_;  // workers' load_weights
 };
 

@@ -50,6 +50,12 @@ class host_provider final : public ipc_provider {
     if (bytes) std::memcpy(dst, src, bytes);
     co_return;
   }
+  asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) override {
+    for (const auto& p : pieces)
+      if (p.bytes) std::memcpy(p.dst, p.src, p.bytes);
+    co_return;
+  }
+  gpu_uuid uuid_of(const refit::device&) override { return {}; }
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
     pack_pieces(pieces, dst);
     co_return;
@@ -68,6 +74,10 @@ class host_provider final : public ipc_provider {
 };
 
 }  // namespace
+
+asio::awaitable<void> ipc_provider::copy_batch(std::span<const copy_piece> pieces) {
+  for (const auto& p : pieces) co_await copy(p.dst, p.src, p.bytes);
+}
 
 std::shared_ptr<ipc_provider> host_ipc() {
   static auto provider = std::make_shared<host_provider>();

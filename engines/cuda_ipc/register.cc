@@ -1,7 +1,8 @@
-// Registers "cuda_ipc" with the process-wide factory (CUDA builds; linked in through
-// //engines:all).
+// Registers "cuda_ipc" (refit trainers) and "torch_ipc" (PyTorch trainers) with the
+// process-wide factory (CUDA builds; linked in through //engines:all).
 #include "engines/cuda_ipc/cuda_ipc.h"
 #include "engines/cuda_ipc/cuda_ipc_provider.h"
+#include "engines/cuda_ipc/torch_ipc.h"
 #include "lib/factory.h"
 
 namespace {
@@ -14,6 +15,12 @@ const bool registered = [] {
       },
       [](const refit::weight_transfer_config& c, const refit::trainer_context& ctx) {
         return std::unique_ptr<refit::weight_sender>(new refit::cuda_ipc::sender(c, ctx, refit::cuda_ipc::cuda_ipcs()));
+      });
+  // PyTorch trainers: no refit sender, the trainer is Python (examples/torch_ipc).
+  refit::engine_factory::instance().register_backend(
+      "torch_ipc", [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
+        return std::unique_ptr<refit::weight_transfer_engine>(
+            new refit::cuda_ipc::torch_engine(c, ctx, refit::cuda_ipc::cuda_ipcs()));
       });
   return true;
 }();

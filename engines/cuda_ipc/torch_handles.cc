@@ -1,0 +1,159 @@
+#include "engines/cuda_ipc/torch_ipc.h"
+
+#include <cctype>
+#include <limits>
+#include <span>
+
+namespace refit::cuda_ipc {
+namespace {
+
+int hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// Decodes exactly out.size() bytes of hex digits; false on anything else.
+bool decode_hex(std::string_view text, std::span<std::byte> out) {
+  if (text.size() != 2 * out.size()) return false;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    int hi = hex_value(text[2 * i]), lo = hex_value(text[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out[i] = static_cast<std::byte>(hi * 16 + lo);
+  }
+  return true;
+}
+
+bool all_hex(std::string_view text) {
+  for (char c : text)
+    if (hex_value(c) < 0) return false;
+  return true;
+}
+
+// Row-major contiguous: every dimension longer than 1 has the stride of the
+// dimensions after it (torch's is_contiguous()).
+bool contiguous(std::span<const std::int64_t> shape, std::span<const std::int64_t> stride) {
+  std::int64_t expected = 1;
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] == 0) return true;  // no elements: any strides
+    if (shape[d] != 1 && stride[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+torch_tensor_handle read_entry(const json& value, const tensor_spec& spec, const std::string& context,
+                               const std::string& path) {
+  if (!value.is_object())
+    throw_error(errc::invalid_argument, context + ": member '" + path + "' must be an object, got " +
+                                            describe_json(value));
+  json_reader e(value, context, path);
+  torch_tensor_handle h;
+  const auto hex = e.required<std::string>("handle");
+  if (!decode_hex(hex, h.handle)) {
+    if (all_hex(hex) && hex.size() % 2 == 0)
+      e.fail("member '" + e.member_path("handle") + "' of tensor '" + spec.name + "' is " +
+             std::to_string(hex.size() / 2) +
+             " bytes, expected the 64 of a cudaIpcMemHandle_t (PyTorch's expandable_segments allocator "
+             "exports another kind of handle: run the trainer without "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)");
+    e.fail("member '" + e.member_path("handle") + "' of tensor '" + spec.name +
+           "' must be 128 hex digits (a 64-byte cudaIpcMemHandle_t), got " + describe_json(json(hex)));
+  }
+  h.storage_offset_bytes = e.required<std::uint64_t>("storage_offset_bytes");
+  h.storage_bytes = e.required<std::uint64_t>("storage_bytes");
+  const auto offset = e.required<std::uint64_t>("offset");
+  const auto size = e.required<std::vector<std::int64_t>>("size");
+  const auto stride = e.required<std::vector<std::int64_t>>("stride");
+  e.finish();
+
+  const std::string tensor = "tensor '" + spec.name + "'";
+  if (size != spec.shape)
+    e.fail(tensor + ": member '" + e.member_path("size") + "' is " + shape_to_string(size) +
+           " but its declared shape is " + shape_to_string(spec.shape) + " (are ipc_handles in 'names' order?)");
+  if (stride.size() != size.size())
+    e.fail(tensor + ": member '" + e.member_path("stride") + "' has " + std::to_string(stride.size()) +
+           " dimensions, its size " + std::to_string(size.size()));
+  if (!contiguous(size, stride))
+    e.fail(tensor + " is not contiguous (size " + shape_to_string(size) + ", stride " + shape_to_string(stride) +
+           "): send t.contiguous() instead");
+  const std::uint64_t element = element_size(spec.dtype);
+  const std::uint64_t nbytes = spec.nbytes();
+  if (offset > (std::numeric_limits<std::uint64_t>::max() - nbytes) / element ||
+      offset * element + nbytes > h.storage_bytes)
+    e.fail(tensor + ": " + std::to_string(nbytes) + " bytes at element offset " + std::to_string(offset) +
+           " do not fit in its storage of " + std::to_string(h.storage_bytes) + " bytes");
+  h.offset_bytes = offset * element;
+  if (h.storage_offset_bytes > std::numeric_limits<std::uint64_t>::max() - h.storage_bytes)
+    e.fail(tensor + ": storage_offset_bytes " + std::to_string(h.storage_offset_bytes) + " is out of range");
+  return h;
+}
+
+}  // namespace
+
+std::string format_gpu_uuid(const gpu_uuid& uuid) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (std::size_t i = 0; i < uuid.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    const auto b = static_cast<unsigned>(uuid[i]);
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
+
+gpu_uuid parse_gpu_uuid(std::string_view text, const std::string& what) {
+  std::string_view rest = text;
+  if (rest.size() >= 4 && std::toupper(static_cast<unsigned char>(rest[0])) == 'G' &&
+      std::toupper(static_cast<unsigned char>(rest[1])) == 'P' &&
+      std::toupper(static_cast<unsigned char>(rest[2])) == 'U' && rest[3] == '-')
+    rest.remove_prefix(4);
+  std::string digits;
+  for (char c : rest)
+    if (c != '-') digits += c;
+  gpu_uuid out{};
+  if (!decode_hex(digits, out))
+    throw_error(errc::invalid_argument, what + ": '" + valid_utf8(text.substr(0, 80)) +
+                                            "' is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)");
+  return out;
+}
+
+torch_handle_table read_torch_handles(json_reader& r, const update_metadata& meta) {
+  const json all = r.required<json>("ipc_handles");
+  const std::string path = r.member_path("ipc_handles");
+  if (!all.is_array())
+    r.fail("member '" + path + "' must be an array (one object per tensor), got " + describe_json(all));
+  if (all.size() != meta.tensors.size())
+    r.fail("member '" + path + "' has " + std::to_string(all.size()) + " entries for " +
+           std::to_string(meta.tensors.size()) + " tensors (one per name, in 'names' order)");
+  torch_handle_table table(all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const auto& spec = meta.tensors[i];
+    const std::string at = path + "[" + std::to_string(i) + "]";
+    const json& by_gpu = all[i];
+    if (!by_gpu.is_object() || by_gpu.empty())
+      r.fail("member '" + at + "' (tensor '" + spec.name +
+             "') must be a non-empty object keyed by GPU UUID, got " + describe_json(by_gpu));
+    for (const auto& [key, value] : by_gpu.items()) {
+      auto h = read_entry(value, spec, r.context(), at + "." + key);
+      h.gpu = parse_gpu_uuid(key, r.context() + ": member '" + at + "' (tensor '" + spec.name + "')");
+      table[i].push_back(h);
+    }
+  }
+  return table;
+}
+
+const torch_tensor_handle& pick_handle(const std::vector<torch_tensor_handle>& offered, const gpu_uuid& mine,
+                                       const tensor_spec& tensor) {
+  for (const auto& h : offered)
+    if (h.gpu == mine) return h;
+  if (offered.size() == 1) return offered.front();
+  std::string gpus;
+  for (const auto& h : offered) gpus += (gpus.empty() ? "" : ", ") + format_gpu_uuid(h.gpu);
+  throw_error(errc::invalid_argument, "torch_ipc: tensor '" + tensor.name + "' is offered on " + gpus +
+                                          ", none of them this worker's " + format_gpu_uuid(mine));
+}
+
+}  // namespace refit::cuda_ipc
