@@ -50,9 +50,11 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
     auto r = params_reader(params, "update_weights");
     json update_info = r.required<json>("update_info");
     r.finish();
-    auto info = engine_->parse_update_info(update_info);
     std::exception_ptr failure;
     try {
+      // Inside: an update_info the engine refuses fails the chunk like any other
+      // failure (the session ends; nothing was written).
+      auto info = engine_->parse_update_info(update_info);
       co_await session_.update_weights(*info, load_weights_);
     } catch (...) {
       failure = std::current_exception();
