@@ -181,10 +181,37 @@ def entry_from_reduction(rebuild, args):
     return entry, int(args[_DEVICE]), release
 
 
-def ipc_handles(tensors, releases=None):
+# Storages already shared, by address: (weak reference, GPU key, handle hex,
+# storage_offset_bytes, storage_bytes). A storage's handle and place in its
+# allocation never change while it lives, so later updates build its tensors'
+# entries without reduce_tensor (the per-tensor cost that dominates many small
+# tensors); a storage that died, moved or was resized is shared afresh.
+_shared_storages = {}
+
+
+def _storage_of(t):
+    return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._untyped()
+
+
+def _entry_from_cache(t, storage):
+    cached = _shared_storages.get(storage.data_ptr())
+    if cached is None:
+        return None
+    ref, key, handle, storage_offset_bytes, storage_bytes = cached
+    if ref.expired() or storage_bytes != storage.nbytes():
+        del _shared_storages[storage.data_ptr()]
+        return None
+    entry = {"handle": handle, "storage_offset_bytes": storage_offset_bytes, "storage_bytes": storage_bytes,
+             "offset": int(t.storage_offset()), "size": [int(x) for x in t.shape],
+             "stride": [int(x) for x in t.stride()]}
+    return {key: entry}
+
+
+def ipc_handles(tensors, releases=None, cache=True):
     """The "ipc_handles" member for `tensors` (CUDA, contiguous), in order. When
-    `releases` is a list, each share's release function is appended to it."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    `releases` is a list, each new share's release function is appended to it.
+    With `cache`, storages shared by an earlier call are not shared again."""
+    from torch.multiprocessing.reductions import StorageWeakRef, reduce_tensor
     uuids = {}
     out = []
     for t in tensors:
@@ -192,12 +219,20 @@ def ipc_handles(tensors, releases=None):
             raise ValueError(f"tensor on {t.device}: torch_ipc needs CUDA tensors")
         if not t.is_contiguous():
             raise ValueError(f"tensor of size {tuple(t.shape)} is not contiguous: send t.contiguous()")
+        storage = _storage_of(t) if cache else None
+        hit = _entry_from_cache(t, storage) if cache else None
+        if hit is not None:
+            out.append(hit)
+            continue
         entry, device, release = entry_from_reduction(*reduce_tensor(t.detach()))
         if device not in uuids:
             uuids[device] = gpu_uuid(device)
         out.append({uuids[device]: entry})
         if releases is not None:
             releases.append(release)
+        if cache and entry["storage_bytes"] > 0:
+            _shared_storages[storage.data_ptr()] = (StorageWeakRef(storage), uuids[device], entry["handle"],
+                                                    entry["storage_offset_bytes"], entry["storage_bytes"])
     return out
 
 

@@ -33,4 +33,17 @@ for b in kernel_bench pipeline_bench; do
   echo "$bench"
   [ -n "$report" ] && printf '%s\n' "$bench" > "$report/$b.json"
 done
+# PyTorch trainer -> refit worker (torch_ipc): needs python3 with torch and CUDA.
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  ipc="--worker-bin $root/examples/torch_ipc/worker --refit-ipc $root/examples/torch_ipc"
+  out=$(timeout 300 python3 "$root/tests/cuda/torch_ipc_check.py" $ipc 2>&1) || status=1
+  echo "$out"
+  [ -n "$report" ] && printf '%s\n' "$out" > "$report/torch_ipc_check.log"
+  bench=$(timeout 400 python3 "$root/tests/bench/torch_ipc_bench.py" $ipc) || status=1
+  echo "$bench"
+  [ -n "$report" ] && printf '%s\n' "$bench" > "$report/torch_ipc_bench.json"
+else
+  echo "FAIL torch_ipc: python3 has no torch with CUDA (put the torch venv's python3 first on PATH)"
+  status=1
+fi
 exit $status
