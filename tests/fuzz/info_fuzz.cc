@@ -1,11 +1,13 @@
 // Info parsing: arbitrary bytes as JSON text, read as a TCP init_info, a metadata
-// update_info, wire params and a weight_transfer_config, the way engines and
+// update_info, a torch_ipc update_info (PyTorch trainers' handles), wire params and
+// a weight_transfer_config, the way engines and
 // workers read what a user or a trainer sends. Accepted metadata must round-trip,
 // and its bucket plan must hold the invariants both sides rely on.
 #include <algorithm>
 #include <string_view>
 #include <vector>
 
+#include "engines/cuda_ipc/torch_ipc.h"
 #include "engines/tcp/tcp.h"
 #include "lib/bucket_plan.h"
 #include "lib/config.h"
@@ -124,6 +126,24 @@ bool run(std::string_view text) {
     check(wire_params::read(again) == p, "wire_params", "write/read does not round-trip");
   });
   any |= expect("weight_transfer_config", bad_input, [&] { (void)weight_transfer_config::from_json(j); });
+
+  any |= expect("torch_ipc update_info", bad_input, [&] {
+    json_reader r(j, "torch_ipc update_info");
+    auto info = cuda_ipc::torch_update_info::read(r);
+    r.finish();
+    // What the worker will read: inside the storage, without overflow.
+    check(info.handles.size() == info.metadata.tensors.size(), "torch_ipc update_info", "a tensor has no entry");
+    for (std::size_t i = 0; i < info.handles.size(); ++i) {
+      check(!info.handles[i].empty(), "torch_ipc update_info", "a tensor has no handle");
+      for (const auto& h : info.handles[i]) {
+        const std::uint64_t n = info.metadata.tensors[i].nbytes();
+        check(h.offset_bytes <= h.storage_bytes && n <= h.storage_bytes - h.offset_bytes, "torch_ipc update_info",
+              "accepted a tensor outside its storage");
+        check(h.storage_offset_bytes <= ~std::uint64_t{0} - h.storage_bytes, "torch_ipc update_info",
+              "accepted a storage past the end of the address space");
+      }
+    }
+  });
 
   update_metadata meta;
   const bool have_meta = expect("update_info", bad_input, [&] {

@@ -61,6 +61,25 @@ write("info_fuzz", "bad-not_json.txt", "master_address=127.0.0.1\n")
 # Found by info_fuzz: nlohmann's parse error quotes the bytes where it stopped.
 write("info_fuzz", "bad-utf8_parse_error.json", b'{"master_address": "h", "\xff\xff\xff\x1fbuffer_bytes": 4095}')
 
+# torch_ipc: a PyTorch trainer's handles (examples/torch_ipc/refit_ipc.py).
+GPU = "GPU-6f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
+
+
+def torch_entry(size, stride, offset=0, storage_bytes=1 << 16, handle="ab" * 64):
+    return {GPU: {"handle": handle, "storage_offset_bytes": 512, "storage_bytes": storage_bytes, "offset": offset,
+                  "size": size, "stride": stride}}
+
+
+TORCH = dict(UPDATE, ipc_handles=[torch_entry([32, 64], [64, 1]), torch_entry([64], [1], 5), torch_entry([], [])])
+write("info_fuzz", "ok-torch_update_info.json", js(TORCH))
+write("info_fuzz", "bad-torch_transposed.json",
+      js(dict(TORCH, ipc_handles=[torch_entry([32, 64], [1, 32])] + TORCH["ipc_handles"][1:])))
+write("info_fuzz", "bad-torch_outside_storage.json",
+      js(dict(TORCH, ipc_handles=TORCH["ipc_handles"][:1] + [torch_entry([64], [1], 1 << 62)] +
+              TORCH["ipc_handles"][2:])))
+write("info_fuzz", "bad-torch_handle_65_bytes.json",
+      js(dict(TORCH, ipc_handles=[torch_entry([32, 64], [64, 1], handle="ab" * 65)] + TORCH["ipc_handles"][1:])))
+
 # ---- frame_fuzz: [u32 big-endian length][JSON] ... ----
 
 
