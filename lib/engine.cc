@@ -23,6 +23,7 @@ class weight_transfer_engine::tracking_target final : public model_target {
     touched_ = true;
     inner_.load_weights(weights);
   }
+  void begin_update(const update_metadata& meta) override { inner_.begin_update(meta); }
   std::optional<tensor_view> destination(const tensor_spec& spec) override {
     auto d = inner_.destination(spec);
     if (d) touched_ = true;  // bytes may land there from now on
@@ -191,6 +192,9 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
   if (deferred_.pending() > 0)
     throw_error(errc::invalid_state, name + ": receive_weights while the previous update's "
                                             "processing is pending (call drain_pending first)");
+  // The model checks the whole update before any byte of it moves; a refusal
+  // leaves the engine ready and the weights untouched.
+  if (context_.model) context_.model->begin_update(info.metadata);
   state_ = state::receiving;
   stats_ = {};
   mode_ = info.commit.value_or(config_.commit);

@@ -45,6 +45,13 @@ class model_target {
   virtual ~model_target() = default;
   /// Loads a batch of tensors by name; same contract as load_weights_fn.
   virtual void load_weights(std::span<const tensor_view> weights) = 0;
+  /// Announces the tensors of the update about to be received (one chunk of a
+  /// session: each receive_weights). The engine base calls it on the context's
+  /// model before any byte of the update is received or loaded, in either commit
+  /// mode; throwing refuses the update: receive_weights rethrows without receiving
+  /// and the weights stay untouched. A target checks the whole update against the
+  /// model here (names, shapes, dtypes). Default: nothing.
+  virtual void begin_update(const update_metadata& meta) {}
   /// Memory of exactly spec.nbytes() on the engine's device into which the engine
   /// may receive `spec`'s bytes directly (no staging copy, no assembly buffer for
   /// tensors larger than a buffer); load_weights then gets a view of that memory.
@@ -66,7 +73,10 @@ struct engine_context {
   asio::any_io_executor executor;   ///< where the engine's coroutines run
   refit::device device;             ///< the device the model lives on
   parallel_ranks ranks;
-  model_target* model = nullptr;    ///< optional
+  /// Optional. Told of every update before it is received (begin_update) and
+  /// asked for direct destinations; receives still load through the
+  /// load_weights_fn they are given (usually model->as_load_weights()).
+  model_target* model = nullptr;
   /// Optional executor for CPU post-processing; engines create a pool of
   /// config.processing_threads when it is empty.
   asio::any_io_executor processing_executor;
@@ -127,7 +137,10 @@ class weight_transfer_engine {
 
   /// Receives one update and hands its tensors to `load_weights`. Without
   /// defers_processing it completes when every tensor has been loaded; with it,
-  /// when every byte has arrived (call drain_pending() for the rest).
+  /// when every byte has arrived (call drain_pending() for the rest). First, the
+  /// context's model (if any) is given info.metadata (model_target::begin_update)
+  /// and may refuse the update, which then fails with the model's error before
+  /// anything is received.
   ///
   /// The commit mode is info.commit, else config().commit. in_place: tensors are
   /// loaded as they arrive (or received straight into the model's memory); a

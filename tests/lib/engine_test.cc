@@ -119,9 +119,10 @@ json update_json(bool block = false, bool fail = false) {
 
 class engine_test : public ::testing::Test {
  protected:
-  std::unique_ptr<probe_engine> make(bool defers = false) {
+  std::unique_ptr<probe_engine> make(bool defers = false, model_target* model = nullptr) {
     engine_context ctx;
     ctx.executor = io.get_executor();
+    ctx.model = model;
     weight_transfer_config config;
     config.backend = "probe";
     return std::make_unique<probe_engine>(config, ctx, defers);
@@ -493,6 +494,62 @@ TEST(engine_lifetime, shutdown_with_processing_pending_never_loads_afterwards) {
   io.poll();
   if (!refused) {
     EXPECT_EQ(calls, 0) << "load_weights ran after shutdown(), on freed staging memory";
+  }
+}
+
+// A model that records the updates announced to it and can refuse them.
+struct announced_model final : model_target {
+  std::vector<std::string> events;
+  bool refuse = false;
+  void begin_update(const update_metadata& meta) override {
+    std::string names;
+    for (const auto& t : meta.tensors) names += (names.empty() ? "" : ",") + t.name;
+    events.push_back("begin " + names);
+    if (refuse) throw_error(errc::invalid_argument, "model: unknown parameter 'w'");
+  }
+  void load_weights(std::span<const tensor_view> w) override {
+    for (const auto& v : w) events.push_back("load " + std::string(v.name));
+  }
+};
+
+TEST_F(engine_test, the_context_model_is_told_of_each_update_before_it_is_received) {
+  for (commit_mode mode : {commit_mode::in_place, commit_mode::staged}) {
+    SCOPED_TRACE(std::string(to_string(mode)));
+    announced_model model;
+    auto engine = make(/*defers=*/false, &model);
+    init(*engine);
+    auto info = engine->parse_update_info(update_json());
+    info->commit = mode;
+    auto r = spawn(io, engine->receive_weights(*info, model.as_load_weights()));
+    ASSERT_TRUE(testing::run(io));
+    EXPECT_FALSE(r->error) << r->message();
+    EXPECT_EQ(model.events, (std::vector<std::string>{"begin w,b", "load w", "load b"}));
+  }
+}
+
+TEST_F(engine_test, a_model_that_refuses_an_update_leaves_weights_untouched_and_the_engine_ready) {
+  for (commit_mode mode : {commit_mode::in_place, commit_mode::staged}) {
+    SCOPED_TRACE(std::string(to_string(mode)));
+    announced_model model;
+    model.refuse = true;
+    auto engine = make(/*defers=*/false, &model);
+    init(*engine);
+    auto info = engine->parse_update_info(update_json());
+    info->commit = mode;
+    auto r = spawn(io, engine->receive_weights(*info, model.as_load_weights()));
+    ASSERT_TRUE(testing::run(io));
+    EXPECT_EQ(r->kind(), static_cast<int>(errc::invalid_argument));
+    EXPECT_EQ(r->message(), "model: unknown parameter 'w'");
+    EXPECT_EQ(engine->receives, 0) << "nothing may be received for a refused update";
+    EXPECT_EQ(model.events, (std::vector<std::string>{"begin w,b"}));
+    EXPECT_FALSE(engine->weights_dirty());
+    EXPECT_FALSE(engine->receiving());
+    // The next update is announced afresh and goes through.
+    model.refuse = false;
+    auto again = spawn(io, engine->receive_weights(*info, model.as_load_weights()));
+    ASSERT_TRUE(testing::run(io));
+    EXPECT_FALSE(again->error) << again->message();
+    EXPECT_EQ(engine->receives, 1);
   }
 }
 

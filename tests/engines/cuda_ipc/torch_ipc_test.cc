@@ -57,7 +57,8 @@ struct fake_trainer {
       const std::uint64_t storage_offset = used[a] + 512;
       const std::uint64_t storage_bytes = spec.nbytes() + element;  // one element before the tensor
       if (storage_offset + storage_bytes > allocation_bytes) throw std::runtime_error("fake trainer: out of memory");
-      std::memcpy(memory->slot(a).data() + storage_offset + element, set.data[i].data(), spec.nbytes());
+      if (spec.nbytes() != 0)
+        std::memcpy(memory->slot(a).data() + storage_offset + element, set.data[i].data(), spec.nbytes());
       used[a] = storage_offset + storage_bytes;
       auto [handle, gpu] = ipc->export_buffer(*memory, a);
       entries.push_back(json{{host_gpu,
