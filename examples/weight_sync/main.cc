@@ -4,11 +4,7 @@
 // Progress goes to stderr; the LAST line on stdout is one JSON object.
 //
 //   bazel run //examples/weight_sync -- --workers 2 --model-bytes 1G --updates 3
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,6 +24,7 @@
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
 
+#include "examples/common/worker_process.h"
 #include "examples/weight_sync/model.h"
 #include "lib/async/all_of.h"
 #include "lib/auth.h"
@@ -35,8 +32,6 @@
 #include "lib/control/worker_host.h"
 #include "lib/factory.h"
 #include "lib/fingerprint.h"
-
-extern char** environ;
 
 namespace refit::example {
 namespace {
@@ -248,7 +243,7 @@ std::uint64_t peak_rss_bytes() {
 }
 
 int run_worker(const options& o) {
-  prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the trainer
+  die_with_trainer();  // never outlive the trainer
   asio::io_context io;
   worker_model model(o.process_cost, !o.no_direct);
   weight_transfer_config config;
@@ -281,18 +276,8 @@ int run_worker(const options& o) {
 
 // ---------------------------------------------------------------- trainer
 
-struct worker_process {
-  pid_t pid = -1;
-  std::uint16_t port = 0;
-};
-
 // Starts this binary as a worker and reads the control port it prints.
 worker_process start_worker(const options& o, int index) {
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) throw_error(errc::io_error, std::string("pipe: ") + std::strerror(errno));
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
   std::vector<std::string> args = {"weight_sync",   "--role",       "worker",
                                    "--engine",      o.engine,       "--timeout-ms",
                                    std::to_string(o.timeout_ms), "--process-cost", std::to_string(o.process_cost),
@@ -302,41 +287,7 @@ worker_process start_worker(const options& o, int index) {
     args.push_back("--auth-secret-file");
     args.push_back(o.secret_file);
   }
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  worker_process w;
-  int rc = posix_spawn(&w.pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  close(fds[1]);
-  if (rc != 0) {
-    close(fds[0]);
-    throw_error(errc::io_error, "cannot start worker " + std::to_string(index) + ": " + std::strerror(rc));
-  }
-  // The port line must come within the timeout; a worker that dies says so.
-  std::string line;
-  auto give_up = clock_type::now() + std::chrono::milliseconds(o.timeout_ms);
-  while (line.find('\n') == std::string::npos) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - clock_type::now()).count();
-    pollfd p{fds[0], POLLIN, 0};
-    if (left <= 0 || poll(&p, 1, static_cast<int>(left)) <= 0) {
-      close(fds[0]);
-      throw_error(errc::timeout, "worker " + std::to_string(index) + " did not report its port in time");
-    }
-    char buf[128];
-    ssize_t n = read(fds[0], buf, sizeof buf);
-    if (n <= 0) {
-      close(fds[0]);
-      throw_error(errc::peer_lost, "worker " + std::to_string(index) + " exited before reporting its port");
-    }
-    line.append(buf, static_cast<std::size_t>(n));
-  }
-  close(fds[0]);
-  unsigned port = 0;
-  if (std::sscanf(line.c_str(), "REFIT_WORKER_PORT %u", &port) != 1 || port == 0 || port > 65535)
-    throw_error(errc::protocol_error, "worker " + std::to_string(index) + " printed '" + line + "'");
-  w.port = static_cast<std::uint16_t>(port);
-  return w;
+  return start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "worker " + std::to_string(index));
 }
 
 // The trainer's copy of the model: one arena, tensors back to back.
@@ -549,9 +500,8 @@ int run_trainer(const options& o) {
   }
   for (auto& p : procs) {
     if (p.pid < 0) continue;  // --connect: not ours
-    int status = 0;
     if (!failure.empty()) kill(p.pid, SIGTERM);
-    waitpid(p.pid, &status, 0);
+    reap_worker(p.pid, std::chrono::milliseconds(o.timeout_ms));  // killed if it does not exit in time
   }
   if (!t.first_mismatch.empty()) std::fprintf(stderr, "[refit] first mismatch: %s\n", t.first_mismatch.c_str());
   const double bytes = static_cast<double>(meta.total_bytes());

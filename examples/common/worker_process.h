@@ -1,0 +1,38 @@
+// Worker processes of an example: the trainer starts its own binary again in a
+// worker role; each worker prints "REFIT_WORKER_PORT <port>" once its control plane
+// listens, and dies with the trainer.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace refit::example {
+
+struct worker_process {
+  pid_t pid = -1;
+  std::uint16_t port = 0;
+};
+
+/// Starts this binary (/proc/self/exe) with `args` (argv[0] first) and reads the
+/// control port it prints within `timeout`. A worker that exits first is
+/// peer_lost, one that is too slow timeout, one that prints something else
+/// protocol_error; in each case it is killed and reaped, and the error names
+/// `who`. The child finds this process's pid in REFIT_TRAINER_PID (see
+/// die_with_trainer).
+worker_process start_worker_process(const std::vector<std::string>& args, std::chrono::milliseconds timeout,
+                                    const std::string& who);
+
+/// Waits for a worker to exit, at most `timeout`; then kills it. Returns its wait
+/// status (-1 when it had to be killed).
+int reap_worker(pid_t pid, std::chrono::milliseconds timeout);
+
+/// Called first by a worker: it gets SIGTERM when its trainer dies, and exits at
+/// once if the trainer (REFIT_TRAINER_PID) already died before this call (the
+/// parent-death signal only covers deaths after it is set).
+void die_with_trainer();
+
+}  // namespace refit::example
