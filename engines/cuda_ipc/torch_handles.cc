@@ -1,6 +1,7 @@
 #include "engines/cuda_ipc/torch_ipc.h"
 
 #include <cctype>
+#include <cstring>
 #include <limits>
 #include <span>
 
@@ -43,6 +44,34 @@ bool contiguous(std::span<const std::int64_t> shape, std::span<const std::int64_
   return true;
 }
 
+// PyTorch's handles come in two forms:
+//   older torch (1.13)  the 64-byte cudaIpcMemHandle_t of the allocation
+//   torch 2.x           CUDACachingAllocator::shareIpcHandle's string: a version
+//                       byte (1, 2, 3 so far), a type byte, then for 'c' (a
+//                       cudaMalloc block) the 64-byte cudaIpcMemHandle_t; 'e' is an
+//                       expandable segment (another kind of handle, not opened).
+// Both carry the storage's offset in the allocation in storage_offset_bytes.
+void read_handle(const std::string& hex, handle_bytes& out, json_reader& e, const tensor_spec& spec) {
+  const std::string where = "member '" + e.member_path("handle") + "' of tensor '" + spec.name + "'";
+  if (hex.size() % 2 != 0 || !all_hex(hex))
+    e.fail(where + " must be hex digits (a CUDA IPC handle), got " + describe_json(json(hex)));
+  std::vector<std::byte> bytes(hex.size() / 2);
+  decode_hex(hex, bytes);
+  constexpr std::size_t raw = sizeof(handle_bytes);
+  if (bytes.size() == raw) {
+    std::memcpy(out.data(), bytes.data(), raw);
+    return;
+  }
+  const char type = bytes.size() >= 2 ? static_cast<char>(bytes[1]) : '\0';
+  if (type == 'e')
+    e.fail(where + " is an expandable-segment handle (PyTorch's expandable_segments allocator), which refit "
+                   "does not open: run the trainer without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
+  if (bytes.size() != raw + 2 || type != 'c')
+    e.fail(where + " is " + std::to_string(bytes.size()) + " bytes: expected a 64-byte cudaIpcMemHandle_t, or "
+           "PyTorch's shareable handle (a version byte, 'c', then the 64-byte cudaIpcMemHandle_t)");
+  std::memcpy(out.data(), bytes.data() + 2, raw);
+}
+
 torch_tensor_handle read_entry(const json& value, const tensor_spec& spec, const std::string& context,
                                const std::string& path) {
   if (!value.is_object())
@@ -51,16 +80,7 @@ torch_tensor_handle read_entry(const json& value, const tensor_spec& spec, const
   json_reader e(value, context, path);
   torch_tensor_handle h;
   const auto hex = e.required<std::string>("handle");
-  if (!decode_hex(hex, h.handle)) {
-    if (all_hex(hex) && hex.size() % 2 == 0)
-      e.fail("member '" + e.member_path("handle") + "' of tensor '" + spec.name + "' is " +
-             std::to_string(hex.size() / 2) +
-             " bytes, expected the 64 of a cudaIpcMemHandle_t (PyTorch's expandable_segments allocator "
-             "exports another kind of handle: run the trainer without "
-             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)");
-    e.fail("member '" + e.member_path("handle") + "' of tensor '" + spec.name +
-           "' must be 128 hex digits (a 64-byte cudaIpcMemHandle_t), got " + describe_json(json(hex)));
-  }
+  read_handle(hex, h.handle, e, spec);
   h.storage_offset_bytes = e.required<std::uint64_t>("storage_offset_bytes");
   h.storage_bytes = e.required<std::uint64_t>("storage_bytes");
   const auto offset = e.required<std::uint64_t>("offset");

@@ -6,7 +6,11 @@
 //
 //   "ipc_handles": [                       one object per tensor, in "names" order
 //     {"GPU-6f1c...": {                    keyed by the GPU's UUID (nvidia-smi spelling)
-//        "handle": "<128 hex digits>",     the 64-byte cudaIpcMemHandle_t
+//        "handle": "<hex>",                the storage's handle as reduce_tensor gives
+//                                          it: the 64-byte cudaIpcMemHandle_t (older
+//                                          torch, e.g. 1.13), or the caching
+//                                          allocator's shareable handle (version
+//                                          byte, 'c', cudaIpcMemHandle_t; torch 2.x)
 //        "storage_offset_bytes": int,      storage start inside the allocation
 //        "storage_bytes": int,             storage size
 //        "offset": int,                    tensor start inside the storage, elements

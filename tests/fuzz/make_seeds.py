@@ -77,6 +77,13 @@ write("info_fuzz", "bad-torch_transposed.json",
 write("info_fuzz", "bad-torch_outside_storage.json",
       js(dict(TORCH, ipc_handles=TORCH["ipc_handles"][:1] + [torch_entry([64], [1], 1 << 62)] +
               TORCH["ipc_handles"][2:])))
+# torch 2.x: the caching allocator's shareable handle (version 2, 'c', 64 bytes).
+write("info_fuzz", "ok-torch_shareable_handle.json",
+      js(dict(TORCH, ipc_handles=[torch_entry([32, 64], [64, 1], handle="0263" + "ab" * 64)] +
+              TORCH["ipc_handles"][1:])))
+write("info_fuzz", "bad-torch_expandable_segment.json",
+      js(dict(TORCH, ipc_handles=[torch_entry([32, 64], [64, 1], handle="0265" + "ab" * 40)] +
+              TORCH["ipc_handles"][1:])))
 write("info_fuzz", "bad-torch_handle_65_bytes.json",
       js(dict(TORCH, ipc_handles=[torch_entry([32, 64], [64, 1], handle="ab" * 65)] + TORCH["ipc_handles"][1:])))
 

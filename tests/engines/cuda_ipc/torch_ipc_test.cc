@@ -163,6 +163,27 @@ class direct_model final : public model_target {
   int staged_ = 0;
 };
 
+// torch 2.x wraps the cudaIpcMemHandle_t in the caching allocator's shareable
+// handle (a version byte, 'c', the 64 bytes): the same memory, whatever the version.
+TEST(torch_ipc_host, torch_2_shareable_handles_are_unwrapped) {
+  tensor_set set = model_set();
+  fake_trainer trainer(set);
+  json info = trainer.update_info(set.meta);
+  int version = 1;
+  for (auto& by_gpu : info["ipc_handles"]) {
+    auto& e = by_gpu[host_gpu];
+    char prefix[5];
+    std::snprintf(prefix, sizeof prefix, "%02x63", version);  // 'c'
+    e["handle"] = std::string(prefix) + e["handle"].get<std::string>();
+    version = version % 3 + 1;
+  }
+  worker w;
+  capture got;
+  const std::size_t open = w.update(info, got.fn());
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_EQ(open, 2u) << "the same two allocations as the raw handles name";
+}
+
 TEST(torch_ipc_host, receives_straight_into_the_models_memory) {
   tensor_set set = model_set();
   fake_trainer trainer(set);
@@ -196,9 +217,14 @@ TEST(torch_ipc_host, malformed_entries_are_refused_naming_the_tensor) {
     edit(info["ipc_handles"][1][host_gpu]);
     return info;
   };
-  expect_refused(w, entry(good, [](json& e) { e["handle"] = "zz"; }), {"'b'", "128 hex digits"});
+  expect_refused(w, entry(good, [](json& e) { e["handle"] = "zz"; }), {"'b'", "hex digits"});
   expect_refused(w, entry(good, [](json& e) { e["handle"] = std::string(130, 'a'); }),
-                 {"'b'", "65 bytes", "expandable_segments"});
+                 {"'b'", "65 bytes", "cudaIpcMemHandle_t"});
+  // torch 2.x's shareable handle of an expandable segment: version, 'e', payload.
+  expect_refused(w, entry(good, [](json& e) { e["handle"] = "0265" + std::string(40, '0'); }),
+                 {"'b'", "expandable_segments"});
+  // version, 'c', but a truncated cudaIpcMemHandle_t.
+  expect_refused(w, entry(good, [](json& e) { e["handle"] = "0263" + std::string(100, '0'); }), {"'b'", "52 bytes"});
   expect_refused(w, entry(good, [](json& e) { e["size"] = {15}; }), {"'b'", "[15]", "declared shape is [16]"});
   expect_refused(w, entry(good, [](json& e) { e["stride"] = {1, 1}; }), {"'b'", "dimensions"});
   expect_refused(w, entry(good, [](json& e) { e["storage_bytes"] = 32; }),
