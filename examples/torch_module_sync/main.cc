@@ -55,6 +55,7 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/torch_module_sync/model.h"
 #include "lib/async/all_of.h"
@@ -244,50 +245,12 @@ pid_t start_worker(const options& o, int rank, std::uint16_t& port) {
   return w.pid;
 }
 
-using clients_t = std::vector<std::unique_ptr<control::client>>;
-
-// One call whose error names the worker's rank.
-asio::awaitable<void> call_one(control::client& c, int rank, std::string method, json params, json* out) {
-  std::exception_ptr failure;
-  try {
-    json r = co_await c.call(method, std::move(params));
-    if (out) *out = std::move(r);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (!failure) co_return;
-  try {
-    std::rethrow_exception(failure);
-  } catch (const error& e) {
-    throw error(e.code(), "worker rank " + std::to_string(rank) + ": " + e.message());
-  }
-}
-
-// `method` on every worker at once; results by rank.
-asio::awaitable<std::vector<json>> call_all(clients_t& clients, std::string method, json params) {
-  std::vector<json> results(clients.size());
-  std::vector<asio::awaitable<void>> ops;
-  for (std::size_t i = 0; i < clients.size(); ++i)
-    ops.push_back(call_one(*clients[i], static_cast<int>(i), method, params, &results[i]));
-  co_await async::all_of(std::move(ops));
-  co_return results;
-}
-
-asio::awaitable<void> both(asio::awaitable<void> a, asio::awaitable<void> b) {
-  std::vector<asio::awaitable<void>> ops;
-  ops.push_back(std::move(a));
-  ops.push_back(std::move(b));
-  co_await async::all_of(std::move(ops));
-}
-
-asio::awaitable<void> ignore_result(asio::awaitable<std::vector<json>> op) { co_await std::move(op); }
-
 // init_weight_transfer_engine on every worker; a refusal also stops the sender's
 // wait for connections, so it fails now rather than at its deadline.
-asio::awaitable<void> init_workers(clients_t& clients, weight_sender& sender, json body) {
+asio::awaitable<void> init_workers(worker_group& workers, weight_sender& sender, json body) {
   std::exception_ptr failure;
   try {
-    co_await call_all(clients, "init_weight_transfer_engine", std::move(body));
+    co_await workers.call_all("init_weight_transfer_engine", std::move(body));
   } catch (...) {
     failure = std::current_exception();
   }
@@ -322,12 +285,12 @@ constexpr const char* block_parts[] = {"attn", "mlp"};
 
 // The workers' forward pass, the trainer summing the row-parallel partials, against
 // the trainer's own (`expected`: llama_model::trace).
-asio::awaitable<comparison> compare_forward(clients_t& clients, const at::Tensor& tokens,
+asio::awaitable<comparison> compare_forward(worker_group& workers, const at::Tensor& tokens,
                                             const std::vector<at::Tensor>& expected, std::int64_t layers) {
   comparison cmp;
   json embed_params = json::object();
   embed_params["tokens"] = tokens_json(tokens);
-  auto embedded = co_await call_all(clients, "embed", embed_params);
+  auto embedded = co_await workers.call_all("embed", embed_params);
   for (std::size_t r = 0; r < embedded.size(); ++r)
     cmp.add(expected[0], embedded[r], "embedding (rank " + std::to_string(r) + ")");
   at::Tensor h = from_json<float>(json_reader(embedded[0], "embedding"), expected[0].sizes().vec());
@@ -338,7 +301,7 @@ asio::awaitable<comparison> compare_forward(clients_t& clients, const at::Tensor
       params["layer"] = layer;
       params["part"] = part;
       params["input"] = to_json(h);
-      auto partials = co_await call_all(clients, "forward_partial", params);
+      auto partials = co_await workers.call_all("forward_partial", params);
       at::Tensor sum = h.clone();  // the all-reduce, plus the residual
       for (std::size_t r = 0; r < partials.size(); ++r)
         sum += from_json<float>(json_reader(partials[r], "forward_partial answer"), h.sizes().vec());
@@ -350,7 +313,7 @@ asio::awaitable<comparison> compare_forward(clients_t& clients, const at::Tensor
   }
   json head_params = json::object();
   head_params["input"] = to_json(h);
-  auto logits = co_await call_all(clients, "logits", head_params);
+  auto logits = co_await workers.call_all("logits", head_params);
   for (std::size_t r = 0; r < logits.size(); ++r)
     cmp.add(expected[step], logits[r], "logits (rank " + std::to_string(r) + ")");
   co_return cmp;
@@ -360,7 +323,7 @@ asio::awaitable<comparison> compare_forward(clients_t& clients, const at::Tensor
 // it (invalid_argument naming the fused tensor) before any byte moves, and stay
 // clean at `version`. The trainer sends nothing: the workers refuse on the
 // metadata alone.
-asio::awaitable<std::string> check_refusal(clients_t& clients, const update_metadata& good, std::int64_t version) {
+asio::awaitable<std::string> check_refusal(worker_group& workers, const update_metadata& good, std::int64_t version) {
   update_metadata bad = good;
   const std::string victim = "model.layers.0.self_attn.k_proj.weight";
   const std::string fused = "model.layers.0.self_attn.qkv_proj.weight";  // what the refusal names
@@ -369,12 +332,12 @@ asio::awaitable<std::string> check_refusal(clients_t& clients, const update_meta
   json body = json::object();
   write_update_metadata(bad, body["update_info"]);
   const json empty = json::object();
-  co_await call_all(clients, "start_weight_update", empty);
+  co_await workers.call_all("start_weight_update", empty);
   std::string problem;
-  for (std::size_t i = 0; i < clients.size() && problem.empty(); ++i) {
+  for (std::size_t i = 0; i < workers.size() && problem.empty(); ++i) {
     std::string message;
     try {
-      co_await clients[i]->call("update_weights", body);
+      co_await workers.at(i).call("update_weights", body);
       problem = "worker rank " + std::to_string(i) + " accepted an update with a wrong shape of " + victim;
     } catch (const error& e) {
       if (e.kind() != errc::invalid_argument || e.message().find(fused) == std::string::npos)
@@ -385,7 +348,7 @@ asio::awaitable<std::string> check_refusal(clients_t& clients, const update_meta
     if (i == 0 && !message.empty())
       std::fprintf(stderr, "[torch_module_sync] wrong update refused: %s\n", message.c_str());
   }
-  const auto infos = co_await call_all(clients, "weight_info", empty);
+  const auto infos = co_await workers.call_all("weight_info", empty);
   for (std::size_t i = 0; i < infos.size() && problem.empty(); ++i)
     if (infos[i]["state"] != "clean" || infos[i]["weight_version"] != version)
       problem = "worker rank " + std::to_string(i) + " after the refused update: state " + infos[i]["state"].dump() +
@@ -408,11 +371,8 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
                                    report& rep) {
   auto ex = co_await asio::this_coro::executor;
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
-  clients_t clients;
-  for (auto port : ports) {
-    clients.push_back(std::make_unique<control::client>(ex, timeout));
-    co_await clients.back()->connect("127.0.0.1", port);
-  }
+  worker_group workers([](std::size_t i) { return "worker rank " + std::to_string(i); });
+  for (auto port : ports) co_await workers.connect(ex, timeout, "", "127.0.0.1", port);
 
   weight_transfer_config config;
   config.backend = "tcp";
@@ -425,7 +385,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
   // each joins as rank_offset + tp_rank.
   json init_body = json::object();
   init_body["init_info"] = init_info;
-  co_await both(sender->connect_workers(), init_workers(clients, *sender, init_body));
+  co_await both(sender->connect_workers(), init_workers(workers, *sender, init_body));
   std::fprintf(stderr, "[torch_module_sync] %d workers (tp %d) connected over tcp\n", o.tp, o.tp);
 
   libtorch::torch_source source(model);
@@ -438,10 +398,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
     torch::NoGradGuard no_grad;
     return model.trace(tokens);
   };
-  const auto addresses = co_await call_all(clients, "addresses", empty);
+  const auto addresses = co_await workers.call_all("addresses", empty);
 
   const auto initial = expected_now();
-  const comparison before = co_await compare_forward(clients, tokens, initial, model.config().layers);
+  const comparison before = co_await compare_forward(workers, tokens, initial, model.config().layers);
   rep.diff_before_sync = before.max_abs_diff;
   std::fprintf(stderr, "[torch_module_sync] before any sync: max_abs_diff %.3g (the workers' own weights)\n",
                before.max_abs_diff);
@@ -459,18 +419,18 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
     }
     const auto t0 = clock_type::now();
     source.rewind();
-    co_await call_all(clients, "start_weight_update", empty);
-    co_await both(ignore_result(call_all(clients, "update_weights", update_body)),
+    co_await workers.call_all("start_weight_update", empty);
+    co_await both(workers.call_all("update_weights", update_body),
                   sender->send_weights(source.metadata(), source));
     json finish_body = {{"weight_version", round}};
-    co_await call_all(clients, "finish_weight_update", finish_body);
+    co_await workers.call_all("finish_weight_update", finish_body);
     const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
     rep.sync_seconds += seconds;
 
     const auto expected = expected_now();
-    const comparison cmp = co_await compare_forward(clients, tokens, expected, model.config().layers);
+    const comparison cmp = co_await compare_forward(workers, tokens, expected, model.config().layers);
     rep.worst.add(cmp, "round " + std::to_string(round) + ": ");
-    const auto now = co_await call_all(clients, "addresses", empty);
+    const auto now = co_await workers.call_all("addresses", empty);
     const bool stable = now == addresses;
     rep.addresses_stable = rep.addresses_stable && stable;
     ++rep.rounds_done;
@@ -484,9 +444,9 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
   }
   // Validation: a wrong update is refused by every worker, and the outputs still
   // match afterwards (nothing was written).
-  rep.refusal_problem = co_await check_refusal(clients, source.metadata(), o.rounds);
+  rep.refusal_problem = co_await check_refusal(workers, source.metadata(), o.rounds);
   const auto expected = expected_now();
-  const comparison after = co_await compare_forward(clients, tokens, expected, model.config().layers);
+  const comparison after = co_await compare_forward(workers, tokens, expected, model.config().layers);
   rep.worst.add(after, "after the refused update: ");
   rep.refusal_checked = true;
   std::fprintf(stderr, "[torch_module_sync] after the refused update: max_abs_diff %.3g%s\n", after.max_abs_diff,
@@ -494,11 +454,11 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
   if (!rep.refusal_problem.empty())
     std::fprintf(stderr, "[torch_module_sync] validation: %s\n", rep.refusal_problem.c_str());
   try {
-    co_await call_all(clients, "shutdown", empty);
+    co_await workers.call_all("shutdown", empty);
   } catch (const error&) {
   }
   sender->shutdown();
-  for (auto& c : clients) c->close();
+  workers.close();
 }
 
 int run_trainer(const options& o) {

@@ -24,6 +24,7 @@
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
 
+#include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/weight_sync/model.h"
 #include "lib/async/all_of.h"
@@ -327,48 +328,6 @@ struct totals {
   std::string first_mismatch;
 };
 
-// One call; an error names the worker (its index and data rank) before the method.
-asio::awaitable<void> call_one(control::client& c, std::size_t index, std::string method, json params, json* out) {
-  std::exception_ptr failure;
-  try {
-    json r = co_await c.call(method, std::move(params));
-    if (out) *out = std::move(r);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (!failure) co_return;
-  try {
-    std::rethrow_exception(failure);
-  } catch (const error& e) {
-    throw error(e.code(), "worker " + std::to_string(index) + " (rank " + std::to_string(index + 1) + "): " +
-                              e.message());
-  }
-}
-
-// Calls `method` on every worker at once, with params_for(i) for worker i.
-template <class ParamsFor>
-asio::awaitable<void> call_each(std::vector<std::unique_ptr<control::client>>& clients, std::string method,
-                                ParamsFor params_for, std::vector<json>* results = nullptr) {
-  std::vector<asio::awaitable<void>> ops;
-  if (results) results->assign(clients.size(), json());
-  for (std::size_t i = 0; i < clients.size(); ++i)
-    ops.push_back(call_one(*clients[i], i, method, params_for(i), results ? &(*results)[i] : nullptr));
-  co_await async::all_of(std::move(ops));
-}
-
-asio::awaitable<void> call_all(std::vector<std::unique_ptr<control::client>>& clients, std::string method,
-                               json params, std::vector<json>* results = nullptr) {
-  co_await call_each(clients, std::move(method), [&params](std::size_t) { return params; }, results);
-}
-
-// Both at once; the first error wins (asio's && would report "multiple exceptions").
-asio::awaitable<void> both(asio::awaitable<void> a, asio::awaitable<void> b) {
-  std::vector<asio::awaitable<void>> ops;
-  ops.push_back(std::move(a));
-  ops.push_back(std::move(b));
-  co_await async::all_of(std::move(ops));
-}
-
 asio::awaitable<void> send_round(weight_sender& sender, const update_metadata& meta,
                                  const std::vector<tensor_view>& views) {
   co_await trainer_send_weights(sender, meta, views);
@@ -378,11 +337,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
                                    trainer_model& model, totals& t) {
   auto ex = co_await asio::this_coro::executor;
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
-  std::vector<std::unique_ptr<control::client>> clients;
-  for (const auto& p : procs) {
-    clients.push_back(std::make_unique<control::client>(ex, timeout, o.secret));
-    co_await clients.back()->connect(o.listen, p.port);
-  }
+  // Errors name the worker by index and data rank.
+  worker_group workers(
+      [](std::size_t i) { return "worker " + std::to_string(i) + " (rank " + std::to_string(i + 1) + ")"; });
+  for (const auto& p : procs) co_await workers.connect(ex, timeout, o.secret, o.listen, p.port);
 
   weight_transfer_config config;
   config.backend = o.engine;
@@ -400,12 +358,12 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     if (!o.advertise.empty()) info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
     return json{{"init_info", info}};
   };
-  co_await both(sender->connect_workers(), call_each(clients, "init_weight_transfer_engine", init_for));
+  co_await both(sender->connect_workers(), workers.call_each("init_weight_transfer_engine", init_for));
   if (!o.quiet) std::fprintf(stderr, "[refit] %d workers connected over %s\n", o.workers, o.engine.c_str());
 
   json update_body = json::object();
   write_update_metadata(model.layout.meta, update_body["update_info"]);
-  if (o.connect.empty()) co_await call_all(clients, "load_model", update_body["update_info"]);
+  if (o.connect.empty()) co_await workers.call_all("load_model", update_body["update_info"]);
   update_body["update_info"]["commit"] = to_string(o.commit);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
   const json empty = json::object();
@@ -413,11 +371,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     model.step(round);
     const auto expected = fingerprint_all(model.views);
     const auto t0 = clock_type::now();
-    co_await call_all(clients, "start_weight_update", empty);
-    co_await both(call_all(clients, "update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
-    std::vector<json> finished;
+    co_await workers.call_all("start_weight_update", empty);
+    co_await both(workers.call_all("update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
     json finish_body = {{"weight_version", round}};
-    co_await call_all(clients, "finish_weight_update", finish_body, &finished);
+    const auto finished = co_await workers.call_all("finish_weight_update", finish_body);
     const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
     t.seconds += seconds;
     for (const auto& f : finished) {
@@ -429,8 +386,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     }
     // Every tensor on every worker against the trainer's own: the workers'
     // weight_fingerprint call hashes what their models hold now.
-    std::vector<json> answers;
-    co_await call_all(clients, "weight_fingerprint", empty, &answers);
+    const auto answers = co_await workers.call_all("weight_fingerprint", empty);
     std::size_t bad = 0;
     for (std::size_t w = 0; w < answers.size(); ++w) {
       auto diff = compare_fingerprints(expected, fingerprints_from_json(
@@ -450,17 +406,16 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
                    bytes / seconds / 1e9,
                    bad ? ("MISMATCH in " + std::to_string(bad) + " tensors").c_str() : "verified");
   }
-  std::vector<json> stats;
-  co_await call_all(clients, "worker_stats", empty, &stats);
+  const auto stats = co_await workers.call_all("worker_stats", empty);
   for (const auto& s : stats) t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
   if (o.connect.empty()) {  // workers this trainer started end with it
     try {
-      co_await call_all(clients, "shutdown", empty);
+      co_await workers.call_all("shutdown", empty);
     } catch (const error&) {
     }
   }
   sender->shutdown();
-  for (auto& c : clients) c->close();
+  workers.close();
 }
 
 int run_trainer(const options& o) {
