@@ -16,20 +16,20 @@ class cuda_category_impl final : public std::error_category {
   }
 };
 
-std::string describe(cudaError_t status, std::string_view call,
-                     const std::source_location& where) {
+}  // namespace
+
+std::string describe_failed_call(std::string_view call, const std::source_location& where,
+                                std::string_view status) {
   std::string text(call);
   text += " failed at ";
   text += where.file_name();
   text += ':';
   text += std::to_string(where.line());
   text += " (";
-  text += cudaGetErrorName(status);
+  text += status;
   text += ')';
   return text;  // std::system_error appends ": " and the category's message.
 }
-
-}  // namespace
 
 const std::error_category& cuda_category() noexcept {
   static const cuda_category_impl category;
@@ -42,7 +42,7 @@ std::error_code make_error_code(cudaError_t status) noexcept {
 
 cuda_error::cuda_error(cudaError_t status, std::string_view call,
                        std::source_location where)
-    : std::system_error(make_error_code(status), describe(status, call, where)),
+    : std::system_error(make_error_code(status), describe_failed_call(call, where, cudaGetErrorName(status))),
       call_(call) {}
 
 void throw_cuda_error(cudaError_t status, std::string_view call,

@@ -40,6 +40,11 @@ class cuda_error : public std::system_error {
   std::string call_;
 };
 
+// "<call> failed at <file>:<line> (<status>)": the start of every CUDA-layer
+// failure's what() (CUDA and NCCL); std::system_error appends the description.
+[[nodiscard]] std::string describe_failed_call(std::string_view call, const std::source_location& where,
+                                               std::string_view status);
+
 // Throws cuda_error for a failed call. It first clears the runtime's last-error
 // slot, so that a later cudaGetLastError() after a kernel launch does not report
 // this, already handled, failure again. Out of line to keep the check's hot path small.

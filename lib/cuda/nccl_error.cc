@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "lib/cuda/error.h"
+
 namespace refit::cuda {
 namespace {
 
@@ -16,19 +18,12 @@ class nccl_category_impl final : public std::error_category {
 
 std::string describe(ncclResult_t result, std::string_view call, std::string_view last_error,
                      const std::source_location& where) {
-  std::string text(call);
-  text += " failed at ";
-  text += where.file_name();
-  text += ':';
-  text += std::to_string(where.line());
-  text += " (";
-  text += nccl_result_name(result);
+  std::string status = nccl_result_name(result);
   if (!last_error.empty()) {
-    text += "; NCCL: ";
-    text += last_error;
+    status += "; NCCL: ";
+    status += last_error;
   }
-  text += ')';
-  return text;  // std::system_error appends ": " and ncclGetErrorString's text.
+  return describe_failed_call(call, where, status);
 }
 
 // NCCL's last-error text ends in a newline in some releases.
