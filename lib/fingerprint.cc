@@ -5,6 +5,8 @@
 
 #include <xxhash.h>
 
+#include "lib/hex.h"
+
 namespace refit {
 
 std::uint64_t fingerprint(const tensor_view& t) {
@@ -37,15 +39,9 @@ fingerprint_list fingerprint_all(std::span<const tensor_view> tensors, const std
   return out;
 }
 
-static std::string hex(std::uint64_t v) {
-  char b[17];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 json fingerprints_to_json(const fingerprint_list& list) {
   json tensors = json::object();
-  for (const auto& [name, fp] : list) tensors[name] = hex(fp);
+  for (const auto& [name, fp] : list) tensors[name] = to_hex(fp);
   return {{"algorithm", fingerprint_algorithm}, {"tensors", std::move(tensors)}};
 }
 
@@ -79,7 +75,8 @@ std::vector<std::string> compare_fingerprints(const fingerprint_list& expected, 
     if (it == have.end())
       out.push_back("'" + n + "' is missing");
     else {
-      if (it->second != v) out.push_back("'" + n + "' differs (expected " + hex(v) + ", got " + hex(it->second) + ")");
+      if (it->second != v)
+        out.push_back("'" + n + "' differs (expected " + to_hex(v) + ", got " + to_hex(it->second) + ")");
       have.erase(it);
     }
   }

@@ -5,32 +5,10 @@
 #include <limits>
 #include <span>
 
+#include "lib/hex.h"
+
 namespace refit::cuda_ipc {
 namespace {
-
-int hex_value(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
-
-// Decodes exactly out.size() bytes of hex digits; false on anything else.
-bool decode_hex(std::string_view text, std::span<std::byte> out) {
-  if (text.size() != 2 * out.size()) return false;
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    int hi = hex_value(text[2 * i]), lo = hex_value(text[2 * i + 1]);
-    if (hi < 0 || lo < 0) return false;
-    out[i] = static_cast<std::byte>(hi * 16 + lo);
-  }
-  return true;
-}
-
-bool all_hex(std::string_view text) {
-  for (char c : text)
-    if (hex_value(c) < 0) return false;
-  return true;
-}
 
 // Row-major contiguous: every dimension longer than 1 has the stride of the
 // dimensions after it (torch's is_contiguous()).
@@ -53,10 +31,10 @@ bool contiguous(std::span<const std::int64_t> shape, std::span<const std::int64_
 // Both carry the storage's offset in the allocation in storage_offset_bytes.
 void read_handle(const std::string& hex, handle_bytes& out, json_reader& e, const tensor_spec& spec) {
   const std::string where = "member '" + e.member_path("handle") + "' of tensor '" + spec.name + "'";
-  if (hex.size() % 2 != 0 || !all_hex(hex))
+  if (!is_hex(hex))
     e.fail(where + " must be hex digits (a CUDA IPC handle), got " + describe_json(json(hex)));
   std::vector<std::byte> bytes(hex.size() / 2);
-  decode_hex(hex, bytes);
+  from_hex(hex, bytes);
   constexpr std::size_t raw = sizeof(handle_bytes);
   if (bytes.size() == raw) {
     std::memcpy(out.data(), bytes.data(), raw);
@@ -113,15 +91,9 @@ torch_tensor_handle read_entry(const json& value, const tensor_spec& spec, const
 }  // namespace
 
 std::string format_gpu_uuid(const gpu_uuid& uuid) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string out = "GPU-";
-  for (std::size_t i = 0; i < uuid.size(); ++i) {
-    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
-    const auto b = static_cast<unsigned>(uuid[i]);
-    out += digits[b >> 4];
-    out += digits[b & 15];
-  }
-  return out;
+  const std::string h = to_hex(uuid);  // 8-4-4-4-12 digits
+  return "GPU-" + h.substr(0, 8) + "-" + h.substr(8, 4) + "-" + h.substr(12, 4) + "-" + h.substr(16, 4) + "-" +
+         h.substr(20);
 }
 
 gpu_uuid parse_gpu_uuid(std::string_view text, const std::string& what) {
@@ -134,7 +106,7 @@ gpu_uuid parse_gpu_uuid(std::string_view text, const std::string& what) {
   for (char c : rest)
     if (c != '-') digits += c;
   gpu_uuid out{};
-  if (!decode_hex(digits, out))
+  if (!from_hex(digits, out))
     throw_error(errc::invalid_argument, what + ": '" + valid_utf8(text.substr(0, 80)) +
                                             "' is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)");
   return out;

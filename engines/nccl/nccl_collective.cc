@@ -20,33 +20,20 @@
 #include "lib/cuda/nccl_error.h"
 #include "lib/cuda/staging.h"
 #include "lib/cuda/stream.h"
+#include "lib/hex.h"
 
 namespace refit::nccl {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-std::string to_hex(const ncclUniqueId& id) {
-  std::string out;
-  char b[3];
-  for (char c : id.internal) {
-    std::snprintf(b, sizeof b, "%02x", static_cast<unsigned char>(c));
-    out += b;
-  }
-  return out;
-}
+std::string to_hex(const ncclUniqueId& id) { return refit::to_hex(std::as_bytes(std::span(id.internal))); }
 
 ncclUniqueId from_hex(const std::string& text) {
   ncclUniqueId id{};
-  if (text.size() != 2 * sizeof(id.internal))
-    throw_error(errc::protocol_error, "nccl: communicator id of " + std::to_string(text.size()) +
-                                          " characters, expected " + std::to_string(2 * sizeof(id.internal)));
-  for (std::size_t i = 0; i < sizeof(id.internal); ++i) {
-    unsigned v = 0;
-    if (std::sscanf(text.c_str() + 2 * i, "%2x", &v) != 1)
-      throw_error(errc::protocol_error, "nccl: communicator id is not hexadecimal");
-    id.internal[i] = static_cast<char>(v);
-  }
+  if (!refit::from_hex(text, std::as_writable_bytes(std::span(id.internal))))
+    throw_error(errc::protocol_error, "nccl: communicator id '" + text.substr(0, 16) + "...' is not " +
+                                          std::to_string(2 * sizeof(id.internal)) + " hex digits");
   return id;
 }
 

@@ -5,6 +5,7 @@
 #include "engines/tcp/tcp.h"
 #include "lib/group/wire.h"
 #include "lib/checksum.h"
+#include "lib/hex.h"
 #include "lib/net.h"
 
 namespace refit::tcp {
@@ -31,17 +32,12 @@ class transport final : public bucket_transport {
     if (checksums_) {
       const std::uint64_t got = checksum(dest);
       if (got != h.checksum)
-        throw_error(errc::integrity_error, what + ": payload checksum " + hex(got) + " differs from the trainer's " +
-                                               hex(h.checksum) + " (corrupted in transit)");
+        throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
+                                               to_hex(h.checksum) + " (corrupted in transit)");
     }
   }
 
  private:
-  static std::string hex(std::uint64_t v) {
-    char b[20];
-    std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-    return b;
-  }
   asio::ip::tcp::socket& socket_;
   std::chrono::milliseconds timeout_;
   int rank_;

@@ -23,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "lib/error.h"
+#include "lib/hex.h"
 #include "lib/net.h"
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
@@ -416,15 +417,7 @@ TEST(auth_broken_peer, server_closing_mid_handshake_is_peer_lost) {
 
 // ---- HMAC known answers (RFC 4231) ----
 
-std::string hex(const std::array<std::uint8_t, 32>& mac) {
-  std::string out;
-  for (auto b : mac) {
-    char two[3];
-    std::snprintf(two, sizeof two, "%02x", b);
-    out += two;
-  }
-  return out;
-}
+std::string hex(const std::array<std::uint8_t, 32>& mac) { return to_hex(std::as_bytes(std::span(mac))); }
 
 bytes of(std::string_view s) { return bytes(s.begin(), s.end()); }
 

@@ -18,6 +18,7 @@
 #include "lib/auth.h"
 #include "lib/control/worker_host.h"
 #include "lib/factory.h"
+#include "lib/hex.h"
 
 namespace refit::testing {
 namespace {
@@ -74,17 +75,11 @@ int run(int argc, char** argv) {
     const auto hex = r.required<std::string>("hex");
     r.finish();
     auto mem = cuda_ipc::host_ipc()->make_exportable(1, std::max<std::uint64_t>(4096, hex.size() / 2));
-    for (std::size_t i = 0; i + 1 < hex.size(); i += 2)
-      mem->slot(0)[i / 2] = static_cast<std::byte>(std::stoi(hex.substr(i, 2), nullptr, 16));
+    if (!from_hex(hex, mem->slot(0).first(hex.size() / 2)))
+      r.fail("member 'hex' must be hex digits");
     auto [handle, gpu] = cuda_ipc::host_ipc()->export_buffer(*mem, 0);
     exported.push_back(std::move(mem));
-    std::string handle_hex;
-    for (std::byte b : handle) {
-      char two[3];
-      std::snprintf(two, sizeof two, "%02x", static_cast<unsigned>(b));
-      handle_hex += two;
-    }
-    co_return json{{"handle", handle_hex}, {"gpu", cuda_ipc::format_gpu_uuid(gpu)}};
+    co_return json{{"handle", to_hex(handle)}, {"gpu", cuda_ipc::format_gpu_uuid(gpu)}};
   });
   host.add_method("digest", [&](const json&) -> asio::awaitable<json> { co_return model.digest(); });
   host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {

@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+#include "lib/hex.h"
 #include "lib/session.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -20,16 +21,6 @@ using cuda_ipc::gpu_uuid;
 using cuda_ipc::handle_bytes;
 
 const char* host_gpu = "GPU-00000000-0000-0000-0000-000000000000";
-
-std::string hex(std::span<const std::byte> bytes) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string out;
-  for (std::byte b : bytes) {
-    out += digits[static_cast<unsigned>(b) >> 4];
-    out += digits[static_cast<unsigned>(b) & 15];
-  }
-  return out;
-}
 
 std::vector<std::int64_t> contiguous_strides(const std::vector<std::int64_t>& shape) {
   std::vector<std::int64_t> s(shape.size(), 1);
@@ -62,7 +53,7 @@ struct fake_trainer {
       used[a] = storage_offset + storage_bytes;
       auto [handle, gpu] = ipc->export_buffer(*memory, a);
       entries.push_back(json{{host_gpu,
-                              {{"handle", hex(handle)},
+                              {{"handle", to_hex(handle)},
                                {"storage_offset_bytes", storage_offset},
                                {"storage_bytes", storage_bytes},
                                {"offset", 1},
