@@ -51,12 +51,10 @@ class ipc_provider {
   virtual std::byte* open(const handle_bytes& handle, const gpu_uuid& gpu) = 0;
   /// Unmaps what open() returned.
   virtual void close(std::byte* mapped) noexcept = 0;
-  /// Copies `bytes` from `src` (mapped) into `dst` (staging); completes when done.
-  virtual asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) = 0;
-  /// Every copy of `pieces`, in as few operations as the memory allows (many small
-  /// tensors: one batched kernel on CUDA); completes when all are done. The
-  /// default calls copy() for each.
-  virtual asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces);
+  /// Every copy of `pieces` (mapped memory into staging or a model's memory), in as
+  /// few operations as the memory allows (many small tensors: one batched kernel on
+  /// CUDA); completes when all are done.
+  virtual asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) = 0;
   /// The UUID of `device` as this process sees it (all zeros for host memory).
   virtual gpu_uuid uuid_of(const refit::device& device) = 0;
   /// Packs the trainer's pieces into `dst` (exportable memory); completes when done.

@@ -70,11 +70,6 @@ class cuda_provider final : public ipc_provider {
 
   void close(std::byte* mapped) noexcept override { cudaIpcCloseMemHandle(mapped); }
 
-  asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) override {
-    if (bytes) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()));
-    co_await cuda::when_done(stream_.get());
-  }
-
   asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) override {
     // Large pieces go to the copy engines one by one; the small ones (most of a
     // model's tensors) in one batched kernel launch.

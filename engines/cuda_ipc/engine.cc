@@ -45,10 +45,15 @@ class transport final : public bucket_transport {
     } catch (const error& e) {
       throw error(e.code(), what + ": cannot map the trainer's buffer " + std::to_string(c.buffer) + ": " + e.message());
     }
+    // The bucket is contiguous in the trainer's buffer; the pipeline may scatter it
+    // (into the model's own memory).
+    std::vector<copy_piece> pieces;
+    pieces.reserve(dest.size());
     for (const auto& d : dest) {
-      co_await provider_.copy(static_cast<std::byte*>(d.data()), src, d.size());
+      pieces.push_back({src, static_cast<std::byte*>(d.data()), d.size()});
       src += d.size();
     }
+    co_await provider_.copy_batch(pieces);
     // Consumed: the trainer may overwrite that buffer now.
     co_await group::send_status(socket_, 0, b.index, {}, timeout_, what + ": consumed");
   }

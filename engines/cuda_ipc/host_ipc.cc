@@ -46,10 +46,6 @@ class host_provider final : public ipc_provider {
     std::lock_guard lock(mutex_);
     if (auto it = open_count_.find(mapped); it != open_count_.end() && --it->second == 0) open_count_.erase(it);
   }
-  asio::awaitable<void> copy(std::byte* dst, const std::byte* src, std::uint64_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-    co_return;
-  }
   asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) override {
     for (const auto& p : pieces)
       if (p.bytes) std::memcpy(p.dst, p.src, p.bytes);
@@ -74,10 +70,6 @@ class host_provider final : public ipc_provider {
 };
 
 }  // namespace
-
-asio::awaitable<void> ipc_provider::copy_batch(std::span<const copy_piece> pieces) {
-  for (const auto& p : pieces) co_await copy(p.dst, p.src, p.bytes);
-}
 
 std::shared_ptr<ipc_provider> host_ipc() {
   static auto provider = std::make_shared<host_provider>();

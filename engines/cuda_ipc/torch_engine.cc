@@ -72,8 +72,6 @@ torch_engine::torch_engine(const weight_transfer_config& config, const engine_co
   handles_ = std::make_unique<handle_cache>(provider_);
 }
 
-torch_engine::~torch_engine() { handles_->clear(); }
-
 asio::awaitable<void> torch_engine::init(const torch_init_info& info) {
   gpu_ = provider_->uuid_of(context().device);
   handles_->clear();

@@ -92,7 +92,6 @@ class torch_engine final : public typed_engine<torch_init_info, torch_update_inf
  public:
   torch_engine(const weight_transfer_config& config, const engine_context& context,
                std::shared_ptr<ipc_provider> provider);
-  ~torch_engine() override;
   std::string_view backend() const noexcept override { return "torch_ipc"; }
   bool defers_processing() const noexcept override { return true; }
   const handle_cache& handles() const noexcept { return *handles_; }
