@@ -52,10 +52,9 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
     r.finish();
     std::exception_ptr failure;
     try {
-      // Inside: an update_info the engine refuses fails the chunk like any other
-      // failure (the session ends; nothing was written).
-      auto info = engine_->parse_update_info(update_info);
-      co_await session_.update_weights(*info, load_weights_);
+      // An update_info the engine refuses fails the chunk like any other failure
+      // (the session ends; nothing was written).
+      co_await session_.update_weights(update_info, load_weights_);
     } catch (...) {
       failure = std::current_exception();
     }
