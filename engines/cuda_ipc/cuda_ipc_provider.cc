@@ -8,6 +8,7 @@
 
 
 #include "lib/cuda/await.h"
+#include "lib/cuda/device.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/staging.h"
 #include "lib/cuda/stream.h"
@@ -51,14 +52,14 @@ class cuda_provider final : public ipc_provider {
     if (device < 0)
       throw_error(errc::invalid_argument, "cuda ipc: the trainer's buffer is on a GPU this process cannot see "
                                           "(no device with its UUID; check CUDA_VISIBLE_DEVICES)");
-    int previous = 0;
-    REFIT_CUDA_CHECK(cudaGetDevice(&previous));
-    REFIT_CUDA_CHECK(cudaSetDevice(device));
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof h);
     void* p = nullptr;
-    const cudaError_t r = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-    cudaSetDevice(previous);
+    cudaError_t r;
+    {
+      const cuda::device_scope scope(device);
+      r = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    }
     if (r != cudaSuccess) {
       cudaGetLastError();  // clear
       throw_error(errc::invalid_argument, std::string("cuda ipc: cudaIpcOpenMemHandle refused the handle (") +

@@ -42,7 +42,6 @@ class device_model final : public model_target {
     std::lock_guard lock(mutex_);
     auto& t = tensors_[spec.name];
     if (t.spec != spec || (t.memory.size() == 0 && spec.nbytes() != 0)) {
-      REFIT_CUDA_CHECK(cudaSetDevice(device_));
       t.memory = cuda::device_buffer(spec.nbytes(), device_);
       t.spec = spec;
     }

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "lib/cuda/error.h"
+
 namespace refit::cuda {
 
 device_count_result device_count_or_reason() {
@@ -26,5 +28,12 @@ device_count_result device_count_or_reason() {
   }
   return {count, {}};
 }
+
+device_scope::device_scope(int device) {
+  REFIT_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (previous_ != device) REFIT_CUDA_CHECK(cudaSetDevice(device));
+}
+
+device_scope::~device_scope() { (void)cudaSetDevice(previous_); }
 
 }  // namespace refit::cuda

@@ -21,4 +21,17 @@ struct device_count_result {
 // version (cudaErrorInsufficientDriver)".
 [[nodiscard]] device_count_result device_count_or_reason();
 
+// Makes `device` current for the scope and restores the previous one, so that work
+// on another device does not change the caller's state. Throws cuda_error.
+class device_scope {
+ public:
+  explicit device_scope(int device);
+  ~device_scope();
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 }  // namespace refit::cuda

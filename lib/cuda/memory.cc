@@ -2,29 +2,10 @@
 
 #include <utility>
 
+#include "lib/cuda/device.h"
 #include "lib/cuda/error.h"
 
 namespace refit::cuda {
-namespace {
-
-// Makes `device` current for the scope and restores the previous one, so that an
-// allocation on another device does not change the caller's state.
-class current_device {
- public:
-  explicit current_device(int device) {
-    REFIT_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) REFIT_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~current_device() { (void)cudaSetDevice(previous_); }
-  current_device(const current_device&) = delete;
-  current_device& operator=(const current_device&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
-}  // namespace
-
 device_buffer::device_buffer(std::size_t bytes) {
   REFIT_CUDA_CHECK(cudaGetDevice(&device_));
   if (bytes == 0) return;
@@ -34,7 +15,7 @@ device_buffer::device_buffer(std::size_t bytes) {
 
 device_buffer::device_buffer(std::size_t bytes, int device) : device_(device) {
   if (bytes == 0) return;
-  const current_device scope(device);
+  const device_scope scope(device);
   REFIT_CUDA_CHECK(cudaMalloc(&data_, bytes));
   size_ = bytes;
 }
