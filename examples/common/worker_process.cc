@@ -13,6 +13,10 @@
 #include <cstring>
 #include <thread>
 
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/post.hpp>
+
 #include "lib/error.h"
 
 extern char** environ;
@@ -94,6 +98,18 @@ int reap_worker(pid_t pid, std::chrono::milliseconds timeout) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return status;
+}
+
+int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port) {
+  host.add_method("shutdown", [&io, &host](const json&) -> asio::awaitable<json> {
+    asio::post(io, [&host] { host.stop(); });
+    co_return json::object();
+  });
+  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));
+  std::fflush(stdout);
+  asio::co_spawn(io, host.serve(), asio::detached);
+  io.run();
+  return 0;
 }
 
 void die_with_trainer() {

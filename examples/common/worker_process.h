@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+#include <asio/io_context.hpp>
+
+#include "lib/control/worker_host.h"
+
 namespace refit::example {
 
 struct worker_process {
@@ -29,6 +33,11 @@ worker_process start_worker_process(const std::vector<std::string>& args, std::c
 /// Waits for a worker to exit, at most `timeout`; then kills it. Returns its wait
 /// status (-1 when it had to be killed).
 int reap_worker(pid_t pid, std::chrono::milliseconds timeout);
+
+/// The worker's side of start_worker_process: adds a "shutdown" control method
+/// (stops `host`), prints "REFIT_WORKER_PORT <port>" and serves on `io` until the
+/// host stops. Returns 0.
+int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port);
 
 /// Called first by a worker: it gets SIGTERM when its trainer dies, and exits at
 /// once if the trainer (REFIT_TRAINER_PID) already died before this call (the

@@ -17,12 +17,10 @@
 #include <mutex>
 #include <string>
 
-#include <asio/co_spawn.hpp>
-#include <asio/detached.hpp>
 #include <asio/io_context.hpp>
-#include <asio/post.hpp>
 #include <asio/signal_set.hpp>
 
+#include "examples/common/worker_process.h"
 #include "examples/torch_ipc/digest.h"
 #include "lib/auth.h"
 #include "lib/control/worker_host.h"
@@ -157,17 +155,9 @@ int run(int argc, char** argv) {
     r.finish();
     co_return model.digest(names);
   });
-  host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {
-    asio::post(io, [&] { host.stop(); });
-    co_return json::object();
-  });
   asio::signal_set signals(io, SIGINT, SIGTERM);
   signals.async_wait([&](std::error_code, int) { host.stop(); });
-  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(bound));
-  std::fflush(stdout);
-  asio::co_spawn(io, host.serve(), asio::detached);
-  io.run();
-  return 0;
+  return serve_worker(io, host, bound);
 }
 
 }  // namespace

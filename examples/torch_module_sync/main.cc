@@ -48,9 +48,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <asio/co_spawn.hpp>
-#include <asio/detached.hpp>
 #include <asio/io_context.hpp>
-#include <asio/post.hpp>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -222,15 +220,7 @@ int run_worker(const options& o) {
       out[name] = reinterpret_cast<std::uintptr_t>(t.data_ptr());
     co_return out;
   });
-  host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {
-    asio::post(io, [&] { host.stop(); });
-    co_return json::object();
-  });
-  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));
-  std::fflush(stdout);
-  asio::co_spawn(io, host.serve(), asio::detached);
-  io.run();
-  return 0;
+  return serve_worker(io, host, port);
 }
 
 // ---------------------------------------------------------------- trainer

@@ -20,9 +20,7 @@
 #include <vector>
 
 #include <asio/co_spawn.hpp>
-#include <asio/detached.hpp>
 #include <asio/io_context.hpp>
-#include <asio/post.hpp>
 
 #include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
@@ -264,15 +262,7 @@ int run_worker(const options& o) {
   host.add_method("worker_stats", [](const json&) -> asio::awaitable<json> {
     co_return json{{"peak_rss_bytes", peak_rss_bytes()}};
   });
-  host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {
-    asio::post(io, [&] { host.stop(); });
-    co_return json::object();
-  });
-  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));
-  std::fflush(stdout);
-  asio::co_spawn(io, host.serve(), asio::detached);
-  io.run();
-  return 0;
+  return serve_worker(io, host, port);
 }
 
 // ---------------------------------------------------------------- trainer

@@ -8,12 +8,10 @@
 #include <map>
 #include <mutex>
 
-#include <asio/co_spawn.hpp>
-#include <asio/detached.hpp>
 #include <asio/io_context.hpp>
-#include <asio/post.hpp>
 
 #include "engines/cuda_ipc/torch_ipc.h"
+#include "examples/common/worker_process.h"
 #include "examples/torch_ipc/digest.h"
 #include "lib/auth.h"
 #include "lib/control/worker_host.h"
@@ -82,16 +80,8 @@ int run(int argc, char** argv) {
     co_return json{{"handle", to_hex(handle)}, {"gpu", cuda_ipc::format_gpu_uuid(gpu)}};
   });
   host.add_method("digest", [&](const json&) -> asio::awaitable<json> { co_return model.digest(); });
-  host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {
-    asio::post(io, [&] { host.stop(); });
-    co_return json::object();
-  });
   const auto port = host.listen("127.0.0.1", 0);
-  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));
-  std::fflush(stdout);
-  asio::co_spawn(io, host.serve(), asio::detached);
-  io.run();
-  return 0;
+  return example::serve_worker(io, host, port);
 }
 
 }  // namespace
