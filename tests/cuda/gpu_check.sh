@@ -1,49 +1,172 @@
 #!/usr/bin/env bash
-# The GPU check: runs the GPU test binaries and the kernel benchmark, built here with
-#   bazel build --config=cuda //tests/cuda/... //tests/engines/nccl/...
-# on a machine with a GPU, where Bazel need not exist. Copy bazel-bin's tests/cuda
-# and tests/engines/nccl folders (the binaries link the CUDA runtime statically;
-# NCCL is loaded from LD_LIBRARY_PATH, e.g. a torch venv's nvidia/nccl/lib) and run
-#   tests/cuda/gpu_check.sh BIN_ROOT [REPORT_DIR]
-# BIN_ROOT holds tests/cuda/ and tests/engines/nccl/. A test that skips (no device)
-# counts as a failure here: this script is the GPU check. With REPORT_DIR, every
-# test's output and the benchmark's JSON line are written there too.
+# The GPU check: runs the GPU tests and benchmarks of a bundle made by
+# tests/cuda/gpu_bundle.sh (prebuilt binaries and scripts; nothing is built here),
+# within a global time budget, and always leaves its report under OUT:
+#
+#   bash gpu-bundle/tests/cuda/gpu_check.sh gpu-bundle "$OUT"
+#
+#   OUT/gpu-check.log       every step's output, one after another, and the table
+#   OUT/gpu-summary.json    per step: status, reason, wall time, figures; the
+#                           environment; the bundle's commit stamp
+#   OUT/gpu-report.tar.gz   every step's full log, the summary, the stamp
+#
+# The steps are tests/cuda/gpu_steps.txt, run in order after a preflight (machine,
+# driver, GPUs, `ldd` of every binary, a one-line torch CUDA smoke test), each
+# under `timeout --kill-after` in a session of its own whose every process is
+# killed when the step ends, its output written to a file. A step that would start
+# with less than REFIT_GPU_MIN_STEP_S left of the budget is "not run (budget)".
+#
+# Without a GPU (no nvidia-smi reporting one) it is a dry run: every step still
+# runs, and each GPU step must skip with its reason; CI runs it that way so the
+# harness cannot rot between shots. On a GPU machine a skip is a failure.
+#
+# Environment (all optional):
+#   REFIT_GPU_BUDGET_S     global budget in seconds (default 420, for a 600 s command)
+#   REFIT_GPU_KILL_AFTER_S SIGKILL this long after a step's SIGTERM (default 5)
+#   REFIT_GPU_MIN_STEP_S   least budget left to start a step (default 5)
+#   REFIT_GPU_PYTHON       the python3 with torch (default /opt/torch/.venv/bin/python3
+#                          when present, else python3)
+#   REFIT_NCCL_LIB         directory of libnccl.so.2 (default: that python's
+#                          nvidia/nccl/lib, else the CUDA toolkit's)
+#   REFIT_GPU_DRY_RUN=1    force a dry run; REFIT_GPU_STEPS another steps file
+# Exit status 0 when every step passed (GPU) or skipped as it should (dry run).
 set -u
-root=${1:-$(bazel info --config=cuda bazel-bin 2>/dev/null)}
-report=${2:-}
-[ -n "$report" ] && mkdir -p "$report"
-tests="tests/cuda/raii_test tests/cuda/await_gpu_test tests/cuda/unpack_test tests/cuda/convert_kernels_test
-       tests/cuda/fill_bytes_test tests/cuda/await_test tests/cuda/pipeline_gpu_test
-       tests/engines/nccl/nccl_gpu_test"
-status=0
-for t in $tests; do
-  out=$(timeout 120 "$root/$t" 2>&1)
-  rc=$?
-  [ -n "$report" ] && printf '%s\n' "$out" > "$report/$(basename "$t").log"
-  if [ $rc -ne 0 ] || grep -q "SKIPPED" <<<"$out"; then
-    echo "FAIL $t (rc=$rc)"
-    tail -40 <<<"$out"
-    status=1
-  else
-    echo "PASS $t: $(grep -E '^\[  PASSED  \]' <<<"$out")"
-  fi
-done
-for b in kernel_bench pipeline_bench; do
-  bench=$(timeout 300 "$root/tests/cuda/$b") || status=1
-  echo "$bench"
-  [ -n "$report" ] && printf '%s\n' "$bench" > "$report/$b.json"
-done
-# PyTorch trainer -> refit worker (torch_ipc): needs python3 with torch and CUDA.
-if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  ipc="--worker-bin $root/examples/torch_ipc/worker --refit-ipc $root/examples/torch_ipc"
-  out=$(timeout 300 python3 "$root/tests/cuda/torch_ipc_check.py" $ipc 2>&1) || status=1
-  echo "$out"
-  [ -n "$report" ] && printf '%s\n' "$out" > "$report/torch_ipc_check.log"
-  bench=$(timeout 400 python3 "$root/tests/bench/torch_ipc_bench.py" $ipc) || status=1
-  echo "$bench"
-  [ -n "$report" ] && printf '%s\n' "$bench" > "$report/torch_ipc_bench.json"
-else
-  echo "FAIL torch_ipc: python3 has no torch with CUDA (put the torch venv's python3 first on PATH)"
-  status=1
+
+if [ $# -ne 2 ] || [ ! -d "$1" ]; then
+  echo "usage: gpu_check.sh BUNDLE_DIR OUT_DIR" >&2
+  exit 2
 fi
-exit $status
+bundle=$(cd "$1" && pwd -P)
+mkdir -p "$2" || exit 2
+out=$(cd "$2" && pwd -P)
+here="$bundle/tests/cuda"
+start=$EPOCHREALTIME
+budget=${REFIT_GPU_BUDGET_S:-420}
+kill_after=${REFIT_GPU_KILL_AFTER_S:-5}
+min_step=${REFIT_GPU_MIN_STEP_S:-5}
+steps_file=${REFIT_GPU_STEPS:-$here/gpu_steps.txt}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/refit-gpu-check.XXXXXX")
+rep="$work/gpu-report"
+mkdir -p "$rep/steps"
+: >"$rep/steps.tsv"
+
+say() { printf '[gpu-check %6.1fs] %s\n' "$(elapsed)" "$*"; }
+elapsed() { awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
+
+# ---- environment for the steps
+py=${REFIT_GPU_PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x /opt/torch/.venv/bin/python3 ]; then py=/opt/torch/.venv/bin/python3; else py=$(command -v python3 || echo python3); fi
+fi
+export PY="$py"
+export PATH="$(dirname "$py"):$PATH"
+nccl_lib=${REFIT_NCCL_LIB:-}
+if [ -z "$nccl_lib" ]; then
+  for d in "$(dirname "$py")"/../lib/python3*/site-packages/nvidia/nccl/lib "${CUDA_HOME:-/usr/local/cuda}/lib64" \
+           /usr/lib/x86_64-linux-gnu; do
+    if [ -e "$d/libnccl.so.2" ]; then nccl_lib=$(cd "$d" && pwd -P); break; fi
+  done
+fi
+export REFIT_NCCL_LIB="$nccl_lib"
+export LD_LIBRARY_PATH="${nccl_lib:+$nccl_lib:}${bundle}/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# The python that writes the report: the system's, so a broken venv still gets one.
+report_py=$(command -v python3 || echo "$py")
+
+# ---- GPU or dry run
+mode=gpu
+dry_reason=""
+if [ "${REFIT_GPU_DRY_RUN:-0}" = 1 ]; then
+  mode=dry; dry_reason="REFIT_GPU_DRY_RUN=1"
+elif ! command -v nvidia-smi >/dev/null 2>&1 && ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
+  mode=dry; dry_reason="no GPU on this machine (no nvidia-smi, no /dev/nvidia*)"
+elif command -v nvidia-smi >/dev/null 2>&1 &&
+     timeout -k 5 30 nvidia-smi -L >"$rep/nvidia-smi-L.txt" 2>&1 && ! grep -q '^GPU ' "$rep/nvidia-smi-L.txt"; then
+  mode=dry; dry_reason="nvidia-smi lists no GPU: $(head -c 200 "$rep/nvidia-smi-L.txt" | tr '\n' ' ')"
+fi
+export REFIT_GPU_MODE=$mode
+
+current_pgid=""
+finished=0
+finish() {
+  [ "$finished" = 1 ] && return
+  finished=1
+  [ -n "$current_pgid" ] && kill -KILL -- "-$current_pgid" 2>/dev/null
+  local total; total=$(elapsed)
+  cp "$bundle/STAMP.json" "$rep/stamp.json" 2>/dev/null || echo '{"commit": "unknown (no STAMP.json in the bundle)"}' >"$rep/stamp.json"
+  "$report_py" "$here/gpu_report.py" summarize --report "$rep" --mode "$mode" --dry-reason "$dry_reason" \
+      --budget "$budget" --elapsed "$total" >"$rep/table.txt" 2>&1
+  local rc=$?
+  [ -s "$rep/summary.json" ] || printf '{"ok": false, "mode": "%s", "error": "the summary could not be written; see table.txt"}\n' \
+      "$mode" >"$rep/summary.json"
+  # The combined log: header, each step's output (long ones cut in the middle;
+  # the tarball keeps them whole), the table.
+  {
+    echo "refit GPU check: mode=$mode${dry_reason:+ ($dry_reason)} budget=${budget}s elapsed=${total}s"
+    echo "bundle stamp: $(tr -d '\n' <"$rep/stamp.json")"
+    while IFS=$'\t' read -r name kind state code wall limit; do
+      echo
+      echo "==== step $name ($kind): $state rc=$code wall=${wall}s limit=${limit}s"
+      local f="$rep/steps/$name.log"
+      [ -f "$f" ] || continue
+      if [ "$(wc -c <"$f")" -gt 400000 ]; then
+        head -c 200000 "$f"; echo; echo "[... cut; whole log in gpu-report.tar.gz ...]"; tail -c 200000 "$f"
+      else
+        cat "$f"
+      fi
+    done <"$rep/steps.tsv"
+    echo
+    cat "$rep/table.txt"
+  } >"$out/gpu-check.log" 2>&1
+  cp "$rep/summary.json" "$out/gpu-summary.json"
+  # Logs past 8 MiB are cut so the tarball stays well under what comes back.
+  for f in "$rep"/steps/*.log; do
+    [ -f "$f" ] && [ "$(wc -c <"$f")" -gt 8388608 ] && { tail -c 8388608 "$f" >"$f.tail" && mv "$f.tail" "$f"; }
+  done
+  tar -C "$work" -czf "$out/gpu-report.tar.gz" gpu-report 2>/dev/null
+  cat "$rep/table.txt"
+  rm -rf "$work"
+  [ $rc -eq 0 ] && exit_status=0 || exit_status=1
+}
+exit_status=1
+trap 'finish; exit $exit_status' EXIT
+trap 'say "interrupted: writing the report"; exit 1' TERM INT HUP
+
+# Runs one step: NAME KIND LIMIT_S COMMAND. The command runs from the bundle root
+# in a new session (so every process it starts is in one process group), under
+# timeout with kill-after, output to its log file; whatever of that group is still
+# alive afterwards is killed.
+run_step() {
+  local name=$1 kind=$2 limit=$3 cmd=$4
+  local left; left=$(awk -v b="$budget" -v e="$(elapsed)" 'BEGIN { printf "%d", b - e }')
+  if [ "$left" -lt "$min_step" ]; then
+    printf '%s\t%s\tnot_run\t-\t0\t%s\n' "$name" "$kind" "$limit" >>"$rep/steps.tsv"
+    say "$name: not run (budget: ${left}s left)"
+    return
+  fi
+  local t=$limit
+  [ "$left" -lt "$t" ] && t=$left
+  local log="$rep/steps/$name.log" s=$EPOCHREALTIME
+  say "$name: start (limit ${t}s)"
+  ( cd "$bundle" && exec setsid timeout -k "$kill_after" "$t" bash -c "$cmd" ) >"$log" 2>&1 </dev/null &
+  current_pgid=$!
+  wait "$current_pgid"
+  local rc=$?
+  kill -KILL -- "-$current_pgid" 2>/dev/null
+  current_pgid=""
+  local wall; wall=$(awk -v a="$s" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+  printf '%s\t%s\tran\t%s\t%s\t%s\n' "$name" "$kind" "$rc" "$wall" "$t" >>"$rep/steps.tsv"
+  say "$name: rc=$rc wall=${wall}s"
+}
+
+say "mode=$mode${dry_reason:+ ($dry_reason)} budget=${budget}s python=$py nccl=${nccl_lib:-none}"
+run_step preflight preflight 60 "bash '$here/gpu_preflight.sh'"
+while IFS='|' read -r name kind limit cmd; do
+  name=$(echo "$name" | xargs); kind=$(echo "$kind" | xargs); limit=$(echo "$limit" | xargs)
+  case "$name" in ''|'#'*) continue ;; esac
+  cmd=$(echo "$cmd" | sed 's/^ *//')
+  run_step "$name" "$kind" "$limit" "$cmd"
+done <"$steps_file"
+exit  # the EXIT trap writes the report and sets the status
