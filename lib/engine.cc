@@ -188,6 +188,11 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
       throw_error(errc::invalid_state, name + ": receive_weights before init_transfer_engine");
   }
   if (!load_weights) throw_error(errc::invalid_argument, name + ": load_weights is empty");
+  if (info.commit.value_or(config_.commit) == commit_mode::staged) {
+    if (const std::string why = staged_commit_refusal(); !why.empty())
+      throw_error(errc::unsupported, name + ": staged commits are not supported: " + why +
+                                         "; use \"commit\": \"in_place\" (a failed update then marks the weights dirty)");
+  }
   // Deferred work of an earlier update must not overlap this one's staging slots.
   if (deferred_.pending() > 0)
     throw_error(errc::invalid_state, name + ": receive_weights while the previous update's "

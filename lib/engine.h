@@ -186,6 +186,11 @@ class weight_transfer_engine {
   /// Where post-processing runs: the context's processing executor, else a pool of
   /// config().processing_threads owned by the engine (created on first use).
   asio::any_io_executor processing_executor();
+  /// Why this engine cannot commit an update staged (empty when it can): the base
+  /// refuses a staged update with errc::unsupported and this reason before any
+  /// byte moves. Engines whose buckets land in device memory refuse (the stage is
+  /// host memory for the whole update).
+  virtual std::string staged_commit_refusal() const { return {}; }
 
  protected:
   virtual asio::awaitable<void> do_init(const init_info& info) = 0;

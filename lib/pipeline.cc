@@ -1,5 +1,6 @@
 #include "lib/pipeline.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -63,7 +64,11 @@ std::span<std::byte> host_staging::slot(std::size_t index) {
 std::span<std::byte> host_staging::assembly(std::uint64_t bytes) {
   if (bytes > assembly_bytes_) {
     assembly_.reset();  // free first: peak memory is the new size, not old + new
+    assembly_bytes_ = 0;
     assembly_ = allocate(bytes);
+    // Faulted in now (the pipeline grows it on the processing executor before the
+    // update's first byte), not page by page while bytes arrive.
+    std::memset(assembly_.get(), 0, static_cast<std::size_t>(bytes));
     assembly_bytes_ = bytes;
   }
   return {assembly_.get(), static_cast<std::size_t>(bytes)};
@@ -193,6 +198,28 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
   const device dev = staging_->device();
   const std::vector<std::byte*> direct = direct_destinations(state->meta, target, dev);
   std::vector<asio::mutable_buffer> scatter;
+
+  // The assembly buffer for this update's largest split tensor (one with no direct
+  // destination) is grown now, on the processing executor: allocating and faulting
+  // in hundreds of MiB (or a cudaMalloc, which synchronises the device) is not work
+  // for the event loop. It is taken first, so processing of an earlier update that
+  // still reads it finishes before it moves.
+  std::uint64_t largest_split = 0;
+  for (const bucket& b : plan.buckets) {
+    const auto t = plan.pieces[b.first_piece].tensor;
+    if (b.split && !direct[t]) largest_split = std::max(largest_split, state->meta.tensors[t].nbytes());
+  }
+  if (largest_split > 0) {
+    co_await assembly_.acquire();
+    std::exception_ptr grow_error;
+    try {
+      co_await async::offload(processing_, [this, largest_split] { staging_->assembly(largest_split); });
+    } catch (...) {
+      grow_error = std::current_exception();
+    }
+    assembly_.release(0);
+    if (grow_error) std::rethrow_exception(grow_error);
+  }
 
   std::exception_ptr failure;
   try {

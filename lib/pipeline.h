@@ -101,6 +101,7 @@ class receive_pipeline {
 
   const wire_params& params() const noexcept { return params_; }
   staging_memory& staging() noexcept { return *staging_; }
+  refit::device staging_device() const noexcept { return staging_->device(); }
 
  private:
   struct update_state;

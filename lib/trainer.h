@@ -51,7 +51,15 @@ class range_source final : public tensor_source {
 /// What a sender is created with.
 struct trainer_context {
   asio::any_io_executor executor;
+  /// Where the trainer's tensors live (device engines make their buffers there).
   refit::device device;
+  /// For engines that read device tensors (nccl, cuda_ipc): the native stream (a
+  /// cudaStream_t, opaque here) on which the trainer last wrote its tensors, e.g.
+  /// libtorch's current stream. Each send_weights reads them only after the work
+  /// queued there when the send starts, without blocking the host. nullptr: the
+  /// legacy default stream (what libtorch uses unless told otherwise). Work on any
+  /// other stream must be synchronised by the trainer before sending.
+  const void* native_stream = nullptr;
 };
 
 /// The trainer-side half of a backend. Typical use:

@@ -6,8 +6,9 @@
 // under another device index still finds it), copies the bucket into its staging
 // slot and says "consumed"; only then may the trainer overwrite that buffer. The
 // worker's processing (load_weights, on its own stream for CUDA) overlaps the next
-// bucket's hand-over through the receive pipeline. Mappings are closed when an
-// update session finishes, on re-init and at shutdown.
+// bucket's hand-over through the receive pipeline. Mappings stay open across
+// sessions while the trainer offers the same buffers (handle_cache), and are closed
+// on re-init, after a failure and at shutdown.
 //
 // The memory side is an ipc_provider: CUDA IPC in --config=cuda builds (registered
 // as "cuda_ipc"), or in-process host memory, with which the whole engine runs on CPU
@@ -57,6 +58,10 @@ class ipc_provider {
   virtual asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) = 0;
   /// The UUID of `device` as this process sees it (all zeros for host memory).
   virtual gpu_uuid uuid_of(const refit::device& device) = 0;
+  /// Orders the reads of later pack() calls after the work queued so far on the
+  /// trainer's `native_stream` (trainer_context::native_stream). Default: nothing
+  /// (host memory is written synchronously).
+  virtual void order_after(const void* native_stream) {}
   /// Packs the trainer's pieces into `dst` (exportable memory); completes when done.
   virtual asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) = 0;
   /// The worker's receive staging.
@@ -69,22 +74,40 @@ class ipc_provider {
 /// In-process host memory "shared" by handle: every process is this one (tests).
 std::shared_ptr<ipc_provider> host_ipc();
 
-/// A worker's cache of opened handles: each is opened once and closed by clear().
+/// A worker's cache of opened handles: each is opened once and stays mapped across
+/// update sessions while the trainer keeps offering it (the same allocation always
+/// has the same handle; a new allocation, even at the same address, a new one), so
+/// an update pays for no opens once the trainer's memory is mapped. end_session()
+/// closes the mappings the ending session did not use (the trainer freed or
+/// replaced that memory), so at most one session's worth of stale mappings is held;
+/// clear() closes all (re-init, failure, shutdown).
 class handle_cache {
  public:
   explicit handle_cache(std::shared_ptr<ipc_provider> provider) : provider_(std::move(provider)) {}
   ~handle_cache() { clear(); }
   handle_cache(const handle_cache&) = delete;
   handle_cache& operator=(const handle_cache&) = delete;
+  /// The mapping of `handle`, opened now if it is not mapped yet (opening takes
+  /// milliseconds: engines call this off the event loop when find() misses).
   std::byte* get(const handle_bytes& handle, const gpu_uuid& gpu);
+  /// The mapping of `handle` if it is mapped (counted as used), else nullptr.
+  std::byte* find(const handle_bytes& handle, const gpu_uuid& gpu) noexcept;
+  /// Closes the mappings not asked for (get) since the last end_session().
+  void end_session() noexcept;
   void clear() noexcept;
   std::size_t size() const noexcept { return mapped_.size(); }
+  /// How many times a handle was opened (not served from the cache), ever.
   std::uint64_t opens() const noexcept { return opens_; }
 
  private:
+  struct mapping {
+    std::byte* address = nullptr;
+    std::uint64_t used = 0;  // the session that last asked for it
+  };
   std::shared_ptr<ipc_provider> provider_;
-  std::map<std::pair<handle_bytes, gpu_uuid>, std::byte*> mapped_;
+  std::map<std::pair<handle_bytes, gpu_uuid>, mapping> mapped_;
   std::uint64_t opens_ = 0;
+  std::uint64_t session_ = 1;
 };
 
 /// Worker init info: group::join_info (checksums refused: the bytes never leave
@@ -108,7 +131,7 @@ class engine final : public group::worker_engine {
   std::unique_ptr<bucket_transport> make_transport() override;
   load_weights_fn wrap(load_weights_fn load) override { return provider_->processing(std::move(load)); }
   void close_transport() noexcept override { handles_->clear(); }
-  void do_session_finished() override { handles_->clear(); }
+  void do_session_finished() override { handles_->end_session(); }
 
  private:
   std::shared_ptr<ipc_provider> provider_;

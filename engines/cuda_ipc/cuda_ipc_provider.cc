@@ -6,13 +6,10 @@
 #include <mutex>
 #include <vector>
 
-
-#include "lib/cuda/await.h"
 #include "lib/cuda/device.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/staging.h"
 #include "lib/cuda/stream.h"
-#include "lib/cuda/unpack.h"
 
 namespace refit::cuda_ipc {
 namespace {
@@ -20,24 +17,33 @@ namespace {
 static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(handle_bytes));
 
 gpu_uuid uuid_of_device(int device) {
-  cudaDeviceProp prop{};
-  REFIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   gpu_uuid u;
-  std::memcpy(u.data(), prop.uuid.bytes, u.size());
+  const auto& cached = cuda::device_uuid(device);  // one cudaGetDeviceProperties per device and process
+  std::memcpy(u.data(), cached.data(), u.size());
   return u;
+}
+
+cuda::stream stream_on(int device) {
+  const cuda::device_scope scope(device);
+  return cuda::stream();
 }
 
 class cuda_provider final : public ipc_provider {
  public:
+  explicit cuda_provider(int device) : device_(device), copier_(device), processing_(stream_on(device)) {}
+
   std::string name() const override { return "cuda"; }
 
   std::unique_ptr<staging_memory> make_exportable(std::size_t count, std::uint64_t bytes) override {
-    return std::make_unique<cuda::device_staging>(count, bytes);
+    return std::make_unique<cuda::device_staging>(count, bytes, device_);
   }
 
   std::pair<handle_bytes, gpu_uuid> export_buffer(staging_memory& memory, std::size_t index) override {
     cudaIpcMemHandle_t h;
-    REFIT_CUDA_CHECK(cudaIpcGetMemHandle(&h, memory.slot(index).data()));
+    {
+      const cuda::device_scope scope(memory.device().index);
+      REFIT_CUDA_CHECK(cudaIpcGetMemHandle(&h, memory.slot(index).data()));
+    }
     handle_bytes out;
     std::memcpy(out.data(), &h, out.size());
     return {out, uuid_of_device(memory.device().index)};
@@ -61,7 +67,7 @@ class cuda_provider final : public ipc_provider {
       r = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     }
     if (r != cudaSuccess) {
-      cudaGetLastError();  // clear
+      (void)cudaGetLastError();  // clear
       throw_error(errc::invalid_argument, std::string("cuda ipc: cudaIpcOpenMemHandle refused the handle (") +
                                               cudaGetErrorName(r) + ": " + cudaGetErrorString(r) +
                                               "); a stale handle, or one from this same process");
@@ -69,23 +75,13 @@ class cuda_provider final : public ipc_provider {
     return static_cast<std::byte*>(p);
   }
 
-  void close(std::byte* mapped) noexcept override { cudaIpcCloseMemHandle(mapped); }
+  void close(std::byte* mapped) noexcept override { (void)cudaIpcCloseMemHandle(mapped); }
 
   asio::awaitable<void> copy_batch(std::span<const copy_piece> pieces) override {
-    // Large pieces go to the copy engines one by one; the small ones (most of a
-    // model's tensors) in one batched kernel launch.
-    std::vector<cuda::piece> small;
-    for (const auto& p : pieces) {
-      if (p.bytes >= large_copy_bytes)
-        REFIT_CUDA_CHECK(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDeviceToDevice, stream_.get()));
-      else if (p.bytes)
-        small.push_back({p.src, p.dst, p.bytes});
-    }
-    if (!small.empty()) {
-      std::lock_guard lock(unpack_mutex_);  // engines of one process share this provider
-      unpacker_.unpack(small, stream_.get());
-    }
-    co_await cuda::when_done(stream_.get());
+    std::vector<cuda::piece> list;
+    list.reserve(pieces.size());
+    for (const auto& p : pieces) list.push_back({p.src, p.dst, p.bytes});
+    co_await copier_.copy(list, true);  // mapped memory is device memory
   }
 
   gpu_uuid uuid_of(const refit::device& d) override {
@@ -94,29 +90,30 @@ class cuda_provider final : public ipc_provider {
     return uuid_of_device(d.index);
   }
 
+  void order_after(const void* producer) override {
+    copier_.order_after(static_cast<cudaStream_t>(const_cast<void*>(producer)));
+  }
+
   asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) override {
-    co_await cuda::pack_pieces_async(pieces, dst, stream_);
+    co_await copier_.pack(pieces, dst);
   }
 
   std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) override {
-    return std::make_unique<cuda::device_staging>(count, bytes);
+    return std::make_unique<cuda::device_staging>(count, bytes, device_);
   }
   bool device_sources() const noexcept override { return true; }
   load_weights_fn processing(load_weights_fn load) override { return cuda::on_stream(std::move(load), processing_); }
 
  private:
-  static constexpr std::uint64_t large_copy_bytes = 1 << 20;
-  cuda::stream stream_;      // copies and packing
-  std::mutex unpack_mutex_;
-  cuda::unpacker unpacker_;  // batched small copies on stream_
-  cuda::stream processing_;  // workers' load_weights
+  int device_;
+  cuda::piece_copier copier_;  // copies and packing
+  cuda::stream processing_;    // workers' load_weights
 };
 
 }  // namespace
 
-std::shared_ptr<ipc_provider> cuda_ipcs() {
-  static auto provider = std::make_shared<cuda_provider>();
-  return provider;
+std::shared_ptr<ipc_provider> cuda_ipcs(int device) {
+  return cuda::one_per_device<ipc_provider, cuda_provider>(device);
 }
 
 }  // namespace refit::cuda_ipc

@@ -4,22 +4,42 @@
 // group::worker_engine).
 #include "engines/cuda_ipc/cuda_ipc.h"
 #include "engines/cuda_ipc/wire.h"
+#include "lib/async/offload.h"
 #include "lib/group/status_io.h"
 #include "lib/net.h"
 
 namespace refit::cuda_ipc {
 
+std::byte* handle_cache::find(const handle_bytes& handle, const gpu_uuid& gpu) noexcept {
+  auto it = mapped_.find(std::make_pair(handle, gpu));
+  if (it == mapped_.end()) return nullptr;
+  it->second.used = session_;
+  return it->second.address;
+}
+
 std::byte* handle_cache::get(const handle_bytes& handle, const gpu_uuid& gpu) {
+  if (std::byte* p = find(handle, gpu)) return p;
   auto key = std::make_pair(handle, gpu);
-  if (auto it = mapped_.find(key); it != mapped_.end()) return it->second;
   std::byte* p = provider_->open(handle, gpu);
   ++opens_;
-  mapped_.emplace(key, p);
+  mapped_.emplace(key, mapping{p, session_});
   return p;
 }
 
+void handle_cache::end_session() noexcept {
+  for (auto it = mapped_.begin(); it != mapped_.end();) {
+    if (it->second.used != session_) {
+      provider_->close(it->second.address);
+      it = mapped_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  ++session_;
+}
+
 void handle_cache::clear() noexcept {
-  for (auto& [key, p] : mapped_) provider_->close(p);
+  for (auto& [key, m] : mapped_) provider_->close(m.address);
   mapped_.clear();
 }
 
@@ -27,9 +47,10 @@ namespace {
 
 class transport final : public bucket_transport {
  public:
-  transport(asio::ip::tcp::socket& s, handle_cache& handles, ipc_provider& provider, std::uint32_t buffers,
-            std::chrono::milliseconds timeout, int rank)
-      : socket_(s), handles_(handles), provider_(provider), buffers_(buffers), timeout_(timeout), rank_(rank) {}
+  transport(asio::ip::tcp::socket& s, handle_cache& handles, ipc_provider& provider, asio::any_io_executor pool,
+            std::uint32_t buffers, std::chrono::milliseconds timeout, int rank)
+      : socket_(s), handles_(handles), provider_(provider), pool_(std::move(pool)), buffers_(buffers),
+        timeout_(timeout), rank_(rank) {}
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = "cuda_ipc worker rank " + std::to_string(rank_) + ": bucket " + std::to_string(b.index);
@@ -39,9 +60,11 @@ class transport final : public bucket_transport {
     std::memcpy(&c, raw.data(), sizeof c);
     if (auto bad = wire::check_chunk(c, b.index, b.payload_bytes, buffers_); !bad.empty())
       throw_error(errc::protocol_error, what + ": " + bad);
-    std::byte* src = nullptr;
+    std::byte* src = handles_.find(c.handle, c.gpu);
     try {
-      src = handles_.get(c.handle, c.gpu);
+      // A buffer not mapped yet is opened on the processing executor: opening takes
+      // milliseconds the event loop has no time for.
+      if (!src) src = co_await async::offload(pool_, [this, &c] { return handles_.get(c.handle, c.gpu); });
     } catch (const error& e) {
       throw error(e.code(), what + ": cannot map the trainer's buffer " + std::to_string(c.buffer) + ": " + e.message());
     }
@@ -62,6 +85,7 @@ class transport final : public bucket_transport {
   asio::ip::tcp::socket& socket_;
   handle_cache& handles_;
   ipc_provider& provider_;
+  asio::any_io_executor pool_;
   std::uint32_t buffers_;
   std::chrono::milliseconds timeout_;
   int rank_;
@@ -77,7 +101,8 @@ engine::engine(const weight_transfer_config& config, const engine_context& conte
 }
 
 std::unique_ptr<bucket_transport> engine::make_transport() {
-  return std::make_unique<transport>(side_channel(), *handles_, *provider_, wire().num_buffers, timeout(), rank());
+  return std::make_unique<transport>(side_channel(), *handles_, *provider_, processing_executor(), wire().num_buffers,
+                                     timeout(), rank());
 }
 
 }  // namespace refit::cuda_ipc

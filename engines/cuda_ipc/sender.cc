@@ -58,6 +58,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   try {
     co_await announce_all(peers, group::update_header(seq, declared, plan));
     send_cursor cursor(declared, plan, source, provider_->device_sources());
+    provider_->order_after(context_.native_stream);
     for (const bucket& b : plan.buckets) {
       const std::size_t slot = b.index % n;
       // The buffer held bucket b - n: every worker must have consumed it.

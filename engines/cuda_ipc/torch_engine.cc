@@ -1,6 +1,7 @@
 // The "torch_ipc" worker: tensors of a PyTorch trainer, copied out of its memory
 // through the handles its update_info carries (torch_ipc.h).
 #include "engines/cuda_ipc/torch_ipc.h"
+#include "lib/async/offload.h"
 #include "lib/pipeline.h"
 
 namespace refit::cuda_ipc {
@@ -38,8 +39,9 @@ class torch_transport final : public bucket_transport {
     for (const bucket_piece& p : plan_.pieces_of(b)) {
       // A split bucket's payload is one chunk of its tensor, at payload offset 0.
       std::uint64_t at = b.split ? 0 : p.bucket_offset;
-      const std::byte* src = sources_[p.tensor] + p.tensor_offset;
       std::uint64_t left = b.split ? b.payload_bytes : p.bytes;
+      if (left == 0) continue;  // an empty tensor: no memory behind it
+      const std::byte* src = sources_[p.tensor] + p.tensor_offset;
       while (left > 0) {
         while (d < dest.size() && d_start + dest[d].size() <= at) d_start += dest[d++].size();
         if (d == dest.size())
@@ -86,17 +88,30 @@ asio::awaitable<void> torch_engine::init(const torch_init_info& info) {
 asio::awaitable<void> torch_engine::receive(const torch_update_info& info, load_weights_fn load_weights) {
   const auto& tensors = info.metadata.tensors;
   // Every handle is opened before any byte moves: a bad one fails the update with
-  // the model untouched.
+  // the model untouched. An empty tensor has no memory to map (PyTorch gives its
+  // storage no handle; refit_ipc.py sends zeros): nothing is opened or read.
+  // Mappings the cache lacks are opened on the processing executor (each open takes
+  // milliseconds; a trainer's first update may bring hundreds).
   std::vector<const std::byte*> sources(tensors.size());
+  std::vector<std::size_t> missing;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].nbytes() == 0) continue;
     const torch_tensor_handle& h = pick_handle(info.handles[i], gpu_, tensors[i]);
-    try {
-      sources[i] = handles_->get(h.handle, h.gpu) + h.byte_offset();
-    } catch (const error& e) {
-      throw error(e.code(), "torch_ipc: cannot map the memory of tensor '" + tensors[i].name + "' (on " +
-                                format_gpu_uuid(h.gpu) + "): " + e.message());
-    }
+    if (std::byte* p = handles_->find(h.handle, h.gpu)) sources[i] = p + h.byte_offset();
+    else missing.push_back(i);
   }
+  if (!missing.empty())
+    co_await async::offload(processing_executor(), [&] {
+      for (std::size_t i : missing) {
+        const torch_tensor_handle& h = pick_handle(info.handles[i], gpu_, tensors[i]);
+        try {
+          sources[i] = handles_->get(h.handle, h.gpu) + h.byte_offset();
+        } catch (const error& e) {
+          throw error(e.code(), "torch_ipc: cannot map the memory of tensor '" + tensors[i].name + "' (on " +
+                                    format_gpu_uuid(h.gpu) + "): " + e.message());
+        }
+      }
+    });
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
   torch_transport transport(plan, std::move(sources), *provider_);
   co_await pipeline_->receive(info.metadata, plan, transport, provider_->processing(std::move(load_weights)),

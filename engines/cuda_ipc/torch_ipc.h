@@ -80,14 +80,16 @@ struct torch_update_info final : refit::update_info {
 /// Worker side for PyTorch trainers without refit ("torch_ipc"): each update's
 /// update_info carries, per tensor, what torch.multiprocessing.reductions.
 /// reduce_tensor gives (examples/torch_ipc/refit_ipc.py builds it). Every handle
-/// is opened before any byte moves (once per session: tensors that share an
-/// allocation share a mapping), then the tensors are copied in buckets (batched:
-/// thousands of small tensors cost a few launches) into staging or straight into
-/// the model's memory, and load_weights runs on the processing stream while the
-/// next bucket is copied. receive_weights completes when every byte has been
-/// copied out of the trainer's memory, so the trainer may change its tensors as
-/// soon as its update_weights call returns. Mappings are closed when the update
-/// session finishes.
+/// is opened before any byte moves (tensors that share an allocation share a
+/// mapping; an empty tensor, which has no memory to share, opens nothing), then
+/// the tensors are copied in buckets (batched: thousands of small tensors cost a
+/// few launches) into staging or straight into the model's memory, and
+/// load_weights runs on the processing stream while the next bucket is copied.
+/// receive_weights completes when every byte has been copied out of the trainer's
+/// memory, so the trainer may change its tensors as soon as its update_weights
+/// call returns. Mappings stay open across sessions while the trainer keeps
+/// offering the same allocations (handle_cache): a trainer whose storages live
+/// pays for its opens once, not per update.
 class torch_engine final : public typed_engine<torch_init_info, torch_update_info> {
  public:
   torch_engine(const weight_transfer_config& config, const engine_context& context,
@@ -95,12 +97,18 @@ class torch_engine final : public typed_engine<torch_init_info, torch_update_inf
   std::string_view backend() const noexcept override { return "torch_ipc"; }
   bool defers_processing() const noexcept override { return true; }
   const handle_cache& handles() const noexcept { return *handles_; }
+  std::string staged_commit_refusal() const override {
+    return pipeline_ && pipeline_->staging_device().is_cuda()
+               ? "the trainer's tensors are copied in device memory and a staged commit holds the whole update in "
+                 "host memory"
+               : std::string();
+  }
 
  protected:
   asio::awaitable<void> init(const torch_init_info& info) override;
   asio::awaitable<void> receive(const torch_update_info& info, load_weights_fn load_weights) override;
   void do_shutdown() override;
-  void do_session_finished() override { handles_->clear(); }
+  void do_session_finished() override { handles_->end_session(); }
 
  private:
   std::shared_ptr<ipc_provider> provider_;

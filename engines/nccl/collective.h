@@ -31,7 +31,13 @@ class collective {
   /// is aborted and every later call fails.
   virtual asio::awaitable<void> broadcast(std::byte* data, std::uint64_t bytes, std::chrono::milliseconds deadline) = 0;
   /// Aborts outstanding and later operations of this rank; others fail too.
+  /// Returns at once: whatever blocks (ncclCommAbort does, even for non-blocking
+  /// communicators) runs on a thread of its own, never on the caller's event loop.
   virtual void abort() noexcept = 0;
+  /// Completes once every abort() started so far has finished and the memory
+  /// the aborted operations used may be reused or freed (NCCL: ncclCommAbort has
+  /// returned and the communication stream is drained). Default: at once.
+  virtual asio::awaitable<void> aborted() { co_return; }
 };
 
 /// Makes communicators and the memory they move bytes in (host for the host
@@ -52,6 +58,10 @@ class collective_provider {
   /// `count` buffers of `bytes` in the communicator's memory: receive staging on
   /// workers, packing buffers on the trainer.
   virtual std::unique_ptr<staging_memory> make_staging(std::size_t count, std::uint64_t bytes) = 0;
+  /// Orders the reads of later pack() calls after the work queued so far on the
+  /// trainer's `native_stream` (trainer_context::native_stream). Default: nothing
+  /// (host memory is written synchronously).
+  virtual void order_after(const void* native_stream) {}
   /// Copies `pieces` (the trainer's tensors and padding, in order) back to back
   /// into `dst` (memory of make_staging); completes when `dst` may be broadcast.
   virtual asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) = 0;

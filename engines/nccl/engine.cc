@@ -54,8 +54,12 @@ std::unique_ptr<bucket_transport> engine::make_transport() {
 void engine::close_transport() noexcept {
   if (comm_) {
     comm_->abort();
-    comm_.reset();
+    aborting_ = std::move(comm_);
   }
+}
+
+asio::awaitable<void> engine::transport_closed() {
+  if (auto c = std::move(aborting_)) co_await c->aborted();
 }
 
 }  // namespace refit::nccl

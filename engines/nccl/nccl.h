@@ -36,13 +36,18 @@ class engine final : public group::worker_engine {
   std::unique_ptr<bucket_transport> make_transport() override;
   load_weights_fn wrap(load_weights_fn load) override { return provider_->processing(std::move(load)); }
   void close_transport() noexcept override;
+  asio::awaitable<void> transport_closed() override;
 
  private:
   std::shared_ptr<collective_provider> provider_;
-  std::shared_ptr<collective> comm_;  // shared with a receive in flight
+  std::shared_ptr<collective> comm_;      // shared with a receive in flight
+  std::shared_ptr<collective> aborting_;  // closed, its abort maybe still running
 };
 
-/// Trainer side. trainer_args as group::trainer_args ("checksums" refused).
+/// Trainer side. trainer_args as group::trainer_args ("checksums" refused). With
+/// num_buffers >= 2, bucket k+1 is packed into the next buffer while bucket k is
+/// broadcast; the trainer's tensors are read only after the work queued on
+/// trainer_context::native_stream when the send starts.
 class sender final : public group::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context,
@@ -56,11 +61,13 @@ class sender final : public group::sender_base {
   std::string welcome() override { return group_id_; }
   asio::awaitable<void> connected() override;
   void close_transport() noexcept override;
+  asio::awaitable<void> transport_closed() override;
 
  private:
   std::shared_ptr<collective_provider> provider_;
   std::string group_id_;
   std::shared_ptr<collective> comm_;      // shared with a send in flight (shutdown aborts it)
+  std::shared_ptr<collective> aborting_;  // closed, its abort maybe still running
   std::unique_ptr<staging_memory> pack_;  // num_buffers rotating packing buffers
 };
 

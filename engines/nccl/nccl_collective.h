@@ -7,8 +7,10 @@
 
 namespace refit::nccl {
 
-/// Communicators from NCCL (non-blocking, polled from the executor, aborted at the
-/// deadline), staging and packing buffers in device memory on the current device.
-std::shared_ptr<collective_provider> nccl_collectives();
+/// The provider for CUDA device `device` (one per device and process, made on first
+/// use): communicators on `device`, device staging and packing buffers there,
+/// packing and processing streams of `device`. Non-blocking communicators polled
+/// from the executor; aborts on a thread of the provider's own.
+std::shared_ptr<collective_provider> nccl_collectives(int device);
 
 }  // namespace refit::nccl

@@ -3,7 +3,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "lib/cuda/error.h"
 
@@ -27,6 +30,34 @@ device_count_result device_count_or_reason() {
                    ")"};
   }
   return {count, {}};
+}
+
+int current_device() {
+  int d = 0;
+  REFIT_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
+const std::array<std::byte, 16>& device_uuid(int device) {
+  static std::mutex mutex;
+  static std::vector<std::array<std::byte, 16>> uuids;  // by index; filled once
+  std::lock_guard lock(mutex);
+  if (uuids.empty()) {
+    int count = 0;
+    REFIT_CUDA_CHECK(cudaGetDeviceCount(&count));
+    std::vector<std::array<std::byte, 16>> all(static_cast<std::size_t>(count));
+    for (int d = 0; d < count; ++d) {
+      cudaDeviceProp prop{};
+      REFIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
+      static_assert(sizeof(prop.uuid.bytes) == 16);
+      std::memcpy(all[static_cast<std::size_t>(d)].data(), prop.uuid.bytes, 16);
+    }
+    uuids = std::move(all);
+  }
+  if (device < 0 || static_cast<std::size_t>(device) >= uuids.size())
+    throw cuda_error(cudaErrorInvalidDevice, "device_uuid(" + std::to_string(device) + ")",
+                     std::source_location::current());
+  return uuids[static_cast<std::size_t>(device)];
 }
 
 device_scope::device_scope(int device) {

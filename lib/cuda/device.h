@@ -1,6 +1,11 @@
 // Probing for CUDA devices.
 #pragma once
 
+#include <array>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 
 namespace refit::cuda {
@@ -21,6 +26,14 @@ struct device_count_result {
 // version (cudaErrorInsufficientDriver)".
 [[nodiscard]] device_count_result device_count_or_reason();
 
+// The current device of the calling thread. Throws cuda_error.
+[[nodiscard]] int current_device();
+
+// The UUID of `device` (cudaDeviceProp::uuid, the same in every process, as
+// nvidia-smi lists it). Asked of CUDA once per device and process, then cached:
+// cudaGetDeviceProperties takes milliseconds. Throws cuda_error.
+[[nodiscard]] const std::array<std::byte, 16>& device_uuid(int device);
+
 // Makes `device` current for the scope and restores the previous one, so that work
 // on another device does not change the caller's state. Throws cuda_error.
 class device_scope {
@@ -33,5 +46,18 @@ class device_scope {
  private:
   int previous_ = 0;
 };
+
+// The one `Made` (a `Base`) of `device` in this process, made with `Made(device)`
+// on first use: GPU engines' providers, whose streams and buffers belong to one
+// device. Thread-safe.
+template <class Base, class Made>
+std::shared_ptr<Base> one_per_device(int device) {
+  static std::mutex mutex;
+  static std::map<int, std::shared_ptr<Base>> made;
+  std::lock_guard lock(mutex);
+  auto& p = made[device];
+  if (!p) p = std::make_shared<Made>(device);
+  return p;
+}
 
 }  // namespace refit::cuda

@@ -1,13 +1,18 @@
 #include "lib/cuda/staging.h"
 
+#include <map>
+
 #include "lib/cuda/await.h"
+#include "lib/cuda/device.h"
 #include "lib/cuda/error.h"
 #include "lib/cuda/processing.h"
 
 namespace refit::cuda {
 
-device_staging::device_staging(std::size_t count, std::uint64_t bytes) : bytes_(bytes) {
-  REFIT_CUDA_CHECK(cudaGetDevice(&device_));
+int device_index(const refit::device& d) { return d.is_cuda() ? d.index : current_device(); }
+
+device_staging::device_staging(std::size_t count, std::uint64_t bytes, int device)
+    : bytes_(bytes), device_(device < 0 ? current_device() : device) {
   slots_.reserve(count);
   for (std::size_t i = 0; i < count; ++i) slots_.emplace_back(static_cast<std::size_t>(bytes), device_);
 }
@@ -26,25 +31,78 @@ std::span<std::byte> device_staging::assembly(std::uint64_t bytes) {
 
 std::uint64_t device_staging::allocated_bytes() const noexcept { return bytes_ * slots_.size() + assembly_.size(); }
 
-asio::awaitable<void> pack_pieces_async(std::span<const asio::const_buffer> pieces, std::byte* dst, const stream& s) {
+namespace {
+// A stream and an event made on `device`, whatever is current.
+stream stream_on(int device) {
+  const device_scope scope(device);
+  return stream();
+}
+event event_on(int device) {
+  const device_scope scope(device);
+  return event();
+}
+
+bool device_readable(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+}  // namespace
+
+piece_copier::piece_copier(int device) : device_(device), stream_(stream_on(device)), producer_done_(event_on(device)) {}
+
+void piece_copier::order_after(cudaStream_t producer) {
+  std::lock_guard lock(mutex_);
+  const device_scope scope(device_);
+  REFIT_CUDA_CHECK(cudaEventRecord(producer_done_.get(), producer));
+  REFIT_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), producer_done_.get(), 0));
+}
+
+void piece_copier::enqueue(std::span<const piece> pieces, bool sources_on_device) {
+  std::lock_guard lock(mutex_);
+  const device_scope scope(device_);
+  small_.clear();
+  for (const piece& p : pieces) {
+    if (p.bytes == 0) continue;
+    if (p.bytes < large_bytes && (sources_on_device || device_readable(p.src)))
+      small_.push_back(p);
+    else
+      REFIT_CUDA_CHECK(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault, stream_.get()));
+  }
+  if (!small_.empty()) unpacker_.unpack(small_, stream_.get());
+}
+
+asio::awaitable<void> piece_copier::copy(std::span<const piece> pieces, bool sources_on_device) {
+  enqueue(pieces, sources_on_device);
+  co_await when_done(stream_.get());
+}
+
+asio::awaitable<void> piece_copier::pack(std::span<const asio::const_buffer> pieces, std::byte* dst) {
+  std::vector<piece> list;
+  list.reserve(pieces.size());
   for (const auto& p : pieces) {
-    if (p.size()) REFIT_CUDA_CHECK(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, s.get()));
+    list.push_back({static_cast<const std::byte*>(p.data()), dst, p.size()});
     dst += p.size();
   }
-  co_await when_done(s.get());
+  co_await copy(list, false);
 }
 
 load_weights_fn on_stream(load_weights_fn load, const stream& s) {
   return [load = std::move(load), &s](std::span<const tensor_view> views) {
-    // Processing threads start on device 0: use the stream's.
-    REFIT_CUDA_CHECK(cudaSetDevice(s.device()));
-    thread_local event done;
+    const device_scope scope(s.device());
+    // Events belong to a device: one per processing thread and device.
+    thread_local std::map<int, event> done;
+    auto it = done.find(s.device());
+    if (it == done.end()) it = done.emplace(s.device(), event()).first;
     {
-      processing_scope scope(s.get());
+      processing_scope processing(s.get());
       load(views);
     }
-    done.record(s);
-    done.synchronize();
+    it->second.record(s);
+    it->second.synchronize();
   };
 }
 

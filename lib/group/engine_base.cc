@@ -18,6 +18,7 @@ asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
   rank_ = worker_rank(info, context().ranks, std::string(backend()));
   auto j = co_await join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_, who());
   auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(j.socket));
+  co_await transport_closed();  // an earlier communicator's abort, before its staging is reused
   co_await joined(info, j.welcome);
   // Staging is allocated once here and reused by every update.
   if (!pipeline_ || !(pipeline_->params() == info.wire))
@@ -25,6 +26,13 @@ asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
                                                    make_staging(info.wire));
   socket_ = std::move(socket);
   last_seq_ = 0;
+}
+
+std::string worker_engine::staged_commit_refusal() const {
+  if (pipeline_ && pipeline_->staging_device().is_cuda())
+    return "its buckets arrive in device memory (" + to_string(pipeline_->staging_device()) +
+           ") and a staged commit holds the whole update in host memory";
+  return {};
 }
 
 asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, load_weights_fn load_weights) {
@@ -47,6 +55,7 @@ asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, l
     // The transport's position is unknown after a failure: close it (the trainer
     // and the other workers fail too instead of waiting) and re-init.
     close();
+    co_await transport_closed();
     std::rethrow_exception(failure);
   }
 }
@@ -88,11 +97,16 @@ asio::awaitable<void> sender_base::connect_workers() {
   close();
   peers_ = co_await accept_workers(*acceptor_, context_.executor, config_.auth_secret, args_.timeout, args_.wire,
                                    args_.world_size, name + " trainer", welcome());
+  std::exception_ptr failure;
   try {
+    co_await transport_closed();  // an earlier communicator's abort
     co_await connected();
   } catch (...) {
-    close();
-    throw;
+    failure = std::current_exception();
+  }
+  if (failure) {
+    co_await close_after_failure();
+    std::rethrow_exception(failure);
   }
   seq_ = 0;
 }
@@ -105,6 +119,11 @@ void sender_base::close() noexcept {
     p.socket->close(ignored);
   }
   peers_.clear();
+}
+
+asio::awaitable<void> sender_base::close_after_failure() {
+  close();
+  co_await transport_closed();
 }
 
 void sender_base::shutdown() {

@@ -31,6 +31,8 @@ class worker_engine : public typed_engine<stream_free_init_info, metadata_update
   using typed_engine::typed_engine;
   bool defers_processing() const noexcept override { return true; }
   int rank() const noexcept { return rank_; }
+  /// Refused when the staging is device memory (nccl, cuda_ipc on GPUs).
+  std::string staged_commit_refusal() const override;
 
  protected:
   /// After the side channel joined: e.g. join a communicator named in `welcome`.
@@ -43,6 +45,10 @@ class worker_engine : public typed_engine<stream_free_init_info, metadata_update
   virtual load_weights_fn wrap(load_weights_fn load) { return load; }
   /// Releases the transport's resources (abort a communicator, close mappings).
   virtual void close_transport() noexcept {}
+  /// Completes when what close_transport() started has finished (an abort that
+  /// runs on a thread of its own), so staging may be reused or freed. Awaited after
+  /// a failed update and before a re-init joins again.
+  virtual asio::awaitable<void> transport_closed() { co_return; }
   /// Call from the derived destructor (the base cannot call virtuals there).
   void close() noexcept;
 
@@ -81,7 +87,11 @@ class sender_base : public weight_sender {
   /// Releases the transport (e.g. aborts the communicator); then the side
   /// channels are closed. Call close() from the derived destructor.
   virtual void close_transport() noexcept {}
+  /// As worker_engine::transport_closed.
+  virtual asio::awaitable<void> transport_closed() { co_return; }
   void close() noexcept;
+  /// close(), then waits for transport_closed(): the failure path of a send.
+  asio::awaitable<void> close_after_failure();
 
   std::string rank_name(int rank) const { return std::string(backend()) + " trainer: worker rank " + std::to_string(rank); }
   /// Announces the update header to every worker at once.

@@ -232,12 +232,27 @@ TEST_F(AwaitGpu, DestroyingTheContextWithAWaitPendingDestroysTheCoroutineThere) 
 // A device fault corrupts the whole CUDA context, so this runs in a child process
 // (gtest's "threadsafe" death tests re-execute the binary for it); the child exits
 // with 0 only if the wait completed with the fault as a cuda_error on the io thread.
+//
+// The wait must be registered before the fault happens: were the fault first,
+// enqueueing the callback would itself fail (a sticky error) and the message would
+// name cudaStreamAddCallback instead of the faulting work. So the faulting kernel
+// is held behind a kernel that waits for a host flag, set only once the wait is
+// registered (the coroutine has run up to its suspension).
 void fault_child() {
   asio::io_context ctx;
   stream s;
+  int* flag = nullptr;
+  if (cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(int), cudaHostAllocMapped) != cudaSuccess) std::_Exit(3);
+  *flag = 0;
+  int* device_flag = nullptr;
+  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_flag), flag, 0) != cudaSuccess) std::_Exit(4);
+  testing::wait_flag(device_flag, 10'000'000'000ull, s.get());
   testing::fault(s.get());
   outcome out;
   asio::co_spawn(ctx, await_stream(s.get(), notify_by::stream_callback, &out), asio::detached);
+  ctx.poll();  // runs the coroutine to its co_await: the callback is enqueued behind the fault
+  if (out.resumed) std::_Exit(5);  // completed before the fault could even happen
+  __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
   // Bounded: were CUDA not to call the callback after the fault, the child reports
   // that instead of hanging until the test's timeout.
   ctx.run_for(std::chrono::seconds(20));

@@ -17,6 +17,12 @@ __global__ void spin_kernel(std::uint64_t ns) {
   }
 }
 
+__global__ void wait_flag_kernel(const volatile int* flag, std::uint64_t ns) {
+  const std::uint64_t start = global_ns();
+  while (*flag == 0 && global_ns() - start < ns) {
+  }
+}
+
 __global__ void fault_kernel(int* p) { *p = 1; }
 
 void check_launch(const char* kernel) {
@@ -29,6 +35,11 @@ void check_launch(const char* kernel) {
 void spin(std::uint64_t nanoseconds, cudaStream_t stream) {
   spin_kernel<<<1, 1, 0, stream>>>(nanoseconds);
   check_launch("spin_kernel<<<...>>>");
+}
+
+void wait_flag(const volatile int* flag, std::uint64_t timeout_ns, cudaStream_t stream) {
+  wait_flag_kernel<<<1, 1, 0, stream>>>(flag, timeout_ns);
+  check_launch("wait_flag_kernel<<<...>>>");
 }
 
 void fault(cudaStream_t stream) {

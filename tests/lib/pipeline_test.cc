@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <asio/buffer.hpp>
@@ -219,6 +220,47 @@ TEST_F(pipeline_test, delivers_every_tensor_with_its_bytes_in_send_order) {
   EXPECT_EQ(stats.buckets, transport.plan().buckets.size());
   EXPECT_EQ(pipeline->staging().allocated_bytes(), 2u * 4096u + 10000u)
       << "two slots plus one assembly buffer the size of the largest split tensor";
+}
+
+// Host staging that notes the thread on which its assembly buffer grows.
+class noting_staging final : public staging_memory {
+ public:
+  explicit noting_staging(const wire_params& w) : inner_(w.num_buffers, w.buffer_bytes) {}
+  refit::device device() const noexcept override { return inner_.device(); }
+  std::size_t slot_count() const noexcept override { return inner_.slot_count(); }
+  std::span<std::byte> slot(std::size_t i) override { return inner_.slot(i); }
+  std::span<std::byte> assembly(std::uint64_t bytes) override {
+    if (bytes > inner_.allocated_bytes() - inner_.slot_count() * inner_.slot(0).size())
+      grown_on.push_back(std::this_thread::get_id());
+    return inner_.assembly(bytes);
+  }
+  std::uint64_t allocated_bytes() const noexcept override { return inner_.allocated_bytes(); }
+  std::vector<std::thread::id> grown_on;
+
+ private:
+  host_staging inner_;
+};
+
+// Growing the assembly buffer (allocating and faulting in the largest split tensor,
+// or a cudaMalloc on a GPU) is CPU work the event loop must not do: it happens on
+// the processing executor, once, before the update's first byte.
+TEST_F(pipeline_test, the_assembly_buffer_grows_on_the_processing_executor_not_the_event_loop) {
+  const wire_params w = wire(4096, 2);
+  asio::thread_pool pool(1);
+  auto owned = std::make_unique<noting_staging>(w);
+  noting_staging* staging = owned.get();
+  receive_pipeline pipeline(io.get_executor(), pool.get_executor(), w, std::move(owned));
+  tensor_set set = mixed_set();
+  cursor_transport transport(set, w);
+  capture got;
+  auto r = spawn(io, receive_and_join(pipeline, set.meta, transport, got.fn(), scope, stats));
+  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  EXPECT_FALSE(r->error) << r->message();
+  EXPECT_NO_THROW(got.check_equals(set));
+  ASSERT_EQ(staging->grown_on.size(), 1u) << "grown once, to the largest split tensor";
+  EXPECT_NE(staging->grown_on[0], std::this_thread::get_id()) << "grown on the event loop";
+  EXPECT_EQ(pipeline.staging().allocated_bytes(), 2u * 4096u + 10000u);
+  pool.join();
 }
 
 TEST_F(pipeline_test, empty_update_loads_nothing) {

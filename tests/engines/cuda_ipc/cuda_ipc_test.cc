@@ -35,27 +35,52 @@ asio::awaitable<void> session_update(weight_update_session& s, cuda_ipc::engine&
   co_await s.finish_weight_update(1);
 }
 
-// Each exported buffer is mapped once per session however many buckets pass
-// through it, and the mappings are closed when the session finishes.
-TEST(cuda_ipc_host, handles_are_opened_once_per_session_and_closed_at_finish) {
+// Each exported buffer is mapped once however many buckets pass through it, and
+// stays mapped for the next session (the trainer's buffers live as long as it).
+TEST(cuda_ipc_host, handles_are_opened_once_and_kept_across_sessions) {
   asio::io_context io;
   ipc_harness h(io, nullptr);
   run_to_completion(io, h.connect(small_wire()));
   tensor_set set;
   for (int i = 0; i < 20; ++i) set.add("w" + std::to_string(i), dtype::float32, {3000});  // 20 buckets, 2 buffers
   weight_update_session session(h.engine());
-  capture got;
-  std::size_t open_during = 0;
-  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-  auto done = spawn(io, session_update(session, h.ipc_engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),
-                                       got.fn(), &open_during));
-  ASSERT_TRUE(run_until(io, [&] { return sent->done && done->done; })) << "a hang";
-  ASSERT_FALSE(sent->error) << sent->message();
-  ASSERT_FALSE(done->error) << done->message();
-  EXPECT_NO_THROW(got.check_equals(set));
-  EXPECT_EQ(open_during, 2u) << "one mapping per exported buffer";
-  EXPECT_EQ(h.ipc_engine().handles().opens(), 2u) << "20 buckets, 2 buffers: 2 opens";
-  EXPECT_EQ(h.ipc_engine().handles().size(), 0u) << "closed at finish_weight_update";
+  for (int round = 0; round < 2; ++round) {
+    capture got;
+    std::size_t open_during = 0;
+    auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+    auto done = spawn(io, session_update(session, h.ipc_engine(),
+                                         h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(),
+                                         &open_during));
+    ASSERT_TRUE(run_until(io, [&] { return sent->done && done->done; })) << "a hang";
+    ASSERT_FALSE(sent->error) << sent->message();
+    ASSERT_FALSE(done->error) << done->message();
+    EXPECT_NO_THROW(got.check_equals(set));
+    EXPECT_EQ(open_during, 2u) << "one mapping per exported buffer";
+    EXPECT_EQ(h.ipc_engine().handles().opens(), 2u) << "round " << round << ": 20 buckets, 2 buffers: 2 opens";
+    EXPECT_EQ(h.ipc_engine().handles().size(), 2u) << "kept after finish_weight_update";
+  }
+}
+
+// A session that no longer uses a mapping (the trainer freed that memory) closes
+// it when it finishes.
+TEST(cuda_ipc_host, mappings_a_session_did_not_use_are_closed_at_its_end) {
+  auto provider = cuda_ipc::host_ipc();
+  auto memory = provider->make_exportable(3, 4096);
+  cuda_ipc::handle_cache cache(provider);
+  std::vector<cuda_ipc::handle_bytes> handles;
+  for (std::size_t i = 0; i < 3; ++i) handles.push_back(provider->export_buffer(*memory, i).first);
+  for (const auto& h : handles) EXPECT_NE(cache.get(h, {}), nullptr);
+  cache.end_session();
+  EXPECT_EQ(cache.size(), 3u);
+  cache.get(handles[0], {});
+  cache.get(handles[2], {});
+  cache.end_session();
+  EXPECT_EQ(cache.size(), 2u) << "buffer 1 was not used by the second session";
+  EXPECT_EQ(cache.opens(), 3u);
+  cache.get(handles[1], {});
+  EXPECT_EQ(cache.opens(), 4u) << "reopened on demand";
+  cache.clear();
+  EXPECT_EQ(cache.size(), 0u);
 }
 
 TEST(cuda_ipc_host, bad_handles_are_refused_with_the_reason) {

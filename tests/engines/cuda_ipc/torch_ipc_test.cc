@@ -126,15 +126,56 @@ TEST(torch_ipc_host, tensors_arrive_from_pytorch_style_handles) {
   EXPECT_NO_THROW(got.check_equals(set));
   EXPECT_EQ(open, 2u) << "one mapping per allocation, however many tensors share it";
   EXPECT_EQ(w.engine->handles().opens(), 2u);
-  EXPECT_EQ(w.engine->handles().size(), 0u) << "mappings are closed at finish_weight_update";
   EXPECT_EQ(w.engine->last_update_stats().tensors, set.meta.tensors.size());
+}
 
-  // A second session maps again (and sees the trainer's new values).
-  set.data[1].assign(set.data[1].size(), std::byte{0x5a});
+// The trainer's storages live across updates: their mappings are kept, so later
+// updates open nothing. Memory the trainer stops offering (freed, reallocated:
+// new handles) is unmapped at the end of the first session that did not use it.
+TEST(torch_ipc_host, mappings_are_kept_while_the_trainer_offers_them) {
+  tensor_set set = model_set();
+  fake_trainer trainer(set);
+  worker w;
+  for (int round = 0; round < 3; ++round) {
+    // New values in the same allocations, as an optimizer step writes them.
+    set.data[1].assign(set.data[1].size(), static_cast<std::byte>(0x50 + round));
+    std::memcpy(trainer.memory->slot(1).data() + 512 + 4, set.data[1].data(), set.data[1].size());
+    capture got;
+    w.update(trainer.update_info(set.meta), got.fn());
+    EXPECT_NO_THROW(got.check_equals(set)) << "round " << round;
+    EXPECT_EQ(w.engine->handles().opens(), 2u) << "round " << round << ": no reopening";
+    EXPECT_EQ(w.engine->handles().size(), 2u) << "kept after finish_weight_update";
+  }
+  // A restarted trainer: other allocations, other handles.
   fake_trainer trainer2(set);
-  capture got2;
-  w.update(trainer2.update_info(set.meta), got2.fn());
-  EXPECT_NO_THROW(got2.check_equals(set));
+  capture got;
+  w.update(trainer2.update_info(set.meta), got.fn());
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_EQ(w.engine->handles().opens(), 4u);
+  EXPECT_EQ(w.engine->handles().size(), 2u) << "the first trainer's mappings were closed at finish";
+  // Re-init closes everything.
+  run_to_completion(w.io, w.engine->init_transfer_engine(*w.engine->parse_init_info(
+                              json{{"buffer_bytes", 16 << 10}, {"num_buffers", 2}})));
+  EXPECT_EQ(w.engine->handles().size(), 0u);
+}
+
+// PyTorch gives an empty tensor's storage no handle (refit_ipc.py sends zeros):
+// nothing is opened for it, and the update goes through.
+TEST(torch_ipc_host, empty_tensors_need_no_handle) {
+  tensor_set set;
+  set.add("a", dtype::float32, {10});
+  set.add("empty", dtype::bfloat16, {0, 4});
+  set.add("b", dtype::int8, {3});
+  fake_trainer trainer(set);
+  json info = trainer.update_info(set.meta);
+  info["ipc_handles"][1][host_gpu]["handle"] = std::string(128, '0');
+  info["ipc_handles"][1][host_gpu]["storage_bytes"] = 0;
+  info["ipc_handles"][1][host_gpu]["offset"] = 0;
+  worker w;
+  capture got;
+  w.update(info, got.fn());
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_EQ(w.engine->handles().opens(), 1u) << "'a' and 'b' share allocation 0; nothing is opened for 'empty'";
 }
 
 // A model that offers its own memory for every tensor: bytes go straight there.
