@@ -112,8 +112,8 @@ int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t
   return 0;
 }
 
-void die_with_trainer() {
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
+void die_with_trainer(int signal) {
+  prctl(PR_SET_PDEATHSIG, signal);
   if (const char* pid = std::getenv(trainer_pid_variable); pid && std::atol(pid) != static_cast<long>(getppid()))
     std::_Exit(1);  // the trainer died before the signal was set
 }

@@ -3,6 +3,7 @@
 // listens, and dies with the trainer.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -39,9 +40,10 @@ int reap_worker(pid_t pid, std::chrono::milliseconds timeout);
 /// host stops. Returns 0.
 int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port);
 
-/// Called first by a worker: it gets SIGTERM when its trainer dies, and exits at
+/// Called first by a worker: it gets `signal` when its trainer dies, and exits at
 /// once if the trainer (REFIT_TRAINER_PID) already died before this call (the
-/// parent-death signal only covers deaths after it is set).
-void die_with_trainer();
+/// parent-death signal only covers deaths after it is set). SIGKILL for a worker
+/// that may be stuck where SIGTERM cannot stop it (in a CUDA call).
+void die_with_trainer(int signal = SIGTERM);
 
 }  // namespace refit::example

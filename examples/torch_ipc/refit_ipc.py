@@ -34,10 +34,13 @@ import hashlib
 import hmac
 import json
 import os
+import select
 import socket
 import struct
+import subprocess
+import time
 
-__all__ = ["RefitError", "WorkerClient", "gpu_uuid", "handle_entry", "entry_from_reduction", "ipc_handles",
+__all__ = ["RefitError", "WorkerClient", "WorkerProcess", "gpu_uuid", "handle_entry", "entry_from_reduction", "ipc_handles",
            "update_info", "send_update", "send_weights", "digest"]
 
 # ---- the control plane: 4-byte big-endian length + JSON, after an authentication
@@ -144,6 +147,60 @@ _SIZE, _STRIDE, _OFFSET, _STORAGE_CLS, _DTYPE, _DEVICE, _HANDLE, _STORAGE_BYTES,
     1, 2, 3, 4, 5, 6, 7, 8, 9
 _REF_COUNTER_HANDLE, _REF_COUNTER_OFFSET = 11, 12
 _CUDA_ARGS = 15
+
+
+class WorkerProcess:
+    """A refit worker binary (e.g. //examples/torch_ipc:worker) started by this
+    process: it dies with this process (REFIT_TRAINER_PID: the worker sets its
+    parent-death signal, SIGKILL for the torch_ipc worker), its port line must come
+    within `timeout` seconds, and stop() terminates it, then kills it if it has not
+    exited within `grace` seconds, so nothing outlives the trainer.
+
+        with refit_ipc.WorkerProcess([path, "--device", "0"]) as w:
+            with refit_ipc.WorkerClient("127.0.0.1", w.port) as client: ...
+    """
+
+    def __init__(self, argv, timeout=60.0, grace=10.0):
+        self.grace = grace
+        env = dict(os.environ, REFIT_TRAINER_PID=str(os.getpid()))
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env)
+        line = b""
+        deadline = time.monotonic() + timeout
+        try:
+            while not line.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                    raise RuntimeError(f"worker {argv[0]} did not report its port within {timeout:.0f} s")
+                chunk = os.read(self.proc.stdout.fileno(), 256)
+                if not chunk:
+                    raise RuntimeError(f"worker {argv[0]} exited (status {self.proc.wait(5)}) before reporting "
+                                       f"its port; output: {line.decode(errors='replace')!r}")
+                line += chunk
+            text = line.decode(errors="replace").strip()
+            if not text.startswith("REFIT_WORKER_PORT "):
+                raise RuntimeError(f"worker {argv[0]} printed {text!r}, not its port")
+            self.port = int(text.split()[1])
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=self.grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 def gpu_uuid(device_index):

@@ -7,9 +7,9 @@ tests/cuda/torch_ipc_check.py, on a GPU."""
 import argparse
 import os
 import random
-import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,19 +23,8 @@ def py_digest(data):
     return [sum(data) & mask, sum((i + 1) * b for i, b in enumerate(data)) & mask]
 
 
-class Worker:
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([WORKER_BIN, *args], stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("REFIT_WORKER_PORT "):
-            self.proc.kill()
-            raise RuntimeError(f"worker did not start: {line!r}")
-        self.port = int(line.split()[1])
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()
+def Worker(*args):
+    return refit_ipc.WorkerProcess([WORKER_BIN, *args], timeout=30)
 
 
 class ClientTest(unittest.TestCase):
@@ -158,6 +147,31 @@ class AuthTest(unittest.TestCase):
                     self.assertIn("secret", str(caught.exception))
             finally:
                 worker.stop()
+
+
+class WorkerProcessTest(unittest.TestCase):
+    """Nothing a trainer starts outlives it or hangs it."""
+
+    def test_a_worker_that_never_reports_is_killed_at_the_deadline(self):
+        t0 = time.monotonic()
+        with self.assertRaisesRegex(RuntimeError, "did not report its port within 1 s"):
+            refit_ipc.WorkerProcess(["sleep", "60"], timeout=1, grace=1)
+        self.assertLess(time.monotonic() - t0, 10)
+
+    def test_a_worker_that_exits_first_says_so(self):
+        with self.assertRaisesRegex(RuntimeError, "exited"):
+            refit_ipc.WorkerProcess(["true"], timeout=10)
+
+    def test_stop_kills_a_worker_that_ignores_sigterm(self):
+        script = "trap '' TERM; echo REFIT_WORKER_PORT 1; exec sleep 60"
+        w = refit_ipc.WorkerProcess(["bash", "-c", script], timeout=10, grace=0.5)
+        self.assertEqual(w.port, 1)
+        self.assertEqual(w.stop(), -9)
+
+    def test_the_worker_learns_its_trainers_pid(self):
+        script = 'echo REFIT_WORKER_PORT "$REFIT_TRAINER_PID"; exec sleep 60'
+        with refit_ipc.WorkerProcess(["bash", "-c", script], timeout=10) as w:
+            self.assertEqual(w.port, os.getpid())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -74,7 +73,7 @@ def pytorch_way_s(model, reps):
     from torch.multiprocessing.reductions import reduce_tensor
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=pytorch_receiver, args=(child,))
+    proc = ctx.Process(target=pytorch_receiver, args=(child,), daemon=True)
     proc.start()
     specs = [(n, tuple(t.shape), t.dtype) for n, t in model.items()]
     times = []
@@ -91,6 +90,8 @@ def pytorch_way_s(model, reps):
     finally:
         parent.send(None)
         proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
     return statistics.median(times)
 
 
@@ -125,10 +126,15 @@ def main():
     args = p.parse_args()
     sys.path.insert(0, os.path.abspath(args.refit_ipc))
     import refit_ipc
-    import torch
+    try:
+        import torch
+    except ImportError as e:
+        print(json.dumps({"bench": "torch_ipc", "skipped": True, "reason": f"no torch in {sys.executable}: {e}"}))
+        return 0
     if not torch.cuda.is_available():
-        print(json.dumps({"bench": "torch_ipc", "error": "no GPU"}))
-        return 1
+        print(json.dumps({"bench": "torch_ipc", "skipped": True,
+                          "reason": f"torch {torch.__version__} sees no CUDA device"}))
+        return 0
 
     large = make_model(int(args.gib * (1 << 30)), args.large_tensors, 1)
     large_bytes = sum(t.numel() * 2 for t in large.values())
@@ -136,17 +142,12 @@ def main():
     many_bytes = sum(t.numel() * 2 for t in many.values())
 
     d2d = d2d_copy_s(large_bytes, args.reps)
-    worker = subprocess.Popen([args.worker_bin, "--device", "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(worker.stdout.readline().split()[1])
-        with refit_ipc.WorkerClient("127.0.0.1", port, timeout=300) as client:
+    with refit_ipc.WorkerProcess([args.worker_bin, "--device", "0"], timeout=60) as worker:
+        with refit_ipc.WorkerClient("127.0.0.1", worker.port, timeout=300) as client:
             client.call("init_weight_transfer_engine", {"init_info": {"buffer_bytes": 256 << 20}})
             refit_large = refit_s(refit_ipc, client, large, args.reps, True)
             refit_many = refit_s(refit_ipc, client, many, args.reps, True)
             client.call("shutdown")
-    finally:
-        worker.terminate()
-        worker.wait(timeout=60)
     del large
     torch.cuda.empty_cache()
     torch_many = pytorch_way_s(many, args.reps)
