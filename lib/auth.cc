@@ -179,7 +179,11 @@ asio::awaitable<void> client_handshake(tcp::socket& socket, key_material key, st
   std::array<std::uint8_t, challenge_bytes> challenge{};
   co_await net::read_exact(socket, asio::buffer(challenge), deadline,
                            what + ": reading the authentication challenge");
-  const bool server_has_secret = check_header(challenge.data(), what, "challenge") & flag_has_secret;
+  const std::uint32_t flags = check_header(challenge.data(), what, "challenge");
+  if (flags & flag_busy)
+    throw_error(errc::resource_exhausted, what + ": the server refused the connection: it is at its connection "
+                                                 "limit (too many connections)");
+  const bool server_has_secret = flags & flag_has_secret;
   nonce_t nonce_s;
   std::memcpy(nonce_s.data(), challenge.data() + 16, nonce_bytes);
 
@@ -230,6 +234,15 @@ asio::awaitable<void> client_handshake(tcp::socket& socket, key_material key, st
 }
 
 }  // namespace
+
+asio::awaitable<void> refuse_busy(tcp::socket& socket, std::chrono::milliseconds deadline, std::string what) {
+  std::array<std::uint8_t, challenge_bytes> challenge{};
+  put_header(challenge.data(), flag_busy);
+  try {
+    co_await net::write_all(socket, asio::buffer(challenge), deadline, what + ": refusing (busy)");
+  } catch (const error&) {
+  }
+}
 
 std::array<std::uint8_t, 32> hmac_sha256(std::string_view key, std::span<const std::uint8_t> data) {
   static const unsigned char nothing = 0;  // OpenSSL wants non-null pointers even for empty input

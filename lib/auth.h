@@ -9,6 +9,8 @@
 // Wire protocol, version 1 (all integers u32 little-endian, fixed-size messages):
 //   1. server -> client  challenge: magic "RFTA", version, flags, reserved, nonce_s[32]
 //                        flags bit 0: the server has a secret (requires one)
+//                        flags bit 1: the server is busy (at its connection limit)
+//                        and closes the connection: the client fails at once
 //   2. client -> server  response:  magic, version, flags, reserved, nonce_c[32], mac_c[32]
 //                        flags bit 0: the client has a secret
 //                        mac_c = HMAC(secret, "refit-auth-v1 client" || nonce_s || nonce_c)
@@ -37,6 +39,9 @@ namespace refit::auth {
 inline constexpr std::uint32_t magic = 0x41544652;  // "RFTA" as little-endian bytes
 inline constexpr std::uint32_t version = 1;
 inline constexpr std::uint32_t flag_has_secret = 1;
+/// In a challenge: the server is at its connection limit; it refuses this
+/// connection and closes it (no response is read).
+inline constexpr std::uint32_t flag_busy = 2;
 inline constexpr std::size_t nonce_bytes = 32;
 inline constexpr std::size_t mac_bytes = 32;
 inline constexpr std::size_t challenge_bytes = 16 + nonce_bytes;
@@ -70,8 +75,15 @@ std::array<std::uint8_t, 32> hmac_sha256(std::string_view key, std::span<const s
 asio::awaitable<void> as_server(asio::ip::tcp::socket& socket, std::string_view secret,
                                 std::chrono::milliseconds deadline, std::string what);
 
+/// Server side of a refusal: tells the peer, in place of the challenge, that the
+/// server is at its connection limit (flag_busy; `what` says why in the server's
+/// logs only). The caller closes the socket. Best effort within `deadline`.
+asio::awaitable<void> refuse_busy(asio::ip::tcp::socket& socket, std::chrono::milliseconds deadline,
+                                  std::string what);
+
 /// Runs the client side on a freshly connected `socket`; same contract as as_server.
-/// With a secret, succeeds only if the server proved it knows the same secret.
+/// With a secret, succeeds only if the server proved it knows the same secret. A
+/// busy server (flag_busy) is resource_exhausted.
 asio::awaitable<void> as_client(asio::ip::tcp::socket& socket, std::string_view secret,
                                 std::chrono::milliseconds deadline, std::string what);
 

@@ -24,10 +24,10 @@ class weight_transfer_engine::tracking_target final : public model_target {
     inner_.load_weights(weights);
   }
   void begin_update(const update_metadata& meta) override { inner_.begin_update(meta); }
-  std::optional<tensor_view> destination(const tensor_spec& spec) override {
-    auto d = inner_.destination(spec);
-    if (d) touched_ = true;  // bytes may land there from now on
-    return d;
+  std::optional<tensor_view> destination(const tensor_spec& spec) override { return inner_.destination(spec); }
+  void direct_write_begins() override {
+    touched_ = true;  // bytes land in the model's memory from now on
+    inner_.direct_write_begins();
   }
   std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names) override {
     return inner_.fingerprint(names);
@@ -189,9 +189,12 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
   }
   if (!load_weights) throw_error(errc::invalid_argument, name + ": load_weights is empty");
   if (info.commit.value_or(config_.commit) == commit_mode::staged) {
-    if (const std::string why = staged_commit_refusal(); !why.empty())
-      throw_error(errc::unsupported, name + ": staged commits are not supported: " + why +
-                                         "; use \"commit\": \"in_place\" (a failed update then marks the weights dirty)");
+    if (const std::string why = staged_commit_refusal(); !why.empty()) {
+      const std::string message = name + ": staged commits are not supported: " + why +
+                                  "; use \"commit\": \"in_place\" (a failed update then marks the weights dirty)";
+      refuse_update(errc::unsupported, message);
+      throw_error(errc::unsupported, message);
+    }
   }
   // Deferred work of an earlier update must not overlap this one's staging slots.
   if (deferred_.pending() > 0)
@@ -199,7 +202,17 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
                                             "processing is pending (call drain_pending first)");
   // The model checks the whole update before any byte of it moves; a refusal
   // leaves the engine ready and the weights untouched.
-  if (context_.model) context_.model->begin_update(info.metadata);
+  if (context_.model) {
+    try {
+      context_.model->begin_update(info.metadata);
+    } catch (const error& e) {
+      refuse_update(e.kind(), name + ": the model refused the update: " + e.message());
+      throw;
+    } catch (const std::exception& e) {
+      refuse_update(errc::invalid_argument, name + ": the model refused the update: " + e.what());
+      throw;
+    }
+  }
   state_ = state::receiving;
   stats_ = {};
   mode_ = info.commit.value_or(config_.commit);

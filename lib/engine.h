@@ -58,6 +58,10 @@ class model_target {
   /// nullopt (the default) receives into staging. Bytes land as they arrive, so a
   /// failed update leaves such tensors partly written (in-place semantics).
   virtual std::optional<tensor_view> destination(const tensor_spec& spec) { return std::nullopt; }
+  /// Called once per update, just before its first bytes start landing in memory
+  /// destination() offered (not at all when none do): from then on a failed update
+  /// has changed the model. Default: nothing.
+  virtual void direct_write_begins() {}
   /// Fingerprints (see lib/fingerprint.h) of the named weights as the model holds
   /// them now, all weights when `names` is empty; what the worker's
   /// weight_fingerprint call answers. The default throws unsupported.
@@ -166,6 +170,8 @@ class weight_transfer_engine {
   const update_stats& last_update_stats() const noexcept { return stats_; }
 
   bool initialized() const noexcept { return state_ == state::ready || state_ == state::receiving; }
+  /// Buckets whose deferred processing has not finished yet.
+  std::size_t processing_pending() const noexcept { return deferred_.pending(); }
   bool receiving() const noexcept { return state_ == state::receiving; }
 
   /// True when a failed update may have left the model partly written (in_place
@@ -186,6 +192,15 @@ class weight_transfer_engine {
   /// Where post-processing runs: the context's processing executor, else a pool of
   /// config().processing_threads owned by the engine (created on first use).
   asio::any_io_executor processing_executor();
+  /// The update the trainer is about to send will not be received: it was refused
+  /// before its first byte (its update_info, the model's begin_update, the commit
+  /// mode). Engines with a data path tell the trainer at once, with `kind` and
+  /// `reason`, so its send fails now naming them instead of at its deadline, and
+  /// close that path (init_transfer_engine again before the next update). The
+  /// base calls it for the refusals it makes; the control plane for update_info
+  /// it cannot read. Default: nothing (no data path).
+  void refuse_update(errc kind, const std::string& reason) noexcept { do_refuse_update(kind, reason); }
+
   /// Why this engine cannot commit an update staged (empty when it can): the base
   /// refuses a staged update with errc::unsupported and this reason before any
   /// byte moves. Engines whose buckets land in device memory refuse (the stage is
@@ -196,6 +211,8 @@ class weight_transfer_engine {
   virtual asio::awaitable<void> do_init(const init_info& info) = 0;
   virtual asio::awaitable<void> do_receive(const update_info& info, load_weights_fn load_weights) = 0;
   virtual void do_shutdown() = 0;
+  /// See refuse_update.
+  virtual void do_refuse_update(errc kind, const std::string& reason) noexcept {}
   /// An update session ended (finish or abort): engines release per-session
   /// resources here (e.g. IPC mappings). Default: nothing.
   virtual void do_session_finished() {}

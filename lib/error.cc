@@ -24,6 +24,7 @@ class category final : public std::error_category {
       case errc::cancelled: return "cancelled";
       case errc::unsupported: return "unsupported";
       case errc::auth_error: return "authentication error";
+      case errc::resource_exhausted: return "resource exhausted";
     }
     return "refit error " + std::to_string(value);
   }
@@ -57,7 +58,8 @@ namespace {
 constexpr std::string_view names[] = {
     "",           "timeout",          "peer_lost",     "invalid_argument",  "protocol_error",
     "not_registered", "already_registered", "invalid_state", "load_failed", "processing_failed",
-    "integrity_error", "io_error",    "cancelled",     "unsupported", "auth_error"};
+    "integrity_error", "io_error",    "cancelled",     "unsupported", "auth_error",
+    "resource_exhausted"};
 }  // namespace
 
 std::string_view errc_name(errc code) noexcept {

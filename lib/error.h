@@ -26,9 +26,10 @@ enum class errc {
   cancelled,           ///< the operation was cancelled (shutdown)
   unsupported,         ///< not available in this build or on this machine
   auth_error,          ///< shared-secret authentication failed (either side's verdict)
+  resource_exhausted,  ///< a limit was reached: connections, descriptors, requests in flight
 };
 /// The highest kind: codes above it from a peer or plugin are not refit kinds.
-inline constexpr errc last_errc = errc::auth_error;
+inline constexpr errc last_errc = errc::resource_exhausted;
 
 /// The category of refit's error codes; name() is "refit".
 const std::error_category& error_category() noexcept;

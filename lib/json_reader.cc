@@ -23,6 +23,34 @@ std::size_t json_nesting_depth(std::string_view text, std::size_t stop_above) {
   return deepest;
 }
 
+json_shape scan_json(std::string_view text) {
+  json_shape shape;
+  std::size_t depth = 0, separators = 0;
+  bool in_string = false, escaped = false, any = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    switch (c) {
+      case '"': in_string = true; any = true; break;
+      case '[': case '{':
+        ++separators;  // the container, and the first value inside it
+        shape.depth = std::max(shape.depth, ++depth);
+        any = true;
+        break;
+      case ']': case '}': if (depth > 0) --depth; break;
+      case ',': case ':': ++separators; break;
+      case ' ': case '\t': case '\n': case '\r': break;
+      default: any = true; break;
+    }
+  }
+  shape.values = any ? separators + 1 : 0;
+  return shape;
+}
+
 std::string valid_utf8(std::string_view text) {
   // The well-formed sequences of Unicode's table 3-7 (no overlong forms, no
   // surrogates, nothing above U+10FFFF): what nlohmann accepts and dumps.

@@ -30,6 +30,18 @@ inline constexpr std::size_t max_json_depth = 64;
 /// than `stop_above + 1`. Meaningful for valid JSON only (a parser rejects the rest).
 std::size_t json_nesting_depth(std::string_view text, std::size_t stop_above = max_json_depth);
 
+/// What a parse of `text` would build, found in one pass without building it:
+/// the deepest nesting (as json_nesting_depth) and an upper bound of the values
+/// (every scalar, array, object and object key), from the separators outside
+/// strings. A parsed value costs tens of bytes however short its text ("1,": 2
+/// bytes of text, a 16-byte value), so a frame is refused on this count before it
+/// is parsed.
+struct json_shape {
+  std::size_t depth = 0;
+  std::size_t values = 0;
+};
+json_shape scan_json(std::string_view text);
+
 /// Parses JSON text; malformed text (including a number out of range and nesting
 /// deeper than max_json_depth) is refit::error(invalid_argument) naming `context`
 /// and, for a syntax error, the byte offset.

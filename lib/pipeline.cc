@@ -1,9 +1,11 @@
 #include "lib/pipeline.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
+#include <asio/bind_executor.hpp>
 #include <asio/strand.hpp>
 
 #include "lib/async/offload.h"
@@ -81,11 +83,27 @@ std::uint64_t host_staging::allocated_bytes() const noexcept {
 // What in-flight processing needs after receive() returns (the caller's metadata
 // and callback may be gone by then).
 struct receive_pipeline::update_state {
+  update_state(update_metadata meta, load_weights_fn load, asio::strand<asio::any_io_executor> strand,
+               clock_type::time_point start, asio::any_io_executor loop)
+      : meta(std::move(meta)), load(std::move(load)), strand(std::move(strand)), start(start), loop(loop),
+        checks_done(loop), turn(loop) {}
   update_metadata meta;
   load_weights_fn load;
   asio::strand<asio::any_io_executor> strand;
   clock_type::time_point start;
-  bool failed = false;  // after a processing error, later buckets are not loaded (strand only)
+  asio::any_io_executor loop;
+  // After a check or load failed, no later bucket is loaded: set on the event loop
+  // or the strand, read on the strand.
+  std::atomic<bool> failed{false};
+  // Transport checks (event loop): how many are still to run, and the first failure.
+  std::size_t checks_left = 0;
+  std::exception_ptr check_failure;
+  async::event checks_done;
+  // Loads are handed to the strand in bucket order, whatever order the checks
+  // (which run concurrently) finish in (event loop).
+  std::uint64_t spawned = 0;    // processing steps started
+  std::uint64_t next_turn = 0;  // the step whose load goes to the strand next
+  async::event turn;
 };
 
 receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
@@ -102,36 +120,75 @@ receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_
 
 void receive_pipeline::process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
                                std::optional<std::size_t> slot, bool assembly,
-                               std::uint64_t bucket_index, async::drain_scope& scope,
-                               update_stats& stats) {
-  scope.spawn(process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, stats));
+                               std::uint64_t bucket_index, std::function<void()> check,
+                               async::drain_scope& scope, update_stats& stats) {
+  if (check) ++state->checks_left;
+  scope.spawn(process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, std::move(check),
+                             stats));
 }
 
 asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_state> state,
                                                        std::vector<tensor_view> views,
                                                        std::optional<std::size_t> slot, bool assembly,
-                                                       std::uint64_t bucket_index, update_stats& stats) {
+                                                       std::uint64_t bucket_index, std::function<void()> check,
+                                                       update_stats& stats) {
+  const std::uint64_t step = state->spawned++;
   std::exception_ptr error;
-  try {
-    // `failed` is read and written only on the strand, in bucket order, so no
-    // bucket after a failed one is loaded.
-    double busy = co_await async::offload(state->strand, [&state, &views] {
-      if (state->failed) return -1.0;
-      auto t0 = clock_type::now();
-      try {
-        state->load(std::span<const tensor_view>(views));
-      } catch (...) {
-        state->failed = true;
-        throw;
-      }
-      return seconds_since(t0);
-    });
-    if (busy >= 0) {
-      stats.process_s += busy;
-      stats.tensors += views.size();
+  // 1. The transport's check (a checksum), on the processing executor, concurrently
+  //    with other buckets' checks and loads: a load never waits behind it.
+  if (check) {
+    std::exception_ptr check_error;
+    try {
+      if (!state->failed) co_await async::offload(processing_, [&check] { check(); });
+    } catch (...) {
+      check_error = std::current_exception();
+      state->failed = true;
     }
-  } catch (...) {
-    error = processing_error(std::current_exception(), bucket_index, views);
+    if (check_error && !state->check_failure) state->check_failure = check_error;
+    if (--state->checks_left == 0) state->checks_done.set();
+  }
+  // 2. The load, on the strand, in bucket order: each step hands its load over
+  //    only after the step before it did.
+  while (state->next_turn != step) {
+    state->turn.reset();
+    co_await state->turn.wait();
+  }
+  const bool skip = views.empty() || state->failed;  // a check-only chunk, or after a failure
+  double busy = -1;
+  bool loaded = false;
+  if (!skip) {
+    async::event done(state->loop);
+    std::exception_ptr load_error;
+    async::offload(
+        state->strand,
+        [&state, &views] {
+          if (state->failed) return -1.0;  // a failure reported after this load was handed over
+          auto t0 = clock_type::now();
+          try {
+            state->load(std::span<const tensor_view>(views));
+          } catch (...) {
+            state->failed = true;
+            throw;
+          }
+          return seconds_since(t0);
+        },
+        asio::bind_executor(state->loop, [&](std::exception_ptr e, double seconds) {
+          load_error = e;
+          busy = seconds;
+          done.set();
+        }));
+    ++state->next_turn;
+    state->turn.set();
+    co_await done.wait();
+    loaded = true;
+    if (load_error) error = processing_error(load_error, bucket_index, views);
+  } else {
+    ++state->next_turn;
+    state->turn.set();
+  }
+  if (loaded && !error && busy >= 0) {
+    stats.process_s += busy;
+    stats.tensors += views.size();
   }
   stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
   if (slot) slots_.release(*slot);
@@ -193,11 +250,19 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
                                                 load_weights_fn load_weights,
                                                 async::drain_scope& scope, update_stats& stats,
                                                 model_target* target) {
-  auto state = std::make_shared<update_state>(update_state{
-      meta, std::move(load_weights), asio::make_strand(processing_), clock_type::now()});
+  auto state = std::make_shared<update_state>(meta, std::move(load_weights), asio::make_strand(processing_),
+                                              clock_type::now(), executor_);
   const device dev = staging_->device();
   const std::vector<std::byte*> direct = direct_destinations(state->meta, target, dev);
   std::vector<asio::mutable_buffer> scatter;
+  // The target learns when bytes start landing in its memory (a header refused
+  // before that leaves the model untouched).
+  bool direct_started = false;
+  auto before_direct_bytes = [&] {
+    if (direct_started || !target) return;
+    direct_started = true;
+    target->direct_write_begins();
+  };
 
   // The assembly buffer for this update's largest split tensor (one with no direct
   // destination) is grown now, on the processing executor: allocating and faulting
@@ -238,12 +303,18 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
         }
         append(scatter, base + first.tensor_offset, b.payload_bytes);
         auto t0 = clock_type::now();
+        co_await transport.begin(b);
+        if (!assembled) before_direct_bytes();
         co_await transport.receive(b, scatter);
         stats.receive_s += seconds_since(t0);
         stats.bytes += b.payload_bytes;
         ++stats.buckets;
+        auto check = transport.check(b, scatter);
         if (b.last_chunk)
-          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, scope, stats);
+          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, std::move(check), scope,
+                  stats);
+        else if (check)  // an earlier chunk is only checked; the tensor is loaded after its last
+          process(state, {}, std::nullopt, false, b.index, std::move(check), scope, stats);
         continue;
       }
       std::size_t slot = co_await slots_.acquire();
@@ -253,11 +324,13 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
       std::vector<tensor_view> views;
       views.reserve(b.piece_count);
       std::uint64_t at = 0;
+      bool direct_piece = false;
       for (const auto& p : plan.pieces_of(b)) {
         const auto& spec = state->meta.tensors[p.tensor];
         if (std::byte* d = direct[p.tensor]) {
           append(scatter, mem + at, p.bucket_offset - at);
           append(scatter, d, p.bytes);
+          direct_piece |= p.bytes != 0;
           views.emplace_back(spec, d, dev);
         } else {
           append(scatter, mem + at, p.bucket_offset + p.bytes - at);
@@ -268,6 +341,8 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
       }
       auto t0 = clock_type::now();
       try {
+        co_await transport.begin(b);
+        if (direct_piece) before_direct_bytes();
         co_await transport.receive(b, scatter);
       } catch (...) {
         slots_.release(slot);
@@ -275,8 +350,14 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
       }
       stats.receive_s += seconds_since(t0);
       ++stats.buckets;
-      process(state, std::move(views), slot, false, b.index, scope, stats);
+      process(state, std::move(views), slot, false, b.index, transport.check(b, scatter), scope, stats);
     }
+    // Every byte is here; the update is received once every check has passed.
+    if (state->checks_left > 0) {
+      state->checks_done.reset();
+      co_await state->checks_done.wait();
+    }
+    if (state->check_failure) std::rethrow_exception(state->check_failure);
   } catch (...) {
     failure = std::current_exception();
   }

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -69,10 +70,21 @@ class host_staging final : public staging_memory {
 class bucket_transport {
  public:
   virtual ~bucket_transport() = default;
+  /// Called before receive(b, ...): reads and checks whatever precedes bucket b's
+  /// payload (a header). A failure here has written nothing anywhere, so the model
+  /// is still untouched. Default: nothing.
+  virtual asio::awaitable<void> begin(const bucket& b) { co_return; }
   /// Receives exactly b.payload_bytes bytes of bucket `b`, scattered over `dest`
   /// in order (staging, or a model's own memory). Throws on peer loss, timeout or a
   /// protocol violation.
   virtual asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) = 0;
+  /// After receive(b, dest): work that verifies what arrived (a checksum over
+  /// `dest`), or an empty function. The pipeline runs it on the processing
+  /// executor, in bucket order before the bucket is loaded, while the next buckets
+  /// are received; receive() completes only once every check has passed, and a
+  /// check that throws fails the update with its error (nothing after that bucket
+  /// is loaded). `dest` stays valid until the check has run.
+  virtual std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) { return {}; }
 };
 
 /// Runs updates through staging memory that lives as long as the pipeline.
@@ -107,10 +119,11 @@ class receive_pipeline {
   struct update_state;
   void process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
                std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
-               async::drain_scope& scope, update_stats& stats);
+               std::function<void()> check, async::drain_scope& scope, update_stats& stats);
   asio::awaitable<void> process_bucket(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
                                        std::optional<std::size_t> slot, bool assembly,
-                                       std::uint64_t bucket_index, update_stats& stats);
+                                       std::uint64_t bucket_index, std::function<void()> check,
+                                       update_stats& stats);
 
   asio::any_io_executor executor_;
   asio::any_io_executor processing_;

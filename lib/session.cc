@@ -67,12 +67,14 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
   if (!failed_) engine_.mark_weights_clean();
 }
 
-asio::awaitable<void> weight_update_session::abort_weight_update() {
+asio::awaitable<void> weight_update_session::abort_weight_update(const std::string& why) {
   if (!active_) co_return;
+  if (updating_)
+    throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");
   active_ = false;
   if (chunks_ > 0 && !engine_.weights_dirty())
     engine_.mark_weights_dirty("a weight update was aborted after " + std::to_string(chunks_) +
-                               " chunk(s) of it had been applied");
+                               " chunk(s) of it had been applied" + (why.empty() ? "" : " (" + why + ")"));
   // Errors of the aborted update were already reported to whoever failed; drain so
   // the next update starts clean.
   try {

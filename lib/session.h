@@ -35,10 +35,14 @@ class weight_update_session {
 
   /// Closes an active session without recording a version (after a failure). If
   /// chunks of it were already applied, the weights are a mix of two versions: the
-  /// engine is marked dirty.
-  asio::awaitable<void> abort_weight_update();
+  /// engine is marked dirty, with `why` (when given) in the reason. Refused
+  /// (invalid_state) while a chunk is being received: its bytes may be reaching
+  /// the model, and only its end says how far they got.
+  asio::awaitable<void> abort_weight_update(const std::string& why = {});
 
   bool active() const noexcept { return active_; }
+  /// True while a chunk (update_weights) is being received.
+  bool receiving() const noexcept { return updating_; }
   /// The version recorded by the last successful finish, if any.
   std::optional<std::int64_t> weight_version() const noexcept { return version_; }
   /// Chunks received in the active (or last) session.

@@ -77,12 +77,17 @@ torch_engine::torch_engine(const weight_transfer_config& config, const engine_co
 asio::awaitable<void> torch_engine::init(const torch_init_info& info) {
   gpu_ = provider_->uuid_of(context().device);
   handles_->clear();
-  // Staging is allocated once here and reused by every update.
-  if (!pipeline_ || !(pipeline_->params() == info.wire))
+  // Staging is allocated once here and reused by every update, on the processing
+  // executor (not the event loop).
+  if (!pipeline_ || !(pipeline_->params() == info.wire)) {
+    pipeline_.reset();
+    const wire_params wire = info.wire;
+    ipc_provider* provider = provider_.get();  // the engine owns it while this runs
+    std::unique_ptr<staging_memory> staging = co_await async::offload(
+        processing_executor(), [provider, wire] { return provider->make_staging(wire.num_buffers, wire.buffer_bytes); });
     pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   provider_->make_staging(info.wire.num_buffers,
-                                                                           info.wire.buffer_bytes));
-  co_return;
+                                                   std::move(staging));
+  }
 }
 
 asio::awaitable<void> torch_engine::receive(const torch_update_info& info, load_weights_fn load_weights) {

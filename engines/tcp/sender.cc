@@ -9,7 +9,12 @@
 
 #include "engines/tcp/tcp.h"
 #include "lib/group/wire.h"
+#include <asio/experimental/as_tuple.hpp>
+#include <asio/experimental/concurrent_channel.hpp>
+
 #include "lib/async/all_of.h"
+#include "lib/async/deadline.h"
+#include "lib/async/offload.h"
 #include "lib/checksum.h"
 #include "lib/net.h"
 #include "lib/send_cursor.h"
@@ -88,6 +93,40 @@ void sender::fail_all() {
   peers_.clear();
 }
 
+namespace {
+
+// The checksums of an update's buckets, computed in bucket order on a thread of
+// their own while the streams send earlier buckets: each stream receives them, in
+// order, from its own channel (bucket k's header needs k's checksum).
+class checksum_feed {
+ public:
+  using channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
+
+  // One channel per stream, on that stream's executor, each with room for every
+  // checksum (the hasher never waits for a stream).
+  template <class Executors>
+  checksum_feed(const Executors& stream_executors, std::size_t buckets) {
+    for (const auto& ex : stream_executors) channels_.push_back(std::make_shared<channel>(ex, buckets));
+  }
+  std::shared_ptr<channel> for_stream(std::size_t i) const { return channels_.at(i); }
+
+  // Hashes every bucket (on the calling thread); stops early once stop() was called.
+  void run(const std::vector<std::vector<asio::const_buffer>>& payloads) {
+    for (const auto& p : payloads) {
+      if (stopped_) break;
+      const std::uint64_t h = checksum(p);
+      for (auto& c : channels_) c->try_send(std::error_code{}, h);
+    }
+  }
+  void stop() noexcept { stopped_ = true; }
+
+ private:
+  std::vector<std::shared_ptr<channel>> channels_;
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace
+
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
   if (peers_.empty())
     throw_error(errc::invalid_state, "tcp trainer: send_weights before init (or after a failed update; "
@@ -98,41 +137,64 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   const bucket_plan plan = plan_buckets(declared, wire_);
   const std::uint64_t seq = ++seq_;
 
+  std::exception_ptr failure;
   try {
     // Walk (and check) every tensor the source yields before any byte leaves: a
     // divergent or extra tensor fails the update while workers have nothing of it.
     stream s;
     s.update = group::update_header(seq, declared, plan);
     s.seq = seq;
-    s.headers.resize(plan.buckets.size());
-    s.buckets.resize(plan.buckets.size());
+    s.payloads.resize(plan.buckets.size());
     send_cursor cursor(declared, plan, source);
     for (const bucket& b : plan.buckets) {
-      wire::bucket_header h;
-      h.index = b.index;
-      h.payload_bytes = b.payload_bytes;
       const auto& payload = cursor.gather(b);
-      if (wire_.checksums) {
-        h.flags |= wire::flag_checksum;
-        h.checksum = checksum(payload);
-      }
-      s.headers[b.index] = wire::encode(h);
-      auto& buffers = s.buckets[b.index];
-      buffers.push_back(asio::buffer(s.headers[b.index]));
-      buffers.insert(buffers.end(), payload.begin(), payload.end());
+      s.payloads[b.index].assign(payload.begin(), payload.end());
     }
     cursor.finish();
 
     // Each worker's stream runs on its own strand of the I/O pool, at its own pace:
     // with several workers the kernel copies run on several cores, and a slow
-    // worker does not stall the others bucket by bucket.
+    // worker does not stall the others bucket by bucket. Checksums are computed
+    // on a thread of their own, bucket k+1's while bucket k is on the wire.
+    std::vector<asio::any_io_executor> executors;
+    for (auto& p : peers_) executors.emplace_back(p->strand);
+    std::shared_ptr<checksum_feed> feed;
+    if (wire_.checksums) feed = std::make_shared<checksum_feed>(executors, plan.buckets.size());
     std::vector<asio::awaitable<void>> streams;
-    for (auto& p : peers_)
-      streams.push_back(asio::co_spawn(p->strand, stream_to(p, s), asio::use_awaitable));
-    co_await async::all_of(std::move(streams));
+    for (std::size_t i = 0; i < peers_.size(); ++i)
+      streams.push_back(asio::co_spawn(peers_[i]->strand, stream_to(peers_[i], s, feed ? feed->for_stream(i) : nullptr),
+                                       asio::use_awaitable));
+    if (feed) {
+      if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
+      const auto* payloads = &s.payloads;
+      streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads] { feed->run(*payloads); }));
+      // A stream that fails stops the hashing (it would only feed dead streams).
+      auto streams_then_stop = [](std::vector<asio::awaitable<void>> all, std::shared_ptr<checksum_feed> feed)
+          -> asio::awaitable<void> {
+        std::exception_ptr e;
+        try {
+          co_await async::all_of(std::move(all));
+        } catch (...) {
+          e = std::current_exception();
+        }
+        feed->stop();
+        if (e) std::rethrow_exception(e);
+      };
+      std::vector<asio::awaitable<void>> hashed_streams;
+      auto hashing = std::move(streams.back());
+      streams.pop_back();
+      hashed_streams.push_back(streams_then_stop(std::move(streams), feed));
+      hashed_streams.push_back(std::move(hashing));
+      co_await async::all_of(std::move(hashed_streams));
+    } else {
+      co_await async::all_of(std::move(streams));
+    }
   } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
     fail_all();
-    throw;
+    std::rethrow_exception(failure);
   }
   stats_.bytes = plan.tensor_bytes;
   stats_.buckets = plan.buckets.size();
@@ -142,12 +204,30 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   stats_.finalize();
 }
 
-asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream& s) {
+asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream& s,
+                                        std::shared_ptr<checksum_channel> checksums) {
   peer& p = *keep;
   const std::string who = rank_name(p.rank);
   co_await group::announce_update(p.socket, s.update, timeout_, who);
-  for (std::size_t i = 0; i < s.buckets.size(); ++i)
-    co_await net::write_all(p.socket, s.buckets[i], timeout_, who + ": bucket " + std::to_string(i));
+  std::vector<asio::const_buffer> buffers;
+  for (std::size_t i = 0; i < s.payloads.size(); ++i) {
+    const std::string what = who + ": bucket " + std::to_string(i);
+    wire::bucket_header h;
+    h.index = i;
+    h.payload_bytes = asio::buffer_size(s.payloads[i]);
+    if (checksums) {
+      auto [ec, sum] = co_await async::with_deadline(
+          checksums->async_receive(asio::experimental::as_tuple(asio::use_awaitable)), timeout_,
+          what + ": waiting for its checksum");
+      if (ec) throw_error(errc::cancelled, what + ": checksumming stopped");
+      h.flags |= wire::flag_checksum;
+      h.checksum = sum;
+    }
+    const auto header = wire::encode(h);
+    buffers.assign(1, asio::buffer(header));
+    buffers.insert(buffers.end(), s.payloads[i].begin(), s.payloads[i].end());
+    co_await net::write_all(p.socket, buffers, timeout_, what);
+  }
   co_await group::await_confirmation(p.socket, s.seq, timeout_, who);
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <asio/experimental/concurrent_channel.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
@@ -50,6 +51,7 @@ class engine final : public typed_engine<init_info, update_info> {
   asio::awaitable<void> init(const init_info& info) override;
   asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
   void do_shutdown() override;
+  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
 
  private:
   asio::awaitable<void> receive_on(asio::ip::tcp::socket& socket, const update_info& info,
@@ -91,16 +93,18 @@ class sender final : public weight_sender {
   struct stream {
     std::array<std::byte, 48> update;
     std::uint64_t seq = 0;
-    std::vector<std::array<std::byte, 32>> headers;
-    std::vector<std::vector<asio::const_buffer>> buckets;  // header + payload each
+    std::vector<std::vector<asio::const_buffer>> payloads;  // per bucket, into the trainer's tensors
   };
-  asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s);
+  using checksum_channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
+  asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s,
+                                  std::shared_ptr<checksum_channel> checksums);
   void fail_all();
   json worker_init_info() const;
 
   weight_transfer_config config_;
   trainer_context context_;
-  std::unique_ptr<asio::thread_pool> io_pool_;  // threads that copy bytes into sockets
+  std::unique_ptr<asio::thread_pool> io_pool_;    // threads that copy bytes into sockets
+  std::unique_ptr<asio::thread_pool> hash_pool_;  // the checksums, ahead of the streams
   std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
   group::trainer_args args_;
   int world_size_ = 0;

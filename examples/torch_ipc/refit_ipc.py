@@ -49,6 +49,7 @@ __all__ = ["RefitError", "WorkerClient", "WorkerProcess", "gpu_uuid", "handle_en
 _AUTH_MAGIC = 0x41544652  # "RFTA"
 _AUTH_VERSION = 1
 _AUTH_HAS_SECRET = 1
+_AUTH_BUSY = 2  # the worker is at its connection limit and closes the connection
 _VERDICTS = {1: "the worker refused this side's shared secret (the secrets differ)",
              2: "the worker requires a shared secret and none is configured here",
              3: "the worker has no shared secret but one is configured here"}
@@ -98,6 +99,9 @@ class WorkerClient:
         magic, version, flags, _ = struct.unpack("<4I", challenge[:16])
         if magic != _AUTH_MAGIC or version != _AUTH_VERSION:
             raise ConnectionError("not a refit worker of this protocol version (authentication challenge expected)")
+        if flags & _AUTH_BUSY:
+            raise RefitError("resource_exhausted", "the worker refused the connection: it is at its connection "
+                                                   "limit (too many connections)")
         nonce_s = challenge[16:]
         nonce_c = os.urandom(32)
         has = bool(self._secret)

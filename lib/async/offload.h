@@ -19,6 +19,11 @@ namespace refit::async {
 /// its result, or the exception it threw, to `token`'s handler on the handler's own
 /// executor. With the default token, `co_await offload(pool, fn)` returns fn's result
 /// or rethrows its exception in the awaiting coroutine.
+///
+/// Pass a lambda that captures only pointers, references and trivially copyable
+/// values when it is written inside the co_await expression: GCC 12 may destroy such
+/// a temporary twice (seen as a shared_ptr released twice), so anything that owns
+/// memory lives in the coroutine frame and is captured by reference.
 template <class Executor, class Fn,
           class Token = const asio::use_awaitable_t<>&>
 auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {

@@ -1,5 +1,6 @@
 #include "lib/control/frame.h"
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -20,12 +21,18 @@ std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uin
   return len;
 }
 
-json parse_frame_body(std::string_view text, const std::string& what) {
+json parse_frame_body(std::string_view text, const std::string& what, std::size_t max_values) {
   // nlohmann's parser is iterative, but copying or dumping a value recurses once per
-  // level: a small frame of nested brackets would otherwise overflow the stack.
-  if (json_nesting_depth(text) > max_json_depth)
+  // level: a small frame of nested brackets would otherwise overflow the stack. And
+  // a parsed value costs tens of bytes however short its text: both are found
+  // before anything is parsed.
+  const json_shape shape = scan_json(text);
+  if (shape.depth > max_json_depth)
     throw_error(errc::protocol_error, what + ": JSON frame nests deeper than " + std::to_string(max_json_depth) +
                                           " levels");
+  if (shape.values > max_values)
+    throw_error(errc::protocol_error, what + ": JSON frame of about " + std::to_string(shape.values) +
+                                          " values, limit " + std::to_string(max_values));
   try {
     return json::parse(text);
   } catch (const json::parse_error& e) {
@@ -36,62 +43,114 @@ json parse_frame_body(std::string_view text, const std::string& what) {
   }
 }
 
-control_request parse_request(const json& message, json& id) {
+control_request parse_request(json&& message, json& id) {
   json_reader r(message, "control request");
   control_request request;
   request.id = r.required<std::uint64_t>("id");
   id = request.id;
   request.method = r.required<std::string>("method");
-  request.params = r.optional<json>("params", json::object());
+  if (message.is_object() && message.contains("params")) {
+    request.params = std::move(message["params"]);  // moved, not copied: it may be most of the frame
+    message["params"] = nullptr;                     // still a known member for finish()
+  } else {
+    request.params = json::object();
+  }
+  (void)r.optional<json>("params", json::object());
   r.finish();
   return request;
 }
 
-frame_stream::frame_stream(asio::ip::tcp::socket socket, std::uint32_t max_frame)
-    : socket_(std::move(socket)), max_frame_(max_frame), write_idle_(socket_.get_executor()) {
-  write_idle_.set();
-}
+frame_stream::frame_stream(asio::ip::tcp::socket socket, frame_limits limits)
+    : socket_(std::move(socket)), limits_(limits) {}
 
 asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, bool idle_ok,
                                          const std::string& what) {
   std::array<std::uint8_t, 4> len_raw;
+  // An idle server waits as long as it likes for a frame to begin; once its first
+  // byte is here, the rest (the length's other three bytes too) has a deadline.
+  std::size_t have = 0;
   if (idle_ok) {
     try {
-      co_await asio::async_read(socket_, asio::buffer(len_raw), asio::use_awaitable);
+      co_await asio::async_read(socket_, asio::buffer(len_raw.data(), 1), asio::use_awaitable);
     } catch (const std::system_error& e) {
       net::throw_io_error(e.code(), what);
     }
-  } else {
-    co_await net::read_exact(socket_, asio::buffer(len_raw), deadline, what);
+    have = 1;
   }
-  const std::uint32_t len = decode_frame_length(len_raw, max_frame_, what);
-  std::string text(len, '\0');
-  co_await net::read_exact(socket_, asio::buffer(text), deadline, what);
-  co_return parse_frame_body(text, what);
+  co_await net::read_exact(socket_, asio::buffer(len_raw.data() + have, len_raw.size() - have), deadline, what);
+  const std::uint32_t len = decode_frame_length(len_raw, limits_.max_bytes, what);
+  last_frame_bytes_ = len;
+  // The body buffer grows with what arrives (doubling from 64 KiB), so a length
+  // without its bytes costs nothing: memory follows bytes received, not announced.
+  std::string text;
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  while (text.size() < len) {
+    const std::size_t at = text.size();
+    const std::size_t chunk = std::min<std::size_t>(len - at, std::max<std::size_t>(64 << 10, at));
+    text.resize(at + chunk);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    co_await net::read_exact(socket_, asio::buffer(text.data() + at, chunk), std::max(left, std::chrono::milliseconds(1)),
+                             what);
+  }
+  co_return parse_frame_body(text, what, limits_.max_values);
 }
+
+// One queued frame; its writer waits on `done`.
+struct frame_stream::pending_write {
+  explicit pending_write(const asio::any_io_executor& ex) : done(ex) {}
+  std::array<std::uint8_t, 4> length;
+  std::string text;
+  std::string what;
+  async::event done;
+  std::exception_ptr error;
+};
 
 asio::awaitable<void> frame_stream::write(const json& message, std::chrono::milliseconds deadline,
                                           const std::string& what) {
-  const std::string text = message.dump();
-  if (text.size() > max_frame_)
-    throw_error(errc::invalid_argument, what + ": message of " + std::to_string(text.size()) +
-                                            " bytes exceeds the frame limit " + std::to_string(max_frame_));
-  const auto len = static_cast<std::uint32_t>(text.size());
-  const std::array<std::uint8_t, 4> len_raw{std::uint8_t(len >> 24), std::uint8_t(len >> 16),
-                                            std::uint8_t(len >> 8), std::uint8_t(len)};
-  // One writer at a time: a frame is never interleaved with another.
-  while (writing_) co_await write_idle_.wait();
-  writing_ = true;
-  write_idle_.reset();
+  auto w = std::make_shared<pending_write>(socket_.get_executor());
+  w->text = message.dump();
+  if (w->text.size() > limits_.max_bytes)
+    throw_error(errc::invalid_argument, what + ": message of " + std::to_string(w->text.size()) +
+                                            " bytes exceeds the frame limit " + std::to_string(limits_.max_bytes));
+  const auto len = static_cast<std::uint32_t>(w->text.size());
+  w->length = {std::uint8_t(len >> 24), std::uint8_t(len >> 16), std::uint8_t(len >> 8), std::uint8_t(len)};
+  w->what = what;
+  queue_.push_back(w);
+  // The first writer drains the queue for everyone; the others wait for their own
+  // frame only (no writer is woken for another's).
+  if (!writing_) {
+    writing_ = true;
+    co_await drain_queue(deadline);
+  } else {
+    co_await w->done.wait();
+  }
+  if (w->error) std::rethrow_exception(w->error);
+}
+
+asio::awaitable<void> frame_stream::drain_queue(std::chrono::milliseconds deadline) {
   struct release {
     frame_stream* self;
-    ~release() {
-      self->writing_ = false;
-      self->write_idle_.set();
-    }
+    ~release() { self->writing_ = false; }
   } guard{this};
-  std::vector<asio::const_buffer> buffers{asio::buffer(len_raw), asio::buffer(text)};
-  co_await net::write_all(socket_, buffers, deadline, what);
+  while (!queue_.empty()) {
+    auto w = queue_.front();
+    try {
+      std::array<asio::const_buffer, 2> buffers{asio::buffer(w->length), asio::buffer(w->text)};
+      co_await net::write_all(socket_, buffers, deadline, w->what);
+    } catch (...) {
+      w->error = std::current_exception();
+    }
+    queue_.pop_front();
+    w->done.set();
+    if (w->error) {
+      // The stream is broken: every frame still queued fails with the same error.
+      for (auto& rest : queue_) {
+        rest->error = w->error;
+        rest->done.set();
+      }
+      queue_.clear();
+    }
+  }
 }
 
 void frame_stream::close() {

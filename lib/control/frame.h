@@ -1,10 +1,14 @@
 // The control plane's framing: a 4-byte big-endian length, then that many bytes of
-// JSON. Lengths above a limit are refused before anything is allocated.
+// JSON. A peer cannot make a connection hold more than it actually sent: lengths
+// above a limit are refused before anything is allocated, the body is read into a
+// buffer that grows with what arrives, and a body that would parse into more
+// values than a limit is refused before it is parsed.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,6 +23,15 @@ namespace refit::control {
 
 /// Default largest frame: metadata of ~1M tensors fits.
 inline constexpr std::uint32_t default_max_frame = 256u << 20;
+/// Default most values a frame may parse into (json_shape::values): update
+/// metadata of ~600k tensors (names, dtypes, shapes), a few hundred MiB parsed.
+inline constexpr std::size_t default_max_frame_values = 4u << 20;
+
+/// What a frame_stream accepts from its peer.
+struct frame_limits {
+  std::uint32_t max_bytes = default_max_frame;
+  std::size_t max_values = default_max_frame_values;
+};
 
 /// A frame's length from its 4-byte big-endian prefix; above `max_frame` is
 /// protocol_error (before anything is allocated for the body).
@@ -26,8 +39,10 @@ std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uin
                                   const std::string& what);
 
 /// A frame's body as JSON; malformed JSON (a number out of range and nesting deeper
-/// than max_json_depth included) is protocol_error.
-json parse_frame_body(std::string_view text, const std::string& what);
+/// than max_json_depth included) and a body of more than `max_values` values
+/// (scan_json) are protocol_error, the latter found before anything is parsed.
+json parse_frame_body(std::string_view text, const std::string& what,
+                      std::size_t max_values = default_max_frame_values);
 
 /// A control request: {"id": uint64, "method": string, "params": any (default {})}.
 struct control_request {
@@ -37,20 +52,23 @@ struct control_request {
 };
 
 /// Reads a control request strictly (invalid_argument on a missing, mistyped or
-/// unknown member). `id` is set as soon as the id has been read, so the answer to
-/// a request that fails later in reading can still name it.
-control_request parse_request(const json& message, json& id);
+/// unknown member), moving its params out of `message`. `id` is set as soon as the
+/// id has been read, so the answer to a request that fails later in reading can
+/// still name it.
+control_request parse_request(json&& message, json& id);
 
-/// One framed-JSON connection. Writes are queued, so any number of coroutines on
-/// the connection's executor may write at once; reads are for one reader.
+/// One framed-JSON connection. Writes are queued in order and written by one
+/// writer at a time (a write wakes only its own caller), so any number of
+/// coroutines on the connection's executor may write at once; reads are for one
+/// reader.
 class frame_stream {
  public:
-  frame_stream(asio::ip::tcp::socket socket, std::uint32_t max_frame = default_max_frame);
+  frame_stream(asio::ip::tcp::socket socket, frame_limits limits = {});
 
   /// Reads one frame. Waits indefinitely for its first byte when `idle_ok` (a
-  /// server between requests), else within `deadline`; the rest of the frame
-  /// always within `deadline`. Malformed JSON or an oversized length is
-  /// protocol_error.
+  /// server between requests), else within `deadline`; the rest of the frame (the
+  /// length's other bytes included) always within `deadline`. Malformed JSON, an
+  /// oversized length or too many values is protocol_error.
   asio::awaitable<json> read(std::chrono::milliseconds deadline, bool idle_ok, const std::string& what);
   /// Queues `message` and completes when it has been written.
   asio::awaitable<void> write(const json& message, std::chrono::milliseconds deadline, const std::string& what);
@@ -58,12 +76,20 @@ class frame_stream {
   void close();
   bool is_open() const { return socket_.is_open(); }
   asio::ip::tcp::socket& socket() { return socket_; }
+  /// Frames queued or being written.
+  std::size_t queued_writes() const noexcept { return queue_.size(); }
+  /// The body size of the frame read last.
+  std::size_t last_frame_bytes() const noexcept { return last_frame_bytes_; }
 
  private:
+  struct pending_write;
+  asio::awaitable<void> drain_queue(std::chrono::milliseconds deadline);
+
   asio::ip::tcp::socket socket_;
-  std::uint32_t max_frame_;
+  frame_limits limits_;
+  std::deque<std::shared_ptr<pending_write>> queue_;  // front: being written
   bool writing_ = false;
-  async::event write_idle_;
+  std::size_t last_frame_bytes_ = 0;
 };
 
 }  // namespace refit::control

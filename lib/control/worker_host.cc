@@ -1,15 +1,37 @@
 #include "lib/control/worker_host.h"
 
+#include <algorithm>
+
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
+#include <asio/post.hpp>
+#include <asio/redirect_error.hpp>
+#include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include "lib/async/event.h"
 #include "lib/async/offload.h"
 #include "lib/auth.h"
 #include "lib/fingerprint.h"
 #include "lib/net.h"
 
 namespace refit::control {
+
+// One control connection, alive while it is served (and while its requests run).
+struct worker_host::connection {
+  connection(std::uint64_t id, std::string peer, std::shared_ptr<frame_stream> stream)
+      : id(id), peer(std::move(peer)), stream(std::move(stream)), request_done(this->stream->socket().get_executor()) {}
+  std::uint64_t id;
+  std::string peer;
+  std::shared_ptr<frame_stream> stream;
+  std::size_t in_flight = 0;   // requests being handled
+  async::event request_done;   // set when one finishes
+  std::string name() const { return "connection #" + std::to_string(id) + " (" + peer + ")"; }
+};
 
 namespace {
 
@@ -22,51 +44,118 @@ json error_answer(const json& id, std::string_view kind, const std::string& mess
   return {{"id", id}, {"error", {{"kind", kind}, {"message", message}}}};
 }
 
+errc kind_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return x.kind();
+  } catch (...) {
+  }
+  return errc::io_error;
+}
+
+std::string message_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "a non-standard exception";
+}
+
+// Frames this large leave many freed small blocks behind; give them back to the
+// system (off the event loop) so a big update_info does not stay resident.
+constexpr std::size_t trim_after_bytes = 1 << 20;
+
 }  // namespace
 
-worker_host::worker_host(weight_transfer_config config, engine_context context,
-                         load_weights_fn load_weights, engine_factory& factory)
+worker_host::worker_host(weight_transfer_config config, engine_context context, load_weights_fn load_weights,
+                         engine_factory& factory, host_limits limits)
     : config_(std::move(config)),
       context_(std::move(context)),
       load_weights_(std::move(load_weights)),
+      limits_(limits),
       engine_(factory.create_engine(config_, context_)),
       session_(*engine_) {
-  add_method("init_weight_transfer_engine", [this](const json& params) -> asio::awaitable<json> {
+  limits_.handshake_timeout = std::min(limits_.handshake_timeout, config_.timeout);
+  add_verb("init_weight_transfer_engine", [this](connection& caller, json params) -> asio::awaitable<json> {
     auto r = params_reader(params, "init_weight_transfer_engine");
     json init_info = r.required<json>("init_info");
     r.finish();
-    auto info = engine_->parse_init_info(init_info);
-    co_await session_.abort_weight_update();
-    co_await engine_->init_transfer_engine(*info);
-    co_return json::object();
-  });
-  add_method("start_weight_update", [this](const json& params) -> asio::awaitable<json> {
-    auto r = params_reader(params, "start_weight_update");
-    r.finish();
-    session_.start_weight_update();
-    co_return json::object();
-  });
-  add_method("update_weights", [this](const json& params) -> asio::awaitable<json> {
-    auto r = params_reader(params, "update_weights");
-    json update_info = r.required<json>("update_info");
-    r.finish();
+    if (session_.active()) {
+      if (owner_ != caller.id)
+        throw_error(errc::invalid_state, "init_weight_transfer_engine: refused while the weight update session "
+                                         "started by " + owner_name() + " is open (finish it, or close that "
+                                         "connection)");
+      if (session_.receiving())
+        throw_error(errc::invalid_state, "init_weight_transfer_engine: a chunk of this connection's update is "
+                                         "still being received");
+    }
     std::exception_ptr failure;
     try {
-      // An update_info the engine refuses fails the chunk like any other failure
-      // (the session ends; nothing was written).
-      co_await session_.update_weights(update_info, load_weights_);
+      auto info = engine_->parse_init_info(init_info);
+      // The owner re-initialises during its own session: that session ends here
+      // (dirty if any of it was applied).
+      co_await session_.abort_weight_update("the engine was re-initialised during it");
+      owner_.reset();
+      co_await engine_->init_transfer_engine(*info);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (failure) {
+      note_error("init_weight_transfer_engine", failure);
+      std::rethrow_exception(failure);
+    }
+    co_return json::object();
+  });
+  add_verb("start_weight_update", [this](connection& caller, json params) -> asio::awaitable<json> {
+    auto r = params_reader(params, "start_weight_update");
+    r.finish();
+    if (session_.active() && owner_ != caller.id)
+      throw_error(errc::invalid_state, "start_weight_update: the weight update session started by " + owner_name() +
+                                           " is open");
+    session_.start_weight_update();
+    owner_ = caller.id;
+    owner_peer_ = caller.peer;
+    owner_left_ = false;
+    co_return json::object();
+  });
+  add_verb("update_weights", [this](connection& caller, json params) -> asio::awaitable<json> {
+    require_owner(caller, "update_weights");
+    std::exception_ptr failure;
+    try {
+      std::unique_ptr<update_info> info;
+      try {
+        auto r = params_reader(params, "update_weights");
+        if (!r.has("update_info")) r.fail("missing required member 'update_info'");  // read in place, not copied
+        r.finish();
+        info = engine_->parse_update_info(params["update_info"]);
+      } catch (const error& e) {
+        // The trainer is about to send this update: tell it at once why it is
+        // refused rather than let it wait for a worker that reads nothing.
+        engine_->refuse_update(e.kind(), "update_weights: " + e.message());
+        throw;
+      }
+      params = json();  // the typed info is all that is needed now: free the parsed frame
+      co_await session_.update_weights(*info, load_weights_);
     } catch (...) {
       failure = std::current_exception();
     }
     if (failure) {
       // A failed chunk ends the session: the next start_weight_update begins clean.
       note_error("update_weights", failure);
-      co_await session_.abort_weight_update();
+      co_await session_.abort_weight_update("its chunk failed: " + message_of(failure));
+      owner_.reset();
       std::rethrow_exception(failure);
     }
+    if (owner_left_) co_await end_session_after_owner_left();
     co_return json{{"stats", engine_->last_update_stats().to_json()}};
   });
-  add_method("finish_weight_update", [this](const json& params) -> asio::awaitable<json> {
+  add_verb("finish_weight_update", [this](connection& caller, json params) -> asio::awaitable<json> {
+    require_owner(caller, "finish_weight_update");
     auto r = params_reader(params, "finish_weight_update");
     auto version = r.maybe<std::int64_t>("weight_version");
     r.finish();
@@ -76,6 +165,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
     } catch (...) {
       failure = std::current_exception();
     }
+    if (!session_.active()) owner_.reset();
     if (failure) {
       note_error("finish_weight_update", failure);
       std::rethrow_exception(failure);
@@ -83,7 +173,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
     last_error_.clear();
     co_return json{{"stats", engine_->last_update_stats().to_json()}};
   });
-  add_method("weight_fingerprint", [this](const json& params) -> asio::awaitable<json> {
+  add_verb("weight_fingerprint", [this](connection&, json params) -> asio::awaitable<json> {
     auto r = params_reader(params, "weight_fingerprint");
     auto names = r.optional<std::vector<std::string>>("names", {});
     r.finish();
@@ -91,14 +181,16 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
       throw_error(errc::unsupported, "weight_fingerprint: this worker was created without a model target");
     // Hashing a model reads all of it: not on the event loop.
     auto* model = context_.model;
+    // (Captures by pointer and reference only: GCC 12 may destroy a lambda that owns
+    // memory twice when it is a temporary of a co_await expression.)
     auto list = co_await async::offload(engine_->processing_executor(),
-                                        [model, names] { return model->fingerprint(names); });
+                                        [model, &names] { return model->fingerprint(names); });
     json answer = fingerprints_to_json(list);
     answer["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
     answer["state"] = weight_state();
     co_return answer;
   });
-  add_method("weight_info", [this](const json& params) -> asio::awaitable<json> {
+  add_verb("weight_info", [this](connection&, json params) -> asio::awaitable<json> {
     auto r = params_reader(params, "weight_info");
     r.finish();
     co_return weight_info();
@@ -107,14 +199,29 @@ worker_host::worker_host(weight_transfer_config config, engine_context context,
 
 worker_host::~worker_host() { stop(); }
 
+void worker_host::add_verb(const std::string& name, verb v) { verbs_[name] = std::move(v); }
+
+void worker_host::add_method(const std::string& name, method m) {
+  if (verbs_.count(name))
+    throw_error(errc::invalid_argument, "worker_host: '" + name + "' is a built-in verb and cannot be replaced");
+  methods_[name] = std::move(m);
+}
+
 void worker_host::note_error(const std::string& method, std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    last_error_ = method + ": " + std::string(errc_name(x.kind())) + ": " + x.message();
-  } catch (const std::exception& x) {
-    last_error_ = method + ": " + x.what();
-  }
+  last_error_ = method + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
+}
+
+std::string worker_host::owner_name() const {
+  if (!owner_) return "nobody";
+  return "connection #" + std::to_string(*owner_) + " (" + owner_peer_ + ")";
+}
+
+void worker_host::require_owner(const connection& caller, const std::string& method) const {
+  if (!session_.active())
+    throw_error(errc::invalid_state, method + ": no active weight update (call start_weight_update first)");
+  if (owner_ != caller.id)
+    throw_error(errc::invalid_state, method + ": the weight update session belongs to " + owner_name() +
+                                         ", not to " + caller.name());
 }
 
 std::string worker_host::weight_state() const {
@@ -130,15 +237,17 @@ json worker_host::weight_info() const {
                {"receiving", engine_->receiving()},
                {"state", weight_state()},
                {"commit", to_string(config_.commit)},
-               {"last_update", engine_->last_update_stats().to_json()}};
+               {"last_update", engine_->last_update_stats().to_json()},
+               {"connections", connections_.size()},
+               {"accept_errors", accept_errors_}};
+  info["session_owner"] = session_.active() && owner_ ? json(owner_name()) : json(nullptr);
   info["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
   info["dirty_reason"] = engine_->weights_dirty() ? json(engine_->dirty_reason()) : json(nullptr);
   info["last_error"] = last_error_.empty() ? json(nullptr) : json(last_error_);
   info["last_refused_connection"] = refused_.empty() ? json(nullptr) : json(refused_);
+  info["last_accept_error"] = last_accept_error_.empty() ? json(nullptr) : json(last_accept_error_);
   return info;
 }
-
-void worker_host::add_method(const std::string& name, method m) { methods_[name] = std::move(m); }
 
 std::uint16_t worker_host::listen(const std::string& host, std::uint16_t port) {
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, host, port));
@@ -147,65 +256,147 @@ std::uint16_t worker_host::listen(const std::string& host, std::uint16_t port) {
 
 asio::awaitable<void> worker_host::serve() {
   if (!acceptor_) throw_error(errc::invalid_state, "worker_host: serve before listen");
+  asio::steady_timer pause(context_.executor);
+  std::chrono::milliseconds backoff(0);
   while (!stopped_) {
     asio::ip::tcp::socket socket(context_.executor);
-    try {
-      co_await acceptor_->async_accept(socket, asio::use_awaitable);
-    } catch (const std::system_error& e) {
-      if (stopped_ || e.code() == asio::error::operation_aborted) break;
-      continue;  // a failed accept (e.g. out of descriptors) must not end serving
+    std::error_code failed;
+    co_await acceptor_->async_accept(socket, asio::redirect_error(asio::use_awaitable, failed));
+    if (failed) {
+      if (stopped_ || failed == asio::error::operation_aborted) break;
+      // Out of descriptors (EMFILE, ENFILE) or memory: serving goes on, but an
+      // accept retried at once fails at once, forever. Back off (up to 1 s) and say so.
+      ++accept_errors_;
+      last_accept_error_ = "control: accepting a connection failed: " + failed.message() + " (" +
+                           std::to_string(accept_errors_) + " failures so far)";
+      backoff = std::clamp(backoff * 2, std::chrono::milliseconds(5), std::chrono::milliseconds(1000));
+      pause.expires_after(backoff);
+      std::error_code ignored;
+      co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ignored));
+      continue;
     }
+    backoff = std::chrono::milliseconds(0);
     net::tune(socket);
-    auto stream = std::make_shared<frame_stream>(std::move(socket));
-    connections_.push_back(stream);
-    asio::co_spawn(context_.executor, serve_connection(stream), asio::detached);
+    std::string peer = "?";
+    {
+      std::error_code ec;
+      auto ep = socket.remote_endpoint(ec);
+      if (!ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
+    }
+    if (connections_.size() >= limits_.max_connections) {
+      asio::co_spawn(context_.executor, refuse(std::move(socket), std::move(peer)), asio::detached);
+      continue;
+    }
+    const std::uint64_t id = next_connection_++;
+    auto c = std::make_shared<connection>(id, peer, std::make_shared<frame_stream>(std::move(socket), limits_.frames));
+    connections_.emplace(id, c);
+    asio::co_spawn(context_.executor, serve_connection(c), asio::detached);
   }
 }
 
-asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<frame_stream> stream) {
-  // No frame is read from a peer that has not proved the shared secret.
-  std::string peer = "?";
-  {
-    std::error_code ec;
-    auto ep = stream->socket().remote_endpoint(ec);
-    if (!ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
-  }
+asio::awaitable<void> worker_host::refuse(asio::ip::tcp::socket socket, std::string peer) {
+  refused_ = "control: connection from " + peer + " refused: resource_exhausted: " +
+             std::to_string(connections_.size()) + " connections already (the limit)";
+  co_await auth::refuse_busy(socket, limits_.handshake_timeout, "control: connection from " + peer);
+  std::error_code ignored;
+  socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+  socket.close(ignored);
+}
+
+asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> c) {
+  struct closing {
+    worker_host* host;
+    connection* c;
+    ~closing() { host->connection_closed(*c); }
+  } on_exit{this, c.get()};
+  // No frame is read from a peer that has not proved the shared secret, and a
+  // peer that stays silent is cut at the handshake deadline.
   try {
-    co_await auth::as_server(stream->socket(), config_.auth_secret, config_.timeout,
-                             "control: connection from " + peer);
+    co_await auth::as_server(c->stream->socket(), config_.auth_secret, limits_.handshake_timeout,
+                             "control: connection from " + c->peer);
   } catch (const error& e) {
-    refused_ = "control: connection from " + peer + " refused: " + std::string(errc_name(e.kind())) + ": " +
+    refused_ = "control: connection from " + c->peer + " refused: " + std::string(errc_name(e.kind())) + ": " +
                e.message();
-    stream->close();
+    c->stream->close();
     co_return;
   }
   for (;;) {
+    // Back-pressure: with max_requests_in_flight being handled, stop reading (the
+    // peer's frames wait in the kernel) until one is answered.
+    while (c->in_flight >= limits_.max_requests_in_flight) {
+      c->request_done.reset();
+      co_await c->request_done.wait();
+    }
     json request;
+    json refusal;
     try {
-      request = co_await stream->read(config_.timeout, /*idle_ok=*/true, "control request");
+      request = co_await c->stream->read(config_.timeout, /*idle_ok=*/true, "control request");
     } catch (const error& e) {
-      // A peer that closed is the normal end; a malformed frame ends this
-      // connection (its framing can no longer be trusted) but not the host.
-      stream->close();
+      // A peer that closed is the normal end; a malformed frame is answered (id
+      // null) and ends this connection, whose framing can no longer be trusted.
+      if (e.kind() != errc::protocol_error || !c->stream->is_open()) {
+        c->stream->close();
+        co_return;
+      }
+      refusal = error_answer(nullptr, errc_name(e.kind()), e.message());
+    }
+    if (!refusal.is_null()) {
+      try {
+        co_await c->stream->write(refusal, config_.timeout, "control answer");
+      } catch (const error&) {
+      }
+      c->stream->close();
       co_return;
     }
-    asio::co_spawn(context_.executor, handle(stream, std::move(request)), asio::detached);
+    const std::size_t bytes = c->stream->last_frame_bytes();
+    ++c->in_flight;
+    asio::co_spawn(context_.executor, handle(c, std::move(request), bytes), asio::detached);
   }
 }
 
-asio::awaitable<void> worker_host::handle(std::shared_ptr<frame_stream> stream, json request) {
+void worker_host::connection_closed(connection& c) {
+  connections_.erase(c.id);
+  if (!session_.active() || owner_ != c.id) return;
+  // The trainer that owns the open session is gone: nobody may finish it.
+  if (session_.receiving()) {
+    owner_left_ = true;  // ended when its chunk ends (update_weights)
+    return;
+  }
+  asio::co_spawn(context_.executor, end_session_after_owner_left(), asio::detached);
+}
+
+asio::awaitable<void> worker_host::end_session_after_owner_left() {
+  const std::string who = owner_name();
+  owner_.reset();
+  owner_left_ = false;
+  if (!session_.active()) co_return;
+  // No verb failed: dirty_reason (when any of it was applied) says what happened.
+  try {
+    co_await session_.abort_weight_update("its owner, " + who + ", closed its connection before finishing it");
+  } catch (const error&) {
+    // a chunk started meanwhile: its end decides
+  }
+}
+
+asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json request, std::size_t frame_bytes) {
   json id = nullptr;
   json answer;
   try {
-    control_request req = parse_request(request, id);
-    auto it = methods_.find(req.method);
-    if (it == methods_.end()) {
+    control_request req = parse_request(std::move(request), id);
+    request = json();
+    json result;
+    if (auto v = verbs_.find(req.method); v != verbs_.end()) {
+      verb call = v->second;
+      result = co_await call(*c, std::move(req.params));
+    } else if (auto m = methods_.find(req.method); m != methods_.end()) {
+      method call = m->second;  // a copy: the handler may replace methods while running
+      result = co_await call(req.params);
+    } else {
       std::string known;
-      for (const auto& [n, m] : methods_) known += (known.empty() ? "" : ", ") + n;
+      for (const auto& [n, v] : verbs_) known += (known.empty() ? "" : ", ") + n;
+      for (const auto& [n, m] : methods_) known += ", " + n;
       throw_error(errc::invalid_argument, "unknown method '" + req.method + "' (methods: " + known + ")");
     }
-    method m = it->second;  // a copy: the handler may replace methods while running
-    json result = co_await m(req.params);
     answer = json::object();
     answer["id"] = id;
     answer["result"] = std::move(result);
@@ -215,10 +406,17 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<frame_stream> stream, 
     answer = error_answer(id, "io_error", e.what());
   }
   try {
-    co_await stream->write(answer, config_.timeout, "control answer");
+    co_await c->stream->write(answer, config_.timeout, "control answer");
   } catch (const error&) {
-    stream->close();  // the trainer went away; its calls fail on its side
+    c->stream->close();  // the trainer went away; its calls fail on its side
   }
+  answer = json();
+  --c->in_flight;
+  c->request_done.set();
+#if defined(__GLIBC__)
+  if (frame_bytes >= trim_after_bytes)
+    asio::post(engine_->processing_executor(), [] { malloc_trim(0); });
+#endif
 }
 
 void worker_host::stop() {
@@ -227,10 +425,15 @@ void worker_host::stop() {
     std::error_code ignored;
     acceptor_->close(ignored);
   }
-  for (auto& weak : connections_)
-    if (auto s = weak.lock()) s->close();
-  connections_.clear();
-  if (engine_) engine_->shutdown();
+  for (auto& [id, c] : connections_) c->stream->close();
+  // Refused while deferred processing runs (it reads staging): the engine then
+  // shuts down when it is destroyed. stop() itself never throws.
+  if (engine_) {
+    try {
+      engine_->shutdown();
+    } catch (const error&) {
+    }
+  }
 }
 
 }  // namespace refit::control

@@ -1,6 +1,12 @@
 #include "lib/group/engine_base.h"
 
+#include <algorithm>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+
 #include "lib/async/all_of.h"
+#include "lib/async/offload.h"
 #include "lib/net.h"
 
 namespace refit::group {
@@ -20,10 +26,17 @@ asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
   auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(j.socket));
   co_await transport_closed();  // an earlier communicator's abort, before its staging is reused
   co_await joined(info, j.welcome);
-  // Staging is allocated once here and reused by every update.
-  if (!pipeline_ || !(pipeline_->params() == info.wire))
+  // Staging is allocated once here and reused by every update, on the processing
+  // executor (allocating and faulting it in, or a cudaMalloc, is no work for the
+  // event loop).
+  if (!pipeline_ || !(pipeline_->params() == info.wire)) {
+    pipeline_.reset();  // the old staging goes first: peak memory is one set
+    const wire_params wire = info.wire;
+    std::unique_ptr<staging_memory> staging =
+        co_await async::offload(processing_executor(), [this, wire] { return make_staging(wire); });
     pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   make_staging(info.wire));
+                                                   std::move(staging));
+  }
   socket_ = std::move(socket);
   last_seq_ = 0;
 }
@@ -57,6 +70,19 @@ asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, l
     close();
     co_await transport_closed();
     std::rethrow_exception(failure);
+  }
+}
+
+void worker_engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
+  if (!socket_) return;
+  try {
+    close_transport();
+    std::shared_ptr<asio::ip::tcp::socket> s(socket_.release());
+    asio::co_spawn(context().executor,
+                   group::refuse_update(s, last_seq_ + 1, kind, reason, std::min(timeout_, std::chrono::milliseconds(2000)),
+                                 who()),
+                   asio::detached);
+  } catch (...) {  // could not start the refusal: the trainer fails at its deadline
   }
 }
 

@@ -61,6 +61,7 @@ class worker_engine : public typed_engine<stream_free_init_info, metadata_update
   asio::awaitable<void> init(const stream_free_init_info& info) final;
   asio::awaitable<void> receive(const metadata_update_info& info, load_weights_fn load_weights) final;
   void do_shutdown() final { close(); }
+  void do_refuse_update(errc kind, const std::string& reason) noexcept final;
 
   std::unique_ptr<asio::ip::tcp::socket> socket_;
   std::unique_ptr<receive_pipeline> pipeline_;

@@ -5,6 +5,7 @@
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 #include <asio/redirect_error.hpp>
+#include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
 #include "lib/async/deadline.h"
@@ -169,6 +170,7 @@ asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<a
 }
 
 asio::awaitable<void> accept_loop(std::shared_ptr<rendezvous> r, asio::ip::tcp::acceptor& acceptor) {
+  std::chrono::milliseconds backoff(0);
   while (!r->done) {
     auto socket = std::make_shared<asio::ip::tcp::socket>(r->executor);
     std::error_code ec;
@@ -176,8 +178,16 @@ asio::awaitable<void> accept_loop(std::shared_ptr<rendezvous> r, asio::ip::tcp::
     if (r->done) break;  // the acceptor may be gone: touch nothing of it
     if (ec) {
       if (ec == asio::error::operation_aborted || ec == asio::error::bad_descriptor) break;
-      continue;  // e.g. out of descriptors: keep accepting
+      // E.g. out of descriptors: keep accepting, but after a pause (an accept retried
+      // at once fails at once, forever), and say why if the rendezvous times out.
+      r->last_refusal = "accepting a connection failed: " + ec.message();
+      backoff = std::clamp(backoff * 2, std::chrono::milliseconds(5), std::chrono::milliseconds(1000));
+      asio::steady_timer pause(r->executor, backoff);
+      std::error_code ignored;
+      co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ignored));
+      continue;
     }
+    backoff = std::chrono::milliseconds(0);
     net::tune(*socket);
     r->pending.push_back(socket);
     asio::co_spawn(r->executor, handshake(r, socket), asio::detached);
@@ -297,6 +307,27 @@ asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std:
   }
   co_await send_status(socket, 0, u.seq, {}, timeout, who + ": accepting the update");
   co_return u.seq;
+}
+
+asio::awaitable<void> refuse_update(std::shared_ptr<asio::ip::tcp::socket> socket, std::uint64_t seq, errc kind,
+                                    std::string reason, std::chrono::milliseconds linger, std::string who) {
+  std::error_code ignored;
+  try {
+    co_await send_status(*socket, static_cast<std::uint32_t>(kind), seq, reason, linger, who + ": refusing the update");
+    socket->shutdown(asio::ip::tcp::socket::shutdown_send, ignored);
+    std::array<std::byte, 64 << 10> sink;
+    const auto until = std::chrono::steady_clock::now() + linger;
+    for (;;) {  // until the trainer closes (it fails on the status) or the linger ends
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      co_await async::with_deadline(socket->async_read_some(asio::buffer(sink), asio::use_awaitable), left,
+                                    who + ": draining after a refusal");
+    }
+  } catch (const std::exception&) {  // closed, reset or timed out: done either way
+  }
+  socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+  socket->close(ignored);
 }
 
 asio::awaitable<void> confirm_update(asio::ip::tcp::socket& socket, std::uint64_t seq,

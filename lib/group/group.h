@@ -97,6 +97,14 @@ asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std:
                                              const update_metadata& meta, const bucket_plan& plan,
                                              std::chrono::milliseconds timeout, std::string who);
 
+/// Worker side, for an update it refuses before reading its header: tells the
+/// trainer (a status with `kind` and `reason` for update `seq`, which its
+/// announce_update reads at once), stops sending, takes in what the trainer sends
+/// meanwhile (so the close resets nothing the status is still in), and closes the
+/// connection. Completes within `linger`.
+asio::awaitable<void> refuse_update(std::shared_ptr<asio::ip::tcp::socket> socket, std::uint64_t seq, errc kind,
+                                    std::string reason, std::chrono::milliseconds linger, std::string who);
+
 /// Both sides: the worker confirms (or fails) update `seq` after its last byte.
 asio::awaitable<void> confirm_update(asio::ip::tcp::socket& socket, std::uint64_t seq,
                                      std::chrono::milliseconds timeout, std::string who);

@@ -131,9 +131,13 @@ inline std::string check_update_header(const update& u, const update_expectation
     return "trainer sends " + std::to_string(u.tensors) + " tensors, this update_info declares " +
            std::to_string(e.tensors);
   if (u.digest != e.digest) return "tensor names, dtypes or shapes differ between the trainer and this update_info";
-  if (u.buckets != e.buckets || u.payload_bytes != e.payload_bytes)
-    return "bucket plans differ (trainer " + std::to_string(u.buckets) + " buckets, worker " +
-           std::to_string(e.buckets) + ")";
+  if (u.buckets != e.buckets)
+    return "bucket plans differ: the trainer cuts the update into " + std::to_string(u.buckets) +
+           " buckets, this worker into " + std::to_string(e.buckets) + " (are both on the same refit version?)";
+  if (u.payload_bytes != e.payload_bytes)
+    return "bucket plans differ: the trainer's " + std::to_string(u.buckets) + " buckets carry " +
+           std::to_string(u.payload_bytes) + " payload bytes, this worker's " + std::to_string(e.payload_bytes) +
+           " (alignment or padding differ: are both on the same refit version?)";
   return {};
 }
 

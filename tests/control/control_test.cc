@@ -219,15 +219,21 @@ TEST_F(control_test, bad_requests_get_typed_errors_and_the_host_keeps_serving) {
   msg = call_error("start_weight_update", {{"surprise", 1}}, errc::invalid_argument);
   EXPECT_NE(msg.find("'surprise'"), std::string::npos) << msg;
 
-  // A raw connection sending an absurd frame length is dropped without harm.
+  // A raw connection sending an absurd frame length gets an error answer (id null)
+  // and is then dropped, without harm to the host.
   auto raw = [](std::uint16_t port) -> asio::awaitable<void> {
     auto s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "raw");
     co_await auth::as_client(s, "", 5s, "raw");  // this host has no secret
     const std::uint8_t huge[4] = {0xff, 0xff, 0xff, 0xff};
     co_await asio::async_write(s, asio::buffer(huge), asio::use_awaitable);
+    control::frame_stream f(std::move(s));
+    json answer = co_await f.read(5s, false, "raw");
+    EXPECT_TRUE(answer["id"].is_null()) << answer;
+    EXPECT_EQ(answer["error"]["kind"], "protocol_error") << answer;
+    EXPECT_NE(answer["error"]["message"].get<std::string>().find("limit"), std::string::npos) << answer;
     char byte;
     std::error_code ec;
-    co_await s.async_read_some(asio::buffer(&byte, 1), asio::redirect_error(asio::use_awaitable, ec));
+    co_await f.socket().async_read_some(asio::buffer(&byte, 1), asio::redirect_error(asio::use_awaitable, ec));
     EXPECT_TRUE(ec) << "the host closes a connection with a corrupt frame";
   };
   run_to_completion(io_, raw(port_));

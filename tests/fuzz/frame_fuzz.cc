@@ -61,7 +61,7 @@ bool run(std::span<const std::uint8_t> in) {
     json id = nullptr;
     control::control_request request;
     try {
-      request = control::parse_request(message, id);
+      request = control::parse_request(json(message), id);
       check(id == json(request.id), "parse_request", "the id read is not the id reported");
       (void)answer_text(id, &request.params, nullptr);
     } catch (const error& e) {

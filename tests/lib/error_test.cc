@@ -13,7 +13,7 @@ constexpr errc all_kinds[] = {
     errc::timeout,        errc::peer_lost,         errc::invalid_argument, errc::protocol_error,
     errc::not_registered, errc::already_registered, errc::invalid_state,    errc::load_failed,
     errc::processing_failed, errc::integrity_error, errc::io_error,         errc::cancelled,
-    errc::unsupported,    errc::auth_error,
+    errc::unsupported,    errc::auth_error,        errc::resource_exhausted,
 };
 
 TEST(error_category, is_named_refit_and_describes_every_kind_distinctly) {
@@ -41,6 +41,7 @@ TEST(error_category, kind_values_are_stable) {
   EXPECT_EQ(static_cast<int>(errc::load_failed), 8);
   EXPECT_EQ(static_cast<int>(errc::unsupported), 13);
   EXPECT_EQ(static_cast<int>(errc::auth_error), 14);
+  EXPECT_EQ(static_cast<int>(errc::resource_exhausted), 15);
 }
 
 TEST(errc_name, is_a_stable_identifier_and_parse_errc_inverts_it) {

@@ -3,6 +3,8 @@
 #include "lib/pipeline.h"
 
 #include <atomic>
+#include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,6 +53,11 @@ class cursor_transport final : public bucket_transport {
   cursor_transport(tensor_set& set, const wire_params& w)
       : plan_(plan_buckets(set.meta, w)), views_(set.views()), source_(views_), cursor_(set.meta, plan_, source_) {}
 
+  asio::awaitable<void> begin(const bucket& b) override {
+    if (fail_header_at && *fail_header_at == b.index)
+      throw_error(errc::protocol_error, "fake transport: bucket " + std::to_string(b.index) + " header refused");
+    co_return;
+  }
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     started.push_back(b.index);
     if (fail_at && *fail_at == b.index)
@@ -64,6 +71,7 @@ class cursor_transport final : public bucket_transport {
   const bucket_plan& plan() const { return plan_; }
   std::vector<std::uint64_t> started;
   std::optional<std::uint64_t> fail_at;
+  std::optional<std::uint64_t> fail_header_at;
 
  private:
   bucket_plan plan_;
@@ -260,6 +268,136 @@ TEST_F(pipeline_test, the_assembly_buffer_grows_on_the_processing_executor_not_t
   ASSERT_EQ(staging->grown_on.size(), 1u) << "grown once, to the largest split tensor";
   EXPECT_NE(staging->grown_on[0], std::this_thread::get_id()) << "grown on the event loop";
   EXPECT_EQ(pipeline.staging().allocated_bytes(), 2u * 4096u + 10000u);
+  pool.join();
+}
+
+// A model that offers its own memory for every tensor and counts when bytes start
+// landing there.
+class direct_target final : public model_target {
+ public:
+  explicit direct_target(const tensor_set& set) {
+    for (const auto& t : set.meta.tensors) memory_[t.name].resize(t.nbytes());
+  }
+  void load_weights(std::span<const tensor_view>) override {}
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    return tensor_view(spec, memory_.at(spec.name).data());
+  }
+  void direct_write_begins() override { ++begun; }
+  int begun = 0;
+
+ private:
+  std::map<std::string, std::vector<std::byte>> memory_;
+};
+
+// "The model was reached" means bytes landed in its memory: a failure before the
+// first bucket's bytes (a refused header) leaves it untouched; one after says so once.
+TEST_F(pipeline_test, the_target_learns_when_bytes_start_landing_in_its_memory) {
+  const wire_params w = wire(4096, 2);
+  tensor_set set = mixed_set();
+  for (std::uint64_t fail_at : {0u, 3u}) {
+    auto pipeline = make(w);
+    direct_target target(set);
+    cursor_transport transport(set, w);
+    transport.fail_header_at = fail_at;
+    capture got;
+    async::drain_scope s(io.get_executor());
+    auto r = spawn(io, pipeline->receive(set.meta, transport, got.fn(), s, stats, &target));
+    ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+    ASSERT_TRUE(r->error);
+    EXPECT_EQ(target.begun, fail_at == 0 ? 0 : 1) << "failing at bucket " << fail_at;
+  }
+}
+
+// A transport whose buckets carry a check (as a checksum would): checks take
+// uneven time and one may fail.
+class checked_transport final : public bucket_transport {
+ public:
+  checked_transport(tensor_set& set, const wire_params& w) : inner_(set, w) {}
+  asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
+    co_await inner_.receive(b, dest);
+  }
+  std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer>) override {
+    return [this, index = b.index] {
+      if (index % 2 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // uneven: order is not free
+      ++checked;
+      if (fail_at && *fail_at == index)
+        throw_error(errc::integrity_error, "bucket " + std::to_string(index) + ": checksum differs");
+    };
+  }
+  const bucket_plan& plan() const { return inner_.plan(); }
+  std::optional<std::uint64_t> fail_at;
+  std::atomic<int> checked{0};
+
+ private:
+  cursor_transport inner_;
+};
+
+// Checks run off the loop, concurrently with loads, yet loads stay in bucket order;
+// receive completes once every check passed, while loads may still be held.
+TEST_F(pipeline_test, checks_run_beside_loads_which_stay_in_order_and_receive_waits_only_for_checks) {
+  const wire_params w = wire(4096, 3);
+  asio::thread_pool pool(3);
+  auto pipeline = make(w, pool.get_executor());
+  tensor_set set;
+  for (int i = 0; i < 12; ++i) set.add("p" + std::to_string(i), dtype::float32, {300 + 50 * i});
+  checked_transport transport(set, w);
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  std::mutex m;
+  std::vector<std::string> order;
+  capture got;
+  auto load = [&, inner = got.fn(), opened](std::span<const tensor_view> views) {
+    if (views.front().name == std::string_view("p0")) opened.wait();  // processing held from the first bucket
+    {
+      std::lock_guard lock(m);
+      for (const auto& v : views) order.emplace_back(v.name);
+    }
+    inner(views);
+  };
+  auto r = spawn(io, pipeline->receive(set.meta, transport, load, scope, stats));
+  // Loads are held at the gate (only the first bucket fits before the slots run out),
+  // so receive cannot finish unless checks run beside them: with 3 buffers it
+  // cannot anyway, so open the gate once every slot is taken and checked.
+  ASSERT_TRUE(testing::run_until(io, [&] { return transport.checked >= 3; }, 30s)) << "checks waited behind a load";
+  gate.set_value();
+  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  EXPECT_FALSE(r->error) << r->message();
+  auto j = spawn(io, scope.join());
+  ASSERT_TRUE(testing::run_until(io, [&] { return j->done; }, 30s));
+  EXPECT_NO_THROW(got.check_equals(set));
+  std::vector<std::string> expected;
+  for (const auto& t : set.meta.tensors) expected.push_back(t.name);
+  EXPECT_EQ(order, expected) << "loads out of bucket order";
+  pool.join();
+}
+
+TEST_F(pipeline_test, a_failed_check_fails_receive_with_its_error_and_nothing_after_it_is_loaded) {
+  const wire_params w = wire(4096, 2);
+  asio::thread_pool pool(2);
+  auto pipeline = make(w, pool.get_executor());
+  tensor_set set;
+  for (int i = 0; i < 10; ++i) set.add("p" + std::to_string(i), dtype::float32, {500});
+  checked_transport transport(set, w);
+  transport.fail_at = 4;
+  std::mutex m;
+  std::vector<std::string> loaded;
+  auto load = [&](std::span<const tensor_view> views) {
+    std::lock_guard lock(m);
+    for (const auto& v : views) loaded.emplace_back(v.name);
+  };
+  auto r = spawn(io, pipeline->receive(set.meta, transport, load, scope, stats));
+  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  ASSERT_TRUE(r->error);
+  EXPECT_EQ(r->kind(), static_cast<int>(errc::integrity_error)) << r->message();
+  EXPECT_NE(r->message().find("bucket 4: checksum differs"), std::string::npos) << r->message();
+  std::map<std::string, std::uint64_t> bucket_of;
+  for (const bucket& b : transport.plan().buckets)
+    for (const auto& piece : transport.plan().pieces_of(b)) bucket_of[set.meta.tensors[piece.tensor].name] = b.index;
+  std::lock_guard lock(m);
+  EXPECT_FALSE(loaded.empty());
+  for (const auto& name : loaded)
+    EXPECT_LT(bucket_of.at(name), 4u) << name << " (bucket " << bucket_of.at(name)
+                                      << ") was loaded at or after the failed check of bucket 4";
   pool.join();
 }
 

@@ -253,7 +253,9 @@ TEST(nccl_host, staged_commits_into_device_staging_are_refused_before_any_byte) 
   }
   EXPECT_EQ(refused.calls(), 0u);
   EXPECT_FALSE(h.engine().weights_dirty());
-  // The same engine takes the update in place.
+  // The refusal closed the data path (the trainer learns of it at once): after a
+  // re-init the same engine takes the update in place.
+  run_to_completion(io, h.connect(small_wire()));
   capture got;
   auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
   auto received = spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),

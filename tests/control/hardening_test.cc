@@ -1,0 +1,471 @@
+// The control plane against an adversary and a stale trainer: sessions belong to
+// the connection that started them; frames cost what was sent, not what was
+// announced; floods, churn, descriptor exhaustion and connection caps neither
+// starve nor bloat the host; refusals reach the trainer at once.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <fstream>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/experimental/awaitable_operators.hpp>
+#include <asio/read.hpp>
+#include <asio/redirect_error.hpp>
+#include <asio/write.hpp>
+
+#include "engines/tcp/tcp.h"
+#include "lib/auth.h"
+#include "lib/control/client.h"
+#include "lib/control/worker_host.h"
+#include "lib/net.h"
+#include "tests/support/run.h"
+#include "tests/support/tensors.h"
+
+namespace refit::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::uint64_t rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+weight_transfer_config tcp_config(std::chrono::milliseconds timeout = 5s) {
+  weight_transfer_config c;
+  c.backend = "tcp";
+  c.timeout = timeout;
+  return c;
+}
+
+// A model that refuses any update with a tensor named "forbidden".
+class picky_model final : public model_target {
+ public:
+  void load_weights(std::span<const tensor_view>) override {}
+  void begin_update(const update_metadata& meta) override {
+    for (const auto& t : meta.tensors)
+      if (t.name == "forbidden") throw_error(errc::invalid_argument, "picky model: no tensor may be named 'forbidden'");
+  }
+};
+
+class hardening_test : public ::testing::Test {
+ protected:
+  void start(weight_transfer_config config = tcp_config(), control::host_limits limits = {}) {
+    factory_.register_engine<tcp::engine, tcp::sender>("tcp");
+    host_ = std::make_unique<control::worker_host>(config, engine_context{io_.get_executor(), {}, {}, &model_},
+                                                   got_.fn(), factory_, limits);
+    port_ = host_->listen("127.0.0.1", 0);
+    spawn(io_, host_->serve());
+    trainer_ = connect();
+    sender_ = std::make_unique<tcp::sender>(config, trainer_context{io_.get_executor(), {}});
+  }
+  void TearDown() override {
+    for (auto& c : clients_) c->close();
+    if (host_) host_->stop();
+    if (sender_) sender_->shutdown();
+    run(io_, 5s);
+  }
+  control::client* connect() {
+    clients_.push_back(std::make_unique<control::client>(io_.get_executor(), 5s));
+    run_to_completion(io_, clients_.back()->connect("127.0.0.1", port_));
+    return clients_.back().get();
+  }
+  json call(control::client* c, const std::string& method, json params = json::object()) {
+    json result;
+    run_to_completion(io_, call_into(c, method, std::move(params), &result));
+    return result;
+  }
+  static asio::awaitable<void> call_into(control::client* c, std::string method, json params, json* out) {
+    *out = co_await c->call(method, std::move(params));
+  }
+  std::string call_error(control::client* c, const std::string& method, json params, errc kind) {
+    try {
+      call(c, method, std::move(params));
+    } catch (const error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.message();
+      return e.message();
+    }
+    ADD_FAILURE() << method << " succeeded";
+    return {};
+  }
+  void init() {
+    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
+                 {"buffer_bytes", 16384}, {"num_buffers", 2}};
+    json params = {{"init_info", sender_->prepare(args)}};
+    auto accepted = spawn(io_, sender_->connect_workers());
+    call(trainer_, "init_weight_transfer_engine", params);
+    ASSERT_TRUE(run_until(io_, [&] { return accepted->done; }, 10s));
+    ASSERT_FALSE(accepted->error) << accepted->message();
+  }
+  json update_body(const tensor_set& set) {
+    json info = json::object();
+    write_update_metadata(set.meta, info);
+    return {{"update_info", info}};
+  }
+  // One chunk through the trainer's connection, the bytes through the sender.
+  void chunk(tensor_set& set) {
+    auto views = set.views();
+    auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
+    call(trainer_, "update_weights", update_body(set));
+    ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+    ASSERT_FALSE(sent->error) << sent->message();
+  }
+  json info() { return call(trainer_, "weight_info"); }
+
+  asio::io_context io_;
+  engine_factory factory_;
+  capture got_;
+  picky_model model_;
+  std::unique_ptr<control::worker_host> host_;
+  std::uint16_t port_ = 0;
+  std::vector<std::unique_ptr<control::client>> clients_;
+  control::client* trainer_ = nullptr;
+  std::unique_ptr<tcp::sender> sender_;
+};
+
+tensor_set small_set(int n = 4) {
+  tensor_set set;
+  for (int i = 0; i < n; ++i) set.add("w" + std::to_string(i), dtype::float32, {500});
+  return set;
+}
+
+// ---- sessions have an owner
+
+TEST_F(hardening_test, another_clients_finish_update_or_init_cannot_touch_the_trainers_session) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  auto* stale = connect();
+  auto msg = call_error(stale, "finish_weight_update", {{"weight_version", 999}}, errc::invalid_state);
+  EXPECT_NE(msg.find("belongs to connection #1"), std::string::npos) << msg;
+  msg = call_error(stale, "update_weights", update_body(set), errc::invalid_state);
+  EXPECT_NE(msg.find("belongs to connection #1"), std::string::npos) << msg;
+  msg = call_error(stale, "init_weight_transfer_engine", {{"init_info", json::object()}}, errc::invalid_state);
+  EXPECT_NE(msg.find("started by connection #1"), std::string::npos) << msg;
+  msg = call_error(stale, "start_weight_update", json::object(), errc::invalid_state);
+  EXPECT_NE(msg.find("started by connection #1"), std::string::npos) << msg;
+  json during = info();
+  EXPECT_EQ(during["state"], "updating");
+  EXPECT_NE(during["session_owner"].get<std::string>().find("connection #1"), std::string::npos) << during;
+  // The trainer's session is intact: it finishes at its own version.
+  call(trainer_, "finish_weight_update", {{"weight_version", 3}});
+  json after = info();
+  EXPECT_EQ(after["state"], "clean");
+  EXPECT_EQ(after["weight_version"], 3);
+  EXPECT_NO_THROW(got_.check_equals(set));
+}
+
+TEST_F(hardening_test, the_owner_leaving_mid_session_aborts_it_and_the_weights_say_dirty) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  trainer_->close();  // the trainer dies between its chunk and finish_weight_update
+  auto* next = connect();
+  ASSERT_TRUE(run_until(io_, [&] { return !host_->session().active() && host_->engine().processing_pending() == 0; },
+                        5s))
+      << "the session stayed open";
+  json after = call(next, "weight_info");
+  EXPECT_EQ(after["state"], "dirty") << after;
+  EXPECT_NE(after["dirty_reason"].get<std::string>().find("closed its connection"), std::string::npos) << after;
+  EXPECT_TRUE(after["weight_version"].is_null()) << "no version claims weights nobody finished";
+  // A new trainer's session starts (the old one does not block it).
+  call(next, "start_weight_update");
+}
+
+TEST_F(hardening_test, the_owners_own_init_ends_its_session_dirty_when_it_had_applied_anything) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  init();  // re-init by the owner mid-session
+  json after = info();
+  EXPECT_FALSE(after["session_active"].get<bool>());
+  EXPECT_EQ(after["state"], "dirty") << after;
+  EXPECT_NE(after["dirty_reason"].get<std::string>().find("re-initialised"), std::string::npos) << after;
+}
+
+// ---- refusals reach the trainer at once
+
+TEST_F(hardening_test, an_update_the_worker_refuses_fails_the_trainer_at_once_with_the_reason) {
+  start(tcp_config(60s));  // a deadline the refusal must not wait for
+  init();
+  tensor_set set;
+  set.add("forbidden", dtype::float32, {100});
+  call(trainer_, "start_weight_update");
+  auto views = set.views();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
+  auto msg = call_error(trainer_, "update_weights", update_body(set), errc::invalid_argument);
+  EXPECT_NE(msg.find("no tensor may be named 'forbidden'"), std::string::npos) << msg;
+  ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "the trainer waited for its deadline";
+  ASSERT_TRUE(sent->error);
+  EXPECT_EQ(sent->kind(), static_cast<int>(errc::invalid_argument)) << sent->message();
+  EXPECT_NE(sent->message().find("worker rank 1 refused the update"), std::string::npos) << sent->message();
+  EXPECT_NE(sent->message().find("no tensor may be named 'forbidden'"), std::string::npos) << sent->message();
+  json after = info();
+  EXPECT_EQ(after["state"], "clean") << "nothing was received: " << after;
+}
+
+TEST_F(hardening_test, a_failed_init_is_in_last_error) {
+  start(tcp_config(300ms));
+  json params = {{"init_info", {{"master_address", "127.0.0.1"}, {"master_port", 1}, {"rank_offset", 1},
+                                {"world_size", 2}}}};
+  call_error(trainer_, "init_weight_transfer_engine", params, errc::timeout);
+  json after = info();
+  ASSERT_TRUE(after["last_error"].is_string()) << after;
+  EXPECT_NE(after["last_error"].get<std::string>().find("init_weight_transfer_engine: timeout"), std::string::npos)
+      << after;
+}
+
+// ---- frames cost what was sent
+
+// Opens a raw connection and authenticates (the host has no secret).
+asio::awaitable<void> raw_connect(std::uint16_t port, std::shared_ptr<asio::ip::tcp::socket>* out) {
+  auto s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "raw");
+  co_await auth::as_client(s, "", 5s, "raw");
+  *out = std::make_shared<asio::ip::tcp::socket>(std::move(s));
+}
+
+asio::awaitable<void> send_bytes(std::shared_ptr<asio::ip::tcp::socket> s, std::vector<std::uint8_t> bytes) {
+  co_await asio::async_write(*s, asio::buffer(bytes), asio::use_awaitable);
+}
+
+// Completes when the host closes `s` (after reading whatever it answered).
+asio::awaitable<void> until_closed(std::shared_ptr<asio::ip::tcp::socket> s, bool* closed) {
+  std::array<char, 4096> sink;
+  std::error_code ec;
+  while (!ec) co_await s->async_read_some(asio::buffer(sink), asio::redirect_error(asio::use_awaitable, ec));
+  *closed = true;
+}
+
+TEST_F(hardening_test, a_length_without_its_body_costs_nothing_and_times_out) {
+  start(tcp_config(400ms));
+  const std::uint64_t rss0 = rss_bytes();
+  std::vector<std::shared_ptr<asio::ip::tcp::socket>> raws(8);
+  std::vector<std::shared_ptr<outcome>> watches;
+  bool flags[8] = {};
+  for (int i = 0; i < 8; ++i) {
+    run_to_completion(io_, raw_connect(port_, &raws[i]));
+    // 2^28 bytes announced (the default limit is 256 MiB), none sent.
+    run_to_completion(io_, send_bytes(raws[i], {0x10, 0x00, 0x00, 0x00}));
+    watches.push_back(spawn(io_, until_closed(raws[i], &flags[i])));
+  }
+  run_until(io_, [&] { return false; }, 100ms);  // the host reads the lengths
+  const std::uint64_t grown = rss_bytes() - std::min(rss_bytes(), rss0);
+  EXPECT_LT(grown, 16u << 20) << "8 announced 256 MiB bodies cost " << grown << " bytes";
+  ASSERT_TRUE(run_until(io_, [&] { return std::all_of(std::begin(flags), std::end(flags), [](bool b) { return b; }); },
+                        5s))
+      << "a connection that announced a body and sent none was not cut at the deadline";
+  EXPECT_EQ(call(trainer_, "weight_info")["backend"], "tcp") << "the host still serves";
+}
+
+TEST_F(hardening_test, a_partial_length_prefix_times_out) {
+  start(tcp_config(300ms));
+  for (std::size_t n = 1; n <= 3; ++n) {
+    std::shared_ptr<asio::ip::tcp::socket> raw;
+    run_to_completion(io_, raw_connect(port_, &raw));
+    run_to_completion(io_, send_bytes(raw, std::vector<std::uint8_t>(n, 0)));
+    bool closed = false;
+    auto w = spawn(io_, until_closed(raw, &closed));
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(run_until(io_, [&] { return closed; }, 5s)) << n << " bytes of a length kept the connection forever";
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  }
+}
+
+TEST_F(hardening_test, a_frame_that_would_parse_into_too_many_values_is_refused_unparsed) {
+  control::host_limits limits;
+  limits.frames.max_values = 100000;
+  start(tcp_config(), limits);
+  // 1 MiB of "[1]," entries: ~260k arrays of one value each.
+  std::string body = "{\"id\":1,\"method\":\"weight_info\",\"params\":{\"x\":[";
+  while (body.size() < (1 << 20)) body += "[1],";
+  body += "[1]]}}";
+  std::vector<std::uint8_t> frame{std::uint8_t(body.size() >> 24), std::uint8_t(body.size() >> 16),
+                                  std::uint8_t(body.size() >> 8), std::uint8_t(body.size())};
+  frame.insert(frame.end(), body.begin(), body.end());
+  std::shared_ptr<asio::ip::tcp::socket> raw;
+  run_to_completion(io_, raw_connect(port_, &raw));
+  run_to_completion(io_, send_bytes(raw, frame));
+  json answer;
+  auto read_answer = [](std::shared_ptr<asio::ip::tcp::socket> s, json* out) -> asio::awaitable<void> {
+    control::frame_stream f(std::move(*s));
+    *out = co_await f.read(5s, false, "answer");
+  };
+  run_to_completion(io_, read_answer(raw, &answer));
+  EXPECT_EQ(answer["error"]["kind"], "protocol_error") << answer;
+  EXPECT_NE(answer["error"]["message"].get<std::string>().find("values, limit 100000"), std::string::npos) << answer;
+}
+
+// ---- floods and churn
+
+asio::awaitable<void> flood(std::uint16_t port, int requests, int* answered) {
+  std::shared_ptr<asio::ip::tcp::socket> s;
+  co_await raw_connect(port, &s);
+  auto f = std::make_shared<control::frame_stream>(std::move(*s));
+  // Every request written before any answer is read: the host must not buffer
+  // answers without bound, nor take quadratic time over them.
+  auto all = std::make_shared<std::string>();
+  for (int i = 0; i < requests; ++i) {
+    const std::string body = json{{"id", i}, {"method", "weight_info"}}.dump();
+    const auto n = static_cast<std::uint32_t>(body.size());
+    *all += {char(n >> 24), char(n >> 16), char(n >> 8), char(n)};
+    *all += body;
+  }
+  auto writer = [](std::shared_ptr<control::frame_stream> f, std::shared_ptr<std::string> all) -> asio::awaitable<void> {
+    co_await asio::async_write(f->socket(), asio::buffer(*all), asio::use_awaitable);
+  };
+  asio::co_spawn(f->socket().get_executor(), writer(f, all), asio::detached);
+  for (int i = 0; i < requests; ++i) {
+    json a = co_await f->read(10s, false, "flood answer");
+    if (a.contains("result")) ++*answered;
+  }
+}
+
+TEST_F(hardening_test, a_pipelined_flood_is_answered_in_linear_time_with_bounded_requests_in_flight) {
+  control::host_limits limits;
+  limits.max_requests_in_flight = 16;
+  start(tcp_config(), limits);
+  int answered = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto f = spawn(io_, flood(port_, 40000, &answered));
+  ASSERT_TRUE(run_until(io_, [&] { return f->done; }, 60s)) << answered << " of 40000 answered";
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(f->error) << f->message();
+  EXPECT_EQ(answered, 40000);
+  EXPECT_LT(seconds, 20.0) << "40k pipelined requests took " << seconds << " s";
+  EXPECT_EQ(call(trainer_, "weight_info")["backend"], "tcp");
+}
+
+asio::awaitable<void> churn(std::uint16_t port, int cycles) {
+  for (int i = 0; i < cycles; ++i) {
+    auto s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "churn");
+    if (i % 2) co_await auth::as_client(s, "", 5s, "churn");  // half authenticate, half leave at once
+    std::error_code ignored;
+    s.close(ignored);
+  }
+}
+
+TEST_F(hardening_test, connection_churn_leaves_no_state_behind) {
+  start();
+  auto warm = spawn(io_, churn(port_, 2000));
+  ASSERT_TRUE(run_until(io_, [&] { return warm->done; }, 60s));
+  ASSERT_TRUE(run_until(io_, [&] { return host_->connection_count() == 1; }, 5s));
+  const std::uint64_t rss0 = rss_bytes();
+  auto c = spawn(io_, churn(port_, 30000));
+  ASSERT_TRUE(run_until(io_, [&] { return c->done; }, 120s));
+  EXPECT_FALSE(c->error) << c->message();
+  ASSERT_TRUE(run_until(io_, [&] { return host_->connection_count() == 1; }, 5s))
+      << host_->connection_count() << " connections still tracked";
+  const std::int64_t grown = static_cast<std::int64_t>(rss_bytes()) - static_cast<std::int64_t>(rss0);
+  EXPECT_LT(grown, 4 << 20) << "30k connect/close cycles grew RSS by " << grown << " bytes";
+}
+
+TEST_F(hardening_test, connections_beyond_the_limit_are_refused_saying_so) {
+  control::host_limits limits;
+  limits.max_connections = 3;
+  start(tcp_config(), limits);
+  connect();
+  connect();  // 3 with the trainer's
+  control::client extra(io_.get_executor(), 5s);
+  try {
+    run_to_completion(io_, extra.connect("127.0.0.1", port_));
+    ADD_FAILURE() << "a fourth connection was served";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::resource_exhausted) << e.message();
+    EXPECT_NE(e.message().find("connection limit"), std::string::npos) << e.message();
+  }
+  json after = info();
+  EXPECT_NE(after["last_refused_connection"].get<std::string>().find("resource_exhausted"), std::string::npos)
+      << after;
+  clients_.back()->close();  // one leaves: room for another
+  ASSERT_TRUE(run_until(io_, [&] { return host_->connection_count() == 2; }, 5s));
+  connect();
+}
+
+TEST_F(hardening_test, a_silent_unauthenticated_connection_is_cut_at_the_handshake_deadline) {
+  control::host_limits limits;
+  limits.handshake_timeout = 300ms;
+  start(tcp_config(30s), limits);
+  auto s = std::make_shared<asio::ip::tcp::socket>(io_);
+  auto connect_raw = [](std::shared_ptr<asio::ip::tcp::socket> s, std::uint16_t port) -> asio::awaitable<void> {
+    *s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "silent");
+  };
+  run_to_completion(io_, connect_raw(s, port_));
+  bool closed = false;
+  auto w = spawn(io_, until_closed(s, &closed));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(run_until(io_, [&] { return closed; }, 10s));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_NE(info()["last_refused_connection"].get<std::string>().find("timeout"), std::string::npos);
+}
+
+// Out of descriptors, the accept loop backs off instead of spinning, says why,
+// and serves again once descriptors are free.
+TEST_F(hardening_test, out_of_descriptors_the_accept_loop_backs_off_and_recovers) {
+  start();
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  // Use up what is left under a lowered limit.
+  int fd_probe = dup(0);
+  ASSERT_GE(fd_probe, 0);
+  close(fd_probe);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(fd_probe + 4);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> hogs;
+  for (int fd; (fd = dup(0)) >= 0;) hogs.push_back(fd);
+  // Two connections wait in the listen backlog, made with the only two descriptors
+  // freed for them: every accept the host tries fails with EMFILE.
+  std::vector<int> pending;
+  {
+    for (int i = 0; i < 2 && !hogs.empty(); ++i) {
+      close(hogs.back());
+      hogs.pop_back();
+    }
+    for (int i = 0; i < 2; ++i) {
+      int s = socket(AF_INET, SOCK_STREAM, 0);
+      ASSERT_GE(s, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(port_);
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      ASSERT_EQ(::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+      pending.push_back(s);
+    }
+  }
+  rusage before{};
+  getrusage(RUSAGE_SELF, &before);
+  run_until(io_, [&] { return false; }, 1000ms);
+  rusage after{};
+  getrusage(RUSAGE_SELF, &after);
+  const double cpu = (after.ru_utime.tv_sec - before.ru_utime.tv_sec) + (after.ru_stime.tv_sec - before.ru_stime.tv_sec) +
+                     ((after.ru_utime.tv_usec - before.ru_utime.tv_usec) + (after.ru_stime.tv_usec - before.ru_stime.tv_usec)) / 1e6;
+  for (int fd : hogs) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_LT(cpu, 0.5) << "the accept loop spun: " << cpu << " s of CPU in 1 s";
+  json now = info();
+  EXPECT_GT(now["accept_errors"].get<int>(), 0) << now;
+  EXPECT_NE(now["last_accept_error"].get<std::string>().find("Too many open files"), std::string::npos) << now;
+  // Descriptors are back: the pending connections and new ones are served.
+  for (int s : pending) close(s);
+  connect();
+}
+
+}  // namespace
+}  // namespace refit::testing
