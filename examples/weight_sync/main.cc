@@ -26,6 +26,7 @@
 #include "examples/common/worker_process.h"
 #include "examples/weight_sync/model.h"
 #include "lib/async/all_of.h"
+#include "lib/async/lag_probe.h"
 #include "lib/auth.h"
 #include "lib/control/client.h"
 #include "lib/control/worker_host.h"
@@ -244,6 +245,8 @@ std::uint64_t peak_rss_bytes() {
 int run_worker(const options& o) {
   die_with_trainer();  // never outlive the trainer
   asio::io_context io;
+  // How late this loop runs its work (the inference server's view of refit).
+  async::lag_probe lag(io.get_executor());
   worker_model model(o.process_cost, !o.no_direct);
   weight_transfer_config config;
   config.backend = o.engine;
@@ -262,6 +265,8 @@ int run_worker(const options& o) {
   host.add_method("worker_stats", [](const json&) -> asio::awaitable<json> {
     co_return json{{"peak_rss_bytes", peak_rss_bytes()}};
   });
+  // The event loop's largest stall since the last call (and its p99).
+  host.add_method("loop_lag", [&lag](const json&) -> asio::awaitable<json> { co_return lag.take().to_json(); });
   return serve_worker(io, host, port);
 }
 
@@ -311,6 +316,8 @@ struct trainer_model {
 
 struct totals {
   double seconds = 0, receive_s = 0, process_s = 0, overlap = 0;
+  double lag_init_ms = 0, lag_update_ms = 0;  // workers' largest event-loop stalls
+  double lag_update_p99_ms = 0;
   int overlap_samples = 0;
   int rounds_done = 0;
   bool verified = true;
@@ -348,7 +355,19 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     if (!o.advertise.empty()) info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
     return json{{"init_info", info}};
   };
+  const json empty = json::object();
+  // Workers of this binary answer loop_lag (their event loop's largest stall);
+  // other workers (--connect) may not.
+  bool probed = true;
+  try {
+    co_await workers.call_all("loop_lag", empty);
+  } catch (const error&) {
+    probed = false;
+  }
   co_await both(sender->connect_workers(), workers.call_each("init_weight_transfer_engine", init_for));
+  if (probed)
+    for (const auto& lag : co_await workers.call_all("loop_lag", empty))
+      t.lag_init_ms = std::max(t.lag_init_ms, lag["max_ms"].get<double>());
   if (!o.quiet) std::fprintf(stderr, "[refit] %d workers connected over %s\n", o.workers, o.engine.c_str());
 
   json update_body = json::object();
@@ -356,10 +375,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   if (o.connect.empty()) co_await workers.call_all("load_model", update_body["update_info"]);
   update_body["update_info"]["commit"] = to_string(o.commit);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
-  const json empty = json::object();
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
     model.step(round);
     const auto expected = fingerprint_all(model.views);
+    if (probed) co_await workers.call_all("loop_lag", empty);
     const auto t0 = clock_type::now();
     co_await workers.call_all("start_weight_update", empty);
     co_await both(workers.call_all("update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
@@ -367,6 +386,11 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     const auto finished = co_await workers.call_all("finish_weight_update", finish_body);
     const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
     t.seconds += seconds;
+    if (probed)
+      for (const auto& lag : co_await workers.call_all("loop_lag", empty)) {
+        t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
+        t.lag_update_p99_ms = std::max(t.lag_update_p99_ms, lag["p99_ms"].get<double>());
+      }
     for (const auto& f : finished) {
       const json& s = f["stats"];
       t.receive_s += s["receive_s"].get<double>() / o.workers;
@@ -470,6 +494,8 @@ int run_trainer(const options& o) {
                  {"first_round", o.first_round},
                  {"rounds_verified", t.verified ? t.rounds_done : 0},
                  {"worker_peak_rss_bytes", t.peak_rss},
+                 {"worker_loop_lag_ms",
+                  {{"init", t.lag_init_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
                  {"verified", failure.empty() && t.verified}};
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
@@ -488,5 +514,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "weight_sync: %s\n", e.what());
     return 2;
   }
-  return o.role == "worker" ? run_worker(o) : run_trainer(o);
+  try {
+    return o.role == "worker" ? run_worker(o) : run_trainer(o);
+  } catch (const refit::error& e) {
+    // Startup failures (no descriptors for the event loop, an address that is not
+    // one): one line and a non-zero status, not an abort.
+    std::fprintf(stderr, "weight_sync %s: %s: %s\n", o.role.c_str(), std::string(refit::errc_name(e.kind())).c_str(),
+                 e.message().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "weight_sync %s: %s\n", o.role.c_str(), e.what());
+    return 1;
+  }
 }

@@ -21,6 +21,7 @@
 #include "lib/async/deadline.h"
 #include "lib/async/drain_scope.h"
 #include "lib/async/event.h"
+#include "lib/async/lag_probe.h"
 #include "lib/async/offload.h"
 #include "lib/async/slot_ring.h"
 #include "tests/lib/expect.h"
@@ -608,6 +609,25 @@ TEST(all_of, rethrows_the_first_error_only_after_all_finished) {
   EXPECT_EQ(r->kind(), static_cast<int>(errc::peer_lost));
   EXPECT_EQ(r->message(), "op 1 failed");
   EXPECT_EQ(finished.size(), 3u);
+}
+
+// The probe sees a handler that holds the loop for 40 ms, and take() starts afresh.
+TEST(lag_probe, reports_the_largest_stall_of_the_loop_and_resets) {
+  asio::io_context io;
+  async::lag_probe probe(io.get_executor());
+  testing::run_until(io, [] { return false; }, 50ms);
+  auto quiet = probe.take();
+  EXPECT_GT(quiet.samples, 10u);
+  EXPECT_LT(quiet.max_ms, 40.0);
+  asio::post(io, [] { std::this_thread::sleep_for(40ms); });  // a handler that blocks the loop
+  testing::run_until(io, [] { return false; }, 100ms);
+  auto stalled = probe.take();
+  EXPECT_GE(stalled.max_ms, 35.0) << "the 40 ms stall went unseen";
+  EXPECT_GT(stalled.samples, 0u);
+  auto after = probe.take();
+  EXPECT_EQ(after.samples, 0u) << "take() resets";
+  probe.stop();
+  EXPECT_TRUE(testing::run(io, 5s)) << "stop() leaves nothing running";
 }
 
 }  // namespace
