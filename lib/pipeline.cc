@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include <asio/bind_executor.hpp>
 #include <asio/strand.hpp>
@@ -92,9 +93,16 @@ struct receive_pipeline::update_state {
   asio::strand<asio::any_io_executor> strand;
   clock_type::time_point start;
   asio::any_io_executor loop;
-  // After a check or load failed, no later bucket is loaded: set on the event loop
-  // or the strand, read on the strand.
-  std::atomic<bool> failed{false};
+  // The first processing step not to be loaded: a failed check's own step, or the
+  // one after a failed load (buckets before a failure are loaded as usual). Set on
+  // the event loop or the strand, read on both.
+  std::atomic<std::uint64_t> failed_from{std::numeric_limits<std::uint64_t>::max()};
+  void fail_from(std::uint64_t step) {
+    std::uint64_t seen = failed_from.load();
+    while (step < seen && !failed_from.compare_exchange_weak(seen, step)) {
+    }
+  }
+  bool skips(std::uint64_t step) const { return step >= failed_from.load(); }
   // Transport checks (event loop): how many are still to run, and the first failure.
   std::size_t checks_left = 0;
   std::exception_ptr check_failure;
@@ -139,10 +147,10 @@ asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_st
   if (check) {
     std::exception_ptr check_error;
     try {
-      if (!state->failed) co_await async::offload(processing_, [&check] { check(); });
+      if (!state->skips(step)) co_await async::offload(processing_, [&check] { check(); });
     } catch (...) {
       check_error = std::current_exception();
-      state->failed = true;
+      state->fail_from(step);
     }
     if (check_error && !state->check_failure) state->check_failure = check_error;
     if (--state->checks_left == 0) state->checks_done.set();
@@ -153,7 +161,7 @@ asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_st
     state->turn.reset();
     co_await state->turn.wait();
   }
-  const bool skip = views.empty() || state->failed;  // a check-only chunk, or after a failure
+  const bool skip = views.empty() || state->skips(step);  // a check-only chunk, or after a failure
   double busy = -1;
   bool loaded = false;
   if (!skip) {
@@ -161,13 +169,13 @@ asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_st
     std::exception_ptr load_error;
     async::offload(
         state->strand,
-        [&state, &views] {
-          if (state->failed) return -1.0;  // a failure reported after this load was handed over
+        [&state, &views, step] {
+          if (state->skips(step)) return -1.0;  // a failure reported after this load was handed over
           auto t0 = clock_type::now();
           try {
             state->load(std::span<const tensor_view>(views));
           } catch (...) {
-            state->failed = true;
+            state->fail_from(step + 1);
             throw;
           }
           return seconds_since(t0);

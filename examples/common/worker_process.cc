@@ -100,9 +100,13 @@ int reap_worker(pid_t pid, std::chrono::milliseconds timeout) {
   return status;
 }
 
-int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port) {
-  host.add_method("shutdown", [&io, &host](const json&) -> asio::awaitable<json> {
-    asio::post(io, [&host] { host.stop(); });
+int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port,
+                 std::function<void()> on_shutdown) {
+  host.add_method("shutdown", [&io, &host, on_shutdown](const json&) -> asio::awaitable<json> {
+    asio::post(io, [&host, on_shutdown] {
+      if (on_shutdown) on_shutdown();
+      host.stop();
+    });
     co_return json::object();
   });
   std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,9 +37,11 @@ worker_process start_worker_process(const std::vector<std::string>& args, std::c
 int reap_worker(pid_t pid, std::chrono::milliseconds timeout);
 
 /// The worker's side of start_worker_process: adds a "shutdown" control method
-/// (stops `host`), prints "REFIT_WORKER_PORT <port>" and serves on `io` until the
-/// host stops. Returns 0.
-int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port);
+/// (calls `on_shutdown`, then stops `host`), prints "REFIT_WORKER_PORT <port>" and
+/// serves on `io` until the host stops and nothing else runs there (so
+/// `on_shutdown` stops what the worker added to `io`, e.g. a lag probe). Returns 0.
+int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t port,
+                 std::function<void()> on_shutdown = {});
 
 /// Called first by a worker: it gets `signal` when its trainer dies, and exits at
 /// once if the trainer (REFIT_TRAINER_PID) already died before this call (the

@@ -21,6 +21,8 @@
 
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
+#include <asio/steady_timer.hpp>
+#include <asio/use_awaitable.hpp>
 
 #include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
@@ -60,6 +62,7 @@ struct options {
   std::uint16_t master_port = 0;          // trainer: data port (0: any free port)
   std::vector<std::uint16_t> advertise;   // trainer: data ports workers are told (proxies in front), one or one each
   int first_round = 1;                    // trainer: number of the first update (its weights)
+  std::int64_t hold_before_finish_ms = 0;  // trainer: pause between update_weights and finish (fault suite)
   std::string secret_file;                // shared secret for every connection
   std::string secret;                     // loaded from secret_file
 };
@@ -76,6 +79,7 @@ const char* usage =
     "                   [--listen ADDRESS]  (address workers and the trainer listen on; 127.0.0.1)\n"
     "                   [--connect PORT,PORT,...]  (trainer: drive running workers, do not start any)\n"
     "                   [--master-port N] [--advertise-port N[,N...]] [--first-round N]  (trainer)\n"
+    "                   [--hold-before-finish-ms MS]  (trainer: a window between update and finish)\n"
     "                   [--role worker]  (serve the control verbs; prints REFIT_WORKER_PORT <port>)\n"
     "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
@@ -149,6 +153,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--master-port") o.master_port = static_cast<std::uint16_t>(integer(0, 65535));
     else if (a == "--advertise-port") o.advertise = port_list(a, next());
     else if (a == "--first-round") o.first_round = static_cast<int>(integer(1, 1 << 30));
+    else if (a == "--hold-before-finish-ms") o.hold_before_finish_ms = integer(0, 600000);
     else if (a == "--connect") o.connect = port_list(a, next());
     else if (a == "--checksums") o.checksums = true;
     else if (a == "--help" || a == "-h") {
@@ -267,7 +272,7 @@ int run_worker(const options& o) {
   });
   // The event loop's largest stall since the last call (and its p99).
   host.add_method("loop_lag", [&lag](const json&) -> asio::awaitable<json> { co_return lag.take().to_json(); });
-  return serve_worker(io, host, port);
+  return serve_worker(io, host, port, [&lag] { lag.stop(); });
 }
 
 // ---------------------------------------------------------------- trainer
@@ -382,6 +387,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     const auto t0 = clock_type::now();
     co_await workers.call_all("start_weight_update", empty);
     co_await both(workers.call_all("update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
+    if (o.hold_before_finish_ms > 0) {
+      asio::steady_timer hold(ex, std::chrono::milliseconds(o.hold_before_finish_ms));
+      co_await hold.async_wait(asio::use_awaitable);
+    }
     json finish_body = {{"weight_version", round}};
     const auto finished = co_await workers.call_all("finish_weight_update", finish_body);
     const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include <asio/read.hpp>
 #include <asio/use_awaitable.hpp>
 
+#include "lib/async/deadline.h"
 #include "lib/net.h"
 
 namespace refit::control {
@@ -63,30 +65,73 @@ control_request parse_request(json&& message, json& id) {
 frame_stream::frame_stream(asio::ip::tcp::socket socket, frame_limits limits)
     : socket_(std::move(socket)), limits_(limits) {}
 
-asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, bool idle_ok,
+namespace {
+// What one read takes in at most for the buffer (a connection's standing cost);
+// a larger body is read straight into its own string.
+constexpr std::size_t buffer_chunk = 16 << 10;
+constexpr std::size_t read_chunk = 64 << 10;
+}  // namespace
+
+asio::awaitable<void> frame_stream::fill(std::size_t n, std::chrono::milliseconds deadline, bool idle_ok,
                                          const std::string& what) {
-  std::array<std::uint8_t, 4> len_raw;
-  // An idle server waits as long as it likes for a frame to begin; once its first
-  // byte is here, the rest (the length's other three bytes too) has a deadline.
-  std::size_t have = 0;
-  if (idle_ok) {
+  // Compact: what is left of the buffer moves to its front.
+  if (in_begin_ > 0) {
+    in_.erase(in_.begin(), in_.begin() + static_cast<std::ptrdiff_t>(in_begin_));
+    in_begin_ = 0;
+  }
+  const std::size_t want = in_.size() + n;
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  while (in_.size() < want) {
+    const std::size_t at = in_.size();
+    in_.resize(at + std::max(buffer_chunk, want - at));
+    std::size_t got = 0;
     try {
-      co_await asio::async_read(socket_, asio::buffer(len_raw.data(), 1), asio::use_awaitable);
+      if (idle_ok && at == 0) {
+        // An idle server waits as long as it likes for a frame to begin.
+        got = co_await socket_.async_read_some(asio::buffer(in_.data() + at, in_.size() - at), asio::use_awaitable);
+      } else {
+        const auto left = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                      until - std::chrono::steady_clock::now()));
+        got = co_await async::with_deadline(
+            socket_.async_read_some(asio::buffer(in_.data() + at, in_.size() - at), asio::use_awaitable), left, what);
+      }
+    } catch (const error&) {
+      in_.resize(at);
+      throw;
     } catch (const std::system_error& e) {
+      in_.resize(at);
       net::throw_io_error(e.code(), what);
     }
-    have = 1;
+    in_.resize(at + got);
   }
-  co_await net::read_exact(socket_, asio::buffer(len_raw.data() + have, len_raw.size() - have), deadline, what);
+}
+
+asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, bool idle_ok,
+                                         const std::string& what) {
+  // Once a frame's first byte is here, the rest (the length's other three bytes
+  // too) has a deadline.
+  const std::size_t buffered = in_.size() - in_begin_;
+  if (buffered < 4) co_await fill(4 - buffered, deadline, idle_ok && buffered == 0, what);
+  std::array<std::uint8_t, 4> len_raw;
+  std::memcpy(len_raw.data(), in_.data() + in_begin_, 4);
+  in_begin_ += 4;
   const std::uint32_t len = decode_frame_length(len_raw, limits_.max_bytes, what);
   last_frame_bytes_ = len;
-  // The body buffer grows with what arrives (doubling from 64 KiB), so a length
-  // without its bytes costs nothing: memory follows bytes received, not announced.
+  // The body: what is buffered, then the rest read straight into it, in chunks
+  // that double from 64 KiB, so a length without its bytes costs nothing: memory
+  // follows bytes received, not announced.
   std::string text;
+  const std::size_t now = std::min<std::size_t>(len, in_.size() - in_begin_);
+  text.assign(in_.data() + in_begin_, now);
+  in_begin_ += now;
+  if (in_begin_ == in_.size()) {
+    in_.clear();
+    in_begin_ = 0;
+  }
   const auto until = std::chrono::steady_clock::now() + deadline;
   while (text.size() < len) {
     const std::size_t at = text.size();
-    const std::size_t chunk = std::min<std::size_t>(len - at, std::max<std::size_t>(64 << 10, at));
+    const std::size_t chunk = std::min<std::size_t>(len - at, std::max<std::size_t>(read_chunk, at));
     text.resize(at + chunk);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
     co_await net::read_exact(socket_, asio::buffer(text.data() + at, chunk), std::max(left, std::chrono::milliseconds(1)),
@@ -132,20 +177,31 @@ asio::awaitable<void> frame_stream::drain_queue(std::chrono::milliseconds deadli
     frame_stream* self;
     ~release() { self->writing_ = false; }
   } guard{this};
+  std::vector<asio::const_buffer> buffers;
   while (!queue_.empty()) {
-    auto w = queue_.front();
-    try {
-      std::array<asio::const_buffer, 2> buffers{asio::buffer(w->length), asio::buffer(w->text)};
-      co_await net::write_all(socket_, buffers, deadline, w->what);
-    } catch (...) {
-      w->error = std::current_exception();
+    // Every frame queued now goes out in one write (pipelined answers: one syscall,
+    // not one each); frames queued meanwhile go in the next.
+    const std::size_t n = std::min<std::size_t>(queue_.size(), 64);
+    buffers.clear();
+    for (std::size_t i = 0; i < n; ++i) {
+      buffers.push_back(asio::buffer(queue_[i]->length));
+      buffers.push_back(asio::buffer(queue_[i]->text));
     }
-    queue_.pop_front();
-    w->done.set();
-    if (w->error) {
+    std::exception_ptr error;
+    try {
+      co_await net::write_all(socket_, buffers, deadline, queue_.front()->what);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      queue_.front()->error = error;
+      queue_.front()->done.set();
+      queue_.pop_front();
+    }
+    if (error) {
       // The stream is broken: every frame still queued fails with the same error.
       for (auto& rest : queue_) {
-        rest->error = w->error;
+        rest->error = error;
         rest->done.set();
       }
       queue_.clear();

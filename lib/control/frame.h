@@ -57,10 +57,11 @@ struct control_request {
 /// still name it.
 control_request parse_request(json&& message, json& id);
 
-/// One framed-JSON connection. Writes are queued in order and written by one
-/// writer at a time (a write wakes only its own caller), so any number of
-/// coroutines on the connection's executor may write at once; reads are for one
-/// reader.
+/// One framed-JSON connection. Reads go through a buffer (one syscall takes in
+/// as many pipelined frames as have arrived); writes are queued in order and
+/// written by one writer at a time, as many queued frames per syscall as are
+/// waiting (a write wakes only its own caller), so any number of coroutines on
+/// the connection's executor may write at once; reads are for one reader.
 class frame_stream {
  public:
   frame_stream(asio::ip::tcp::socket socket, frame_limits limits = {});
@@ -84,9 +85,13 @@ class frame_stream {
  private:
   struct pending_write;
   asio::awaitable<void> drain_queue(std::chrono::milliseconds deadline);
+  // Reads at least `n` more bytes into the read buffer (more if they are there).
+  asio::awaitable<void> fill(std::size_t n, std::chrono::milliseconds deadline, bool idle_ok, const std::string& what);
 
   asio::ip::tcp::socket socket_;
   frame_limits limits_;
+  std::vector<char> in_;           // bytes read and not yet consumed: [in_begin_, in_.size())
+  std::size_t in_begin_ = 0;
   std::deque<std::shared_ptr<pending_write>> queue_;  // front: being written
   bool writing_ = false;
   std::size_t last_frame_bytes_ = 0;

@@ -30,6 +30,8 @@ struct worker_host::connection {
   std::shared_ptr<frame_stream> stream;
   std::size_t in_flight = 0;   // requests being handled
   async::event request_done;   // set when one finishes
+  double tokens = 0;           // the request-rate bucket
+  std::chrono::steady_clock::time_point refilled = std::chrono::steady_clock::now();
   std::string name() const { return "connection #" + std::to_string(id) + " (" + peer + ")"; }
 };
 
@@ -320,12 +322,30 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
     c->stream->close();
     co_return;
   }
+  c->tokens = static_cast<double>(std::max<std::size_t>(1, limits_.max_requests_in_flight));
+  asio::steady_timer throttle(context_.executor);
   for (;;) {
     // Back-pressure: with max_requests_in_flight being handled, stop reading (the
     // peer's frames wait in the kernel) until one is answered.
     while (c->in_flight >= limits_.max_requests_in_flight) {
       c->request_done.reset();
       co_await c->request_done.wait();
+    }
+    if (limits_.max_requests_per_second > 0) {
+      const double burst = static_cast<double>(std::max<std::size_t>(1, limits_.max_requests_in_flight));
+      for (;;) {
+        const auto now = std::chrono::steady_clock::now();
+        c->tokens = std::min(burst, c->tokens + std::chrono::duration<double>(now - c->refilled).count() *
+                                                    limits_.max_requests_per_second);
+        c->refilled = now;
+        if (c->tokens >= 1) break;
+        throttle.expires_after(std::chrono::duration_cast<std::chrono::microseconds>(
+            std::chrono::duration<double>((1 - c->tokens) / limits_.max_requests_per_second)));
+        std::error_code ignored;
+        co_await throttle.async_wait(asio::redirect_error(asio::use_awaitable, ignored));
+        if (!c->stream->is_open()) co_return;
+      }
+      c->tokens -= 1;
     }
     json request;
     json refusal;

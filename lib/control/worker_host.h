@@ -32,7 +32,8 @@
 //
 // No client can starve or bloat the host: connections are capped (a refused one
 // is told so in the authentication challenge), each has a bounded number of
-// requests in flight (its reading stops until one is answered), frames cost what
+// requests in flight and a request rate (its reading stops until one is answered,
+// or until the rate allows the next), frames cost what
 // was received (lib/control/frame.h), connections that do not authenticate within
 // the handshake deadline are cut, and accept failures (out of descriptors) back
 // off and are reported instead of spinning.
@@ -63,6 +64,10 @@ struct host_limits {
   /// Requests of one connection being handled at once; beyond, its frames wait
   /// in the kernel (back-pressure) until an answer is written.
   std::size_t max_requests_in_flight = 32;
+  /// Requests one connection may start per second (a token bucket with a burst of
+  /// max_requests_in_flight); beyond, its reading pauses. A client that floods the
+  /// host gets this much of the event loop, which receives weights too; 0: no cap.
+  double max_requests_per_second = 1000;
   /// The authentication handshake's deadline (at most the config's timeout).
   std::chrono::milliseconds handshake_timeout{10000};
   frame_limits frames;

@@ -340,6 +340,7 @@ asio::awaitable<void> flood(std::uint16_t port, int requests, int* answered) {
 TEST_F(hardening_test, a_pipelined_flood_is_answered_in_linear_time_with_bounded_requests_in_flight) {
   control::host_limits limits;
   limits.max_requests_in_flight = 16;
+  limits.max_requests_per_second = 0;  // the handling itself, without the rate cap
   start(tcp_config(), limits);
   int answered = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -350,6 +351,34 @@ TEST_F(hardening_test, a_pipelined_flood_is_answered_in_linear_time_with_bounded
   EXPECT_EQ(answered, 40000);
   EXPECT_LT(seconds, 20.0) << "40k pipelined requests took " << seconds << " s";
   EXPECT_EQ(call(trainer_, "weight_info")["backend"], "tcp");
+}
+
+asio::awaitable<void> timed_call(control::client* c, double* ms) {
+  const auto t0 = std::chrono::steady_clock::now();
+  co_await c->call("weight_info");
+  *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A flooding connection gets its request rate and no more; others are answered
+// at once meanwhile.
+TEST_F(hardening_test, a_flood_gets_its_request_rate_and_others_are_answered_meanwhile) {
+  control::host_limits limits;
+  limits.max_requests_per_second = 1000;
+  limits.max_requests_in_flight = 16;
+  start(tcp_config(), limits);
+  int answered = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto f = spawn(io_, flood(port_, 2000, &answered));
+  ASSERT_TRUE(run_until(io_, [&] { return answered >= 500; }, 30s));
+  double ms = 0;
+  auto other = spawn(io_, timed_call(trainer_, &ms));
+  ASSERT_TRUE(run_until(io_, [&] { return other->done; }, 10s));
+  EXPECT_FALSE(other->error) << other->message();
+  EXPECT_LT(ms, 50.0) << "another client waited behind the flood";
+  ASSERT_TRUE(run_until(io_, [&] { return f->done; }, 60s));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(answered, 2000);
+  EXPECT_GT(seconds, 1.8) << "2000 requests at 1000/s (burst 16) took only " << seconds << " s: no rate cap";
 }
 
 asio::awaitable<void> churn(std::uint16_t port, int cycles) {

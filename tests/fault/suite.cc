@@ -7,6 +7,12 @@
 //   corrupt       flip one byte of worker k's stream there (checksums on)
 //   stall         stop forwarding worker k's stream there for twice the deadline
 //   impostor      a trainer with the wrong shared secret tries to drive the workers
+//   stale_trainer a second control client with the right secret (a stale trainer, a
+//                 fail-over gone wrong) calls finish, init, update and start on
+//                 worker k when its stream reaches a random bucket, and again
+//                 between the live update's last chunk and its finish (the trainer
+//                 holds there): each must be refused, and the live update must
+//                 complete and verify
 //   slow          (not a fault) throttle every stream, within the deadline: must succeed
 //
 // After each fault: every side that should see an error saw one within its
@@ -147,7 +153,7 @@ std::uint16_t free_port() {
 
 // ------------------------------------------------------------------ data proxy
 
-enum class action { none, kill_trainer, kill_worker, corrupt, stall, throttle };
+enum class action { none, kill_trainer, kill_worker, corrupt, stall, throttle, hook };
 
 // Forwards one worker's data connection to the trainer, injecting `act` when the
 // trainer-to-worker stream passes byte `at`.
@@ -159,10 +165,12 @@ class proxy {
 
   action act = action::none;
   std::uint64_t at = 0;
-  std::function<void()> kill;            // for kill_* actions
+  std::function<void()> kill;            // for kill_* actions and hook
+  std::function<bool()> hold;            // hook: forwarding waits while this is true
   std::chrono::milliseconds stall{0};
   double throttle_bytes_per_s = 0;
   bool fired = false;
+  clock_type::time_point stall_ends{};
 
   void start() { asio::co_spawn(io_, serve(), asio::detached); }
   void stop() {
@@ -211,17 +219,30 @@ class proxy {
         if (act == action::corrupt) {
           buf[at >= seen ? at - seen : 0] ^= std::byte{0x5a};
         } else if (act == action::stall) {
+          stall_ends = clock_type::now() + stall;
           timer.expires_after(stall);
           co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
           break;
         } else {
           if (kill) kill();
           // What was in flight when the process died is what it sent; forward it.
+          // A hook holds the stream (the session stays live) while it runs.
+          const auto give_up = clock_type::now() + 10s;
+          while (act == action::hook && hold && hold() && clock_type::now() < give_up) {
+            timer.expires_after(1ms);
+            co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+          }
         }
       }
       seen += n;
       co_await asio::async_write(*to, asio::buffer(buf.data(), n), asio::redirect_error(asio::use_awaitable, ec));
       if (ec) break;
+    }
+    // A stalled link is a black hole: not even the trainer's close gets through to
+    // the worker before the stall ends (the worker must time out on its own).
+    if (act == action::stall && fired && clock_type::now() < stall_ends) {
+      timer.expires_at(stall_ends);
+      co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
     from->close(ec);
     to->close(ec);
@@ -264,7 +285,8 @@ class suite {
       w.fds = count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd");
       w.threads = count_entries("/proc/" + std::to_string(w.proc.pid) + "/task");
     }
-    const std::vector<std::string> kinds = {"kill_trainer", "kill_worker", "corrupt", "stall", "impostor", "slow"};
+    const std::vector<std::string> kinds = {"kill_trainer", "kill_worker", "corrupt", "stall",
+                                            "impostor",     "slow",        "stale_trainer"};
     for (int r = 0; r < o_.rounds; ++r)
       for (std::size_t k = 0; k < kinds.size(); ++k) {
         // Both commit modes for every kind over the rounds (alternating).
@@ -396,6 +418,61 @@ class suite {
   }
 
   static asio::awaitable<json> call(control::client& c, std::string method) { co_return co_await c.call(method); }
+
+  // A stale trainer: its own authenticated connection to a worker, whose every verb
+  // on the live session must be refused.
+  // Two waves: mid-chunk, then (`between`) once the chunk is received and the
+  // session waits for its finish.
+  asio::awaitable<void> stale_calls(std::uint16_t port, std::shared_ptr<std::vector<std::pair<std::string, std::string>>> out,
+                                    std::shared_ptr<bool> done, bool between) {
+    control::client c(io_.get_executor(), std::chrono::milliseconds(o_.timeout_ms * 2), secret_);
+    try {
+      co_await c.connect("127.0.0.1", port);
+      co_await stale_wave(c, *out);
+      *done = true;  // the held stream goes on
+      if (between) {
+        const auto until = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 2);
+        asio::steady_timer t(io_);
+        bool window = false;
+        while (!window && clock_type::now() < until) {
+          json info = co_await c.call("weight_info");
+          window = info["session_active"].get<bool>() && !info["receiving"].get<bool>();
+          if (!window) {
+            t.expires_after(2ms);
+            co_await t.async_wait(asio::use_awaitable);
+          }
+        }
+        if (window) co_await stale_wave(c, *out);
+        else out->emplace_back("the window between update and finish", "never seen");
+      }
+    } catch (const error& e) {
+      out->emplace_back("connect", std::string(errc_name(e.kind())));
+    }
+    c.close();
+    *done = true;
+    stale_finished_ = true;
+  }
+
+  static asio::awaitable<void> stale_wave(control::client& c, std::vector<std::pair<std::string, std::string>>& out) {
+    {
+      const json update_info = {{"names", {"w"}}, {"dtype_names", {"float32"}}, {"shapes", {{4}}}};
+      const std::vector<std::pair<std::string, json>> calls = {
+          {"finish_weight_update", {{"weight_version", 999}}},
+          {"init_weight_transfer_engine",
+           {{"init_info", {{"master_address", "127.0.0.1"}, {"master_port", 1}, {"rank_offset", 1}, {"world_size", 2}}}}},
+          {"update_weights", {{"update_info", update_info}}},
+          {"start_weight_update", json::object()}};
+      for (const auto& [method, params] : calls) {
+        std::string got;
+        try {
+          co_await c.call(method, params);
+        } catch (const error& e) {
+          got = std::string(errc_name(e.kind()));
+        }
+        out.emplace_back(method, got);
+      }
+    }
+  }
 
   // Starts a trainer and serves its proxies until it exits (or is found hung).
   struct trainer_result {
@@ -542,6 +619,18 @@ class suite {
         p->throttle_bytes_per_s = 40e6;
       }
     }
+    // The stale trainer's calls on worker `target`, mid-stream: each outcome is the
+    // error kind it got ("" if it was accepted).
+    auto stale = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
+    auto stale_done = std::make_shared<bool>(false);
+    stale_finished_ = false;
+    if (kind == "stale_trainer") {
+      px.act = action::hook;
+      px.kill = [this, target, stale, stale_done] {
+        asio::co_spawn(io_, stale_calls(workers_[target].port, stale, stale_done, true), asio::detached);
+      };
+      px.hold = [stale_done] { return !*stale_done; };
+    }
     for (auto& p : proxies) p->start();
 
     std::vector<std::string> extra = {"--first-round",  std::to_string(round),
@@ -551,6 +640,10 @@ class suite {
                                       "--advertise-port", advertise,
                                       "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
     if (kind == "corrupt") extra.push_back("--checksums");
+    if (kind == "stale_trainer") {
+      extra.push_back("--hold-before-finish-ms");
+      extra.push_back(std::to_string(o_.timeout_ms / 2));
+    }
     say(name + ": running");
     auto result = run_trainer(extra, &proxies, dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + kind + ".log",
                               &trainer_proc);
@@ -558,6 +651,55 @@ class suite {
     const std::string trainer_error =
         result.last.is_object() && result.last.contains("error") ? result.last["error"].get<std::string>() : "";
 
+    if (kind == "stale_trainer") {
+      io_.restart();
+      const auto until = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 4);
+      while (!stale_finished_ && clock_type::now() < until) io_.run_for(20ms);
+      ++r_.injected;
+      json& stats = r_.by_kind[kind];
+      if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
+      stats["injected"] = stats["injected"].get<int>() + 1;
+      std::vector<std::string> missed;
+      if (!px.fired) missed.push_back("the point of the stale calls was never reached");
+      if (!stale_finished_) missed.push_back("the stale calls did not complete");
+      if (stale->size() < 8) missed.push_back("only " + std::to_string(stale->size()) + " of 8 stale calls were made");
+      for (const auto& [call, kind_got] : *stale)
+        if (kind_got != "invalid_state") missed.push_back("the stale " + call + " got '" + kind_got + "', not invalid_state");
+      const bool verified = !hang && result.last.is_object() && result.last.value("verified", false);
+      if (!verified)
+        missed.push_back("the live update did not verify: " + (result.last.is_object() ? result.last.dump() : "no JSON"));
+      if (hang) ++r_.hangs;
+      if (verified) {
+        version_ = round;
+        fingerprints_[round] = fingerprint_of(workers_[0]);
+      }
+      // Whatever happened, a worker that says clean must hold its version's weights.
+      for (std::size_t i = 0; i < workers_.size(); ++i) {
+        auto info = settled_info(workers_[i]);
+        if (!info) continue;
+        const std::string state = (*info)["state"];
+        const int v = (*info)["weight_version"].is_number_integer() ? (*info)["weight_version"].get<int>() : -1;
+        auto known = fingerprints_.find(v);
+        if (state == "clean" && (known == fingerprints_.end() ||
+                                 !compare_fingerprints(known->second, fingerprint_of(workers_[i])).empty())) {
+          ++r_.lost;
+          r_.problems.push_back(name + ": worker " + std::to_string(i) + " says clean at version " +
+                                std::to_string(v) + " but holds other weights");
+        }
+      }
+      if (missed.empty()) {
+        ++r_.detected;
+        stats["detected"] = stats["detected"].get<int>() + 1;
+      } else {
+        for (auto& m : missed) r_.problems.push_back(name + ": " + m);
+      }
+      say(name + ": " + (missed.empty() ? "every stale call refused; the live update verified" : "MISSED: " + missed.front()));
+      if (!verified) {
+        if (recover(name)) ++r_.recoveries;
+        else ++r_.recoveries_failed;
+      }
+      return;
+    }
     if (kind == "slow") {
       const bool ok = !hang && result.last.is_object() && result.last.value("verified", false);
       if (ok) {
@@ -689,6 +831,7 @@ class suite {
   std::string dir_, secret_file_, wrong_secret_file_, secret_;
   std::vector<worker> workers_;
   int version_ = 0;
+  bool stale_finished_ = false;
   std::map<int, fingerprint_list> fingerprints_;
   report r_;
 };
