@@ -67,7 +67,7 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
   if (!failed_) engine_.mark_weights_clean();
 }
 
-asio::awaitable<void> weight_update_session::abort_weight_update(const std::string& why) {
+asio::awaitable<void> weight_update_session::abort_weight_update(std::string why) {
   if (!active_) co_return;
   if (updating_)
     throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");

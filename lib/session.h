@@ -38,7 +38,7 @@ class weight_update_session {
   /// engine is marked dirty, with `why` (when given) in the reason. Refused
   /// (invalid_state) while a chunk is being received: its bytes may be reaching
   /// the model, and only its end says how far they got.
-  asio::awaitable<void> abort_weight_update(const std::string& why = {});
+  asio::awaitable<void> abort_weight_update(std::string why = {});
 
   bool active() const noexcept { return active_; }
   /// True while a chunk (update_weights) is being received.

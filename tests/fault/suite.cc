@@ -170,7 +170,6 @@ class proxy {
   std::chrono::milliseconds stall{0};
   double throttle_bytes_per_s = 0;
   bool fired = false;
-  clock_type::time_point stall_ends{};
 
   void start() { asio::co_spawn(io_, serve(), asio::detached); }
   void stop() {
@@ -207,6 +206,7 @@ class proxy {
     std::uint64_t seen = 0;
     std::error_code ec;
     asio::steady_timer timer(io_);
+    const std::shared_ptr<clock_type::time_point> black_hole = black_hole_;  // outlives this proxy
     for (;;) {
       std::size_t n = co_await from->async_read_some(asio::buffer(buf), asio::redirect_error(asio::use_awaitable, ec));
       if (ec) break;
@@ -219,7 +219,7 @@ class proxy {
         if (act == action::corrupt) {
           buf[at >= seen ? at - seen : 0] ^= std::byte{0x5a};
         } else if (act == action::stall) {
-          stall_ends = clock_type::now() + stall;
+          *black_hole_ = clock_type::now() + stall;
           timer.expires_after(stall);
           co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
           break;
@@ -239,9 +239,10 @@ class proxy {
       if (ec) break;
     }
     // A stalled link is a black hole: not even the trainer's close gets through to
-    // the worker before the stall ends (the worker must time out on its own).
-    if (act == action::stall && fired && clock_type::now() < stall_ends) {
-      timer.expires_at(stall_ends);
+    // the worker before the stall ends (the worker must time out on its own). Only
+    // locals from here on: the proxy may be gone by the time the wait ends.
+    if (clock_type::now() < *black_hole) {
+      timer.expires_at(*black_hole);
       co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
     from->close(ec);
@@ -251,6 +252,8 @@ class proxy {
   asio::io_context& io_;
   asio::ip::tcp::acceptor acceptor_;
   std::uint16_t trainer_port_;
+  // When the stall ends (the epoch when none fired): shared with the pumps.
+  std::shared_ptr<clock_type::time_point> black_hole_ = std::make_shared<clock_type::time_point>();
   std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets_;
 };
 
