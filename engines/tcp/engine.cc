@@ -76,6 +76,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
   auto joined = co_await group::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
                                      timeout_, who);
   auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(joined.socket));
+  net::set_buffers(*socket, config().socket_buffer_bytes);
 
   // Staging is allocated once here and reused by every update; allocating and
   // faulting in num_buffers x buffer_bytes takes the processing executor a while,

@@ -74,6 +74,7 @@ asio::awaitable<void> sender::connect_workers() {
     const auto protocol = m.socket->local_endpoint().protocol();
     asio::ip::tcp::socket moved(strand);
     moved.assign(protocol, m.socket->release());
+    net::set_buffers(moved, config_.socket_buffer_bytes);
     peers_.push_back(std::make_shared<peer>(peer{m.rank, strand, std::move(moved)}));
   }
   seq_ = 0;
