@@ -62,7 +62,8 @@ struct options {
   std::uint16_t master_port = 0;          // trainer: data port (0: any free port)
   std::vector<std::uint16_t> advertise;   // trainer: data ports workers are told (proxies in front), one or one each
   int first_round = 1;                    // trainer: number of the first update (its weights)
-  std::int64_t hold_before_finish_ms = 0;  // trainer: pause between update_weights and finish (fault suite)
+  std::int64_t hold_before_finish_ms = 0;
+  std::string topology;  // trainer: tcp's "star", "chain" or "tree:K" (empty: the engine's default)  // trainer: pause between update_weights and finish (fault suite)
   std::string secret_file;                // shared secret for every connection
   std::string secret;                     // loaded from secret_file
 };
@@ -80,6 +81,7 @@ const char* usage =
     "                   [--connect PORT,PORT,...]  (trainer: drive running workers, do not start any)\n"
     "                   [--master-port N] [--advertise-port N[,N...]] [--first-round N]  (trainer)\n"
     "                   [--hold-before-finish-ms MS]  (trainer: a window between update and finish)\n"
+    "                   [--topology star|chain|tree:K]  (tcp: how the stream reaches the workers)\n"
     "                   [--role worker]  (serve the control verbs; prints REFIT_WORKER_PORT <port>)\n"
     "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
@@ -156,6 +158,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--hold-before-finish-ms") o.hold_before_finish_ms = integer(0, 600000);
     else if (a == "--connect") o.connect = port_list(a, next());
     else if (a == "--checksums") o.checksums = true;
+    else if (a == "--topology") o.topology = next();
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -351,7 +354,9 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
   json trainer_args = {{"master_address", o.listen}, {"master_port", o.master_port}, {"world_size", o.workers + 1},
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
-                       {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
+                       {"checksums", o.checksums},
+                 {"topology", o.topology.empty() ? json(nullptr) : json(o.topology)}, {"timeout_ms", o.timeout_ms}};
+  if (!o.topology.empty()) trainer_args["topology"] = o.topology;
   const json init_info = sender->prepare(trainer_args);
   // Each worker is its own inference engine here, so each gets its own rank.
   auto init_for = [&init_info, &o](std::size_t i) {

@@ -8,8 +8,8 @@
 namespace refit::group {
 
 asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t code, std::uint64_t seq,
-                                  const std::string& message, std::chrono::milliseconds deadline,
-                                  const std::string& what) {
+                                  std::string message, std::chrono::milliseconds deadline,
+                                  std::string what) {
   wire::status s;
   s.code = code;
   s.seq = seq;
@@ -21,7 +21,7 @@ asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t c
 }
 
 asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
-                                            std::chrono::milliseconds deadline, const std::string& what) {
+                                            std::chrono::milliseconds deadline, std::string what) {
   std::array<std::byte, sizeof(wire::status)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), deadline, what);
   auto s = wire::decode<wire::status>(raw);
