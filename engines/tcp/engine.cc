@@ -28,6 +28,19 @@ namespace {
 
 using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
 
+// Bytes to one child; if it fails, the child's own reason (it says why before it
+// closes) is the error where it gave one.
+asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer> bytes, std::chrono::milliseconds timeout,
+                               std::string what) {
+  std::exception_ptr failure;
+  try {
+    co_await net::write_all(*child, bytes, timeout, what);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) co_await group::rethrow_with_peer_reason(*child, failure, std::min(timeout, std::chrono::milliseconds(500)), what);
+}
+
 // The same bytes to every child at once; the first error wins, naming the child.
 // The sockets are held (by value) until the writes end, even if the engine closes.
 asio::awaitable<void> to_children(std::vector<socket_ptr> children, std::vector<int> ranks,
@@ -35,8 +48,7 @@ asio::awaitable<void> to_children(std::vector<socket_ptr> children, std::vector<
                                   std::string what) {
   std::vector<asio::awaitable<void>> writes;
   for (std::size_t i = 0; i < children.size(); ++i)
-    writes.push_back(net::write_all(*children[i], bytes, timeout,
-                                    what + " to downstream worker rank " + std::to_string(ranks[i])));
+    writes.push_back(to_child(children[i], bytes, timeout, what + " to downstream worker rank " + std::to_string(ranks[i])));
   co_await async::all_of(std::move(writes));
 }
 
@@ -110,9 +122,9 @@ std::vector<asio::mutable_buffer> window(std::span<const asio::mutable_buffer> d
 // here (cut-through), and the bucket is received once they have it too.
 class transport final : public bucket_transport {
  public:
-  transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, int rank, bool checksums,
+  transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, std::string source, bool checksums,
             const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks)
-      : socket_(s), timeout_(timeout), rank_(rank), checksums_(checksums), children_(children),
+      : socket_(s), timeout_(timeout), source_(std::move(source)), checksums_(checksums), children_(children),
         child_ranks_(child_ranks) {}
 
   asio::awaitable<void> begin(const bucket& b) override {
@@ -167,12 +179,10 @@ class transport final : public bucket_transport {
   }
 
  private:
-  std::string what(const bucket& b) const {
-    return "tcp worker rank " + std::to_string(rank_) + ": bucket " + std::to_string(b.index);
-  }
+  std::string what(const bucket& b) const { return source_ + ": bucket " + std::to_string(b.index); }
   asio::ip::tcp::socket& socket_;
   std::chrono::milliseconds timeout_;
-  int rank_;
+  std::string source_;  // this worker, and the upstream worker it reads from (if not the trainer)
   bool checksums_;
   const std::vector<socket_ptr>& children_;
   const std::vector<int>& child_ranks_;
@@ -282,13 +292,20 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
                                              "failure; call init_transfer_engine again");
   const auto from = upstream();  // held: a disconnect closes it, never frees it under the read
   const auto children = children_;
+  std::exception_ptr failure;
   try {
     co_await receive_on(*from, children, info, std::move(load_weights));
   } catch (...) {
-    // After a failure the stream position is unknown: never read it again (and
-    // the children fail at once rather than wait for bytes that never come).
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // The upstream (the trainer or the worker relaying to this one) learns why,
+    // so its error names this worker's reason (say, which child was lost), not a
+    // reset connection. Then, as the stream position is unknown, the connections
+    // close: the children fail at once rather than wait for bytes that never come.
+    co_await group::tell_failure(*from, failure, last_seq_, std::min(timeout_, std::chrono::milliseconds(500)));
     do_shutdown();
-    throw;
+    std::rethrow_exception(failure);
   }
 }
 
@@ -296,13 +313,16 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
                                          const update_info& info, load_weights_fn load_weights) {
   const std::vector<int> child_ranks = position_.children;
   const std::string me = who();
+  // What reads from the upstream name it: a lost relay shows up as that rank.
+  const std::string source =
+      position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
   if (children.empty()) {
-    last_seq_ = co_await group::accept_update(socket, last_seq_, info.metadata, plan, timeout_, me);
+    last_seq_ = co_await group::accept_update(socket, last_seq_, info.metadata, plan, timeout_, source);
   } else {
     // The header goes down the tree; this worker accepts only once its children did.
     std::array<std::byte, sizeof(wire::update)> raw;
-    co_await net::read_exact(socket, asio::buffer(raw), timeout_, me + ": waiting for the update header");
+    co_await net::read_exact(socket, asio::buffer(raw), timeout_, source + ": waiting for the update header");
     auto u = wire::decode<wire::update>(raw);
     if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
     const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
@@ -332,7 +352,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
     last_seq_ = u.seq;
   }
 
-  transport t(socket, timeout_, rank_, pipeline_->params().checksums, children, child_ranks);
+  transport t(socket, timeout_, source, pipeline_->params().checksums, children, child_ranks);
   // The plan just checked against the trainer's header is the one received with.
   co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
                               mutable_stats(), receive_target());

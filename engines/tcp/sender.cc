@@ -174,6 +174,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   stats_ = {};
   const bucket_plan plan = plan_buckets(declared, wire_);
   const std::uint64_t seq = ++seq_;
+  for (auto& p : peers_) p->confirmed = false;
 
   std::exception_ptr failure;
   try {
@@ -231,8 +232,16 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     failure = std::current_exception();
   }
   if (failure) {
+    // Which workers do not hold this update: every direct peer that did not
+    // confirm, with the workers it relays to.
+    const std::string missing = unconfirmed_ranks();
     fail_all();
-    std::rethrow_exception(failure);
+    try {
+      std::rethrow_exception(failure);
+    } catch (const error& e) {
+      if (missing.empty()) throw;
+      throw_error(e.kind(), e.message() + " (update " + std::to_string(seq) + " not completed by worker " + missing + ")");
+    }
   }
   stats_.bytes = plan.tensor_bytes;
   stats_.buckets = plan.buckets.size();
@@ -246,6 +255,20 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
                                         std::shared_ptr<checksum_channel> checksums) {
   peer& p = *keep;
   const std::string who = rank_name(p.rank);
+  std::exception_ptr failure;
+  try {
+    co_await stream_body(p, s, std::move(checksums), who);
+    p.confirmed = true;
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // A worker that fails says why before it closes (its own error, or which worker
+  // below it was lost): that reason, not "connection reset", is the error.
+  if (failure) co_await group::rethrow_with_peer_reason(p.socket, failure, std::min(timeout_, std::chrono::milliseconds(500)), who);
+}
+
+asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
+                                          const std::string& who) {
   co_await group::announce_update(p.socket, s.update, timeout_, who);
   std::vector<asio::const_buffer> buffers;
   for (std::size_t i = 0; i < s.payloads.size(); ++i) {
@@ -267,6 +290,26 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
     co_await net::write_all(p.socket, buffers, timeout_, what);
   }
   co_await group::await_confirmation(p.socket, s.seq, timeout_, who);
+}
+
+std::string sender::unconfirmed_ranks() const {
+  const int workers = world_size_ - 1;
+  std::vector<int> ranks;
+  for (const auto& p : peers_) {
+    if (p->confirmed) continue;
+    std::vector<int> todo{p->rank};
+    while (!todo.empty()) {
+      const int r = todo.back();
+      todo.pop_back();
+      ranks.push_back(r);
+      if (!topology_.star())
+        for (int c : topology_.children(r, workers)) todo.push_back(c);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return ranks.empty() ? std::string() : out;
 }
 
 void sender::shutdown() {

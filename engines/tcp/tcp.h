@@ -116,6 +116,7 @@ class sender final : public weight_sender {
     int rank = 0;
     pool_strand strand;            // the worker's socket lives here, in the I/O pool
     asio::ip::tcp::socket socket;
+    bool confirmed = false;        // it (and its subtree) confirmed the update in progress
   };
   // One update's bytes, laid out once and streamed to every worker.
   struct stream {
@@ -126,6 +127,9 @@ class sender final : public weight_sender {
   using checksum_channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s,
                                   std::shared_ptr<checksum_channel> checksums);
+  asio::awaitable<void> stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
+                                    const std::string& who);
+  std::string unconfirmed_ranks() const;  // "ranks 1, 2, 3" of the update in progress ("" if none)
   void fail_all();
   json worker_init_info() const;
 
