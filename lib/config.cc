@@ -27,6 +27,9 @@ weight_transfer_config weight_transfer_config::from_json(const json& j) {
     r.fail("member 'processing_threads' must be in [1, 256], got " +
            std::to_string(c.processing_threads));
   c.commit = read_commit_mode(r).value_or(c.commit);
+  c.socket_buffer_bytes = r.optional<std::size_t>("socket_buffer_bytes", c.socket_buffer_bytes);
+  if (c.socket_buffer_bytes > (1u << 30))
+    r.fail("member 'socket_buffer_bytes' must be at most 1 GiB, got " + std::to_string(c.socket_buffer_bytes));
   r.finish();
   return c;
 }
@@ -35,6 +38,7 @@ json weight_transfer_config::to_json() const {
   return {{"backend", backend},
           {"timeout_ms", timeout.count()},
           {"processing_threads", processing_threads},
+          {"socket_buffer_bytes", socket_buffer_bytes},
           {"commit", to_string(commit)}};
 }
 

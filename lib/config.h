@@ -45,9 +45,12 @@ struct weight_transfer_config {
   std::string auth_secret;
   /// Commit mode of updates whose update info names none.
   commit_mode commit = commit_mode::in_place;
+  /// Kernel send/receive buffer of each data connection (net::set_buffers); 0: the
+  /// kernel's autotuning. Raise it to bandwidth x round-trip time on long links.
+  std::size_t socket_buffer_bytes = 0;
 
   /// Reads {"backend": str, "timeout_ms": int, "processing_threads": int,
-  /// "commit": "in_place" | "staged"} strictly.
+  /// "commit": "in_place" | "staged", "socket_buffer_bytes": int} strictly.
   static weight_transfer_config from_json(const json& j);
   json to_json() const;
 };

@@ -1,5 +1,8 @@
 #include "lib/net.h"
 
+#include <algorithm>
+#include <limits>
+
 #include <asio/connect.hpp>
 #include <asio/ip/address.hpp>
 #include <asio/steady_timer.hpp>
@@ -93,6 +96,14 @@ asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::millis
 void tune(tcp::socket& socket) {
   std::error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
+}
+
+void set_buffers(tcp::socket& socket, std::size_t bytes) {
+  if (bytes == 0) return;
+  const int n = static_cast<int>(std::min<std::size_t>(bytes, std::numeric_limits<int>::max()));
+  std::error_code ignored;
+  socket.set_option(asio::socket_base::send_buffer_size(n), ignored);
+  socket.set_option(asio::socket_base::receive_buffer_size(n), ignored);
 }
 
 }  // namespace refit::net

@@ -23,12 +23,25 @@ using tcp = asio::ip::tcp;
 /// reset and broken pipe are peer_lost; cancellation is cancelled; the rest io_error.
 [[noreturn]] void throw_io_error(const std::error_code& ec, const std::string& what);
 
+/// The completion condition of every refit socket transfer: as many bytes per
+/// system call as the buffers (up to 64 of them) and the kernel take, where asio's
+/// default (transfer_all) asks for at most 64 KiB a call: a 1 GB update is then
+/// hundreds of calls, not tens of thousands.
+struct large_transfers {
+  static constexpr std::size_t max_per_call = std::size_t(1) << 30;
+  template <class Error>
+  std::size_t operator()(const Error& err, std::size_t) const noexcept {
+    return err ? 0 : max_per_call;
+  }
+};
+
 /// Reads exactly buffer_size(buffers) bytes, or throws (timeout, peer_lost, ...).
-template <class MutableBuffers>
-asio::awaitable<void> read_exact(tcp::socket& socket, const MutableBuffers& buffers,
+/// Any stream asio can read (a tcp socket; tests count its calls).
+template <class Stream, class MutableBuffers>
+asio::awaitable<void> read_exact(Stream& socket, const MutableBuffers& buffers,
                                  std::chrono::milliseconds deadline, std::string what) {
   try {
-    co_await async::with_deadline(asio::async_read(socket, buffers, asio::use_awaitable),
+    co_await async::with_deadline(asio::async_read(socket, buffers, large_transfers{}, asio::use_awaitable),
                                   deadline, what);
   } catch (const error&) {
     throw;
@@ -38,11 +51,11 @@ asio::awaitable<void> read_exact(tcp::socket& socket, const MutableBuffers& buff
 }
 
 /// Writes all of `buffers`, or throws.
-template <class ConstBuffers>
-asio::awaitable<void> write_all(tcp::socket& socket, const ConstBuffers& buffers,
+template <class Stream, class ConstBuffers>
+asio::awaitable<void> write_all(Stream& socket, const ConstBuffers& buffers,
                                 std::chrono::milliseconds deadline, std::string what) {
   try {
-    co_await async::with_deadline(asio::async_write(socket, buffers, asio::use_awaitable),
+    co_await async::with_deadline(asio::async_write(socket, buffers, large_transfers{}, asio::use_awaitable),
                                   deadline, what);
   } catch (const error&) {
     throw;
@@ -65,7 +78,16 @@ tcp::acceptor listen(const asio::any_io_executor& ex, const std::string& host, s
 asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline,
                                     std::string what, asio::any_io_executor socket_executor = {});
 
-/// Sets TCP_NODELAY and generous kernel buffers for bulk transfer.
+/// Sets TCP_NODELAY (every connection refit makes or accepts: headers and statuses
+/// are small and must not wait for Nagle's algorithm).
 void tune(tcp::socket& socket);
+
+/// Sets the kernel's send and receive buffers of a data connection to `bytes`
+/// (SO_SNDBUF, SO_RCVBUF); 0 leaves Linux's autotuning, which grows them up to
+/// net.ipv4.tcp_wmem/tcp_rmem's maximum (a few MiB: enough where bandwidth x
+/// round trip is smaller). Set it to at least that product on long fat links (and
+/// raise net.core.wmem_max/rmem_max, which cap it). Failures are ignored: the
+/// kernel keeps its own sizes.
+void set_buffers(tcp::socket& socket, std::size_t bytes);
 
 }  // namespace refit::net

@@ -1,5 +1,8 @@
 // The TCP worker: connect, say hello, then per update check the trainer's update
 // header against this worker's own plan and receive buckets into staging slots.
+// In a relay topology it also forwards what it receives to its children as it
+// arrives, and answers for them: it accepts an update once they accepted it, and
+// confirms it once they confirmed.
 #include <algorithm>
 
 #include <asio/co_spawn.hpp>
@@ -7,10 +10,14 @@
 #include <asio/use_awaitable.hpp>
 
 #include "engines/tcp/tcp.h"
-#include "lib/group/wire.h"
-#include "lib/checksum.h"
-#include "lib/hex.h"
+#include "lib/async/all_of.h"
+#include "lib/async/deadline.h"
+#include "lib/async/event.h"
 #include "lib/async/offload.h"
+#include "lib/checksum.h"
+#include "lib/group/status_io.h"
+#include "lib/group/wire.h"
+#include "lib/hex.h"
 #include "lib/net.h"
 
 namespace refit::tcp {
@@ -19,13 +26,106 @@ namespace wire = group::wire;
 
 namespace {
 
+using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
+
+// Bytes to one child; if it fails, the child's own reason (it says why before it
+// closes) is the error where it gave one.
+asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer> bytes, std::chrono::milliseconds timeout,
+                               std::string what) {
+  std::exception_ptr failure;
+  try {
+    co_await net::write_all(*child, bytes, timeout, what);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) co_await group::rethrow_with_peer_reason(*child, failure, std::min(timeout, std::chrono::milliseconds(500)), what);
+}
+
+// The same bytes to every child at once; the first error wins, naming the child.
+// The sockets are held (by value) until the writes end, even if the engine closes.
+asio::awaitable<void> to_children(std::vector<socket_ptr> children, std::vector<int> ranks,
+                                  std::vector<asio::const_buffer> bytes, std::chrono::milliseconds timeout,
+                                  std::string what) {
+  std::vector<asio::awaitable<void>> writes;
+  for (std::size_t i = 0; i < children.size(); ++i)
+    writes.push_back(to_child(children[i], bytes, timeout, what + " to downstream worker rank " + std::to_string(ranks[i])));
+  co_await async::all_of(std::move(writes));
+}
+
+// Forwards to the children what was just received, while the next bytes are read:
+// one forward in flight at a time, so each child's stream stays in order.
+class forwarder {
+ public:
+  forwarder(asio::any_io_executor ex, std::vector<socket_ptr> children, std::vector<int> ranks,
+            std::chrono::milliseconds timeout, std::string what)
+      : ex_(ex), children_(std::move(children)), ranks_(std::move(ranks)), timeout_(timeout), what_(std::move(what)),
+        state_(std::make_shared<state>(ex)) {
+    state_->idle.set();
+  }
+  // Waits for the forward in flight, then starts one of `bytes` (which stay valid
+  // until finish()).
+  asio::awaitable<void> send(std::vector<asio::const_buffer> bytes) {
+    co_await finish();
+    state_->idle.reset();
+    // The completion touches only the shared state: it may come after this
+    // forwarder is gone (a failed receive that closes the children).
+    asio::co_spawn(ex_, to_children(children_, ranks_, std::move(bytes), timeout_, what_),
+                   [s = state_](std::exception_ptr e) {
+                     s->error = e;
+                     s->idle.set();
+                   });
+  }
+  // Waits for the forward in flight; rethrows its error.
+  asio::awaitable<void> finish() {
+    auto s = state_;
+    co_await s->idle.wait();
+    if (auto e = std::exchange(s->error, nullptr)) std::rethrow_exception(e);
+  }
+
+ private:
+  struct state {
+    explicit state(asio::any_io_executor ex) : idle(std::move(ex)) {}
+    async::event idle;
+    std::exception_ptr error;
+  };
+  asio::any_io_executor ex_;
+  std::vector<socket_ptr> children_;
+  std::vector<int> ranks_;
+  std::chrono::milliseconds timeout_;
+  std::string what_;
+  std::shared_ptr<state> state_;
+};
+
+// The next `n` bytes of `dest` from byte `at` on, as at most 64 buffers.
+std::vector<asio::mutable_buffer> window(std::span<const asio::mutable_buffer> dest, std::uint64_t at,
+                                         std::uint64_t n) {
+  std::vector<asio::mutable_buffer> out;
+  std::uint64_t start = 0;
+  for (const auto& d : dest) {
+    const std::uint64_t end = start + d.size();
+    if (end > at && n > 0 && out.size() < 64) {
+      const std::uint64_t from = std::max(at, start) - start;
+      const std::uint64_t take = std::min<std::uint64_t>(d.size() - from, n);
+      out.emplace_back(static_cast<std::byte*>(d.data()) + from, static_cast<std::size_t>(take));
+      n -= take;
+      at += take;
+    }
+    start = end;
+  }
+  return out;
+}
+
 // Receives one bucket: its header checked against the plan (begin), then the
 // payload straight into the destination (no intermediate copy); its checksum is
-// verified on the processing executor while the next bucket arrives (check).
+// verified on the processing executor while the next bucket arrives (check). With
+// children, each header and each piece of payload goes on to them as soon as it is
+// here (cut-through), and the bucket is received once they have it too.
 class transport final : public bucket_transport {
  public:
-  transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, int rank, bool checksums)
-      : socket_(s), timeout_(timeout), rank_(rank), checksums_(checksums) {}
+  transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, std::string source, bool checksums,
+            const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks)
+      : socket_(s), timeout_(timeout), source_(std::move(source)), checksums_(checksums), children_(children),
+        child_ranks_(child_ranks) {}
 
   asio::awaitable<void> begin(const bucket& b) override {
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
@@ -34,10 +134,37 @@ class transport final : public bucket_transport {
     if (auto mismatch = wire::check_bucket_header(h, b.index, b.payload_bytes, checksums_); !mismatch.empty())
       throw_error(errc::protocol_error, what(b) + ": " + mismatch);
     expected_ = h.checksum;
+    if (!children_.empty()) {
+      std::vector<asio::const_buffer> header{asio::buffer(raw)};  // (GCC 12: no braced list in co_await)
+      co_await to_children(children_, child_ranks_, std::move(header), timeout_, what(b) + " header");
+    }
   }
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
-    co_await net::read_exact(socket_, dest, timeout_, what(b) + " payload");
+    if (children_.empty()) {
+      co_await net::read_exact(socket_, dest, timeout_, what(b) + " payload");
+      co_return;
+    }
+    // Read what has come (up to 4 MiB at a time) and pass it on while reading more.
+    constexpr std::uint64_t piece = 4 << 20;
+    forwarder out(socket_.get_executor(), children_, child_ranks_, timeout_, what(b) + " payload");
+    std::uint64_t at = 0;
+    while (at < b.payload_bytes) {
+      auto next = window(dest, at, std::min(piece, b.payload_bytes - at));
+      std::size_t got = 0;
+      try {
+        got = co_await async::with_deadline(socket_.async_read_some(next, asio::use_awaitable), timeout_,
+                                            what(b) + " payload");
+      } catch (const error&) {
+        throw;
+      } catch (const std::system_error& e) {
+        net::throw_io_error(e.code(), what(b) + " payload");
+      }
+      auto arrived = window(dest, at, got);
+      co_await out.send(std::vector<asio::const_buffer>(arrived.begin(), arrived.end()));
+      at += got;
+    }
+    co_await out.finish();
   }
 
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
@@ -52,15 +179,21 @@ class transport final : public bucket_transport {
   }
 
  private:
-  std::string what(const bucket& b) const {
-    return "tcp worker rank " + std::to_string(rank_) + ": bucket " + std::to_string(b.index);
-  }
+  std::string what(const bucket& b) const { return source_ + ": bucket " + std::to_string(b.index); }
   asio::ip::tcp::socket& socket_;
   std::chrono::milliseconds timeout_;
-  int rank_;
+  std::string source_;  // this worker, and the upstream worker it reads from (if not the trainer)
   bool checksums_;
+  const std::vector<socket_ptr>& children_;
+  const std::vector<int>& child_ranks_;
   std::uint64_t expected_ = 0;
 };
+
+void close_socket(asio::ip::tcp::socket& s) {
+  std::error_code ignored;
+  s.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+  s.close(ignored);
+}
 
 }  // namespace
 
@@ -70,12 +203,21 @@ engine::engine(const weight_transfer_config& config, const engine_context& conte
 engine::~engine() { do_shutdown(); }
 
 asio::awaitable<void> engine::init(const init_info& info) {
+  do_shutdown();
   timeout_ = info.timeout.value_or(config().timeout);
   rank_ = group::worker_rank(info, context().ranks, "tcp");
-  const std::string who = "tcp worker rank " + std::to_string(rank_);
+  position_ = {};
+  // In a relay topology the hello says where this worker's children may connect.
+  group::relay_listener relay;
+  if (!info.topology.star())
+    relay = [this](const asio::ip::address& local) {
+      relay_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context().executor, local.to_string(), 0));
+      return relay_->local_endpoint().port();
+    };
   auto joined = co_await group::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
-                                     timeout_, who);
-  auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(joined.socket));
+                                     timeout_, who(), relay);
+  auto socket = std::make_shared<asio::ip::tcp::socket>(std::move(joined.socket));
+  net::set_buffers(*socket, config().socket_buffer_bytes);
 
   // Staging is allocated once here and reused by every update; allocating and
   // faulting in num_buffers x buffer_bytes takes the processing executor a while,
@@ -91,54 +233,180 @@ asio::awaitable<void> engine::init(const init_info& info) {
   }
   socket_ = std::move(socket);
   last_seq_ = 0;
+  if (!info.topology.star()) {
+    try {
+      co_await join_relay(info);
+    } catch (...) {
+      do_shutdown();
+      throw;
+    }
+  }
+}
+
+namespace {
+asio::awaitable<void> connect_upstream(std::shared_ptr<asio::ip::tcp::socket>* out, group::relay_position p, int rank,
+                                       wire_params wire, std::string secret, std::chrono::milliseconds timeout,
+                                       std::string who, std::size_t buffer_bytes) {
+  auto j = co_await group::join(p.upstream_address, p.upstream_port, rank, wire, std::move(secret), timeout,
+                                who + ": upstream worker rank " + std::to_string(p.upstream));
+  *out = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
+  net::set_buffers(**out, buffer_bytes);
+}
+
+asio::awaitable<void> accept_children(std::vector<socket_ptr>* out, asio::ip::tcp::acceptor& relay,
+                                      asio::any_io_executor ex, std::vector<int> ranks, wire_params wire,
+                                      std::string secret, std::chrono::milliseconds timeout, std::string who,
+                                      std::size_t buffer_bytes) {
+  auto members = co_await group::accept_members(relay, ex, std::move(secret), timeout, wire, ranks, who + " (relay)");
+  // In the order of `ranks` (accept_members sorts by rank, as are they).
+  for (auto& m : members) {
+    net::set_buffers(*m.socket, buffer_bytes);
+    out->push_back(m.socket);
+  }
+}
+}  // namespace
+
+asio::awaitable<void> engine::join_relay(const init_info& info) {
+  // The trainer says where this worker sits once every worker has joined.
+  auto st = co_await group::read_status(*socket_, timeout_, who() + ": waiting for its place in the " +
+                                                               info.topology.to_string());
+  group::throw_if_failed(st, who() + ": the trainer");
+  position_ = group::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
+                                               who() + ": relay position");
+  std::sort(position_.children.begin(), position_.children.end());
+  // Connect upstream and accept the children at once: a chain forms in one step.
+  std::vector<asio::awaitable<void>> both;
+  if (position_.upstream != 0)
+    both.push_back(connect_upstream(&upstream_, position_, rank_, info.wire, config().auth_secret, timeout_, who(),
+                                    config().socket_buffer_bytes));
+  if (!position_.children.empty())
+    both.push_back(accept_children(&children_, *relay_, context().executor, position_.children, info.wire,
+                                   config().auth_secret, timeout_, who(), config().socket_buffer_bytes));
+  co_await async::all_of(std::move(both));
+  if (position_.children.empty()) relay_.reset();  // nobody will connect
 }
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
-  const std::string who = "tcp worker rank " + std::to_string(rank_);
   if (!socket_)
-    throw_error(errc::invalid_state, who + ": the connection to the trainer was closed by an earlier "
-                                           "failure; call init_transfer_engine again");
+    throw_error(errc::invalid_state, who() + ": the connection to the trainer was closed by an earlier "
+                                             "failure; call init_transfer_engine again");
+  const auto from = upstream();  // held: a disconnect closes it, never frees it under the read
+  const auto children = children_;
+  std::exception_ptr failure;
   try {
-    co_await receive_on(*socket_, info, std::move(load_weights));
+    co_await receive_on(*from, children, info, std::move(load_weights));
   } catch (...) {
-    // After a failure the stream position is unknown: never read it again.
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // The upstream (the trainer or the worker relaying to this one) learns why,
+    // so its error names this worker's reason (say, which child was lost), not a
+    // reset connection. Then, as the stream position is unknown, the connections
+    // close: the children fail at once rather than wait for bytes that never come.
+    co_await group::tell_failure(*from, failure, last_seq_, std::min(timeout_, std::chrono::milliseconds(500)));
     do_shutdown();
-    throw;
+    std::rethrow_exception(failure);
   }
 }
 
-asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const update_info& info,
-                                         load_weights_fn load_weights) {
-  const std::string who = "tcp worker rank " + std::to_string(rank_);
+asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const std::vector<socket_ptr>& children,
+                                         const update_info& info, load_weights_fn load_weights) {
+  const std::vector<int> child_ranks = position_.children;
+  const std::string me = who();
+  // What reads from the upstream name it: a lost relay shows up as that rank.
+  const std::string source =
+      position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-  last_seq_ = co_await group::accept_update(socket, last_seq_, info.metadata, plan, timeout_, who);
+  if (children.empty()) {
+    last_seq_ = co_await group::accept_update(socket, last_seq_, info.metadata, plan, timeout_, source);
+  } else {
+    // The header goes down the tree; this worker accepts only once its children did.
+    std::array<std::byte, sizeof(wire::update)> raw;
+    co_await net::read_exact(socket, asio::buffer(raw), timeout_, source + ": waiting for the update header");
+    auto u = wire::decode<wire::update>(raw);
+    if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
+    const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
+                                            plan.buckets.size(), plan.payload_bytes};
+    std::string refusal = wire::check_update_header(u, expected);
+    errc code = errc::protocol_error;
+    if (refusal.empty()) {
+      std::vector<asio::const_buffer> header{asio::buffer(raw)};
+      co_await to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
+      for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
+        auto st = co_await group::read_status(*children[i], timeout_,
+                                              me + ": waiting for downstream worker rank " +
+                                                  std::to_string(child_ranks[i]) + " to accept");
+        if (st.code != 0) {
+          code = st.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(st.code) : errc::protocol_error;
+          refusal = "downstream worker rank " + std::to_string(child_ranks[i]) + " refused the update: " +
+                    st.message;
+        }
+      }
+    }
+    if (!refusal.empty()) {
+      co_await group::send_status(socket, static_cast<std::uint32_t>(code), u.seq, me + ": " + refusal, timeout_,
+                                  me + ": refusing the update");
+      throw_error(code, me + ": " + refusal);
+    }
+    co_await group::send_status(socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
+    last_seq_ = u.seq;
+  }
 
-  transport t(socket, timeout_, rank_, pipeline_->params().checksums);
+  transport t(socket, timeout_, source, pipeline_->params().checksums, children, child_ranks);
   // The plan just checked against the trainer's header is the one received with.
   co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
                               mutable_stats(), receive_target());
-  co_await group::confirm_update(socket, last_seq_, timeout_, who);
+  // Every child confirms (its subtree has every byte, verified) before this one does.
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    std::exception_ptr failure;
+    errc kind = errc::peer_lost;
+    std::string message;
+    try {
+      co_await group::await_confirmation(*children[i], last_seq_, timeout_,
+                                         me + ": downstream worker rank " + std::to_string(child_ranks[i]));
+    } catch (const error& e) {
+      failure = std::current_exception();
+      kind = e.kind();
+      message = e.message();
+    }
+    if (failure) {
+      // The upstream learns which worker failed, and why.
+      try {
+        co_await group::send_status(socket, static_cast<std::uint32_t>(kind), last_seq_, message, timeout_,
+                                    me + ": failing the update");
+      } catch (const error&) {
+      }
+      std::rethrow_exception(failure);
+    }
+  }
+  co_await group::confirm_update(socket, last_seq_, timeout_, me);
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
-  if (!socket_) return;
+  if (!upstream()) return;
   try {
-    std::shared_ptr<asio::ip::tcp::socket> s(socket_.release());
+    // The refusal goes upstream; children (whose header never comes) are closed.
+    std::shared_ptr<asio::ip::tcp::socket> s = upstream_ ? std::exchange(upstream_, nullptr) : std::exchange(socket_, nullptr);
     asio::co_spawn(context().executor,
                    group::refuse_update(s, last_seq_ + 1, kind, reason,
-                                        std::min(timeout_, std::chrono::milliseconds(2000)),
-                                        "tcp worker rank " + std::to_string(rank_)),
+                                        std::min(timeout_, std::chrono::milliseconds(2000)), who()),
                    asio::detached);
   } catch (...) {  // could not start the refusal: the trainer fails at its deadline
   }
+  do_shutdown();
 }
 
 void engine::do_shutdown() {
-  if (socket_) {
+  for (auto* s : {socket_.get(), upstream_.get()})
+    if (s) close_socket(*s);
+  for (auto& c : children_) close_socket(*c);
+  socket_.reset();
+  upstream_.reset();
+  children_.clear();
+  if (relay_) {
     std::error_code ignored;
-    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    socket_->close(ignored);
-    socket_.reset();
+    relay_->close(ignored);
+    relay_.reset();
   }
 }
 

@@ -8,6 +8,7 @@
 #include <asio/use_awaitable.hpp>
 
 #include "engines/tcp/tcp.h"
+#include "lib/group/status_io.h"
 #include "lib/group/wire.h"
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/concurrent_channel.hpp>
@@ -43,6 +44,9 @@ sender::~sender() {
 json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp trainer_args");
   const auto args = group::trainer_args::read(r, config_.timeout);
+  const auto topology = r.maybe<std::string>("topology");
+  topology_ = topology ? group::topology::parse(*topology, "tcp trainer_args: member 'topology'")
+                       : group::topology::default_for(args.world_size - 1);
   r.finish();
   args_ = args;
   world_size_ = args.world_size;
@@ -59,7 +63,9 @@ json sender::prepare(const json& trainer_args) {
 
 json sender::worker_init_info() const {
   if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
-  return group::worker_init_info(args_, acceptor_->local_endpoint().port());
+  json info = group::worker_init_info(args_, acceptor_->local_endpoint().port());
+  if (!topology_.star()) info["topology"] = topology_.to_string();
+  return info;
 }
 
 asio::awaitable<void> sender::connect_workers() {
@@ -67,14 +73,44 @@ asio::awaitable<void> sender::connect_workers() {
   fail_all();
   auto members = co_await group::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
                                                 world_size_, "tcp trainer");
-  // Each worker's socket moves to its own strand of the I/O pool, where its
-  // streams run.
+  const int workers = world_size_ - 1;
+  if (!topology_.star()) {
+    // Every worker learns where it sits: whom it receives from (the trainer or a
+    // worker's relay listener) and whom it forwards to.
+    std::vector<asio::awaitable<void>> tell;
+    // (send_status takes its strings by reference: they live here until all_of ends.)
+    std::vector<std::string> texts(members.size()), whats(members.size());
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      const auto& m = members[i];
+      group::relay_position p;
+      p.upstream = topology_.parent(m.rank);
+      p.children = topology_.children(m.rank, workers);
+      if (p.upstream != 0) {
+        const auto& up = members.at(static_cast<std::size_t>(p.upstream - 1));  // sorted by rank, 1..N
+        if (up.relay_port == 0)
+          throw_error(errc::protocol_error, rank_name(up.rank) + " has no relay listener (is it an older refit?)");
+        p.upstream_address = up.address;
+        p.upstream_port = up.relay_port;
+      }
+      texts[i] = p.to_json().dump();
+      whats[i] = rank_name(m.rank) + ": telling it its place in the " + topology_.to_string();
+      tell.push_back(group::send_status(*m.socket, 0, 0, texts[i], timeout_, whats[i]));
+    }
+    co_await async::all_of(std::move(tell));
+  }
+  // Each direct child's socket moves to its own strand of the I/O pool, where its
+  // streams run; the other workers' side channels stay open, unused, until the next
+  // init or a failure closes them.
+  const std::vector<int> direct = topology_.children(0, workers);
   for (auto& m : members) {
     auto strand = asio::make_strand(io_pool_->get_executor());
     const auto protocol = m.socket->local_endpoint().protocol();
     asio::ip::tcp::socket moved(strand);
     moved.assign(protocol, m.socket->release());
-    peers_.push_back(std::make_shared<peer>(peer{m.rank, strand, std::move(moved)}));
+    net::set_buffers(moved, config_.socket_buffer_bytes);
+    auto p = std::make_shared<peer>(peer{m.rank, strand, std::move(moved)});
+    if (std::find(direct.begin(), direct.end(), m.rank) != direct.end()) peers_.push_back(std::move(p));
+    else relayed_.push_back(std::move(p));
   }
   seq_ = 0;
 }
@@ -84,13 +120,15 @@ void sender::fail_all() {
   // of waiting out its deadline. A socket is only touched on its own strand (a send
   // may be writing to it right now, from a pool thread); the closure keeps the peer
   // alive until it has run.
-  for (auto& p : peers_)
-    asio::post(p->strand, [p] {
-      std::error_code ignored;
-      p->socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-      p->socket.close(ignored);
-    });
-  peers_.clear();
+  for (auto* list : {&peers_, &relayed_}) {
+    for (auto& p : *list)
+      asio::post(p->strand, [p] {
+        std::error_code ignored;
+        p->socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+        p->socket.close(ignored);
+      });
+    list->clear();
+  }
 }
 
 namespace {
@@ -136,6 +174,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   stats_ = {};
   const bucket_plan plan = plan_buckets(declared, wire_);
   const std::uint64_t seq = ++seq_;
+  for (auto& p : peers_) p->confirmed = false;
 
   std::exception_ptr failure;
   try {
@@ -193,8 +232,16 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     failure = std::current_exception();
   }
   if (failure) {
+    // Which workers do not hold this update: every direct peer that did not
+    // confirm, with the workers it relays to.
+    const std::string missing = unconfirmed_ranks();
     fail_all();
-    std::rethrow_exception(failure);
+    try {
+      std::rethrow_exception(failure);
+    } catch (const error& e) {
+      if (missing.empty()) throw;
+      throw_error(e.kind(), e.message() + " (update " + std::to_string(seq) + " not completed by worker " + missing + ")");
+    }
   }
   stats_.bytes = plan.tensor_bytes;
   stats_.buckets = plan.buckets.size();
@@ -208,6 +255,20 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
                                         std::shared_ptr<checksum_channel> checksums) {
   peer& p = *keep;
   const std::string who = rank_name(p.rank);
+  std::exception_ptr failure;
+  try {
+    co_await stream_body(p, s, std::move(checksums), who);
+    p.confirmed = true;
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // A worker that fails says why before it closes (its own error, or which worker
+  // below it was lost): that reason, not "connection reset", is the error.
+  if (failure) co_await group::rethrow_with_peer_reason(p.socket, failure, std::min(timeout_, std::chrono::milliseconds(500)), who);
+}
+
+asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
+                                          const std::string& who) {
   co_await group::announce_update(p.socket, s.update, timeout_, who);
   std::vector<asio::const_buffer> buffers;
   for (std::size_t i = 0; i < s.payloads.size(); ++i) {
@@ -229,6 +290,26 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
     co_await net::write_all(p.socket, buffers, timeout_, what);
   }
   co_await group::await_confirmation(p.socket, s.seq, timeout_, who);
+}
+
+std::string sender::unconfirmed_ranks() const {
+  const int workers = world_size_ - 1;
+  std::vector<int> ranks;
+  for (const auto& p : peers_) {
+    if (p->confirmed) continue;
+    std::vector<int> todo{p->rank};
+    while (!todo.empty()) {
+      const int r = todo.back();
+      todo.pop_back();
+      ranks.push_back(r);
+      if (!topology_.star())
+        for (int c : topology_.children(r, workers)) todo.push_back(c);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return ranks.empty() ? std::string() : out;
 }
 
 void sender::shutdown() {

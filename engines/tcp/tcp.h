@@ -1,6 +1,9 @@
 // The TCP backend: one trainer streams every update to N workers over plain TCP
-// (broadcast semantics: each worker receives the full stream). Works on any
-// machine; the embedded default of refit.
+// (broadcast semantics: each worker receives the full stream), either to each
+// worker itself (star) or through a chain or tree of workers that forward every
+// bucket as it arrives (lib/group/relay.h), so the trainer's egress stays one copy
+// (or K) however many workers there are. Works on any machine; the embedded
+// default of refit.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +19,7 @@
 #include "lib/bucket_plan.h"
 #include "lib/engine.h"
 #include "lib/group/group.h"
+#include "lib/group/relay.h"
 #include "lib/pipeline.h"
 #include "lib/trainer.h"
 
@@ -23,13 +27,17 @@ namespace refit::tcp {
 
 /// Worker init info, like vLLM's NCCL engine's plus the trainer's wire parameters:
 /// {"master_address": str, "master_port": int, "rank_offset": int,
-///  "world_size": int, "buffer_bytes": int, "num_buffers": int, "timeout_ms": int}.
+///  "world_size": int, "buffer_bytes": int, "num_buffers": int, "timeout_ms": int,
+///  "topology": "star" | "chain" | "tree:K" (optional, star by default)}.
 /// The worker's rank is rank_offset + its local rank (from the engine context's
 /// parallel ranks); the trainer is rank 0.
 struct init_info final : refit::init_info, group::join_info {
+  group::topology topology;
   static init_info read(json_reader& r) {
     init_info info;
     static_cast<group::join_info&>(info) = group::join_info::read(r);
+    info.topology = group::topology::parse(r.optional<std::string>("topology", "star"),
+                                           r.context() + ": member '" + r.member_path("topology") + "'");
     return info;
   }
 };
@@ -46,6 +54,15 @@ class engine final : public typed_engine<init_info, update_info> {
   bool defers_processing() const noexcept override { return true; }
   /// This worker's rank once initialised.
   int rank() const noexcept { return rank_; }
+  /// Closes every connection now (to the trainer, upstream, children): an update
+  /// in flight fails, its children fail at once, and init_transfer_engine must run
+  /// again. For a server that must cut refit off at once (and tests that stand a
+  /// dead process in for it); unlike shutdown() it is allowed while buckets are
+  /// still being processed.
+  void disconnect() noexcept { do_shutdown(); }
+  /// The rank it receives from (0: the trainer) and those it forwards to.
+  int upstream_rank() const noexcept { return position_.upstream; }
+  const std::vector<int>& children() const noexcept { return position_.children; }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;
@@ -54,10 +71,20 @@ class engine final : public typed_engine<init_info, update_info> {
   void do_refuse_update(errc kind, const std::string& reason) noexcept override;
 
  private:
-  asio::awaitable<void> receive_on(asio::ip::tcp::socket& socket, const update_info& info,
-                                   load_weights_fn load_weights);
+  asio::awaitable<void> receive_on(asio::ip::tcp::socket& socket,
+                                   const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
+                                   const update_info& info, load_weights_fn load_weights);
+  asio::awaitable<void> join_relay(const init_info& info);
+  std::string who() const { return "tcp worker rank " + std::to_string(rank_); }
+  std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
 
-  std::unique_ptr<asio::ip::tcp::socket> socket_;
+  // Shared with an update in flight, so that closing them (disconnect, a failure)
+  // never frees a socket a coroutine still reads.
+  std::shared_ptr<asio::ip::tcp::socket> socket_;    // to the trainer (the data path in a star)
+  std::shared_ptr<asio::ip::tcp::socket> upstream_;  // to the upstream worker (relay topologies)
+  std::vector<std::shared_ptr<asio::ip::tcp::socket>> children_;  // in position_.children order
+  std::unique_ptr<asio::ip::tcp::acceptor> relay_;   // where children connect
+  group::relay_position position_;
   std::unique_ptr<receive_pipeline> pipeline_;
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
@@ -75,7 +102,8 @@ class sender final : public weight_sender {
   std::string_view backend() const noexcept override { return "tcp"; }
 
   /// Listens; returns the workers' init info with the bound port (master_port 0
-  /// picks a free one).
+  /// picks a free one). trainer_args may add "topology" ("star", "chain",
+  /// "tree:K"; default star for one or two workers, else chain).
   json prepare(const json& trainer_args) override;
   asio::awaitable<void> connect_workers() override;
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
@@ -88,6 +116,7 @@ class sender final : public weight_sender {
     int rank = 0;
     pool_strand strand;            // the worker's socket lives here, in the I/O pool
     asio::ip::tcp::socket socket;
+    bool confirmed = false;        // it (and its subtree) confirmed the update in progress
   };
   // One update's bytes, laid out once and streamed to every worker.
   struct stream {
@@ -98,6 +127,9 @@ class sender final : public weight_sender {
   using checksum_channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s,
                                   std::shared_ptr<checksum_channel> checksums);
+  asio::awaitable<void> stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
+                                    const std::string& who);
+  std::string unconfirmed_ranks() const;  // "ranks 1, 2, 3" of the update in progress ("" if none)
   void fail_all();
   json worker_init_info() const;
 
@@ -110,7 +142,9 @@ class sender final : public weight_sender {
   int world_size_ = 0;
   wire_params wire_;
   std::chrono::milliseconds timeout_{0};
-  std::vector<std::shared_ptr<peer>> peers_;  // shared with in-flight streams and closes
+  std::vector<std::shared_ptr<peer>> peers_;  // the trainer's children: shared with in-flight streams and closes
+  std::vector<std::shared_ptr<peer>> relayed_;  // the other workers' side channels, kept open
+  group::topology topology_;
   std::uint64_t seq_ = 0;
   update_stats stats_;
 };

@@ -40,6 +40,11 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
+struct endpoint {
+  std::string host;  // empty: --listen's address
+  std::uint16_t port = 0;
+};
+
 struct options {
   std::string role = "trainer";
   std::string engine = "tcp";
@@ -58,11 +63,14 @@ struct options {
   bool checksums = false;
   commit_mode commit = commit_mode::in_place;
   std::string listen = "127.0.0.1";       // workers' control address; the trainer's data address
-  std::vector<std::uint16_t> connect;     // trainer: use running workers instead of starting them
+  std::vector<endpoint> connect;          // trainer: use running workers instead of starting them
+  bool load_model = false;                // trainer: have --connect workers allocate the model first
+  bool one_tensor = false;                // the model is one bf16 tensor of --model-bytes
   std::uint16_t master_port = 0;          // trainer: data port (0: any free port)
   std::vector<std::uint16_t> advertise;   // trainer: data ports workers are told (proxies in front), one or one each
   int first_round = 1;                    // trainer: number of the first update (its weights)
   std::int64_t hold_before_finish_ms = 0;  // trainer: pause between update_weights and finish (fault suite)
+  std::string topology;                   // trainer: tcp's "star", "chain" or "tree:K" (empty: the engine's default)
   std::string secret_file;                // shared secret for every connection
   std::string secret;                     // loaded from secret_file
 };
@@ -77,28 +85,48 @@ const char* usage =
     "                   [--auth-secret-file PATH]  (authenticate every connection; mode 0600;\n"
     "                                              default $REFIT_AUTH_SECRET_FILE)\n"
     "                   [--listen ADDRESS]  (address workers and the trainer listen on; 127.0.0.1)\n"
-    "                   [--connect PORT,PORT,...]  (trainer: drive running workers, do not start any)\n"
+    "                   [--connect [HOST:]PORT,...]  (trainer: drive running workers, do not start any;\n"
+    "                                                HOST defaults to --listen's address)\n"
+    "                   [--load-model]  (trainer: have --connect workers allocate the model first)\n"
+    "                   [--one-tensor]  (the model is one bf16 tensor of --model-bytes)\n"
     "                   [--master-port N] [--advertise-port N[,N...]] [--first-round N]  (trainer)\n"
     "                   [--hold-before-finish-ms MS]  (trainer: a window between update and finish)\n"
+    "                   [--topology star|chain|tree:K]  (tcp: how the stream reaches the workers)\n"
     "                   [--role worker]  (serve the control verbs; prints REFIT_WORKER_PORT <port>)\n"
     "                   [--print-layout]  (print the model's update_info JSON and exit)\n"
     "SIZE: bytes with an optional K/M/G suffix (powers of 1024), e.g. 1G or 512M.\n";
 
-// "4001,4002" -> ports.
-std::vector<std::uint16_t> port_list(const std::string& flag, const std::string& list) {
-  std::vector<std::uint16_t> out;
+// "4001,10.0.0.2:4002" -> endpoints (hosts only where `hosts` allows them).
+std::vector<endpoint> endpoint_list(const std::string& flag, const std::string& list, bool hosts) {
+  std::vector<endpoint> out;
   std::size_t at = 0;
   for (;;) {
     auto comma = list.find(',', at);
     std::string item = list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    endpoint e;
+    bool bad_host = false;
+    if (auto colon = item.rfind(':'); hosts && colon != std::string::npos) {
+      e.host = item.substr(0, colon);
+      item = item.substr(colon + 1);
+      bad_host = e.host.empty();
+    }
     char* end = nullptr;
     long port = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || !end || *end || port < 1 || port > 65535)
-      throw_error(errc::invalid_argument, flag + ": expected ports like 4001,4002, got '" + list + "'");
-    out.push_back(static_cast<std::uint16_t>(port));
+    if (bad_host || item.empty() || !end || *end || port < 1 || port > 65535)
+      throw_error(errc::invalid_argument, flag + (hosts ? ": expected [HOST:]PORT entries like 4001,10.0.0.2:4002, got '"
+                                                        : ": expected ports like 4001,4002, got '") +
+                                              list + "'");
+    e.port = static_cast<std::uint16_t>(port);
+    out.push_back(std::move(e));
     if (comma == std::string::npos) return out;
     at = comma + 1;
   }
+}
+
+std::vector<std::uint16_t> port_list(const std::string& flag, const std::string& list) {
+  std::vector<std::uint16_t> out;
+  for (const auto& e : endpoint_list(flag, list, false)) out.push_back(e.port);
+  return out;
 }
 
 options parse_args(int argc, char** argv) {
@@ -154,8 +182,11 @@ options parse_args(int argc, char** argv) {
     else if (a == "--advertise-port") o.advertise = port_list(a, next());
     else if (a == "--first-round") o.first_round = static_cast<int>(integer(1, 1 << 30));
     else if (a == "--hold-before-finish-ms") o.hold_before_finish_ms = integer(0, 600000);
-    else if (a == "--connect") o.connect = port_list(a, next());
+    else if (a == "--connect") o.connect = endpoint_list(a, next(), true);
+    else if (a == "--load-model") o.load_model = true;
+    else if (a == "--one-tensor") o.one_tensor = true;
     else if (a == "--checksums") o.checksums = true;
+    else if (a == "--topology") o.topology = next();
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -168,6 +199,7 @@ options parse_args(int argc, char** argv) {
     if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;
   if (!o.secret_file.empty()) o.secret = auth::read_secret_file(o.secret_file);
   if (!o.connect.empty()) o.workers = static_cast<int>(o.connect.size());
+  if (o.connect.empty()) o.load_model = true;  // workers this trainer starts always get the model
   if (o.advertise.size() > 1 && o.advertise.size() != static_cast<std::size_t>(o.workers))
     throw_error(errc::invalid_argument, "--advertise-port: give one port, or one per worker (" +
                                             std::to_string(o.workers) + ")");
@@ -342,7 +374,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   // Errors name the worker by index and data rank.
   worker_group workers(
       [](std::size_t i) { return "worker " + std::to_string(i) + " (rank " + std::to_string(i + 1) + ")"; });
-  for (const auto& p : procs) co_await workers.connect(ex, timeout, o.secret, o.listen, p.port);
+  for (std::size_t i = 0; i < procs.size(); ++i) {
+    const std::string host = i < o.connect.size() && !o.connect[i].host.empty() ? o.connect[i].host : o.listen;
+    co_await workers.connect(ex, timeout, o.secret, host, procs[i].port);
+  }
 
   weight_transfer_config config;
   config.backend = o.engine;
@@ -352,6 +387,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   json trainer_args = {{"master_address", o.listen}, {"master_port", o.master_port}, {"world_size", o.workers + 1},
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
                        {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
+  if (!o.topology.empty()) trainer_args["topology"] = o.topology;
   const json init_info = sender->prepare(trainer_args);
   // Each worker is its own inference engine here, so each gets its own rank.
   auto init_for = [&init_info, &o](std::size_t i) {
@@ -377,7 +413,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
 
   json update_body = json::object();
   write_update_metadata(model.layout.meta, update_body["update_info"]);
-  if (o.connect.empty()) co_await workers.call_all("load_model", update_body["update_info"]);
+  if (o.load_model) co_await workers.call_all("load_model", update_body["update_info"]);
   update_body["update_info"]["commit"] = to_string(o.commit);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
@@ -441,14 +477,23 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   workers.close();
 }
 
+model_layout layout_for(const options& o) {
+  if (!o.one_tensor) return make_layout(o.model_bytes, o.layers, o.vocab);
+  if (o.model_bytes < 2) throw_error(errc::invalid_argument, "--one-tensor: --model-bytes must be at least 2");
+  model_layout l;
+  l.layers = 0;
+  l.meta.tensors.push_back({"weight", dtype::bfloat16, {static_cast<std::int64_t>(o.model_bytes / 2)}});
+  return l;
+}
+
 int run_trainer(const options& o) {
   if (o.print_layout) {
     json layout = json::object();
-    write_update_metadata(make_layout(o.model_bytes, o.layers, o.vocab).meta, layout);
+    write_update_metadata(layout_for(o).meta, layout);
     std::cout << layout.dump() << std::endl;
     return 0;
   }
-  trainer_model model(make_layout(o.model_bytes, o.layers, o.vocab));
+  trainer_model model(layout_for(o));
   const auto& meta = model.layout.meta;
   if (!o.quiet)
     std::fprintf(stderr, "[refit] model: %zu tensors, %.2f GB bf16 (hidden %lld, %d layers); %d workers, engine %s\n",
@@ -461,7 +506,7 @@ int run_trainer(const options& o) {
     if (o.connect.empty())
       for (int i = 0; i < o.workers; ++i) procs.push_back(start_worker(o, i));
     else
-      for (auto port : o.connect) procs.push_back(worker_process{-1, port});
+      for (const auto& e : o.connect) procs.push_back(worker_process{-1, e.port});
     asio::io_context io;
     std::exception_ptr error;
     asio::co_spawn(io, trainer_main(o, procs, model, t), [&](std::exception_ptr e) { error = e; });

@@ -83,14 +83,14 @@ namespace {
 // resumes).
 struct rendezvous {
   rendezvous(asio::any_io_executor ex, std::string secret, std::chrono::milliseconds timeout, wire_params wire,
-             int world_size, std::string who, std::string welcome)
-      : executor(ex), secret(std::move(secret)), timeout(timeout), wire(wire), world_size(world_size),
+             std::vector<int> expected, std::string who, std::string welcome)
+      : executor(ex), secret(std::move(secret)), timeout(timeout), wire(wire), expected(std::move(expected)),
         who(std::move(who)), welcome(std::move(welcome)), changed(ex) {}
   asio::any_io_executor executor;
   std::string secret;
   std::chrono::milliseconds timeout;
   wire_params wire;
-  int world_size;
+  std::vector<int> expected;  // the ranks that may join
   std::string who, welcome;
   std::vector<member> joined;   // welcomed
   std::vector<int> claimed;     // welcomed or being welcomed
@@ -133,8 +133,10 @@ asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<a
     refusal = "protocol version " + std::to_string(h.version) + ", trainer speaks " +
               std::to_string(wire::protocol_version);
     code = errc::protocol_error;
-  } else if (h.rank < 1 || h.rank >= static_cast<std::uint32_t>(r->world_size)) {
-    refusal = "rank " + std::to_string(h.rank) + " outside [1, " + std::to_string(r->world_size) + ")";
+  } else if (std::find(r->expected.begin(), r->expected.end(), static_cast<int>(h.rank)) == r->expected.end()) {
+    std::string ranks;
+    for (int e : r->expected) ranks += (ranks.empty() ? "" : ", ") + std::to_string(e);
+    refusal = "rank " + std::to_string(h.rank) + " is not one of the ranks expected here (" + ranks + ")";
   } else if (h.buffer_bytes != r->wire.buffer_bytes || h.num_buffers != r->wire.num_buffers ||
              ((h.flags & wire::flag_checksum) != 0) != r->wire.checksums) {
     refusal = "wire parameters differ: worker has buffer_bytes " + std::to_string(h.buffer_bytes) + " x " +
@@ -165,7 +167,12 @@ asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<a
     co_return;
   }
   if (r->done) co_return;
-  r->joined.push_back(member{rank, socket});
+  member m{rank, socket};
+  m.relay_port = static_cast<std::uint16_t>(h.relay_port);
+  std::error_code ec;
+  const auto ep = socket->remote_endpoint(ec);
+  if (!ec) m.address = ep.address().to_string();
+  r->joined.push_back(std::move(m));
   r->changed.set();
 }
 
@@ -202,10 +209,20 @@ asio::awaitable<std::vector<member>> accept_workers(asio::ip::tcp::acceptor& acc
                                                     std::string secret, std::chrono::milliseconds timeout,
                                                     wire_params wire, int world_size, std::string who,
                                                     std::string welcome) {
+  std::vector<int> ranks;
+  for (int r = 1; r < world_size; ++r) ranks.push_back(r);
+  co_return co_await accept_members(acceptor, executor, std::move(secret), timeout, wire, std::move(ranks),
+                                    std::move(who), std::move(welcome));
+}
+
+asio::awaitable<std::vector<member>> accept_members(asio::ip::tcp::acceptor& acceptor, asio::any_io_executor executor,
+                                                    std::string secret, std::chrono::milliseconds timeout,
+                                                    wire_params wire, std::vector<int> expected, std::string who,
+                                                    std::string welcome) {
   if (welcome.size() > wire::max_message)
     throw_error(errc::invalid_argument, who + ": welcome text of " + std::to_string(welcome.size()) + " bytes");
-  const int workers = world_size - 1;
-  auto r = std::make_shared<rendezvous>(executor, std::move(secret), timeout, wire, world_size, who,
+  const int workers = static_cast<int>(expected.size());
+  auto r = std::make_shared<rendezvous>(executor, std::move(secret), timeout, wire, std::move(expected), who,
                                         std::move(welcome));
   asio::co_spawn(executor, accept_loop(r, acceptor), asio::detached);
   // One deadline for the whole rendezvous: a worker that never comes is an error
@@ -255,11 +272,19 @@ asio::awaitable<std::vector<member>> accept_workers(asio::ip::tcp::acceptor& acc
 }
 
 asio::awaitable<joined> join(std::string address, std::uint16_t port, int rank, wire_params wire, std::string secret,
-                             std::chrono::milliseconds timeout, std::string who) {
+                             std::chrono::milliseconds timeout, std::string who, relay_listener relay) {
   auto socket = co_await net::connect_with_retry(address, port, timeout, who + ": connecting to the trainer");
   // No weight byte is accepted from a trainer that has not proved the secret.
   co_await auth::as_client(socket, secret, timeout, who + ": trainer " + address + ":" + std::to_string(port));
   wire::hello hello;
+  if (relay) {
+    // Where this worker's downstream workers will connect: the interface it
+    // reaches the trainer through.
+    std::error_code ec;
+    const auto local = socket.local_endpoint(ec);
+    if (ec) throw_error(errc::io_error, who + ": no local address to relay on: " + ec.message());
+    hello.relay_port = relay(local.address());
+  }
   hello.rank = static_cast<std::uint32_t>(rank);
   hello.num_buffers = wire.num_buffers;
   hello.buffer_bytes = wire.buffer_bytes;

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,10 +57,13 @@ json worker_init_info(const trainer_args& args, std::uint16_t port);
 /// when it is not below world_size.
 int worker_rank(const join_info& info, const parallel_ranks& ranks, const std::string& backend);
 
-/// A worker that joined: its rank and its side-channel connection.
+/// A worker that joined: its rank and its side-channel connection (and, in relay
+/// topologies, where its downstream workers reach it).
 struct member {
   int rank = 0;
   std::shared_ptr<asio::ip::tcp::socket> socket;
+  std::string address;          ///< the worker's address as this side sees it
+  std::uint16_t relay_port = 0;  ///< its relay listener; 0: none
 };
 
 /// Trainer side: accepts connections on `acceptor` (sockets on `executor`) until
@@ -73,15 +77,23 @@ asio::awaitable<std::vector<member>> accept_workers(asio::ip::tcp::acceptor& acc
                                                     std::string secret, std::chrono::milliseconds timeout,
                                                     wire_params wire, int world_size, std::string who,
                                                     std::string welcome = {});
+/// The same for the ranks in `expected` (a relay worker accepting its children).
+asio::awaitable<std::vector<member>> accept_members(asio::ip::tcp::acceptor& acceptor, asio::any_io_executor executor,
+                                                    std::string secret, std::chrono::milliseconds timeout,
+                                                    wire_params wire, std::vector<int> expected, std::string who,
+                                                    std::string welcome = {});
 
 /// Worker side: connects (retrying until the deadline), authenticates, says hello
 /// as `rank` with `wire`; returns the connection and the trainer's welcome text.
+/// With `relay`, it is called with the local address of the connection and
+/// returns the port of the listener it opened there (sent in the hello).
 struct joined {
   asio::ip::tcp::socket socket;
   std::string welcome;
 };
+using relay_listener = std::function<std::uint16_t(const asio::ip::address& local)>;
 asio::awaitable<joined> join(std::string address, std::uint16_t port, int rank, wire_params wire, std::string secret,
-                             std::chrono::milliseconds timeout, std::string who);
+                             std::chrono::milliseconds timeout, std::string who, relay_listener relay = {});
 
 /// The update header a trainer announces for update `seq` of `meta` planned as `plan`.
 std::array<std::byte, 48> update_header(std::uint64_t seq, const update_metadata& meta, const bucket_plan& plan);

@@ -1,5 +1,6 @@
 #include "lib/group/status_io.h"
 
+#include <optional>
 #include <vector>
 
 #include "lib/group/wire.h"
@@ -8,8 +9,8 @@
 namespace refit::group {
 
 asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t code, std::uint64_t seq,
-                                  const std::string& message, std::chrono::milliseconds deadline,
-                                  const std::string& what) {
+                                  std::string message, std::chrono::milliseconds deadline,
+                                  std::string what) {
   wire::status s;
   s.code = code;
   s.seq = seq;
@@ -21,7 +22,7 @@ asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t c
 }
 
 asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
-                                            std::chrono::milliseconds deadline, const std::string& what) {
+                                            std::chrono::milliseconds deadline, std::string what) {
   std::array<std::byte, sizeof(wire::status)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), deadline, what);
   auto s = wire::decode<wire::status>(raw);
@@ -41,6 +42,48 @@ void throw_if_failed(const status_message& s, const std::string& who) {
   auto kind = s.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(s.code)
                                                                        : errc::protocol_error;
   throw_error(kind, who + ": " + s.message);
+}
+
+asio::awaitable<void> rethrow_with_peer_reason(asio::ip::tcp::socket& socket, std::exception_ptr failure,
+                                               std::chrono::milliseconds wait, std::string who) {
+  std::optional<status_message> said;
+  bool timed_out = false;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const error& e) {
+    timed_out = e.kind() == errc::timeout;  // a silent peer: waiting longer says nothing
+  } catch (...) {
+  }
+  if (!timed_out && socket.is_open()) {
+    try {
+      said = co_await read_status(socket, wait, who + ": reading why the peer failed");
+    } catch (...) {
+    }
+  }
+  if (said && said->code != 0) throw_if_failed(*said, who + " failed the update");
+  std::rethrow_exception(failure);
+}
+
+asio::awaitable<void> tell_failure(asio::ip::tcp::socket& socket, std::exception_ptr failure, std::uint64_t seq,
+                                   std::chrono::milliseconds wait) {
+  errc kind = errc::io_error;
+  std::string message;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const error& e) {
+    kind = e.kind();
+    message = e.message();
+  } catch (const std::exception& e) {
+    message = e.what();
+  } catch (...) {
+    message = "unknown failure";
+  }
+  if (!socket.is_open()) co_return;
+  try {
+    co_await send_status(socket, static_cast<std::uint32_t>(kind), seq, std::move(message), wait,
+                         "telling the peer why the update failed");
+  } catch (...) {
+  }
 }
 
 }  // namespace refit::group

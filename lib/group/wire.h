@@ -4,8 +4,14 @@
 // so a corrupt or mismatched stream is a typed error.
 //
 //   (authentication, lib/auth.h)
-//   worker -> trainer   hello        {rank, wire params}
+//   worker -> trainer   hello        {rank, wire params, relay port}
 //   trainer -> worker   status       (ok with the welcome text, or why the worker is refused)
+//   relay topologies (lib/group/relay.h), once every worker has joined:
+//   trainer -> worker   status       (its place: upstream and children, JSON)
+//   worker -> upstream  (authentication, hello) on the upstream's relay port; the
+//                       per-update messages below then flow trainer -> children ->
+//                       their children, and statuses back up, each aggregating its
+//                       subtree
 //   per update:
 //   trainer -> worker   update       {seq, metadata digest, tensors, buckets, bytes}
 //   worker -> trainer   status       (ok, or why the metadata differ)
@@ -43,7 +49,7 @@ struct hello {
   std::uint32_t num_buffers = 0;
   std::uint64_t buffer_bytes = 0;
   std::uint32_t flags = 0;
-  std::uint32_t reserved = 0;
+  std::uint32_t relay_port = 0;  ///< where downstream workers connect (relay topologies); 0: none
 };
 
 /// Followed by message_bytes of UTF-8 text.

@@ -14,6 +14,15 @@
 //                 holds there): each must be refused, and the live update must
 //                 complete and verify
 //   slow          (not a fault) throttle every stream, within the deadline: must succeed
+//   chain_kill_middle  (3+ workers, relay chain trainer -> 0 -> 1 -> 2 ...) SIGKILL
+//                 worker 1 when worker 0's stream reaches a random bucket: its
+//                 successor fails at once (peer_lost, before any deadline) naming
+//                 the lost rank, and so does the trainer
+//   chain_corrupt (3+ workers, chain, checksums) flip one byte of the first hop:
+//                 worker 0 reports the corruption, every worker after it fails too
+//                 (the byte was forwarded), none claims the update
+// The other kinds run as a star (--topology star); every recovery update uses the
+// engine's default topology (a chain from 3 workers on).
 //
 // After each fault: every side that should see an error saw one within its
 // deadline (detected), every process finished or answered in time (no hang), and
@@ -78,7 +87,7 @@ struct options {
   std::string binary;  // examples/weight_sync
   int rounds = 2;      // scenarios of each fault kind
   std::uint64_t seed = 0;
-  int workers = 2;
+  int workers = 3;
   std::string model_bytes = "24M";
   std::int64_t timeout_ms = 1500;
 };
@@ -175,6 +184,9 @@ class proxy {
   void stop() {
     std::error_code ec;
     acceptor_.close(ec);
+    // A black hole stays one until it ends (its pumps close the sockets then): the
+    // trainer giving up must not reach the stalled worker sooner.
+    if (clock_type::now() < *black_hole_) return;
     for (auto& s : sockets_) s->close(ec);
   }
 
@@ -195,13 +207,14 @@ class proxy {
       }
       sockets_.push_back(worker);
       sockets_.push_back(trainer);
-      asio::co_spawn(io_, pump(worker, trainer, false), asio::detached);
-      asio::co_spawn(io_, pump(trainer, worker, true), asio::detached);
+      auto open = std::make_shared<int>(2);  // pumps of this connection still running
+      asio::co_spawn(io_, pump(worker, trainer, false, open), asio::detached);
+      asio::co_spawn(io_, pump(trainer, worker, true, open), asio::detached);
     }
   }
 
   asio::awaitable<void> pump(std::shared_ptr<asio::ip::tcp::socket> from, std::shared_ptr<asio::ip::tcp::socket> to,
-                             bool downstream) {
+                             bool downstream, std::shared_ptr<int> open) {
     std::vector<std::byte> buf(64 << 10);
     std::uint64_t seen = 0;
     std::error_code ec;
@@ -245,8 +258,13 @@ class proxy {
       timer.expires_at(*black_hole);
       co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
-    from->close(ec);
-    to->close(ec);
+    // Like a wire: this direction ends (FIN) while the other still carries what is
+    // in flight (a failing worker's last status, its reason); the last pump closes.
+    to->shutdown(asio::ip::tcp::socket::shutdown_send, ec);
+    if (--*open == 0) {
+      from->close(ec);
+      to->close(ec);
+    }
   }
 
   asio::io_context& io_;
@@ -288,8 +306,12 @@ class suite {
       w.fds = count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd");
       w.threads = count_entries("/proc/" + std::to_string(w.proc.pid) + "/task");
     }
-    const std::vector<std::string> kinds = {"kill_trainer", "kill_worker", "corrupt", "stall",
-                                            "impostor",     "slow",        "stale_trainer"};
+    std::vector<std::string> kinds = {"kill_trainer", "kill_worker", "corrupt", "stall",
+                                      "impostor",     "slow",        "stale_trainer"};
+    if (o_.workers >= 3) {
+      kinds.push_back("chain_kill_middle");
+      kinds.push_back("chain_corrupt");
+    }
     for (int r = 0; r < o_.rounds; ++r)
       for (std::size_t k = 0; k < kinds.size(); ++k) {
         // Both commit modes for every kind over the rounds (alternating).
@@ -577,7 +599,11 @@ class suite {
 
   void scenario(const std::string& kind, const std::string& commit) {
     ++r_.scenarios;
-    const int target = std::uniform_int_distribution<int>(0, o_.workers - 1)(rng_);
+    const bool chain = kind.rfind("chain_", 0) == 0;
+    // The stream the fault is injected in (a chain's only proxied stream is the
+    // first hop's), and the worker a kill hits (a chain's: the middle one).
+    const int target = chain ? 0 : std::uniform_int_distribution<int>(0, o_.workers - 1)(rng_);
+    const int victim = chain ? 1 : target;
     // Up to half of the stream: the rest (over 10 MB) is more than the socket
     // buffers between trainer and proxy hold, so a killed trainer truly cuts it.
     const double fraction = std::uniform_real_distribution<double>(0.05, 0.5)(rng_);
@@ -604,14 +630,14 @@ class suite {
     if (kind == "kill_trainer") {
       px.act = action::kill_trainer;
       px.kill = [&trainer_proc] { kill(trainer_proc.pid, SIGKILL); };
-    } else if (kind == "kill_worker") {
+    } else if (kind == "kill_worker" || kind == "chain_kill_middle") {
       px.act = action::kill_worker;
-      pid_t victim = workers_[target].proc.pid;
-      px.kill = [victim, &killed_worker] {
-        kill(victim, SIGKILL);
+      pid_t pid = workers_[victim].proc.pid;
+      px.kill = [pid, &killed_worker] {
+        kill(pid, SIGKILL);
         killed_worker = true;
       };
-    } else if (kind == "corrupt") {
+    } else if (kind == "corrupt" || kind == "chain_corrupt") {
       px.act = action::corrupt;
     } else if (kind == "stall") {
       px.act = action::stall;
@@ -641,8 +667,9 @@ class suite {
                                       "--commit",       commit,
                                       "--master-port",  std::to_string(master),
                                       "--advertise-port", advertise,
-                                      "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
-    if (kind == "corrupt") extra.push_back("--checksums");
+                                      "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_,
+                                      "--topology", chain ? "chain" : "star"};
+    if (kind == "corrupt" || kind == "chain_corrupt") extra.push_back("--checksums");
     if (kind == "stale_trainer") {
       extra.push_back("--hold-before-finish-ms");
       extra.push_back(std::to_string(o_.timeout_ms / 2));
@@ -728,7 +755,7 @@ class suite {
     std::vector<std::string> missed;
     std::vector<std::optional<json>> after(workers_.size());
     for (std::size_t i = 0; i < workers_.size(); ++i) {
-      if (kind == "kill_worker" && static_cast<int>(i) == target && killed_worker) continue;
+      if (static_cast<int>(i) == victim && killed_worker) continue;
       after[i] = settled_info(workers_[i]);
       if (!after[i]) {
         hang = true;
@@ -742,7 +769,7 @@ class suite {
       if (!e.is_string() || e == before[i]["last_error"]) return {};
       return e.get<std::string>();
     };
-    const std::string rank = "rank " + std::to_string(target + 1);
+    const std::string rank = "rank " + std::to_string(victim + 1);
     if (kind == "kill_trainer") {
       if (!px.fired) missed.push_back("the kill point was never reached");
       // The cut stream must fail; another worker may have received all of its
@@ -761,6 +788,27 @@ class suite {
       const std::string e = worker_error(target);
       if (e.find("integrity_error") == std::string::npos && e.find("protocol_error") == std::string::npos)
         missed.push_back("worker " + std::to_string(target) + " did not report the corruption: '" + e + "'");
+      if (trainer_error.empty()) missed.push_back("the trainer reported success");
+    } else if (kind == "chain_kill_middle") {
+      if (!killed_worker) missed.push_back("the kill point was never reached");
+      if (trainer_error.find(rank) == std::string::npos)
+        missed.push_back("the trainer did not name the lost " + rank + ": '" + trainer_error + "'");
+      // Every successor fails at once: upstream lost, not a deadline.
+      for (std::size_t i = static_cast<std::size_t>(victim) + 1; i < workers_.size(); ++i) {
+        const std::string e = worker_error(i);
+        if (e.find("peer_lost") == std::string::npos)
+          missed.push_back("worker " + std::to_string(i) + " (after the lost one) did not fail at once with peer_lost: '" +
+                           e + "'");
+        else if (e.find(rank) == std::string::npos && i == static_cast<std::size_t>(victim) + 1)
+          missed.push_back("worker " + std::to_string(i) + " did not name the lost " + rank + ": '" + e + "'");
+      }
+    } else if (kind == "chain_corrupt") {
+      const std::string e = worker_error(0);
+      if (e.find("integrity_error") == std::string::npos && e.find("protocol_error") == std::string::npos)
+        missed.push_back("worker 0 did not report the corruption: '" + e + "'");
+      for (std::size_t i = 1; i < workers_.size(); ++i)
+        if (worker_error(i).empty())
+          missed.push_back("worker " + std::to_string(i) + " (sent the corrupted byte) reported no error");
       if (trainer_error.empty()) missed.push_back("the trainer reported success");
     } else if (kind == "stall") {
       const std::string e = worker_error(target);
@@ -819,10 +867,10 @@ class suite {
 
     // Recovery: restart a killed worker, then a full update everyone verifies.
     if (killed_worker) {
-      wait_exit(workers_[target].proc.pid, 5s);
-      close(workers_[target].proc.out);
-      workers_[target].client->close();
-      workers_[target] = start_worker(target);
+      wait_exit(workers_[victim].proc.pid, 5s);
+      close(workers_[victim].proc.out);
+      workers_[victim].client->close();
+      workers_[victim] = start_worker(victim);
     }
     if (recover(name)) ++r_.recoveries;
     else ++r_.recoveries_failed;

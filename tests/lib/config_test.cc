@@ -23,13 +23,16 @@ TEST(weight_transfer_config, empty_object_gives_defaults) {
 
 TEST(weight_transfer_config, reads_every_member_and_round_trips) {
   auto c = weight_transfer_config::from_json(
-      json::parse(R"({"backend": "nccl", "timeout_ms": 250, "processing_threads": 256, "commit": "staged"})"));
+      json::parse(R"({"backend": "nccl", "timeout_ms": 250, "processing_threads": 256, "commit": "staged",
+                      "socket_buffer_bytes": 8388608})"));
   EXPECT_EQ(c.backend, "nccl");
+  EXPECT_EQ(c.socket_buffer_bytes, 8u << 20);
   EXPECT_EQ(c.commit, commit_mode::staged);
   EXPECT_EQ(c.timeout, std::chrono::milliseconds(250));
   EXPECT_EQ(c.processing_threads, 256u);
   json j = c.to_json();
-  EXPECT_EQ(j, json::parse(R"({"backend": "nccl", "timeout_ms": 250, "processing_threads": 256, "commit": "staged"})"));
+  EXPECT_EQ(j, json::parse(R"({"backend": "nccl", "timeout_ms": 250, "processing_threads": 256, "commit": "staged",
+                                "socket_buffer_bytes": 8388608})"));
   auto again = weight_transfer_config::from_json(j);
   EXPECT_EQ(again.backend, c.backend);
   EXPECT_EQ(again.timeout, c.timeout);
@@ -55,6 +58,7 @@ TEST(weight_transfer_config, rejects_bad_values_naming_member_and_value) {
            bad{R"({"processing_threads": -1})", "member 'processing_threads' must not be negative, got -1"},
            bad{R"({"commit": "atomic"})", "member 'commit' must be \"in_place\" or \"staged\", got \"atomic\""},
            bad{R"({"commit": 1})", "member 'commit' expected a string"},
+           bad{R"({"socket_buffer_bytes": 2147483648})", "member 'socket_buffer_bytes' must be at most 1 GiB"},
        }) {
     json j = json::parse(b.text);
     auto e = REFIT_THROWN(weight_transfer_config::from_json(j));
@@ -68,7 +72,7 @@ TEST(weight_transfer_config, unknown_member_lists_accepted_members) {
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   EXPECT_EQ(e.message(),
             "weight_transfer_config: unknown member 'timeout' (accepted: backend, timeout_ms, "
-            "processing_threads, commit)");
+            "processing_threads, commit, socket_buffer_bytes)");
 }
 
 TEST(weight_transfer_config, non_object_is_rejected) {

@@ -90,13 +90,6 @@ asio::awaitable<void> init_through(tcp::sender& sender, tcp::engine& engine, jso
   co_await (sender.connect_workers() && engine.init_transfer_engine(*engine.parse_init_info(init)));
 }
 
-asio::awaitable<void> receive_one(tcp::engine& engine, const update_metadata& meta, load_weights_fn load) {
-  tcp::update_info info;
-  info.metadata = meta;
-  co_await engine.receive_weights(info, std::move(load));
-  co_await engine.drain_pending();
-}
-
 // A checksummed transfer corrupted inside bucket 1: the update fails there. What
 // the model holds afterwards depends on the commit mode.
 struct corrupted_update {

@@ -1,0 +1,80 @@
+// The socket helpers every refit transfer goes through: large transfers per system
+// call (asio's default asks for at most 64 KiB a call), deadlines, peer loss.
+#include "lib/net.h"
+
+#include <gtest/gtest.h>
+
+#include <asio/io_context.hpp>
+
+#include "lib/async/all_of.h"
+#include "tests/support/run.h"
+
+namespace refit::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A stream that counts what is asked of the socket under it, call by call.
+struct counting_stream {
+  asio::ip::tcp::socket& socket;
+  std::size_t calls = 0;
+  std::size_t largest_request = 0;
+  std::size_t requested = 0;
+
+  using executor_type = asio::ip::tcp::socket::executor_type;
+  executor_type get_executor() { return socket.get_executor(); }
+  template <class Buffers, class Token>
+  auto async_read_some(const Buffers& b, Token&& token) {
+    note(asio::buffer_size(b));
+    return socket.async_read_some(b, std::forward<Token>(token));
+  }
+  template <class Buffers, class Token>
+  auto async_write_some(const Buffers& b, Token&& token) {
+    note(asio::buffer_size(b));
+    return socket.async_write_some(b, std::forward<Token>(token));
+  }
+  void note(std::size_t n) {
+    ++calls;
+    requested += n;
+    largest_request = std::max(largest_request, n);
+  }
+};
+
+asio::awaitable<void> connected_pair(asio::io_context& io, asio::ip::tcp::socket& a, asio::ip::tcp::socket& b) {
+  auto acceptor = net::listen(io.get_executor(), "127.0.0.1", 0);
+  const auto port = acceptor.local_endpoint().port();
+  auto accepting = acceptor.async_accept(asio::use_awaitable);
+  a = co_await net::connect_with_retry("127.0.0.1", port, 5s, "test");
+  b = co_await std::move(accepting);
+}
+
+asio::awaitable<void> move_bytes(counting_stream& out, counting_stream& in, std::vector<std::byte>& src,
+                                 std::vector<std::byte>& dst) {
+  const asio::const_buffer from = asio::buffer(src);  // named: the operations keep references
+  const asio::mutable_buffer to = asio::buffer(dst);
+  std::vector<asio::awaitable<void>> both;
+  both.push_back(net::write_all(out, from, 10s, "write"));
+  both.push_back(net::read_exact(in, to, 10s, "read"));
+  co_await async::all_of(std::move(both));
+}
+
+TEST(net, transfers_ask_for_all_that_is_left_per_call_not_64_KiB) {
+  asio::io_context io;
+  asio::ip::tcp::socket a(io), b(io);
+  run_to_completion(io, connected_pair(io, a, b));
+  std::vector<std::byte> src(64 << 20), dst(64 << 20);
+  for (std::size_t i = 0; i < src.size(); i += 4096) src[i] = static_cast<std::byte>(i >> 12);
+  counting_stream out{a}, in{b};
+  run_to_completion(io, move_bytes(out, in, src, dst));
+  EXPECT_TRUE(src == dst);
+  // The first call of each side asks for the whole 64 MiB; the kernel decides how
+  // much it moves at once. With asio's default every call asks for 64 KiB.
+  EXPECT_EQ(out.largest_request, 64u << 20);
+  EXPECT_EQ(in.largest_request, 64u << 20);
+  EXPECT_LT(in.calls, 64u << 20 >> 16) << "as many calls as 64 KiB ones: " << in.calls;
+  EXPECT_LT(out.calls, 64u << 20 >> 16) << "as many calls as 64 KiB ones: " << out.calls;
+  std::printf("64 MiB over loopback: %zu write calls, %zu read calls (64 KiB per call: 1024)\n", out.calls, in.calls);
+}
+
+}  // namespace
+}  // namespace refit::testing
