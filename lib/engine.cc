@@ -1,5 +1,7 @@
 #include "lib/engine.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -45,23 +47,40 @@ class weight_transfer_engine::stage_area {
   // Lays out `meta` (sizes checked) and resets what has arrived.
   void prepare(const update_metadata& meta) {
     offsets_.assign(meta.tensors.size(), 0);
+    sizes_.assign(meta.tensors.size(), 0);
     arrived_.assign(meta.tensors.size(), 0);
     index_.clear();
     std::uint64_t at = 0;
     for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
       offsets_[i] = at;
+      sizes_[i] = meta.tensors[i].nbytes();
       index_.emplace(meta.tensors[i].name, i);  // views into `meta`, alive for the update
       at += (meta.tensors[i].nbytes() + 63) / 64 * 64;
     }
     if (at > capacity_) {
       memory_.reset();  // free first: peak is the new size, not old + new
-      void* p = at == 0 ? nullptr : std::aligned_alloc(4096, (at + 4095) / 4096 * 4096);
+      capacity_ = 0;
+      const std::uint64_t rounded = (at + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+      void* p = at == 0 ? nullptr : std::aligned_alloc(2u << 20, rounded);
       if (at != 0 && !p)
         throw_error(errc::io_error, "staged commit: cannot allocate " + std::to_string(at) +
                                         " bytes of host memory for the update (use commit \"in_place\")");
       memory_.reset(static_cast<std::byte*>(p));
+      if (p) {
+        // Faulted in now (this runs on the processing executor), in huge pages
+        // where the kernel allows: not during the transfer, not on the loop.
+        (void)::madvise(p, rounded, MADV_HUGEPAGE);
+        auto* bytes = static_cast<volatile std::byte*>(p);
+        for (std::uint64_t i = 0; i < rounded; i += 4096) bytes[i] = std::byte{0};
+      }
       capacity_ = at;
     }
+  }
+  // Where `spec` is staged: received there directly (no copy into the stage).
+  std::optional<tensor_view> destination(const tensor_spec& spec) const {
+    auto it = index_.find(spec.name);
+    if (it == index_.end() || !memory_ || spec.nbytes() != sizes_[it->second]) return std::nullopt;
+    return tensor_view(spec, memory_.get() + offsets_[it->second]);
   }
   // load_weights of the receive phase: copies each tensor into its place.
   void stage(const update_metadata& meta, std::span<const tensor_view> views) {
@@ -78,7 +97,8 @@ class weight_transfer_engine::stage_area {
         throw_error(errc::unsupported, "staged commit: tensor '" + spec.name + "' arrived on " +
                                            to_string(v.device) +
                                            "; this engine stages on its device, use commit \"in_place\"");
-      if (spec.nbytes() != 0) std::memcpy(memory_.get() + offsets_[it->second], v.data, spec.nbytes());
+      std::byte* at = memory_.get() + offsets_[it->second];
+      if (spec.nbytes() != 0 && v.data != at) std::memcpy(at, v.data, spec.nbytes());  // not received in place
       arrived_[it->second] = 1;
     }
   }
@@ -102,9 +122,23 @@ class weight_transfer_engine::stage_area {
   };
   std::unique_ptr<std::byte[], free_deleter> memory_;
   std::uint64_t capacity_ = 0;
-  std::vector<std::uint64_t> offsets_;
+  std::vector<std::uint64_t> offsets_, sizes_;
   std::vector<char> arrived_;
   std::unordered_map<std::string_view, std::size_t> index_;
+};
+
+// A staged update's receive target: the stage offers each tensor's place in it, so
+// the engine receives there directly; the model is not reached.
+class weight_transfer_engine::stage_target final : public model_target {
+ public:
+  explicit stage_target(const stage_area& stage) : stage_(stage) {}
+  void load_weights(std::span<const tensor_view>) override {
+    throw_error(errc::invalid_state, "staged commit: the stage is not loaded through its target");
+  }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override { return stage_.destination(spec); }
+
+ private:
+  const stage_area& stage_;
 };
 
 static std::string message_of(std::exception_ptr e) {
@@ -141,7 +175,8 @@ void weight_transfer_engine::mark_weights_dirty(std::string reason) {
 std::uint64_t weight_transfer_engine::staged_bytes() const noexcept { return stage_ ? stage_->capacity() : 0; }
 
 model_target* weight_transfer_engine::receive_target() noexcept {
-  if (mode_ == commit_mode::staged || !context_.model) return nullptr;
+  if (mode_ == commit_mode::staged) return stage_target_.get();
+  if (!context_.model) return nullptr;
   if (!tracker_) tracker_ = std::make_unique<tracking_target>(*context_.model, touched_);
   return tracker_.get();
 }
@@ -250,8 +285,11 @@ asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& 
   };
   std::exception_ptr failure;
   try {
-    stage_->prepare(info.metadata);
+    // Allocating and faulting in a model-sized stage is not work for the loop.
     stage_area* stage = stage_.get();
+    const update_metadata* meta_for_prepare = &info.metadata;
+    co_await async::offload(processing_executor(), [stage, meta_for_prepare] { stage->prepare(*meta_for_prepare); });
+    if (!stage_target_) stage_target_ = std::make_unique<stage_target>(*stage_);
     const update_metadata* meta = &info.metadata;
     // Phase 1: every tensor into the stage; the model is not reached.
     co_await do_receive(info, [stage, meta](std::span<const tensor_view> w) { stage->stage(*meta, w); });
@@ -326,6 +364,7 @@ void weight_transfer_engine::shutdown() {
   }
   state_ = state::shut_down;
   do_shutdown();
+  stage_target_.reset();
   stage_.reset();
 }
 

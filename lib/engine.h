@@ -222,7 +222,8 @@ class weight_transfer_engine {
   update_stats& mutable_stats() noexcept { return stats_; }
   /// The model to receive into directly for the update being received: the
   /// context's model for in_place updates (its writes are tracked for the dirty
-  /// state), nullptr for staged ones. Engines use this, not context().model.
+  /// state), the engine's stage area for staged ones (bytes land there, never in
+  /// the model, until the commit). Engines use this, not context().model.
   model_target* receive_target() noexcept;
   /// Throws invalid_argument "<backend>: <what> is for another engine" unless
   /// `info` is a T.
@@ -237,6 +238,7 @@ class weight_transfer_engine {
   enum class state { created, initializing, ready, receiving, shut_down };
   class tracking_target;
   class stage_area;
+  class stage_target;
 
   asio::awaitable<void> receive_staged(const update_info& info, load_weights_fn load_weights);
   void note_failure(const std::string& what, std::exception_ptr error);
@@ -251,6 +253,7 @@ class weight_transfer_engine {
   std::atomic<bool> touched_{false};          // the model saw bytes of that update
   std::unique_ptr<tracking_target> tracker_;
   std::unique_ptr<stage_area> stage_;
+  std::unique_ptr<stage_target> stage_target_;  // receives a staged update into stage_
   std::string dirty_reason_;
 };
 

@@ -3,6 +3,7 @@
 // probe engine whose transport the test controls.
 #include "lib/engine.h"
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -81,6 +82,8 @@ class probe_engine final : public typed_engine<probe_init, probe_update> {
 
   int inits = 0, receives = 0, shutdowns = 0;
   bool process_fails = false;
+  bool direct = false;                   // receive into receive_target()'s destinations
+  std::vector<const std::byte*> landed;  // where direct receives wrote
   async::event transport_gate;  // blocks receive() of updates with "block"
   async::event process_gate;    // holds processing (open by default)
 
@@ -97,6 +100,20 @@ class probe_engine final : public typed_engine<probe_init, probe_update> {
     auto b = std::make_shared<batch>();
     b->meta = info.metadata;
     for (const auto& t : b->meta.tensors) b->data.emplace_back(t.nbytes(), std::byte{1});
+    if (direct) {
+      // Like a transport with direct receive: the bytes land where the target says
+      // and load_weights sees views of that memory.
+      std::vector<tensor_view> views;
+      for (const auto& t : b->meta.tensors) {
+        auto d = receive_target() ? receive_target()->destination(t) : std::nullopt;
+        if (!d) throw_error(errc::invalid_state, "probe: no destination for " + t.name);
+        std::memset(d->data, 7, t.nbytes());
+        landed.push_back(d->data);
+        views.push_back(*d);
+      }
+      load(views);
+      co_return;
+    }
     mutable_stats().bytes = b->meta.total_bytes();
     mutable_stats().tensors = b->meta.tensors.size();
     mutable_stats().buckets = 1;
@@ -551,6 +568,38 @@ TEST_F(engine_test, a_model_that_refuses_an_update_leaves_weights_untouched_and_
     EXPECT_FALSE(again->error) << again->message();
     EXPECT_EQ(engine->receives, 1);
   }
+}
+
+// A staged update is received straight into the stage (no copy into it): the
+// engine's receive target in staged mode is the stage, never the model, and the
+// commit hands load_weights views of exactly the memory the bytes landed in.
+TEST_F(engine_test, a_staged_update_is_received_into_the_stage_itself) {
+  announced_model model;  // offers no destinations of its own
+  auto engine = make(/*defers=*/false, &model);
+  engine->direct = true;
+  init(*engine);
+  auto info = engine->parse_update_info(update_json());
+  info->commit = commit_mode::staged;
+  std::vector<const std::byte*> committed;
+  std::vector<std::byte> first_bytes;
+  auto r = spawn(io, engine->receive_weights(*info, [&](std::span<const tensor_view> views) {
+    for (const auto& v : views) {
+      committed.push_back(v.data);
+      first_bytes.push_back(*v.data);
+    }
+  }));
+  ASSERT_TRUE(testing::run(io));
+  ASSERT_FALSE(r->error) << r->message();
+  ASSERT_EQ(engine->landed.size(), 2u);
+  EXPECT_EQ(committed, engine->landed);
+  EXPECT_EQ(first_bytes, (std::vector<std::byte>{std::byte{7}, std::byte{7}}));
+  EXPECT_GE(engine->staged_bytes(), 16u + 6u);
+  // In place the target is the model, which offers no destinations: the probe
+  // finds none (and says so), so nothing of the stage leaks into in-place updates.
+  info->commit = commit_mode::in_place;
+  auto again = spawn(io, engine->receive_weights(*info, [](std::span<const tensor_view>) {}));
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_EQ(again->kind(), static_cast<int>(errc::invalid_state)) << again->message();
 }
 
 TEST(model_target, as_load_weights_forwards_to_the_target) {
