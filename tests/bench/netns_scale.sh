@@ -10,8 +10,13 @@
 # Usage (as root: namespaces need CAP_NET_ADMIN):
 #   tests/bench/netns_scale.sh [--rate 1gbit] [--model-bytes 64M] [--workers "1 2 4 8"]
 #                              [--topologies "star chain tree:2"] [--rounds 3] [--updates 2]
-#                              [--bin DIR] [--json FILE] [--quick]
+#                              [--buffer-bytes 8M] [--bin DIR] [--json FILE] [--quick]
 #   --quick: the CI version (--workers "1 4" --rounds 1 --model-bytes 32M --topologies "star chain")
+#   A topology may carry options: "chain+checksums" (per-bucket checksums),
+#   "chain+staged" (staged commits); each is compared with its plain topology
+#   at the same N: at the network's limit, where the CPU has room, the checksums
+#   (hashed on a thread of their own ahead of the stream, verified beside the
+#   loads) should cost at most 1.05x and staged commits at most 1.25x.
 # Prints one table (medians over rounds, min-max in brackets) and checks:
 #   chain(N) / chain(1) <= 1.3 and star(N) / star(1) >= 0.6 N for every N.
 # Exit 0: checks met; 1: a check failed or a run failed; 2: usage; 77: this
@@ -25,6 +30,7 @@ workers_list="1 2 4 8"
 topologies="star chain tree:2"
 rounds=3
 updates=2
+buffer_bytes=8M      # several buckets even in a small model: the pipeline, not one bucket, is measured
 bin=
 json_out=
 while [ $# -gt 0 ]; do
@@ -35,6 +41,7 @@ while [ $# -gt 0 ]; do
     --topologies) topologies="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --updates) updates="$2"; shift 2 ;;
+    --buffer-bytes) buffer_bytes="$2"; shift 2 ;;
     --bin) bin="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
     --quick) workers_list="1 4"; rounds=1; model_bytes=32M; topologies="star chain"; shift ;;
@@ -104,14 +111,25 @@ for h in $(seq 0 "$max_workers"); do
   shape "$ns" eth0
   shape "${p}sw" "s$h"
 done
-echo "[netns] $((max_workers + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes," \
+echo "[netns] $((max_workers + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes" \
+  "in $buffer_bytes buckets," \
   "$updates updates per run, $rounds rounds" >&2
 
 # ---------------------------------------------------------------- one run
 # run N TOPOLOGY ROUND: fresh workers in hosts 1..N, the trainer in host 0;
 # appends the trainer's JSON (plus n, topology, round) to $out/runs.jsonl.
 run() {
-  local n=$1 topo=$2 round=$3 connect="" h port
+  local n=$1 topo=$2 round=$3 connect="" h port opt
+  local base=${topo%%+*} extra=()
+  if [ "$base" != "$topo" ]; then
+    for opt in $(echo "${topo#*+}" | tr '+' ' '); do
+      case "$opt" in
+        checksums) extra+=(--checksums) ;;
+        staged) extra+=(--commit staged) ;;
+        *) echo "netns_scale: unknown topology option '$opt' in '$topo'" >&2; return 2 ;;
+      esac
+    done
+  fi
   for h in $(seq 1 "$n"); do
     ip netns exec "${p}h$h" "$bin" --role worker --listen "10.77.0.$((h + 1))" --timeout-ms 60000 \
       >"$out/w$h.out" 2>"$out/w$h.err" &
@@ -129,7 +147,8 @@ run() {
   done
   local rc=0
   ip netns exec "${p}h0" "$bin" --listen 10.77.0.1 --connect "$connect" --load-model --model-bytes "$model_bytes" \
-    --updates "$updates" --topology "$topo" --timeout-ms 60000 --quiet >"$out/t.out" 2>"$out/t.err" || rc=$?
+    --buffer-bytes "$buffer_bytes" \
+    --updates "$updates" --topology "$base" "${extra[@]}" --timeout-ms 60000 --quiet >"$out/t.out" 2>"$out/t.err" || rc=$?
   stop_workers
   if [ "$rc" -ne 0 ] || ! tail -n 1 "$out/t.out" | python3 -c 'import json,sys; sys.exit(0 if json.load(sys.stdin)["verified"] else 1)'; then
     echo "netns_scale: $topo with $n workers failed (exit $rc): $(tail -n 3 "$out/t.err") $(tail -n 1 "$out/t.out")" >&2
@@ -184,6 +203,21 @@ for n in ns:
     if "star" in topos and med[(n, "star")] / med[(1, "star")] < 0.6 * n:
         failures.append(f"star({n}) / star(1) = {med[(n, 'star')] / med[(1, 'star')]:.2f} < 0.6 x {n}: "
                         "the network is not the limit here, so the table says nothing")
+costs = []
+for t in topos:
+    if "+" not in t:
+        continue
+    base, opts = t.split("+", 1)
+    if base not in topos:
+        continue
+    limit = 1.05 if opts == "checksums" else 1.25 if opts == "staged" else None
+    for n in ns:
+        r = med[(n, t)] / med[(n, base)]
+        costs.append(f"{t} / {base} at {n} workers: {r:.3f}" + (f" (target <= {limit})" if limit else ""))
+        if limit and r > limit:
+            failures.append(f"{t} costs {r:.3f}x of {base} at {n} workers, more than {limit}x")
+for c in costs:
+    print("cost: " + c)
 summary = {"rate": rate, "model": model, "median_s_per_update": {f"{t}@{n}": med[(n, t)] for n in ns for t in topos},
            "runs": runs, "failures": failures}
 if json_out:
