@@ -2,7 +2,10 @@
 # refit's loopback benchmarks. Every figure is the median of ROUNDS rounds with its
 # spread (min-max); every ratio is taken within a round (so a noisy minute hits
 # both sides) and then its median reported. Each round measures, in turn:
-#   - the limit: N independent iperf3 process pairs (N = 1, 2, 4), summed
+#   - the limits, N = 1, 2, 4: N independent iperf3 process pairs, summed (its
+#     128 KiB buffers stay in the CPU's cache), and N independent socket pairs
+#     moving the model's size from resident memory into resident memory
+#     (tests/bench/socket_pairs.py: what a weight transfer's bytes must do)
 #   - refit's main job (examples/weight_sync: trainer + N workers, a bf16 model of
 #     MODEL bytes), aggregate worker throughput at N = 1, 2, 4
 #   - torch.distributed gloo broadcast of the same tensors into resident tensors and
@@ -52,6 +55,18 @@ else
 fi
 
 "$sync_bin" --model-bytes "$model_bytes" --print-layout >"$out/layout.json"
+python3 - "$out/layout.json" >"$out/layout_bytes.json" <<'PY'
+import json, sys
+l = json.load(open(sys.argv[1]))
+size = {"bfloat16": 2, "float16": 2, "float32": 4}
+total = 0
+for d, shape in zip(l["dtype_names"], l["shapes"]):
+    n = size[d]
+    for x in shape:
+        n *= x
+    total += n
+print(json.dumps({"bytes": total}))
+PY
 # One 400 MiB bf16 tensor, the same for refit (--one-tensor) and gloo.
 python3 -c 'import json; print(json.dumps({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[209715200]]}))' \
   >"$out/one.json"
@@ -100,8 +115,10 @@ for round in $(seq "$rounds"); do
   mkdir -p "$r"
   for n in 1 2 4; do
     iperf_pairs "$n" >"$r/iperf$n"
+    python3 tests/bench/socket_pairs.py "$n" "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes"])' "$out/layout_bytes.json")" "$updates" >"$r/pairs$n.json"
     main_job --workers "$n" --model-bytes "$model_bytes" --updates "$updates" >"$r/refit$n.json"
-    echo "[bench]   N=$n: iperf3 pairs $(cat "$r/iperf$n") GB/s, refit" \
+    echo "[bench]   N=$n: iperf3 pairs $(cat "$r/iperf$n") GB/s, socket pairs" \
+      "$(python3 -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["aggregate_gbps"],3))' "$r/pairs$n.json") GB/s, refit" \
       "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(round(r["gbps"]*r["workers"],3))' "$r/refit$n.json") GB/s aggregate" >&2
   done
   /usr/bin/python3 tests/bench/gloo_broadcast.py "$out/layout.json" 2 "$updates" resident >"$r/gloo.json"
@@ -128,9 +145,12 @@ for r in range(1, rounds + 1):
         iperf = float(open(f"{d}/round{r}/iperf{n}").read())
         job = load(r, f"refit{n}.json")
         agg = job["gbps"] * job["workers"]
+        pairs = load(r, f"pairs{n}.json")["aggregate_gbps"]
         m[f"iperf3_{n}_pairs_gbps"] = iperf
+        m[f"socket_{n}_pairs_resident_gbps"] = pairs
         m[f"refit_{n}_workers_aggregate_gbps"] = agg
         m[f"refit_vs_iperf3_{n}"] = agg / iperf
+        m[f"refit_vs_socket_pairs_{n}"] = agg / pairs
     job2 = load(r, "refit2.json")
     gloo = load(r, "gloo.json")
     fresh = load(r, "gloo_fresh.json")
@@ -160,6 +180,7 @@ for k in keys:
     v = [m[k] for m in per_round]
     summary[k] = {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
 targets = {"refit_vs_iperf3_1": 0.95, "refit_vs_iperf3_2": 0.95, "refit_vs_iperf3_4": 0.95,
+           "refit_vs_socket_pairs_1": 0.95, "refit_vs_socket_pairs_2": 0.95, "refit_vs_socket_pairs_4": 0.95,
            "refit_vs_gloo_resident_2": 1.3, "refit_vs_mooncake_2": 1.5, "refit_vs_gloo_one_tensor": 1.0}
 print(f"refit loopback benchmarks: {model} bf16 model, medians of {rounds} rounds [min-max]")
 for k in keys:
