@@ -34,7 +34,7 @@ asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer>
                                std::string what) {
   std::exception_ptr failure;
   try {
-    co_await net::write_all(*child, bytes, timeout, what);
+    co_await net::write_all(*child, bytes, timeout, what, net::loop_bytes_per_call);
   } catch (...) {
     failure = std::current_exception();
   }
@@ -142,11 +142,12 @@ class transport final : public bucket_transport {
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     if (children_.empty()) {
-      co_await net::read_exact(socket_, dest, timeout_, what(b) + " payload");
+      co_await net::read_exact(socket_, dest, timeout_, what(b) + " payload", net::loop_bytes_per_call);
       co_return;
     }
-    // Read what has come (up to 4 MiB at a time) and pass it on while reading more.
-    constexpr std::uint64_t piece = 4 << 20;
+    // Read what has come (one call of at most what the loop can afford) and pass
+    // it on while reading more.
+    constexpr std::uint64_t piece = net::loop_bytes_per_call;
     forwarder out(socket_.get_executor(), children_, child_ranks_, timeout_, what(b) + " payload");
     std::uint64_t at = 0;
     while (at < b.payload_bytes) {

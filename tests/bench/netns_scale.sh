@@ -9,7 +9,7 @@
 #
 # Usage (as root: namespaces need CAP_NET_ADMIN):
 #   tests/bench/netns_scale.sh [--rate 1gbit] [--model-bytes 64M] [--workers "1 2 4 8"]
-#                              [--topologies "star chain tree:2"] [--rounds 3] [--updates 2]
+#                              [--topologies "star chain tree:2 chain+checksums chain+staged"] [--rounds 3] [--updates 2]
 #                              [--buffer-bytes 8M] [--bin DIR] [--json FILE] [--quick]
 #   --quick: the CI version (--workers "1 4" --rounds 1 --model-bytes 32M --topologies "star chain")
 #   A topology may carry options: "chain+checksums" (per-bucket checksums),
@@ -27,7 +27,7 @@ cd "$(dirname "$0")/../.."
 rate=1gbit
 model_bytes=64M
 workers_list="1 2 4 8"
-topologies="star chain tree:2"
+topologies="star chain tree:2 chain+checksums chain+staged"
 rounds=3
 updates=2
 buffer_bytes=8M      # several buckets even in a small model: the pipeline, not one bucket, is measured
