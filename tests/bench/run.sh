@@ -13,6 +13,7 @@
 #   - Mooncake's transfer engine over TCP (PyPI mooncake-transfer-engine-non-cuda,
 #     in a venv this script makes and reuses), the same tensors into 2 targets
 #   - one 400 MiB tensor, trainer + 1 worker: refit vs gloo
+#   - the cost of checksums and of staged commits at 2 workers (time over plain)
 #   - tcp_bench (in-process): 100k x 4 KiB vs one 400 MiB tensor, pipeline overlap
 #   - the workers' peak RSS vs model + staging + 100 MiB
 # Usage: tests/bench/run.sh [--model-bytes 1G] [--updates 3] [--rounds 3] [--json FILE]
@@ -119,8 +120,11 @@ for round in $(seq "$rounds"); do
     main_job --workers "$n" --model-bytes "$model_bytes" --updates "$updates" >"$r/refit$n.json"
     echo "[bench]   N=$n: iperf3 pairs $(cat "$r/iperf$n") GB/s, socket pairs" \
       "$(python3 -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["aggregate_gbps"],3))' "$r/pairs$n.json") GB/s, refit" \
-      "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(round(r["gbps"]*r["workers"],3))' "$r/refit$n.json") GB/s aggregate" >&2
+      "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(round(r["gbps"]*r["workers"],3), "GB/s aggregate, worker loop lag", r["worker_loop_lag_ms"])' "$r/refit$n.json")" >&2
   done
+  # What checksums and staged commits cost where the transfer keeps both cores busy.
+  main_job --workers 2 --model-bytes "$model_bytes" --updates "$updates" --checksums >"$r/refit2_checksums.json"
+  main_job --workers 2 --model-bytes "$model_bytes" --updates "$updates" --commit staged >"$r/refit2_staged.json"
   /usr/bin/python3 tests/bench/gloo_broadcast.py "$out/layout.json" 2 "$updates" resident >"$r/gloo.json"
   /usr/bin/python3 tests/bench/gloo_broadcast.py "$out/layout.json" 2 "$updates" fresh >"$r/gloo_fresh.json"
   if [ -n "$mooncake_py" ]; then
@@ -152,6 +156,8 @@ for r in range(1, rounds + 1):
         m[f"refit_vs_iperf3_{n}"] = agg / iperf
         m[f"refit_vs_socket_pairs_{n}"] = agg / pairs
     job2 = load(r, "refit2.json")
+    m["checksums_cost_2"] = job2["gbps"] / load(r, "refit2_checksums.json")["gbps"]
+    m["staged_cost_2"] = job2["gbps"] / load(r, "refit2_staged.json")["gbps"]
     gloo = load(r, "gloo.json")
     fresh = load(r, "gloo_fresh.json")
     m["gloo_resident_2_workers_gbps_per_worker"] = gloo["gbps"]
