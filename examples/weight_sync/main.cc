@@ -357,6 +357,7 @@ struct totals {
   double lag_update_p99_ms = 0;
   int overlap_samples = 0;
   int rounds_done = 0;
+  std::vector<double> update_seconds;  // each update's time (the first pays for first touches)
   bool verified = true;
   std::uint64_t peak_rss = 0;
   std::string first_mismatch;
@@ -431,6 +432,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     const auto finished = co_await workers.call_all("finish_weight_update", finish_body);
     const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
     t.seconds += seconds;
+    t.update_seconds.push_back(seconds);
     if (probed)
       for (const auto& lag : co_await workers.call_all("loop_lag", empty)) {
         t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
@@ -534,6 +536,7 @@ int run_trainer(const options& o) {
                  {"bytes", meta.total_bytes()},
                  {"updates", o.updates},
                  {"seconds", t.seconds},
+                 {"update_seconds", t.update_seconds},
                  {"gbps", t.seconds > 0 ? bytes * o.updates / t.seconds / 1e9 : 0.0},
                  {"receive_s", t.receive_s},
                  {"process_s", t.process_s},

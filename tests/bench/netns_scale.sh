@@ -89,25 +89,31 @@ trap 'exit 130' INT TERM
 # One switch namespace with a bridge; host h (0 = trainer, 1..N = workers) is
 # namespace ${p}h$h at 10.77.0.(h+1), its veth eth0 <-> the switch's port s$h.
 # tbf on eth0 limits what the host sends, tbf on s$h what it receives.
-shape() {  # shape NS DEV
-  ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$rate" burst 256kb latency 200ms
+# Any step of the setup that this machine refuses (no veth, bridge or tbf support
+# in its kernel, a container without the rights) means the check cannot run here:
+# exit 77 naming the step, never a half-built network.
+net() {
+  "$@" 2>"$out/err" || {
+    echo "netns_scale: cannot run: '$*' failed: $(cat "$out/err")" >&2
+    exit 77
+  }
 }
-if ! ip netns add "${p}sw" 2>"$out/err"; then
-  echo "netns_scale: cannot run: ip netns add failed: $(cat "$out/err")" >&2
-  exit 77
-fi
-ip -n "${p}sw" link add name bridge0 type bridge
-ip -n "${p}sw" link set bridge0 up
-ip -n "${p}sw" link set lo up
+shape() {  # shape NS DEV
+  net ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$rate" burst 256kb latency 200ms
+}
+net ip netns add "${p}sw"
+net ip -n "${p}sw" link add name bridge0 type bridge
+net ip -n "${p}sw" link set bridge0 up
+net ip -n "${p}sw" link set lo up
 for h in $(seq 0 "$max_workers"); do
   ns="${p}h$h"
-  ip netns add "$ns"
-  ip link add name eth0 netns "$ns" type veth peer name "s$h" netns "${p}sw"
-  ip -n "$ns" addr add "10.77.0.$((h + 1))/24" dev eth0
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set eth0 up
-  ip -n "${p}sw" link set "s$h" master bridge0
-  ip -n "${p}sw" link set "s$h" up
+  net ip netns add "$ns"
+  net ip link add name eth0 netns "$ns" type veth peer name "s$h" netns "${p}sw"
+  net ip -n "$ns" addr add "10.77.0.$((h + 1))/24" dev eth0
+  net ip -n "$ns" link set lo up
+  net ip -n "$ns" link set eth0 up
+  net ip -n "${p}sw" link set "s$h" master bridge0
+  net ip -n "${p}sw" link set "s$h" up
   shape "$ns" eth0
   shape "${p}sw" "s$h"
 done
