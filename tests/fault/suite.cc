@@ -774,11 +774,16 @@ class suite {
       if (!px.fired) missed.push_back("the kill point was never reached");
       // The cut stream must fail; another worker may have received all of its
       // stream before the kill (then its session waits for a finish that never
-      // comes: "updating").
+      // comes: "updating"; or, once the trainer's control connection closed, it
+      // was aborted: "dirty", the new weights claimed by no version).
       for (std::size_t i = 0; i < workers_.size(); ++i) {
-        const bool completed = after[i] && (*after[i])["session_active"] == true;
+        const bool aborted = after[i] && before[i]["state"] == "clean" && (*after[i])["state"] == "dirty" &&
+                             (*after[i])["dirty_reason"].is_string() &&
+                             (*after[i])["dirty_reason"].get<std::string>().find("aborted") != std::string::npos;
+        const bool completed = after[i] && ((*after[i])["session_active"] == true || aborted);
         if (worker_error(i).empty() && (static_cast<int>(i) == target || !completed))
-          missed.push_back("worker " + std::to_string(i) + " reported no error");
+          missed.push_back("worker " + std::to_string(i) + " reported no error (" +
+                           (after[i] ? after[i]->dump() : std::string("no answer")) + ")");
       }
     } else if (kind == "kill_worker") {
       if (!killed_worker) missed.push_back("the kill point was never reached");
