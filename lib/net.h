@@ -23,49 +23,35 @@ using tcp = asio::ip::tcp;
 /// reset and broken pipe are peer_lost; cancellation is cancelled; the rest io_error.
 [[noreturn]] void throw_io_error(const std::error_code& ec, const std::string& what);
 
-/// The completion condition of every refit socket transfer: as many bytes per
-/// system call as the buffers (up to 64 of them) and the kernel take, where asio's
-/// default (transfer_all) asks for at most 64 KiB a call: a 1 GB update is then
-/// hundreds of calls, not tens of thousands.
-struct large_transfers {
-  static constexpr std::size_t max_per_call = std::size_t(1) << 30;
-  template <class Error>
-  std::size_t operator()(const Error& err, std::size_t) const noexcept {
-    return err ? 0 : max_per_call;
-  }
-};
-
 /// Bytes per system call on an event loop an inference server shares with refit:
 /// the kernel copies ~4 GB/s here, so one call of this size costs ~60 us of the
 /// loop, within its ~100 us budget, and a 1 GB update is ~4,000 calls (against
-/// ~16,000 of asio's default). Transfers on refit's own threads (the trainer's I/O
-/// pool) take large_transfers' unbounded calls.
+/// ~16,000 of asio's default).
 inline constexpr std::size_t loop_bytes_per_call = std::size_t(256) << 10;
+/// Bytes per call on refit's own threads (the trainer's I/O pool): as many as the
+/// buffers (up to 64 of them) and the kernel take.
+inline constexpr std::size_t unbounded_per_call = std::size_t(1) << 30;
 
-/// A completion condition of at most `per_call` bytes a call, ending once `at_least`
-/// bytes have moved (or the buffers are full).
-struct bounded_transfers {
-  std::size_t per_call = loop_bytes_per_call;
-  std::size_t at_least = ~std::size_t(0);
+/// The completion condition of every refit socket transfer: up to `per_call` bytes
+/// a system call, where asio's default (transfer_all) asks for at most 64 KiB.
+struct transfers {
+  std::size_t per_call = unbounded_per_call;
   template <class Error>
-  std::size_t operator()(const Error& err, std::size_t moved) const noexcept {
-    return err || moved >= at_least ? 0 : per_call;
+  std::size_t operator()(const Error& err, std::size_t) const noexcept {
+    return err ? 0 : per_call;
   }
 };
 
 /// Reads exactly buffer_size(buffers) bytes, or throws (timeout, peer_lost, ...),
-/// with `per_call` bytes at most per system call (0: as many as the kernel has).
-/// Any stream asio can read (a tcp socket; tests count its calls).
+/// with at most `per_call` bytes per system call. Any stream asio can read (a tcp
+/// socket; tests count its calls).
 template <class Stream, class MutableBuffers>
 asio::awaitable<void> read_exact(Stream& socket, const MutableBuffers& buffers,
-                                 std::chrono::milliseconds deadline, std::string what, std::size_t per_call = 0) {
+                                 std::chrono::milliseconds deadline, std::string what,
+                                 std::size_t per_call = unbounded_per_call) {
   try {
-    if (per_call)
-      co_await async::with_deadline(
-          asio::async_read(socket, buffers, bounded_transfers{per_call}, asio::use_awaitable), deadline, what);
-    else
-      co_await async::with_deadline(asio::async_read(socket, buffers, large_transfers{}, asio::use_awaitable),
-                                    deadline, what);
+    co_await async::with_deadline(asio::async_read(socket, buffers, transfers{per_call}, asio::use_awaitable),
+                                  deadline, what);
   } catch (const error&) {
     throw;
   } catch (const std::system_error& e) {
@@ -76,14 +62,11 @@ asio::awaitable<void> read_exact(Stream& socket, const MutableBuffers& buffers,
 /// Writes all of `buffers`, or throws; `per_call` as for read_exact.
 template <class Stream, class ConstBuffers>
 asio::awaitable<void> write_all(Stream& socket, const ConstBuffers& buffers,
-                                std::chrono::milliseconds deadline, std::string what, std::size_t per_call = 0) {
+                                std::chrono::milliseconds deadline, std::string what,
+                                std::size_t per_call = unbounded_per_call) {
   try {
-    if (per_call)
-      co_await async::with_deadline(
-          asio::async_write(socket, buffers, bounded_transfers{per_call}, asio::use_awaitable), deadline, what);
-    else
-      co_await async::with_deadline(asio::async_write(socket, buffers, large_transfers{}, asio::use_awaitable),
-                                    deadline, what);
+    co_await async::with_deadline(asio::async_write(socket, buffers, transfers{per_call}, asio::use_awaitable),
+                                  deadline, what);
   } catch (const error&) {
     throw;
   } catch (const std::system_error& e) {

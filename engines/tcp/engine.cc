@@ -38,7 +38,7 @@ asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer>
   } catch (...) {
     failure = std::current_exception();
   }
-  if (failure) co_await group::rethrow_with_peer_reason(*child, failure, std::min(timeout, std::chrono::milliseconds(500)), what);
+  if (failure) co_await group::rethrow_with_peer_reason(*child, failure, what);
 }
 
 // The same bytes to every child at once; the first error wins, naming the child.
@@ -304,7 +304,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     // so its error names this worker's reason (say, which child was lost), not a
     // reset connection. Then, as the stream position is unknown, the connections
     // close: the children fail at once rather than wait for bytes that never come.
-    co_await group::tell_failure(*from, failure, last_seq_, std::min(timeout_, std::chrono::milliseconds(500)));
+    co_await group::tell_failure(*from, failure, last_seq_);
     do_shutdown();
     std::rethrow_exception(failure);
   }

@@ -264,7 +264,7 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
   }
   // A worker that fails says why before it closes (its own error, or which worker
   // below it was lost): that reason, not "connection reset", is the error.
-  if (failure) co_await group::rethrow_with_peer_reason(p.socket, failure, std::min(timeout_, std::chrono::milliseconds(500)), who);
+  if (failure) co_await group::rethrow_with_peer_reason(p.socket, failure, who);
 }
 
 asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,

@@ -45,7 +45,7 @@ void throw_if_failed(const status_message& s, const std::string& who) {
 }
 
 asio::awaitable<void> rethrow_with_peer_reason(asio::ip::tcp::socket& socket, std::exception_ptr failure,
-                                               std::chrono::milliseconds wait, std::string who) {
+                                               std::string who) {
   std::optional<status_message> said;
   bool timed_out = false;
   try {
@@ -56,7 +56,7 @@ asio::awaitable<void> rethrow_with_peer_reason(asio::ip::tcp::socket& socket, st
   }
   if (!timed_out && socket.is_open()) {
     try {
-      said = co_await read_status(socket, wait, who + ": reading why the peer failed");
+      said = co_await read_status(socket, reason_wait, who + ": reading why the peer failed");
     } catch (...) {
     }
   }
@@ -64,8 +64,7 @@ asio::awaitable<void> rethrow_with_peer_reason(asio::ip::tcp::socket& socket, st
   std::rethrow_exception(failure);
 }
 
-asio::awaitable<void> tell_failure(asio::ip::tcp::socket& socket, std::exception_ptr failure, std::uint64_t seq,
-                                   std::chrono::milliseconds wait) {
+asio::awaitable<void> tell_failure(asio::ip::tcp::socket& socket, std::exception_ptr failure, std::uint64_t seq) {
   errc kind = errc::io_error;
   std::string message;
   try {
@@ -80,7 +79,7 @@ asio::awaitable<void> tell_failure(asio::ip::tcp::socket& socket, std::exception
   }
   if (!socket.is_open()) co_return;
   try {
-    co_await send_status(socket, static_cast<std::uint32_t>(kind), seq, std::move(message), wait,
+    co_await send_status(socket, static_cast<std::uint32_t>(kind), seq, std::move(message), reason_wait,
                          "telling the peer why the update failed");
   } catch (...) {
   }

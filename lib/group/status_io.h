@@ -28,16 +28,19 @@ asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
 /// Throws the error a non-zero status carries, prefixed with `who`.
 void throw_if_failed(const status_message& s, const std::string& who);
 
+/// How long a side waits to read or write a failure's reason: a peer that is
+/// there answers at once; one that is not must not hold up the error.
+inline constexpr std::chrono::milliseconds reason_wait{500};
+
 /// After `failure` on a connection whose peer may have said why before it went
 /// away (a failing worker sends its error as a status, then closes): reads that
-/// status, waiting at most `wait`, and throws the peer's error (prefixed with
+/// status (waiting at most reason_wait) and throws the peer's error (prefixed with
 /// `who`) if it carries one; otherwise rethrows `failure`. Never returns.
 asio::awaitable<void> rethrow_with_peer_reason(asio::ip::tcp::socket& socket, std::exception_ptr failure,
-                                               std::chrono::milliseconds wait, std::string who);
+                                               std::string who);
 
 /// Best effort: tells the peer why this side fails (`failure`'s kind and message,
-/// as a status for update `seq`), waiting at most `wait`; never throws.
-asio::awaitable<void> tell_failure(asio::ip::tcp::socket& socket, std::exception_ptr failure, std::uint64_t seq,
-                                   std::chrono::milliseconds wait);
+/// as a status for update `seq`, waiting at most reason_wait); never throws.
+asio::awaitable<void> tell_failure(asio::ip::tcp::socket& socket, std::exception_ptr failure, std::uint64_t seq);
 
 }  // namespace refit::group

@@ -49,7 +49,7 @@ asio::awaitable<void> connected_pair(asio::io_context& io, asio::ip::tcp::socket
 }
 
 asio::awaitable<void> move_bytes(counting_stream& out, counting_stream& in, std::vector<std::byte>& src,
-                                 std::vector<std::byte>& dst, std::size_t read_per_call = 0) {
+                                 std::vector<std::byte>& dst, std::size_t read_per_call) {
   const asio::const_buffer from = asio::buffer(src);  // named: the operations keep references
   const asio::mutable_buffer to = asio::buffer(dst);
   std::vector<asio::awaitable<void>> both;
@@ -58,15 +58,28 @@ asio::awaitable<void> move_bytes(counting_stream& out, counting_stream& in, std:
   co_await async::all_of(std::move(both));
 }
 
-TEST(net, transfers_ask_for_all_that_is_left_per_call_not_64_KiB) {
+// `bytes` over a loopback connection, read with `read_per_call`; the two sides'
+// counts of what was asked of their sockets.
+struct counts {
+  std::size_t calls = 0, largest_request = 0;
+};
+struct moved {
+  counts in, out;
+};
+moved move_over_loopback(std::size_t bytes, std::size_t read_per_call) {
   asio::io_context io;
   asio::ip::tcp::socket a(io), b(io);
   run_to_completion(io, connected_pair(io, a, b));
-  std::vector<std::byte> src(64 << 20), dst(64 << 20);
+  std::vector<std::byte> src(bytes), dst(bytes);
   for (std::size_t i = 0; i < src.size(); i += 4096) src[i] = static_cast<std::byte>(i >> 12);
   counting_stream out{a}, in{b};
-  run_to_completion(io, move_bytes(out, in, src, dst));
+  run_to_completion(io, move_bytes(out, in, src, dst, read_per_call));
   EXPECT_TRUE(src == dst);
+  return {{in.calls, in.largest_request}, {out.calls, out.largest_request}};
+}
+
+TEST(net, transfers_ask_for_all_that_is_left_per_call_not_64_KiB) {
+  const auto [in, out] = move_over_loopback(64 << 20, net::unbounded_per_call);
   // The first call of each side asks for the whole 64 MiB; the kernel decides how
   // much it moves at once. With asio's default every call asks for 64 KiB.
   EXPECT_EQ(out.largest_request, 64u << 20);
@@ -80,17 +93,10 @@ TEST(net, transfers_ask_for_all_that_is_left_per_call_not_64_KiB) {
 // (~60 us of kernel copying): still 4x fewer calls than 64 KiB ones, and no call
 // holds the loop for milliseconds.
 TEST(net, loop_transfers_ask_for_at_most_their_bound_per_call) {
-  asio::io_context io;
-  asio::ip::tcp::socket a(io), b(io);
-  run_to_completion(io, connected_pair(io, a, b));
-  std::vector<std::byte> src(16 << 20), dst(16 << 20);
-  for (std::size_t i = 0; i < src.size(); i += 4096) src[i] = static_cast<std::byte>(i >> 12);
-  counting_stream out{a}, in{b};
-  run_to_completion(io, move_bytes(out, in, src, dst, net::loop_bytes_per_call));
-  EXPECT_TRUE(src == dst);
-  EXPECT_EQ(in.largest_request, net::loop_bytes_per_call);
-  EXPECT_GE(in.calls, (16u << 20) / net::loop_bytes_per_call);
-  EXPECT_LT(in.calls, (16u << 20) >> 16) << "as many calls as 64 KiB ones";
+  const auto m = move_over_loopback(16 << 20, net::loop_bytes_per_call);
+  EXPECT_EQ(m.in.largest_request, net::loop_bytes_per_call);
+  EXPECT_GE(m.in.calls, (16u << 20) / net::loop_bytes_per_call);
+  EXPECT_LT(m.in.calls, (16u << 20) >> 16) << "as many calls as 64 KiB ones";
 }
 
 }  // namespace
