@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from layout import tensor_sizes
+
 
 def run(rank, world, layout, updates, port, out, pattern):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -57,12 +59,7 @@ def main():
     pattern = sys.argv[4] if len(sys.argv) > 4 else "resident"
     assert pattern in ("resident", "fresh"), pattern
     world = workers + 1
-    nbytes = 0
-    for d, shape in zip(layout["dtype_names"], layout["shapes"]):
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes += n * {"bfloat16": 2, "float16": 2, "float32": 4}[d]
+    nbytes = sum(tensor_sizes(layout))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = 29500 + os.getpid() % 1000

@@ -20,18 +20,7 @@ import sys
 import threading
 import time
 
-SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def layout_sizes(layout):
-    sizes = []
-    for d, shape in zip(layout["dtype_names"], layout["shapes"]):
-        n = SIZES[d]
-        for s in shape:
-            n *= s
-        sizes.append(n)
-    return sizes
-
+from layout import tensor_sizes
 
 def engine():
     from mooncake.engine import TransferEngine
@@ -68,7 +57,7 @@ def main():
     layout = json.load(open(sys.argv[1]))
     targets = int(sys.argv[2])
     updates = int(sys.argv[3])
-    sizes = layout_sizes(layout)
+    sizes = tensor_sizes(layout)
     nbytes = sum(sizes)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     procs = [subprocess.Popen([sys.executable, __file__, "--target", str(nbytes)], stdin=subprocess.PIPE,

@@ -57,18 +57,6 @@ else
 fi
 
 "$sync_bin" --model-bytes "$model_bytes" --print-layout >"$out/layout.json"
-python3 - "$out/layout.json" >"$out/layout_bytes.json" <<'PY'
-import json, sys
-l = json.load(open(sys.argv[1]))
-size = {"bfloat16": 2, "float16": 2, "float32": 4}
-total = 0
-for d, shape in zip(l["dtype_names"], l["shapes"]):
-    n = size[d]
-    for x in shape:
-        n *= x
-    total += n
-print(json.dumps({"bytes": total}))
-PY
 # One 400 MiB bf16 tensor, the same for refit (--one-tensor) and gloo.
 python3 -c 'import json; print(json.dumps({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[209715200]]}))' \
   >"$out/one.json"
@@ -117,7 +105,7 @@ for round in $(seq "$rounds"); do
   mkdir -p "$r"
   for n in 1 2 4; do
     iperf_pairs "$n" >"$r/iperf$n"
-    python3 tests/bench/socket_pairs.py "$n" "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes"])' "$out/layout_bytes.json")" "$updates" >"$r/pairs$n.json"
+    python3 tests/bench/socket_pairs.py "$n" "$(python3 tests/bench/layout.py "$out/layout.json")" "$updates" >"$r/pairs$n.json"
     main_job --workers "$n" --model-bytes "$model_bytes" --updates "$updates" >"$r/refit$n.json"
     echo "[bench]   N=$n: iperf3 pairs $(cat "$r/iperf$n") GB/s, socket pairs" \
       "$(python3 -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["aggregate_gbps"],3))' "$r/pairs$n.json") GB/s, refit" \
