@@ -1,4 +1,4 @@
-#include "lib/auth.h"
+#include <refit/auth.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -18,8 +18,8 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
-#include "lib/error.h"
-#include "lib/net.h"
+#include <refit/error.h>
+#include <refit/net.h>
 
 namespace refit::auth {
 namespace {

@@ -9,8 +9,8 @@
 #include <span>
 #include <vector>
 
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 
 namespace refit {
 

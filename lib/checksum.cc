@@ -1,11 +1,11 @@
-#include "lib/checksum.h"
+#include <refit/checksum.h>
 
 #include <memory>
 #include <vector>
 
 #include <xxhash.h>
 
-#include "lib/checksum_avx2.h"
+#include <refit/checksum_avx2.h>
 
 namespace refit {
 namespace {

@@ -7,7 +7,7 @@
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
-#include "lib/checksum_avx2.h"
+#include <refit/checksum_avx2.h>
 
 namespace refit::detail {
 

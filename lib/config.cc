@@ -1,4 +1,4 @@
-#include "lib/config.h"
+#include <refit/config.h>
 
 namespace refit {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "lib/json_reader.h"
+#include <refit/json_reader.h>
 
 namespace refit {
 

@@ -1,4 +1,4 @@
-#include "lib/convert.h"
+#include <refit/convert.h>
 
 #include <bit>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <limits>
 #include <string>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::convert {
 namespace {

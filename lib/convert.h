@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <span>
 
-#include "lib/dtype.h"
-#include "lib/tensor.h"
+#include <refit/dtype.h>
+#include <refit/tensor.h>
 
 namespace refit::convert {
 

@@ -1,9 +1,9 @@
-#include "lib/dtype.h"
+#include <refit/dtype.h>
 
 #include <array>
 #include <string>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit {
 namespace {

@@ -1,4 +1,4 @@
-#include "lib/engine.h"
+#include <refit/engine.h>
 
 #include <sys/mman.h>
 
@@ -8,7 +8,7 @@
 
 #include <asio/co_spawn.hpp>
 
-#include "lib/async/offload.h"
+#include <refit/async/offload.h>
 
 namespace refit {
 

@@ -16,12 +16,12 @@
 #include <asio/awaitable.hpp>
 #include <asio/thread_pool.hpp>
 
-#include "lib/async/drain_scope.h"
-#include "lib/config.h"
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
-#include "lib/stats.h"
-#include "lib/tensor.h"
+#include <refit/async/drain_scope.h>
+#include <refit/config.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
+#include <refit/stats.h>
+#include <refit/tensor.h>
 
 namespace refit {
 

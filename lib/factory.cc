@@ -1,8 +1,8 @@
-#include "lib/factory.h"
+#include <refit/factory.h>
 
 #include <dlfcn.h>
 
-#include "lib/plugin.h"
+#include <refit/plugin.h>
 
 namespace refit {
 

@@ -12,9 +12,9 @@
 #include <string_view>
 #include <vector>
 
-#include "lib/config.h"
-#include "lib/engine.h"
-#include "lib/trainer.h"
+#include <refit/config.h>
+#include <refit/engine.h>
+#include <refit/trainer.h>
 
 namespace refit {
 

@@ -1,11 +1,11 @@
-#include "lib/fingerprint.h"
+#include <refit/fingerprint.h>
 
 #include <cstdio>
 #include <map>
 
 #include <xxhash.h>
 
-#include "lib/hex.h"
+#include <refit/hex.h>
 
 namespace refit {
 

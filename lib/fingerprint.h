@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "lib/json_reader.h"
-#include "lib/tensor.h"
+#include <refit/json_reader.h>
+#include <refit/tensor.h>
 
 namespace refit {
 

@@ -1,4 +1,4 @@
-#include "lib/hex.h"
+#include <refit/hex.h>
 
 namespace refit {
 namespace {

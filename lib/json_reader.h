@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit {
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/json_reader.h"
-#include "lib/tensor.h"
+#include <refit/json_reader.h>
+#include <refit/tensor.h>
 
 namespace refit {
 

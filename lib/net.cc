@@ -1,4 +1,4 @@
-#include "lib/net.h"
+#include <refit/net.h>
 
 #include <algorithm>
 #include <limits>

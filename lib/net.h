@@ -12,8 +12,8 @@
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
 
-#include "lib/async/deadline.h"
-#include "lib/error.h"
+#include <refit/async/deadline.h>
+#include <refit/error.h>
 
 namespace refit::net {
 

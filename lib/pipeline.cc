@@ -1,4 +1,4 @@
-#include "lib/pipeline.h"
+#include <refit/pipeline.h>
 
 #include <algorithm>
 #include <atomic>
@@ -9,7 +9,7 @@
 #include <asio/bind_executor.hpp>
 #include <asio/strand.hpp>
 
-#include "lib/async/offload.h"
+#include <refit/async/offload.h>
 
 namespace refit {
 

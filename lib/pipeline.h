@@ -22,10 +22,10 @@
 #include <asio/awaitable.hpp>
 #include <asio/buffer.hpp>
 
-#include "lib/async/drain_scope.h"
-#include "lib/async/slot_ring.h"
-#include "lib/bucket_plan.h"
-#include "lib/engine.h"
+#include <refit/async/drain_scope.h>
+#include <refit/async/slot_ring.h>
+#include <refit/bucket_plan.h>
+#include <refit/engine.h>
 
 namespace refit {
 

@@ -8,9 +8,9 @@
 #include <cstring>
 #include <exception>
 
-#include "lib/engine.h"
-#include "lib/error.h"
-#include "lib/trainer.h"
+#include <refit/engine.h>
+#include <refit/error.h>
+#include <refit/trainer.h>
 
 extern "C" {
 

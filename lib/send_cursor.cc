@@ -1,4 +1,4 @@
-#include "lib/send_cursor.h"
+#include <refit/send_cursor.h>
 
 #include <cstring>
 

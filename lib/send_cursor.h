@@ -10,8 +10,8 @@
 
 #include <asio/buffer.hpp>
 
-#include "lib/bucket_plan.h"
-#include "lib/trainer.h"
+#include <refit/bucket_plan.h>
+#include <refit/trainer.h>
 
 namespace refit {
 

@@ -1,4 +1,4 @@
-#include "lib/session.h"
+#include <refit/session.h>
 
 namespace refit {
 

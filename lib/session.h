@@ -8,7 +8,7 @@
 
 #include <asio/awaitable.hpp>
 
-#include "lib/engine.h"
+#include <refit/engine.h>
 
 namespace refit {
 

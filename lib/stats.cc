@@ -1,4 +1,4 @@
-#include "lib/stats.h"
+#include <refit/stats.h>
 
 #include <algorithm>
 

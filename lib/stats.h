@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "lib/json_reader.h"
+#include <refit/json_reader.h>
 
 namespace refit {
 

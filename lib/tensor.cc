@@ -1,9 +1,9 @@
-#include "lib/tensor.h"
+#include <refit/tensor.h>
 
 #include <charconv>
 #include <limits>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit {
 

@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "lib/dtype.h"
+#include <refit/dtype.h>
 
 namespace refit {
 

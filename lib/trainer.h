@@ -12,11 +12,11 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 
-#include "lib/config.h"
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
-#include "lib/stats.h"
-#include "lib/tensor.h"
+#include <refit/config.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
+#include <refit/stats.h>
+#include <refit/tensor.h>
 
 namespace refit {
 

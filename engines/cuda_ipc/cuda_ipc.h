@@ -19,7 +19,7 @@
 #include <map>
 #include <memory>
 
-#include "lib/group/engine_base.h"
+#include <refit/group/engine_base.h>
 
 namespace refit::cuda_ipc {
 

@@ -1,4 +1,4 @@
-#include "engines/cuda_ipc/cuda_ipc_provider.h"
+#include <refit/engines/cuda_ipc/cuda_ipc_provider.h>
 
 #include <cuda_runtime_api.h>
 
@@ -6,10 +6,10 @@
 #include <mutex>
 #include <vector>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/staging.h"
-#include "lib/cuda/stream.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/staging.h>
+#include <refit/cuda/stream.h>
 
 namespace refit::cuda_ipc {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <memory>
 
-#include "engines/cuda_ipc/cuda_ipc.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
 
 namespace refit::cuda_ipc {
 

@@ -2,11 +2,11 @@
 // buffer once (cached), copy the bucket into a staging slot and tell the trainer
 // the buffer is consumed; processing overlaps the next hand-over (the rest is
 // group::worker_engine).
-#include "engines/cuda_ipc/cuda_ipc.h"
-#include "engines/cuda_ipc/wire.h"
-#include "lib/async/offload.h"
-#include "lib/group/status_io.h"
-#include "lib/net.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include "wire.h"  // private to this engine
+#include <refit/async/offload.h>
+#include <refit/group/status_io.h>
+#include <refit/net.h>
 
 namespace refit::cuda_ipc {
 

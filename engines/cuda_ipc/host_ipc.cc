@@ -6,8 +6,8 @@
 #include <mutex>
 #include <random>
 
-#include "engines/cuda_ipc/cuda_ipc.h"
-#include "lib/send_cursor.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include <refit/send_cursor.h>
 
 namespace refit::cuda_ipc {
 namespace {

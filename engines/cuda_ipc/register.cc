@@ -2,11 +2,11 @@
 // process-wide factory (CUDA builds; linked in through //engines:all). Each engine
 // uses the provider of its context's device (the current one when the context
 // names no CUDA device).
-#include "engines/cuda_ipc/cuda_ipc.h"
-#include "engines/cuda_ipc/cuda_ipc_provider.h"
-#include "engines/cuda_ipc/torch_ipc.h"
-#include "lib/cuda/staging.h"
-#include "lib/factory.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include <refit/engines/cuda_ipc/cuda_ipc_provider.h>
+#include <refit/engines/cuda_ipc/torch_ipc.h>
+#include <refit/cuda/staging.h>
+#include <refit/factory.h>
 
 namespace {
 using refit::cuda::device_index;

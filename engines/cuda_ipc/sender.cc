@@ -3,12 +3,12 @@
 // consumed what it last held.
 #include <cstring>
 
-#include "engines/cuda_ipc/cuda_ipc.h"
-#include "engines/cuda_ipc/wire.h"
-#include "lib/async/all_of.h"
-#include "lib/group/status_io.h"
-#include "lib/net.h"
-#include "lib/send_cursor.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include "wire.h"  // private to this engine
+#include <refit/async/all_of.h>
+#include <refit/group/status_io.h>
+#include <refit/net.h>
+#include <refit/send_cursor.h>
 
 namespace refit::cuda_ipc {
 

@@ -1,8 +1,8 @@
 // The "torch_ipc" worker: tensors of a PyTorch trainer, copied out of its memory
 // through the handles its update_info carries (torch_ipc.h).
-#include "engines/cuda_ipc/torch_ipc.h"
-#include "lib/async/offload.h"
-#include "lib/pipeline.h"
+#include <refit/engines/cuda_ipc/torch_ipc.h>
+#include <refit/async/offload.h>
+#include <refit/pipeline.h>
 
 namespace refit::cuda_ipc {
 

@@ -1,11 +1,11 @@
-#include "engines/cuda_ipc/torch_ipc.h"
+#include <refit/engines/cuda_ipc/torch_ipc.h>
 
 #include <cctype>
 #include <cstring>
 #include <limits>
 #include <span>
 
-#include "lib/hex.h"
+#include <refit/hex.h>
 
 namespace refit::cuda_ipc {
 namespace {

@@ -25,9 +25,9 @@
 #include <string_view>
 #include <vector>
 
-#include "engines/cuda_ipc/cuda_ipc.h"
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 
 namespace refit::cuda_ipc {
 

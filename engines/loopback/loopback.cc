@@ -1,4 +1,4 @@
-#include "engines/loopback/loopback.h"
+#include <refit/engines/loopback/loopback.h>
 
 #include <map>
 #include <mutex>
@@ -7,8 +7,8 @@
 #include <asio/experimental/concurrent_channel.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "lib/async/deadline.h"
-#include "lib/send_cursor.h"
+#include <refit/async/deadline.h>
+#include <refit/send_cursor.h>
 
 namespace refit::loopback {
 

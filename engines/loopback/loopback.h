@@ -6,10 +6,10 @@
 #include <memory>
 #include <string>
 
-#include "lib/bucket_plan.h"
-#include "lib/engine.h"
-#include "lib/pipeline.h"
-#include "lib/trainer.h"
+#include <refit/bucket_plan.h>
+#include <refit/engine.h>
+#include <refit/pipeline.h>
+#include <refit/trainer.h>
 
 namespace refit::loopback {
 

@@ -15,7 +15,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/buffer.hpp>
 
-#include "lib/pipeline.h"
+#include <refit/pipeline.h>
 
 namespace refit::nccl {
 

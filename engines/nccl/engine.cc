@@ -1,6 +1,6 @@
 // The NCCL worker: the side channel's welcome brings the communicator id; each
 // bucket is one broadcast into a staging slot (the rest is group::worker_engine).
-#include "engines/nccl/nccl.h"
+#include <refit/engines/nccl/nccl.h>
 
 namespace refit::nccl {
 

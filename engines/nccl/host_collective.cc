@@ -11,9 +11,9 @@
 #include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "engines/nccl/collective.h"
-#include "lib/async/deadline.h"
-#include "lib/send_cursor.h"
+#include <refit/engines/nccl/collective.h>
+#include <refit/async/deadline.h>
+#include <refit/send_cursor.h>
 
 namespace refit::nccl {
 namespace {

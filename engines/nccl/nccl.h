@@ -12,8 +12,8 @@
 
 #include <memory>
 
-#include "engines/nccl/collective.h"
-#include "lib/group/engine_base.h"
+#include <refit/engines/nccl/collective.h>
+#include <refit/group/engine_base.h>
 
 namespace refit::nccl {
 

@@ -19,16 +19,16 @@
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "engines/nccl/collective.h"
-#include "engines/nccl/nccl_collective.h"
-#include "lib/async/offload.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/nccl_error.h"
-#include "lib/cuda/staging.h"
-#include "lib/cuda/stream.h"
-#include "lib/hex.h"
+#include <refit/engines/nccl/collective.h>
+#include <refit/engines/nccl/nccl_collective.h>
+#include <refit/async/offload.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/nccl_error.h>
+#include <refit/cuda/staging.h>
+#include <refit/cuda/stream.h>
+#include <refit/hex.h>
 
 namespace refit::nccl {
 namespace {

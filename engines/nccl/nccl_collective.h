@@ -3,7 +3,7 @@
 
 #include <memory>
 
-#include "engines/nccl/collective.h"
+#include <refit/engines/nccl/collective.h>
 
 namespace refit::nccl {
 

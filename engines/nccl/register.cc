@@ -1,10 +1,10 @@
 // Registers "nccl" with the process-wide factory (CUDA builds; linked in through
 // //engines:all). Each engine and sender uses the provider of its context's device
 // (the current one when the context names no CUDA device).
-#include "engines/nccl/nccl.h"
-#include "engines/nccl/nccl_collective.h"
-#include "lib/cuda/staging.h"
-#include "lib/factory.h"
+#include <refit/engines/nccl/nccl.h>
+#include <refit/engines/nccl/nccl_collective.h>
+#include <refit/cuda/staging.h>
+#include <refit/factory.h>
 
 namespace {
 using refit::cuda::device_index;

@@ -9,16 +9,16 @@
 #include <asio/detached.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "engines/tcp/tcp.h"
-#include "lib/async/all_of.h"
-#include "lib/async/deadline.h"
-#include "lib/async/event.h"
-#include "lib/async/offload.h"
-#include "lib/checksum.h"
-#include "lib/group/status_io.h"
-#include "lib/group/wire.h"
-#include "lib/hex.h"
-#include "lib/net.h"
+#include <refit/engines/tcp/tcp.h>
+#include <refit/async/all_of.h>
+#include <refit/async/deadline.h>
+#include <refit/async/event.h>
+#include <refit/async/offload.h>
+#include <refit/checksum.h>
+#include <refit/group/status_io.h>
+#include <refit/group/wire.h>
+#include <refit/hex.h>
+#include <refit/net.h>
 
 namespace refit::tcp {
 

@@ -7,18 +7,18 @@
 #include <asio/co_spawn.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "engines/tcp/tcp.h"
-#include "lib/group/status_io.h"
-#include "lib/group/wire.h"
+#include <refit/engines/tcp/tcp.h>
+#include <refit/group/status_io.h>
+#include <refit/group/wire.h>
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/concurrent_channel.hpp>
 
-#include "lib/async/all_of.h"
-#include "lib/async/deadline.h"
-#include "lib/async/offload.h"
-#include "lib/checksum.h"
-#include "lib/net.h"
-#include "lib/send_cursor.h"
+#include <refit/async/all_of.h>
+#include <refit/async/deadline.h>
+#include <refit/async/offload.h>
+#include <refit/checksum.h>
+#include <refit/net.h>
+#include <refit/send_cursor.h>
 
 namespace refit::tcp {
 

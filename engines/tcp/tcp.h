@@ -16,12 +16,12 @@
 #include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
 
-#include "lib/bucket_plan.h"
-#include "lib/engine.h"
-#include "lib/group/group.h"
-#include "lib/group/relay.h"
-#include "lib/pipeline.h"
-#include "lib/trainer.h"
+#include <refit/bucket_plan.h>
+#include <refit/engine.h>
+#include <refit/group/group.h>
+#include <refit/group/relay.h>
+#include <refit/pipeline.h>
+#include <refit/trainer.h>
 
 namespace refit::tcp {
 

@@ -10,9 +10,9 @@
 
 #include <asio/awaitable.hpp>
 
-#include "lib/async/all_of.h"
-#include "lib/control/client.h"
-#include "lib/json_reader.h"
+#include <refit/async/all_of.h>
+#include <refit/control/client.h>
+#include <refit/json_reader.h>
 
 namespace refit::example {
 

@@ -17,7 +17,7 @@
 #include <asio/detached.hpp>
 #include <asio/post.hpp>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 extern char** environ;
 

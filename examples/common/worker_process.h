@@ -14,7 +14,7 @@
 
 #include <asio/io_context.hpp>
 
-#include "lib/control/worker_host.h"
+#include <refit/control/worker_host.h>
 
 namespace refit::example {
 

@@ -2,14 +2,14 @@
 
 #include <cuda_runtime_api.h>
 
-#include "engines/cuda_ipc/cuda_ipc.h"
-#include "engines/cuda_ipc/torch_ipc.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include <refit/engines/cuda_ipc/torch_ipc.h>
 #include "examples/torch_ipc/digest.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/kernels.h"
-#include "lib/cuda/processing.h"
-#include "lib/fingerprint.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/kernels.h>
+#include <refit/cuda/processing.h>
+#include <refit/fingerprint.h>
 
 namespace refit::example {
 

@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "lib/control/worker_host.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/unpack.h"
-#include "lib/engine.h"
+#include <refit/control/worker_host.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/unpack.h>
+#include <refit/engine.h>
 
 namespace refit::example {
 

@@ -22,9 +22,9 @@
 
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/device_model.h"
-#include "lib/auth.h"
-#include "lib/control/worker_host.h"
-#include "lib/cuda/error.h"
+#include <refit/auth.h>
+#include <refit/control/worker_host.h>
+#include <refit/cuda/error.h>
 
 namespace refit::example {
 namespace {

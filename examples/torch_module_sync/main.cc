@@ -56,13 +56,13 @@
 #include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/torch_module_sync/model.h"
-#include "lib/async/all_of.h"
-#include "lib/control/client.h"
-#include "lib/control/worker_host.h"
-#include "lib/factory.h"
-#include "lib/json_reader.h"
-#include "lib/torch/source.h"
-#include "lib/torch/target.h"
+#include <refit/async/all_of.h>
+#include <refit/control/client.h>
+#include <refit/control/worker_host.h>
+#include <refit/factory.h>
+#include <refit/json_reader.h>
+#include <refit/torch/source.h>
+#include <refit/torch/target.h>
 
 namespace refit::example {
 namespace {

@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/modulelist.h>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::example {
 namespace {

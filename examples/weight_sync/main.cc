@@ -27,13 +27,13 @@
 #include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/weight_sync/model.h"
-#include "lib/async/all_of.h"
-#include "lib/async/lag_probe.h"
-#include "lib/auth.h"
-#include "lib/control/client.h"
-#include "lib/control/worker_host.h"
-#include "lib/factory.h"
-#include "lib/fingerprint.h"
+#include <refit/async/all_of.h>
+#include <refit/async/lag_probe.h>
+#include <refit/auth.h>
+#include <refit/control/client.h>
+#include <refit/control/worker_host.h>
+#include <refit/factory.h>
+#include <refit/fingerprint.h>
 
 namespace refit::example {
 namespace {

@@ -3,7 +3,7 @@
 #include <cctype>
 #include <cmath>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::example {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "lib/metadata.h"
+#include <refit/metadata.h>
 
 namespace refit::example {
 

@@ -10,7 +10,7 @@
 #include <asio/co_spawn.hpp>
 #include <asio/this_coro.hpp>
 
-#include "lib/async/event.h"
+#include <refit/async/event.h>
 
 namespace refit::async {
 

@@ -15,7 +15,7 @@
 #include <asio/this_coro.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::async {
 

@@ -1,4 +1,4 @@
-#include "lib/async/drain_scope.h"
+#include <refit/async/drain_scope.h>
 
 #include <asio/bind_executor.hpp>
 #include <asio/co_spawn.hpp>

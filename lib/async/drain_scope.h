@@ -8,7 +8,7 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 
-#include "lib/async/event.h"
+#include <refit/async/event.h>
 
 namespace refit::async {
 

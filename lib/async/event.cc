@@ -1,4 +1,4 @@
-#include "lib/async/event.h"
+#include <refit/async/event.h>
 
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/use_awaitable.hpp>

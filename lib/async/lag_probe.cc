@@ -1,4 +1,4 @@
-#include "lib/async/lag_probe.h"
+#include <refit/async/lag_probe.h>
 
 #include <algorithm>
 

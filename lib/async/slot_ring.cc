@@ -1,8 +1,8 @@
-#include "lib/async/slot_ring.h"
+#include <refit/async/slot_ring.h>
 
 #include <asio/use_awaitable.hpp>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::async {
 

@@ -1,13 +1,13 @@
-#include "lib/control/client.h"
+#include <refit/control/client.h>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "lib/async/deadline.h"
-#include "lib/auth.h"
-#include "lib/net.h"
+#include <refit/async/deadline.h>
+#include <refit/auth.h>
+#include <refit/net.h>
 
 namespace refit::control {
 

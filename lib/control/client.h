@@ -12,7 +12,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/experimental/channel.hpp>
 
-#include "lib/control/frame.h"
+#include <refit/control/frame.h>
 
 namespace refit::control {
 

@@ -1,4 +1,4 @@
-#include "lib/control/frame.h"
+#include <refit/control/frame.h>
 
 #include <algorithm>
 #include <array>
@@ -8,8 +8,8 @@
 #include <asio/read.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "lib/async/deadline.h"
-#include "lib/net.h"
+#include <refit/async/deadline.h>
+#include <refit/net.h>
 
 namespace refit::control {
 

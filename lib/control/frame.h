@@ -16,8 +16,8 @@
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
 
-#include "lib/async/event.h"
-#include "lib/json_reader.h"
+#include <refit/async/event.h>
+#include <refit/json_reader.h>
 
 namespace refit::control {
 

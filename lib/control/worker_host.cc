@@ -1,4 +1,4 @@
-#include "lib/control/worker_host.h"
+#include <refit/control/worker_host.h>
 
 #include <algorithm>
 
@@ -13,11 +13,11 @@
 #include <malloc.h>
 #endif
 
-#include "lib/async/event.h"
-#include "lib/async/offload.h"
-#include "lib/auth.h"
-#include "lib/fingerprint.h"
-#include "lib/net.h"
+#include <refit/async/event.h>
+#include <refit/async/offload.h>
+#include <refit/auth.h>
+#include <refit/fingerprint.h>
+#include <refit/net.h>
 
 namespace refit::control {
 

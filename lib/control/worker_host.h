@@ -50,10 +50,10 @@
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
 
-#include "lib/control/frame.h"
-#include "lib/engine.h"
-#include "lib/factory.h"
-#include "lib/session.h"
+#include <refit/control/frame.h>
+#include <refit/engine.h>
+#include <refit/factory.h>
+#include <refit/session.h>
 
 namespace refit::control {
 

@@ -1,9 +1,9 @@
-#include "lib/cuda/await.h"
+#include <refit/cuda/await.h>
 
 #include <mutex>
 
-#include "lib/cuda/error.h"
-#include "lib/cuda/event.h"
+#include <refit/cuda/error.h>
+#include <refit/cuda/event.h>
 
 // Life cycle of a wait (detail::pending_wait):
 //

@@ -18,7 +18,7 @@
 #include <bit>
 #include <cstdint>
 
-#include "lib/dtype.h"
+#include <refit/dtype.h>
 
 #if defined(__CUDACC__)
 #define REFIT_HD __host__ __device__ __forceinline__

@@ -1,4 +1,4 @@
-#include "lib/cuda/device.h"
+#include <refit/cuda/device.h>
 
 #include <cuda_runtime_api.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "lib/cuda/error.h"
+#include <refit/cuda/error.h>
 
 namespace refit::cuda {
 

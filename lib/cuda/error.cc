@@ -1,4 +1,4 @@
-#include "lib/cuda/error.h"
+#include <refit/cuda/error.h>
 
 #include <string>
 

@@ -1,9 +1,9 @@
-#include "lib/cuda/event.h"
+#include <refit/cuda/event.h>
 
 #include <utility>
 
-#include "lib/cuda/error.h"
-#include "lib/cuda/stream.h"
+#include <refit/cuda/error.h>
+#include <refit/cuda/stream.h>
 
 namespace refit::cuda {
 

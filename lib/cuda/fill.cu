@@ -1,8 +1,8 @@
-#include "lib/cuda/fill.h"
+#include <refit/cuda/fill.h>
 
 #include <algorithm>
 
-#include "lib/cuda/error.h"
+#include <refit/cuda/error.h>
 
 namespace refit::cuda {
 namespace {

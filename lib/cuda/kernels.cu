@@ -1,13 +1,13 @@
-#include "lib/cuda/kernels.h"
+#include <refit/cuda/kernels.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
 
-#include "lib/cuda/convert_bits.h"
-#include "lib/cuda/error.h"
-#include "lib/error.h"
+#include <refit/cuda/convert_bits.h>
+#include <refit/cuda/error.h>
+#include <refit/error.h>
 
 namespace refit::cuda {
 namespace {

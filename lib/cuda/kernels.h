@@ -12,7 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "lib/dtype.h"
+#include <refit/dtype.h>
 
 namespace refit::cuda {
 

@@ -1,9 +1,9 @@
-#include "lib/cuda/memory.h"
+#include <refit/cuda/memory.h>
 
 #include <utility>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
 
 namespace refit::cuda {
 device_buffer::device_buffer(std::size_t bytes) {

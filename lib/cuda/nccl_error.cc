@@ -1,8 +1,8 @@
-#include "lib/cuda/nccl_error.h"
+#include <refit/cuda/nccl_error.h>
 
 #include <string>
 
-#include "lib/cuda/error.h"
+#include <refit/cuda/error.h>
 
 namespace refit::cuda {
 namespace {

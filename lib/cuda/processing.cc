@@ -1,4 +1,4 @@
-#include "lib/cuda/processing.h"
+#include <refit/cuda/processing.h>
 
 namespace refit::cuda {
 namespace {

@@ -1,11 +1,11 @@
-#include "lib/cuda/staging.h"
+#include <refit/cuda/staging.h>
 
 #include <map>
 
-#include "lib/cuda/await.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/processing.h"
+#include <refit/cuda/await.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/processing.h>
 
 namespace refit::cuda {
 

@@ -8,12 +8,12 @@
 #include <mutex>
 #include <vector>
 
-#include "lib/cuda/event.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
-#include "lib/cuda/unpack.h"
-#include "lib/engine.h"
-#include "lib/pipeline.h"
+#include <refit/cuda/event.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
+#include <refit/cuda/unpack.h>
+#include <refit/engine.h>
+#include <refit/pipeline.h>
 
 namespace refit::cuda {
 

@@ -1,10 +1,10 @@
-#include "lib/cuda/unpack.h"
+#include <refit/cuda/unpack.h>
 
 #include <algorithm>
 #include <string>
 
-#include "lib/cuda/error.h"
-#include "lib/error.h"
+#include <refit/cuda/error.h>
+#include <refit/error.h>
 
 namespace refit::cuda {
 

@@ -10,9 +10,9 @@
 #include <span>
 #include <vector>
 
-#include "lib/cuda/event.h"
-#include "lib/cuda/kernels.h"
-#include "lib/cuda/memory.h"
+#include <refit/cuda/event.h>
+#include <refit/cuda/kernels.h>
+#include <refit/cuda/memory.h>
 
 namespace refit::cuda {
 

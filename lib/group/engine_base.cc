@@ -1,13 +1,13 @@
-#include "lib/group/engine_base.h"
+#include <refit/group/engine_base.h>
 
 #include <algorithm>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 
-#include "lib/async/all_of.h"
-#include "lib/async/offload.h"
-#include "lib/net.h"
+#include <refit/async/all_of.h>
+#include <refit/async/offload.h>
+#include <refit/net.h>
 
 namespace refit::group {
 

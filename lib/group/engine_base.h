@@ -13,10 +13,10 @@
 
 #include <asio/ip/tcp.hpp>
 
-#include "lib/engine.h"
-#include "lib/group/group.h"
-#include "lib/pipeline.h"
-#include "lib/trainer.h"
+#include <refit/engine.h>
+#include <refit/group/group.h>
+#include <refit/pipeline.h>
+#include <refit/trainer.h>
 
 namespace refit::group {
 

@@ -1,4 +1,4 @@
-#include "lib/group/group.h"
+#include <refit/group/group.h>
 
 #include <algorithm>
 
@@ -8,12 +8,12 @@
 #include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "lib/async/deadline.h"
-#include "lib/async/event.h"
-#include "lib/auth.h"
-#include "lib/group/status_io.h"
-#include "lib/group/wire.h"
-#include "lib/net.h"
+#include <refit/async/deadline.h>
+#include <refit/async/event.h>
+#include <refit/auth.h>
+#include <refit/group/status_io.h>
+#include <refit/group/wire.h>
+#include <refit/net.h>
 
 namespace refit::group {
 

@@ -16,10 +16,10 @@
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
 
-#include "lib/bucket_plan.h"
-#include "lib/engine.h"
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
+#include <refit/bucket_plan.h>
+#include <refit/engine.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 
 namespace refit::group {
 

@@ -1,4 +1,4 @@
-#include "lib/group/relay.h"
+#include <refit/group/relay.h>
 
 #include <algorithm>
 #include <cstdlib>

@@ -1,10 +1,10 @@
-#include "lib/group/status_io.h"
+#include <refit/group/status_io.h>
 
 #include <optional>
 #include <vector>
 
-#include "lib/group/wire.h"
-#include "lib/net.h"
+#include <refit/group/wire.h>
+#include <refit/net.h>
 
 namespace refit::group {
 

@@ -1,4 +1,4 @@
-#include "lib/torch/module.h"
+#include <refit/torch/module.h>
 
 #include <torch/nn/module.h>
 

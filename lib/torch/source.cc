@@ -1,6 +1,6 @@
-#include "lib/torch/source.h"
+#include <refit/torch/source.h>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::libtorch {
 

@@ -18,10 +18,10 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "lib/metadata.h"
-#include "lib/torch/module.h"
-#include "lib/torch/tensor.h"
-#include "lib/trainer.h"
+#include <refit/metadata.h>
+#include <refit/torch/module.h>
+#include <refit/torch/tensor.h>
+#include <refit/trainer.h>
 
 namespace refit::libtorch {
 

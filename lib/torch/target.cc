@@ -1,4 +1,4 @@
-#include "lib/torch/target.h"
+#include <refit/torch/target.h>
 
 #include <algorithm>
 #include <functional>
@@ -9,7 +9,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/nn/module.h>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::libtorch {
 

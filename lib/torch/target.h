@@ -36,10 +36,10 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "lib/engine.h"
-#include "lib/metadata.h"
-#include "lib/torch/module.h"
-#include "lib/torch/tensor.h"
+#include <refit/engine.h>
+#include <refit/metadata.h>
+#include <refit/torch/module.h>
+#include <refit/torch/tensor.h>
 
 namespace refit::libtorch {
 

@@ -1,9 +1,9 @@
-#include "lib/torch/tensor.h"
+#include <refit/torch/tensor.h>
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/ArrayRef.h>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::libtorch {
 

@@ -12,8 +12,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/version.h>
 
-#include "lib/dtype.h"
-#include "lib/tensor.h"
+#include <refit/dtype.h>
+#include <refit/tensor.h>
 
 // Float8 scalar types arrived in libtorch 2.1.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)

@@ -32,12 +32,12 @@
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
 
-#include "engines/tcp/tcp.h"
+#include <refit/engines/tcp/tcp.h>
 #include "examples/common/worker_calls.h"
-#include "lib/async/all_of.h"
-#include "lib/auth.h"
-#include "lib/control/client.h"
-#include "lib/net.h"
+#include <refit/async/all_of.h>
+#include <refit/auth.h>
+#include <refit/control/client.h>
+#include <refit/net.h>
 
 namespace refit::bench {
 namespace {

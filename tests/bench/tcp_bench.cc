@@ -24,7 +24,7 @@
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
 
-#include "engines/tcp/tcp.h"
+#include <refit/engines/tcp/tcp.h>
 
 namespace refit::bench {
 namespace {

@@ -6,7 +6,7 @@
 #include <future>
 #include <map>
 
-#include "lib/metadata.h"
+#include <refit/metadata.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

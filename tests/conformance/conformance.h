@@ -13,9 +13,9 @@
 #include <asio/io_context.hpp>
 #include <gtest/gtest.h>
 
-#include "lib/bucket_plan.h"
-#include "lib/engine.h"
-#include "lib/trainer.h"
+#include <refit/bucket_plan.h>
+#include <refit/engine.h>
+#include <refit/trainer.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

@@ -20,11 +20,11 @@
 #include <asio/redirect_error.hpp>
 #include <asio/write.hpp>
 
-#include "engines/tcp/tcp.h"
-#include "lib/auth.h"
-#include "lib/control/client.h"
-#include "lib/control/worker_host.h"
-#include "lib/net.h"
+#include <refit/engines/tcp/tcp.h>
+#include <refit/auth.h>
+#include <refit/control/client.h>
+#include <refit/control/worker_host.h>
+#include <refit/net.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

@@ -19,13 +19,13 @@
 #include <asio/detached.hpp>
 #include <asio/io_context.hpp>
 
-#include "lib/cuda/await.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/event.h"
-#include "lib/cuda/fill.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
+#include <refit/cuda/await.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/event.h>
+#include <refit/cuda/fill.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
 #include "tests/cuda/test_kernels.h"
 
 namespace refit::cuda {

@@ -14,9 +14,9 @@
 #include <asio/detached.hpp>
 #include <asio/io_context.hpp>
 
-#include "lib/cuda/await.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
+#include <refit/cuda/await.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
 
 namespace refit::cuda {
 namespace {

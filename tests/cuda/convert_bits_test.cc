@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/convert.h"
-#include "lib/cuda/convert_bits.h"
+#include <refit/convert.h>
+#include <refit/cuda/convert_bits.h>
 #include "tests/cuda/convert_samples.h"
 
 namespace refit::cuda {

@@ -8,12 +8,12 @@
 #include <cstddef>
 #include <vector>
 
-#include "lib/convert.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/kernels.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
+#include <refit/convert.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/kernels.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
 #include "tests/cuda/convert_samples.h"
 
 namespace refit::cuda {

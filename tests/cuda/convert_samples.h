@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "lib/convert.h"
-#include "lib/dtype.h"
-#include "lib/tensor.h"
+#include <refit/convert.h>
+#include <refit/dtype.h>
+#include <refit/tensor.h>
 
 namespace refit::cuda::testing {
 

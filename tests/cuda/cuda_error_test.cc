@@ -5,8 +5,8 @@
 #include <string>
 #include <system_error>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
 
 namespace refit::cuda {
 namespace {

@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "examples/torch_ipc/digest.h"
-#include "lib/convert.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/memory.h"
+#include <refit/convert.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/memory.h>
 #include "tests/cuda/cuda_ipc_bench.h"
 #include "tests/cuda/engine_pair.h"
 #include "tests/support/run.h"

@@ -8,14 +8,14 @@
 #include <cstring>
 #include <vector>
 
-#include "lib/bucket_plan.h"
-#include "lib/cuda/await.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
-#include "lib/pipeline.h"
-#include "lib/send_cursor.h"
-#include "lib/trainer.h"
+#include <refit/bucket_plan.h>
+#include <refit/cuda/await.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
+#include <refit/pipeline.h>
+#include <refit/send_cursor.h>
+#include <refit/trainer.h>
 #include "tests/cuda/test_kernels.h"
 
 namespace refit::cuda::testing {

@@ -13,12 +13,12 @@
 #include <random>
 
 #include "examples/torch_ipc/digest.h"
-#include "lib/convert.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/fill.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
+#include <refit/convert.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/fill.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
 #include <asio/steady_timer.hpp>
 #include <asio/this_coro.hpp>
 

@@ -12,13 +12,13 @@
 #include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/device_model.h"
-#include "lib/control/worker_host.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/kernels.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
-#include "lib/factory.h"
+#include <refit/control/worker_host.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/kernels.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
+#include <refit/factory.h>
 
 namespace refit::cuda::testing {
 namespace {

@@ -21,8 +21,8 @@
 #include <asio/awaitable.hpp>
 #include <asio/io_context.hpp>
 
-#include "lib/control/client.h"
-#include "lib/trainer.h"
+#include <refit/control/client.h>
+#include <refit/trainer.h>
 
 namespace refit::cuda::testing {
 

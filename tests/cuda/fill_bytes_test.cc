@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/fill.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/fill.h>
 
 namespace refit::cuda {
 namespace {

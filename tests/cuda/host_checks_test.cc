@@ -9,14 +9,14 @@
 #include <string>
 #include <vector>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/event.h"
-#include "lib/cuda/kernels.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
-#include "lib/cuda/unpack.h"
-#include "lib/error.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/event.h>
+#include <refit/cuda/kernels.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
+#include <refit/cuda/unpack.h>
+#include <refit/error.h>
 
 namespace refit::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include <string>
 #include <system_error>
 
-#include "lib/cuda/nccl_error.h"
+#include <refit/cuda/nccl_error.h>
 
 namespace refit::cuda {
 namespace {

@@ -1,4 +1,4 @@
-// Runs without a GPU: checks that @local_cuda//:nccl links and that the libnccl.so.2
+// Runs without a GPU: checks that @refit_local_cuda//:nccl links and that the libnccl.so.2
 // found at run time is the release whose nccl.h this binary was compiled against.
 #include <gtest/gtest.h>
 #include <nccl.h>

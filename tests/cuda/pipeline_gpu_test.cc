@@ -6,10 +6,10 @@
 
 #include <asio/io_context.hpp>
 
-#include "lib/async/drain_scope.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/processing.h"
-#include "lib/cuda/staging.h"
+#include <refit/async/drain_scope.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/processing.h>
+#include <refit/cuda/staging.h>
 #include "tests/cuda/d2d_pipeline.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"

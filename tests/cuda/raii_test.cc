@@ -9,12 +9,12 @@
 #include <utility>
 #include <vector>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/event.h"
-#include "lib/cuda/fill.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/event.h>
+#include <refit/cuda/fill.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
 #include "tests/cuda/test_kernels.h"
 
 namespace refit::cuda {

@@ -1,6 +1,6 @@
 #include "tests/cuda/test_kernels.h"
 
-#include "lib/cuda/error.h"
+#include <refit/cuda/error.h>
 
 namespace refit::cuda::testing {
 namespace {

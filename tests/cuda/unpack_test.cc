@@ -10,11 +10,11 @@
 #include <random>
 #include <vector>
 
-#include "lib/cuda/device.h"
-#include "lib/cuda/error.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
-#include "lib/cuda/unpack.h"
+#include <refit/cuda/device.h>
+#include <refit/cuda/error.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
+#include <refit/cuda/unpack.h>
 #include "tests/cuda/test_kernels.h"
 
 namespace refit::cuda {

@@ -70,10 +70,10 @@
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
 
-#include "lib/auth.h"
-#include "lib/control/client.h"
-#include "lib/fingerprint.h"
-#include "lib/net.h"
+#include <refit/auth.h>
+#include <refit/control/client.h>
+#include <refit/fingerprint.h>
+#include <refit/net.h>
 
 extern char** environ;
 

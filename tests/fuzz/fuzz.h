@@ -16,8 +16,8 @@
 #include <initializer_list>
 #include <typeinfo>
 
-#include "lib/error.h"
-#include "lib/json_reader.h"
+#include <refit/error.h>
+#include <refit/json_reader.h>
 
 /// Runs one input. Returns true when the input was accepted (every stage it went
 /// through succeeded), false when it was rejected with an expected refit::error.

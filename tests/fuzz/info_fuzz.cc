@@ -7,13 +7,13 @@
 #include <string_view>
 #include <vector>
 
-#include "engines/cuda_ipc/torch_ipc.h"
-#include "engines/tcp/tcp.h"
-#include "lib/bucket_plan.h"
-#include "lib/config.h"
-#include "lib/engine.h"
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
+#include <refit/engines/cuda_ipc/torch_ipc.h>
+#include <refit/engines/tcp/tcp.h>
+#include <refit/bucket_plan.h>
+#include <refit/config.h>
+#include <refit/engine.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 
 namespace refit::fuzz {

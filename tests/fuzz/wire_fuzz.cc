@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "lib/group/wire.h"
-#include "lib/bucket_plan.h"
-#include "lib/metadata.h"
+#include <refit/group/wire.h>
+#include <refit/bucket_plan.h>
+#include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 
 namespace refit::fuzz {

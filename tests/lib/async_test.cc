@@ -17,13 +17,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "lib/async/all_of.h"
-#include "lib/async/deadline.h"
-#include "lib/async/drain_scope.h"
-#include "lib/async/event.h"
-#include "lib/async/lag_probe.h"
-#include "lib/async/offload.h"
-#include "lib/async/slot_ring.h"
+#include <refit/async/all_of.h>
+#include <refit/async/deadline.h>
+#include <refit/async/drain_scope.h>
+#include <refit/async/event.h>
+#include <refit/async/lag_probe.h>
+#include <refit/async/offload.h>
+#include <refit/async/slot_ring.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 

@@ -1,7 +1,7 @@
 // Shared-secret authentication: both real sides over loopback sockets, hand-written
 // peers that speak (or break) the wire protocol, HMAC known answers and the secret
 // file checks. Everything runs on an io_context with a watchdog; nothing sleeps.
-#include "lib/auth.h"
+#include <refit/auth.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -22,9 +22,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "lib/error.h"
-#include "lib/hex.h"
-#include "lib/net.h"
+#include <refit/error.h>
+#include <refit/hex.h>
+#include <refit/net.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 

@@ -1,4 +1,4 @@
-#include "lib/bucket_plan.h"
+#include <refit/bucket_plan.h>
 
 #include <cstdint>
 #include <random>

@@ -1,4 +1,4 @@
-#include "lib/config.h"
+#include <refit/config.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "lib/dtype.h"
+#include <refit/dtype.h>
 
 #include <string>
 

@@ -1,7 +1,7 @@
 // The engine base (weight_transfer_engine / typed_engine): call order, misuse
 // errors, deferred processing and the typed info parsers, driven through a small
 // probe engine whose transport the test controls.
-#include "lib/engine.h"
+#include <refit/engine.h>
 
 #include <cstring>
 #include <memory>
@@ -12,8 +12,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "engines/loopback/loopback.h"
-#include "lib/async/event.h"
+#include <refit/engines/loopback/loopback.h>
+#include <refit/async/event.h>
 #include "tests/support/tensors.h"
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"

@@ -1,4 +1,4 @@
-#include "lib/error.h"
+#include <refit/error.h>
 
 #include <set>
 #include <string>

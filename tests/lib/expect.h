@@ -8,7 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::testing {
 

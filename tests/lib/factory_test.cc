@@ -1,7 +1,7 @@
 // engine_factory: registration by type and by creator, lookup errors, and lazy
 // backends in a real shared library (//tests/lib/plugin:libtest_plugin.so, found in
 // the test's runfiles) loaded with dlopen on first create.
-#include "lib/factory.h"
+#include <refit/factory.h>
 
 #include <dlfcn.h>
 #include <unistd.h>
@@ -17,7 +17,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "lib/plugin.h"
+#include <refit/plugin.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 

@@ -1,4 +1,4 @@
-#include "lib/json_reader.h"
+#include <refit/json_reader.h>
 
 #include <cstdint>
 #include <limits>

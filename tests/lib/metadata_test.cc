@@ -1,4 +1,4 @@
-#include "lib/metadata.h"
+#include <refit/metadata.h>
 
 #include <limits>
 #include <string>

@@ -1,4 +1,4 @@
-#include "lib/send_cursor.h"
+#include <refit/send_cursor.h>
 
 #include <cstring>
 #include <optional>
@@ -8,7 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "lib/trainer.h"
+#include <refit/trainer.h>
 #include "tests/lib/expect.h"
 #include "tests/support/tensors.h"
 

@@ -1,6 +1,6 @@
 // weight_update_session: vLLM's start -> update (chunks) -> finish(version) verbs
 // around a real engine (loopback, which defers processing) fed by its sender.
-#include "lib/session.h"
+#include <refit/session.h>
 
 #include <atomic>
 #include <memory>
@@ -12,7 +12,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "engines/loopback/loopback.h"
+#include <refit/engines/loopback/loopback.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"

@@ -1,4 +1,4 @@
-#include "lib/tensor.h"
+#include <refit/tensor.h>
 
 #include <cstdint>
 #include <limits>

@@ -1,6 +1,6 @@
 #include "tests/support/run.h"
 
-#include "lib/error.h"
+#include <refit/error.h>
 
 namespace refit::testing {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "lib/engine.h"
-#include "lib/metadata.h"
-#include "lib/tensor.h"
+#include <refit/engine.h>
+#include <refit/metadata.h>
+#include <refit/tensor.h>
 
 namespace refit::testing {
 

@@ -8,10 +8,10 @@
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 
-#include "engines/loopback/loopback.h"
-#include "lib/session.h"
-#include "lib/torch/source.h"
-#include "lib/torch/target.h"
+#include <refit/engines/loopback/loopback.h>
+#include <refit/session.h>
+#include <refit/torch/source.h>
+#include <refit/torch/target.h>
 #include "tests/support/run.h"
 
 namespace refit::libtorch {

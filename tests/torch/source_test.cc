@@ -1,6 +1,6 @@
 // lib/torch/source.h: the trainer-side source over a module or a range of named
 // tensors: order, zero-copy views, declared metadata and early errors.
-#include "lib/torch/source.h"
+#include <refit/torch/source.h>
 
 #include <map>
 

@@ -1,7 +1,7 @@
 // lib/torch/target.h: every mapping rule (renames, ignore, fused parameters,
 // tensor-parallel shards, dtype conversion) and every validation error, each
 // checked to leave the model untouched.
-#include "lib/torch/target.h"
+#include <refit/torch/target.h>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>

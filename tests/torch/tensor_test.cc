@@ -1,6 +1,6 @@
 // lib/torch/tensor.h: dtype and device mapping, zero-copy views of tensors and
 // non-owning tensors over views, and the errors for what refit cannot move.
-#include "lib/torch/tensor.h"
+#include <refit/torch/tensor.h>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>

@@ -17,7 +17,8 @@ rather than a genrule because a rule can read the deps' include paths and define
 (CcInfo); a genrule sees only files. Everything here is skipped unless --config=cuda.
 """
 
-load("@local_cuda//:defs.bzl", "CUDA_FOUND", "CUDA_MISSING_MESSAGE", "NVCC")
+load("@refit_local_cuda//:defs.bzl", "CUDA_FOUND", "CUDA_MISSING_MESSAGE", "NVCC")
+load("//third_party:refit.bzl", "refit_include_prefix")
 
 # sm_90 machine code for H100/H200, plus compute_90 PTX that the driver can compile
 # for later GPUs at load time.
@@ -43,8 +44,9 @@ def cuda_only():
     })
 
 def _include_flags(ctx, compilation_contexts):
-    # "." and the bin directory: headers are included by their path from the
-    # workspace root ("lib/cuda/fill.h"), generated ones too.
+    # "." and the bin directory: headers of packages without an include prefix
+    # (tests) are included by their path from the workspace root, generated ones too;
+    # refit's own (<refit/cuda/fill.h>) come from the deps' include paths.
     flags = {"-I.": None, "-I" + ctx.bin_dir.path: None}
     for cc in compilation_contexts:
         for d in cc.quote_includes.to_list() + cc.includes.to_list():
@@ -128,9 +130,9 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
         name = name,
         srcs = [":" + name + "_nvcc"],
         hdrs = hdrs,
-        deps = deps + ["@local_cuda//:cudart_static"],
+        deps = deps + ["@refit_local_cuda//:cudart_static"],
         target_compatible_with = compatible,
-        **kwargs
+        **dict(refit_include_prefix(native.package_name()), **kwargs)
     )
 
 def cuda_test(name, srcs, deps = [], gpu = False, size = "small", **kwargs):

@@ -1,12 +1,12 @@
-"""local_cuda_repository: the CUDA toolkit and NCCL found on this machine, as @local_cuda.
+"""local_cuda_repository: the CUDA toolkit and NCCL found on this machine, as @refit_local_cuda.
 
 The toolkit is $CUDA_HOME, else /usr/local/cuda. When it is found, the repository
 symlinks its include/ and library directory and defines:
 
-  @local_cuda//:cuda_headers   the toolkit's include/
-  @local_cuda//:cudart_static  libcudart_static.a, so binaries need no libcudart.so
-  @local_cuda//:nccl           libnccl.so.2, dynamically linked
-  @local_cuda//:defs.bzl       CUDA_FOUND, CUDA_HOME, NVCC, CUDA_MISSING_MESSAGE
+  @refit_local_cuda//:cuda_headers   the toolkit's include/
+  @refit_local_cuda//:cudart_static  libcudart_static.a, so binaries need no libcudart.so
+  @refit_local_cuda//:nccl           libnccl.so.2, dynamically linked
+  @refit_local_cuda//:defs.bzl       CUDA_FOUND, CUDA_HOME, NVCC, CUDA_MISSING_MESSAGE
 
 When it is not found, the repository still loads and defines the same targets, and
 building any of them fails with a message that says where it looked. Every target is
@@ -16,11 +16,20 @@ The rule runs again when CUDA_HOME changes, on `bazel sync --configure`, and onc
 Bazel server (local = True), so a toolkit installed later is picked up.
 """
 
-# Incompatible unless --config=cuda. Labels point into the main repository ("@//").
+def _absolute(label):
+    # "@refit//third_party:cuda_enabled" where refit is a dependency, "@//..." in
+    # refit's own workspace: a generated BUILD file must name refit's repository,
+    # not the consumer's (where "@//" would point).
+    return "@%s//%s:%s" % (label.workspace_name, label.package, label.name)
+
+# Incompatible unless --config=cuda (--define=refit_cuda=1).
 _COMPATIBLE = """select({
-        "@//third_party:cuda_enabled": [],
-        "//conditions:default": ["@//third_party/cuda:incompatible"],
-    })"""
+        "%s": [],
+        "//conditions:default": ["%s"],
+    })""" % (
+    _absolute(Label("//third_party:cuda_enabled")),
+    _absolute(Label("//third_party/cuda:incompatible")),
+)
 
 def _first_existing(rctx, paths):
     for p in paths:

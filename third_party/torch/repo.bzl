@@ -1,4 +1,4 @@
-"""local_torch_repository: libtorch found on this machine, as @local_torch.
+"""local_torch_repository: libtorch found on this machine, as @refit_local_torch.
 
 Looked for, in order:
   1. $REFIT_LIBTORCH: a libtorch directory with include/ and lib/ (the C++
@@ -11,9 +11,9 @@ Looked for, in order:
      library directory.
 
 Defines:
-  @local_torch//:libtorch            cc_library to depend on
-  @local_torch//:libtorch_info.txt   which libtorch was used, and what was tried
-  @local_torch//:defs.bzl            LIBTORCH_FOUND, LIBTORCH_SOURCE
+  @refit_local_torch//:libtorch            cc_library to depend on
+  @refit_local_torch//:libtorch_info.txt   which libtorch was used, and what was tried
+  @refit_local_torch//:defs.bzl            LIBTORCH_FOUND, LIBTORCH_SOURCE
 
 When none is found, the repository still loads and :libtorch fails to build, with a
 message saying how to provide one; builds that do not depend on it are unaffected.

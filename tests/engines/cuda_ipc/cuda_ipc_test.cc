@@ -1,11 +1,11 @@
 // The CUDA IPC engine on CPU: side channel, hand-over protocol, handle cache,
 // consumed-before-overwrite, pipeline and failures, with host memory standing in
 // for CUDA IPC.
-#include "engines/cuda_ipc/cuda_ipc.h"
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
 
 #include <asio/experimental/awaitable_operators.hpp>
 
-#include "lib/session.h"
+#include <refit/session.h>
 #include "tests/conformance/provider_harness.h"
 
 namespace refit::testing {

@@ -10,13 +10,13 @@
 
 #include <asio/io_context.hpp>
 
-#include "engines/cuda_ipc/torch_ipc.h"
+#include <refit/engines/cuda_ipc/torch_ipc.h>
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/digest.h"
-#include "lib/auth.h"
-#include "lib/control/worker_host.h"
-#include "lib/factory.h"
-#include "lib/hex.h"
+#include <refit/auth.h>
+#include <refit/control/worker_host.h>
+#include <refit/factory.h>
+#include <refit/hex.h>
 
 namespace refit::testing {
 namespace {

@@ -3,14 +3,14 @@
 // PyTorch's caching allocator does) and describes them as refit_ipc.py does; the
 // worker reads them through the handles. Bad handles and entries are refused with
 // errors naming the tensor, before any byte reaches the model.
-#include "engines/cuda_ipc/torch_ipc.h"
+#include <refit/engines/cuda_ipc/torch_ipc.h>
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 
-#include "lib/hex.h"
-#include "lib/session.h"
+#include <refit/hex.h>
+#include <refit/session.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

@@ -1,4 +1,4 @@
-#include "engines/loopback/loopback.h"
+#include <refit/engines/loopback/loopback.h>
 
 #include <atomic>
 

@@ -17,11 +17,11 @@
 #include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "engines/nccl/nccl_collective.h"
-#include "lib/cuda/device.h"
-#include "lib/cuda/fill.h"
-#include "lib/cuda/memory.h"
-#include "lib/cuda/stream.h"
+#include <refit/engines/nccl/nccl_collective.h>
+#include <refit/cuda/device.h>
+#include <refit/cuda/fill.h>
+#include <refit/cuda/memory.h>
+#include <refit/cuda/stream.h>
 #include "tests/cuda/test_kernels.h"
 #include "tests/support/run.h"
 

@@ -1,6 +1,6 @@
 // The NCCL engine on CPU: the whole engine (side channel, update checks, pipeline,
 // failure handling) with the in-process host collective in place of NCCL.
-#include "engines/nccl/nccl.h"
+#include <refit/engines/nccl/nccl.h>
 
 #include <algorithm>
 

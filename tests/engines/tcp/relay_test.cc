@@ -3,10 +3,10 @@
 // workers forward each bucket as it arrives, and every worker gets every byte.
 #include <gtest/gtest.h>
 
-#include "engines/tcp/tcp.h"
+#include <refit/engines/tcp/tcp.h>
 #include <asio/post.hpp>
 
-#include "lib/async/all_of.h"
+#include <refit/async/all_of.h>
 #include "tests/conformance/conformance.h"
 
 namespace refit::testing {

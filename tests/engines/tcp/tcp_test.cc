@@ -1,4 +1,4 @@
-#include "engines/tcp/tcp.h"
+#include <refit/engines/tcp/tcp.h>
 
 #include <filesystem>
 #include <thread>
@@ -7,7 +7,7 @@
 #include <asio/redirect_error.hpp>
 #include <asio/write.hpp>
 
-#include "lib/net.h"
+#include <refit/net.h>
 
 #include "tests/conformance/conformance.h"
 

@@ -8,9 +8,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "lib/json_reader.h"
-#include "lib/metadata.h"
-#include "lib/plugin.h"
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
+#include <refit/plugin.h>
 
 namespace refit_test_plugin {
 
