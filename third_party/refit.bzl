@@ -6,7 +6,10 @@ Every library under lib/ and engines/ is declared with it, so that
     lib/X.h is <refit/X.h>, engines/E/X.h is <refit/engines/E/X.h> (Bazel's
     include prefixes; no file moves), and a consumer's own lib/config.h can never
     shadow refit's;
-  * it compiles as C++20 whatever the consumer's .bazelrc says.
+  * it compiles as C++20 whatever the consumer's .bazelrc says;
+  * it is linked whole (alwayslink): engines register themselves from static
+    initialisers, and the shared library of `./refit install` (//:librefit.so)
+    holds every object, not only those something in it happens to reference.
 
 A consumer's own code that includes refit's headers needs C++20 too (they use
 coroutines): see "Using refit from your project" in the README.
@@ -23,6 +26,7 @@ def refit_include_prefix(package):
 
 def refit_cc_library(name, copts = [], **kwargs):
     """A cc_library with refit's include prefix and C++20."""
+    kwargs.setdefault("alwayslink", True)
     native.cc_library(
         name = name,
         copts = REFIT_COPTS + copts,

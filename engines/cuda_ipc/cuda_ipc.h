@@ -61,7 +61,7 @@ class ipc_provider {
   /// Orders the reads of later pack() calls after the work queued so far on the
   /// trainer's `native_stream` (trainer_context::native_stream). Default: nothing
   /// (host memory is written synchronously).
-  virtual void order_after(const void* native_stream) {}
+  virtual void order_after(const void* /*native_stream*/) {}
   /// Packs the trainer's pieces into `dst` (exportable memory); completes when done.
   virtual asio::awaitable<void> pack(std::span<const asio::const_buffer> pieces, std::byte* dst) = 0;
   /// The worker's receive staging.

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# refit used as an adopter uses it, outside its own workspace (CI runs this):
+#   1. Bazel: this directory is a workspace of its own whose WORKSPACE has only the
+#      README's five lines; it builds demo.cc (which includes <refit/refit.h> and has
+#      a lib/config.h of its own) against @refit//:refit and runs a trainer-to-worker
+#      update with it.
+#   2. The same workspace resolves refit's GPU engines under --config=cuda (analysis
+#      of deps(@refit//:refit): the generated CUDA repository's labels point into
+#      @refit, not into this workspace). Building them is CI's --config=cuda run.
+#   3. pkg-config: ./refit install --prefix DIR, then CMake's pkg_check_modules
+#      builds the same demo.cc against DIR and runs it.
+#   4. Every installed header compiles cleanly under -Wall -Wextra -Werror.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd -P)
+root=$(cd "$here/../.." && pwd -P)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+say() { printf '[consumer] %s\n' "$*" >&2; }
+
+cd "$here"
+say "1. bazel build //:demo in a workspace of its own (WORKSPACE: local_repository + refit_dependencies())"
+bazel build //:demo
+bazel-bin/demo
+
+say "2. --config=cuda: refit's GPU engines in deps(@refit//:refit), seen from this workspace"
+bazel cquery --config=cuda 'deps(@refit//:refit)' --output=label > "$tmp/cuda_deps.txt"
+for want in '@refit//engines/nccl:register' '@refit//engines/cuda_ipc:register' '@refit_local_cuda//:cudart_static'; do
+  grep -q "^$want " "$tmp/cuda_deps.txt" || { say "missing from deps(@refit//:refit) under --config=cuda: $want"; exit 1; }
+done
+say "   nccl, cuda_ipc and @refit_local_cuda resolve"
+bazel shutdown
+
+say "3. ./refit install --prefix DIR, then CMake (pkg_check_modules) builds demo.cc against it"
+cd "$root"
+./refit install --prefix "$tmp/prefix"
+cmake -S "$here" -B "$tmp/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$tmp/build" -j 2 >/dev/null
+"$tmp/build/demo"
+
+say "4. every installed header under -Wall -Wextra -Werror"
+( cd "$tmp/prefix/include" && find refit -name '*.h' | sort | sed 's|.*|#include <&>|' ) > "$tmp/all_headers.cc"
+echo 'int main() {}' >> "$tmp/all_headers.cc"
+flags=$(PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig" pkg-config --cflags refit)
+# shellcheck disable=SC2086
+g++ $flags -Wall -Wextra -Werror -fsyntax-only "$tmp/all_headers.cc"
+say "   $(grep -c include "$tmp/all_headers.cc") headers clean"
+say "all consumer checks passed"
