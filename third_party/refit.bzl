@@ -19,10 +19,24 @@ coroutines): see "Using refit from your project" in the README.
 REFIT_COPTS = ["-std=c++20"]
 
 def refit_include_prefix(package):
-    """The include_prefix / strip_include_prefix pair for a package of refit's."""
+    """The include_prefix / strip_include_prefix pair for a package of refit's
+    library (lib/, engines/); none for tests and examples."""
     if package == "lib" or package.startswith("lib/"):
         return {"include_prefix": "refit", "strip_include_prefix": "/lib"}
-    return {"include_prefix": "refit", "strip_include_prefix": "/"}
+    if package == "engines" or package.startswith("engines/"):
+        return {"include_prefix": "refit", "strip_include_prefix": "/"}
+    return {}
+
+def refit_include_path(package, path):
+    """Where `path` (a file of `package`, relative to the repository root) is
+    included from: lib/cuda/fill.h -> refit/cuda/fill.h."""
+    prefix = refit_include_prefix(package)
+    if not prefix:
+        return path
+    strip = prefix["strip_include_prefix"].lstrip("/")
+    if strip and path.startswith(strip + "/"):
+        path = path[len(strip) + 1:]
+    return prefix["include_prefix"] + "/" + path
 
 def refit_cc_library(name, copts = [], **kwargs):
     """A cc_library with refit's include prefix and C++20."""

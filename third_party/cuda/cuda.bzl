@@ -18,7 +18,7 @@ rather than a genrule because a rule can read the deps' include paths and define
 """
 
 load("@refit_local_cuda//:defs.bzl", "CUDA_FOUND", "CUDA_MISSING_MESSAGE", "NVCC")
-load("//third_party:refit.bzl", "refit_include_prefix")
+load("//third_party:refit.bzl", "refit_include_path", "refit_include_prefix")
 
 # sm_90 machine code for H100/H200, plus compute_90 PTX that the driver can compile
 # for later GPUs at load time.
@@ -63,10 +63,26 @@ def _object_path(ctx, src):
         rel = rel[len(ctx.label.package) + 1:]
     return "_nvcc/%s/%s.o" % (ctx.label.name, rel[:-len(src.extension) - 1])
 
+def _own_headers(ctx):
+    # The library's own headers at their include paths (<refit/cuda/fill.h>): the
+    # cc_library that gives them that path to others is built from these objects,
+    # so the .cu files see them through links of their own.
+    root = "_nvcc/%s/include" % ctx.label.name
+    links = []
+    for h in ctx.files.hdrs:
+        rel = h.short_path.split(ctx.label.package + "/", 1)[1]
+        link = ctx.actions.declare_file(root + "/" + refit_include_path(ctx.label.package, ctx.label.package + "/" + rel))
+        ctx.actions.symlink(output = link, target_file = h)
+        links.append(link)
+    include = ctx.bin_dir.path + "/" + (ctx.label.workspace_root + "/" if ctx.label.workspace_root else "") + \
+              (ctx.label.package + "/" if ctx.label.package else "") + root
+    return links, "-I" + include
+
 def _nvcc_objects_impl(ctx):
     contexts = [d[CcInfo].compilation_context for d in ctx.attr.deps]
-    headers = depset(ctx.files.hdrs, transitive = [cc.headers for cc in contexts])
-    flags = _include_flags(ctx, contexts)
+    own, own_include = _own_headers(ctx)
+    headers = depset(ctx.files.hdrs + own, transitive = [cc.headers for cc in contexts])
+    flags = [own_include] + list(_include_flags(ctx, contexts))
 
     objects = []
     for src in ctx.files.srcs:
