@@ -16,6 +16,15 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 say() { printf '[consumer] %s\n' "$*" >&2; }
 
+# CMake and pkg-config build the non-Bazel consumer (Debian: cmake, pkg-config).
+if ! command -v cmake >/dev/null || ! command -v pkg-config >/dev/null; then
+  say "installing cmake and pkg-config"
+  sudo=(); [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake pkg-config >/dev/null ||
+    { "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+      "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake pkg-config >/dev/null; }
+fi
+
 cd "$here"
 say "1. bazel build //:demo in a workspace of its own (WORKSPACE: local_repository + refit_dependencies())"
 bazel build //:demo
