@@ -51,13 +51,13 @@ class model_target {
   /// mode; throwing refuses the update: receive_weights rethrows without receiving
   /// and the weights stay untouched. A target checks the whole update against the
   /// model here (names, shapes, dtypes). Default: nothing.
-  virtual void begin_update(const update_metadata& meta) {}
+  virtual void begin_update(const update_metadata& /*meta*/) {}
   /// Memory of exactly spec.nbytes() on the engine's device into which the engine
   /// may receive `spec`'s bytes directly (no staging copy, no assembly buffer for
   /// tensors larger than a buffer); load_weights then gets a view of that memory.
   /// nullopt (the default) receives into staging. Bytes land as they arrive, so a
   /// failed update leaves such tensors partly written (in-place semantics).
-  virtual std::optional<tensor_view> destination(const tensor_spec& spec) { return std::nullopt; }
+  virtual std::optional<tensor_view> destination(const tensor_spec& /*spec*/) { return std::nullopt; }
   /// Called once per update, just before its first bytes start landing in memory
   /// destination() offered (not at all when none do): from then on a failed update
   /// has changed the model. Default: nothing.
@@ -212,7 +212,7 @@ class weight_transfer_engine {
   virtual asio::awaitable<void> do_receive(const update_info& info, load_weights_fn load_weights) = 0;
   virtual void do_shutdown() = 0;
   /// See refuse_update.
-  virtual void do_refuse_update(errc kind, const std::string& reason) noexcept {}
+  virtual void do_refuse_update(errc /*kind*/, const std::string& /*reason*/) noexcept {}
   /// An update session ended (finish or abort): engines release per-session
   /// resources here (e.g. IPC mappings). Default: nothing.
   virtual void do_session_finished() {}

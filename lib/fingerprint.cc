@@ -51,6 +51,10 @@ fingerprint_list fingerprints_from_json(const json& j) {
   if (algorithm != fingerprint_algorithm)
     r.fail("algorithm is '" + algorithm + "', expected '" + fingerprint_algorithm + "'");
   json tensors = r.required<json>("tensors");
+  // The rest of the worker's weight_fingerprint answer (lib/control/worker_host.h):
+  // read for their types, not used here.
+  (void)r.maybe<std::int64_t>("weight_version");
+  (void)r.maybe<std::string>("state");
   r.finish();
   if (!tensors.is_object()) throw_error(errc::invalid_argument, "weight fingerprints: 'tensors' must be an object");
   fingerprint_list out;

@@ -32,7 +32,9 @@ fingerprint_list fingerprint_all(std::span<const tensor_view> tensors, const std
 
 /// {"algorithm": ..., "tensors": {name: "<16 hex digits>"}}.
 json fingerprints_to_json(const fingerprint_list& list);
-/// The inverse; invalid_argument on a malformed answer or another algorithm.
+/// The inverse; invalid_argument on a malformed answer, another algorithm or an
+/// unknown member. Also reads the worker's whole weight_fingerprint answer: its
+/// "weight_version" (int or null) and "state" (string) are accepted and ignored.
 fingerprint_list fingerprints_from_json(const json& j);
 
 /// Differences between what the trainer expects and what a worker reported, one

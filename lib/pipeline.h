@@ -73,7 +73,7 @@ class bucket_transport {
   /// Called before receive(b, ...): reads and checks whatever precedes bucket b's
   /// payload (a header). A failure here has written nothing anywhere, so the model
   /// is still untouched. Default: nothing.
-  virtual asio::awaitable<void> begin(const bucket& b) { co_return; }
+  virtual asio::awaitable<void> begin(const bucket& /*b*/) { co_return; }
   /// Receives exactly b.payload_bytes bytes of bucket `b`, scattered over `dest`
   /// in order (staging, or a model's own memory). Throws on peer loss, timeout or a
   /// protocol violation.
@@ -84,7 +84,9 @@ class bucket_transport {
   /// are received; receive() completes only once every check has passed, and a
   /// check that throws fails the update with its error (nothing after that bucket
   /// is loaded). `dest` stays valid until the check has run.
-  virtual std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) { return {}; }
+  virtual std::function<void()> check(const bucket& /*b*/, std::span<const asio::mutable_buffer> /*dest*/) {
+    return {};
+  }
 };
 
 /// Runs updates through staging memory that lives as long as the pipeline.

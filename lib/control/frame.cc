@@ -38,7 +38,16 @@ json parse_frame_body(std::string_view text, const std::string& what, std::size_
   try {
     return json::parse(text);
   } catch (const json::parse_error& e) {
-    throw_error(errc::protocol_error, what + ": malformed JSON frame at byte " + std::to_string(e.byte));
+    // nlohmann's message without its "[json.exception.parse_error.101] " tag: what
+    // it expected and the text it last read (raw bytes: made valid UTF-8).
+    std::string detail = e.what();
+    if (const auto tag = detail.find("] "); detail.starts_with("[json.exception.") && tag != std::string::npos)
+      detail.erase(0, tag + 2);
+    // "last read" quotes the token so far: a long one (a huge string) is cut.
+    constexpr std::size_t max_detail = 240;
+    if (detail.size() > max_detail) detail = detail.substr(0, max_detail) + "...";
+    throw_error(errc::protocol_error, what + ": malformed JSON frame of " + std::to_string(text.size()) +
+                                          " bytes, at byte " + std::to_string(e.byte) + ": " + valid_utf8(detail));
   } catch (const json::exception& e) {
     // out_of_range: a number too large for a double ("1e999").
     throw_error(errc::protocol_error, what + ": malformed JSON frame: " + valid_utf8(e.what()));
@@ -108,6 +117,12 @@ asio::awaitable<void> frame_stream::fill(std::size_t n, std::chrono::millisecond
 
 asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, bool idle_ok,
                                          const std::string& what) {
+  const std::string text = co_await read_text(deadline, idle_ok, what);
+  co_return parse_frame_body(text, what, limits_.max_values);
+}
+
+asio::awaitable<std::string> frame_stream::read_text(std::chrono::milliseconds deadline, bool idle_ok,
+                                                     const std::string& what) {
   // Once a frame's first byte is here, the rest (the length's other three bytes
   // too) has a deadline.
   const std::size_t buffered = in_.size() - in_begin_;
@@ -137,7 +152,7 @@ asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, boo
     co_await net::read_exact(socket_, asio::buffer(text.data() + at, chunk), std::max(left, std::chrono::milliseconds(1)),
                              what);
   }
-  co_return parse_frame_body(text, what, limits_.max_values);
+  co_return text;
 }
 
 // One queued frame; its writer waits on `done`.

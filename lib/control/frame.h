@@ -71,12 +71,19 @@ class frame_stream {
   /// length's other bytes included) always within `deadline`. Malformed JSON, an
   /// oversized length or too many values is protocol_error.
   asio::awaitable<json> read(std::chrono::milliseconds deadline, bool idle_ok, const std::string& what);
+  /// Reads one frame's body without parsing it (read() is this, then
+  /// parse_frame_body with limits().max_values). Only an oversized length is
+  /// protocol_error here: the framing is then lost. A body that then fails to parse
+  /// has still been consumed whole, so the frame after it can be read: a server
+  /// answers it and goes on.
+  asio::awaitable<std::string> read_text(std::chrono::milliseconds deadline, bool idle_ok, const std::string& what);
   /// Queues `message` and completes when it has been written.
   asio::awaitable<void> write(const json& message, std::chrono::milliseconds deadline, const std::string& what);
 
   void close();
   bool is_open() const { return socket_.is_open(); }
   asio::ip::tcp::socket& socket() { return socket_; }
+  const frame_limits& limits() const noexcept { return limits_; }
   /// Frames queued or being written.
   std::size_t queued_writes() const noexcept { return queue_.size(); }
   /// The body size of the frame read last.

@@ -68,6 +68,19 @@ std::string message_of(std::exception_ptr e) {
   return "a non-standard exception";
 }
 
+// A hook's failure as the error a verb answers with: a refit::error keeps its kind,
+// anything else is processing_failed (the application's code threw).
+error hook_error(const std::string& verb, const char* hook, std::exception_ptr e) {
+  errc kind = errc::processing_failed;
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    if (x.kind() != errc{}) kind = x.kind();
+  } catch (...) {
+  }
+  return error(kind, verb + ": the application's " + hook + " hook failed: " + message_of(e));
+}
+
 // Frames this large leave many freed small blocks behind; give them back to the
 // system (off the event loop) so a big update_info does not stay resident.
 constexpr std::size_t trim_after_bytes = 1 << 20;
@@ -101,8 +114,12 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       auto info = engine_->parse_init_info(init_info);
       // The owner re-initialises during its own session: that session ends here
       // (dirty if any of it was applied).
+      const bool ends_session = session_.active();
       co_await session_.abort_weight_update("the engine was re-initialised during it");
       owner_.reset();
+      if (ends_session)
+        update_failed("init_weight_transfer_engine: the weight update session was aborted: the engine was "
+                      "re-initialised during it");
       co_await engine_->init_transfer_engine(*info);
     } catch (...) {
       failure = std::current_exception();
@@ -123,6 +140,15 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     owner_ = caller.id;
     owner_peer_ = caller.peer;
     owner_left_ = false;
+    if (std::exception_ptr refused = update_started()) {
+      // The application refused the session: it closes again before anything of
+      // it was received (the weights are untouched).
+      co_await session_.abort_weight_update("the application's on_update_started hook refused it");
+      owner_.reset();
+      auto e = std::make_exception_ptr(hook_error("start_weight_update", "on_update_started", refused));
+      note_error("start_weight_update", e);
+      std::rethrow_exception(e);
+    }
     co_return json::object();
   });
   add_verb("update_weights", [this](connection& caller, json params) -> asio::awaitable<json> {
@@ -142,15 +168,20 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
         throw;
       }
       params = json();  // the typed info is all that is needed now: free the parsed frame
+      const commit_mode mode = info->commit.value_or(config_.commit);
+      if (!session_.receiving()) receiving_commit_ = mode;  // else refused below: another chunk is
       co_await session_.update_weights(*info, load_weights_);
+      applied_commit_ = mode;
     } catch (...) {
       failure = std::current_exception();
     }
     if (failure) {
       // A failed chunk ends the session: the next start_weight_update begins clean.
       note_error("update_weights", failure);
+      const bool was_active = session_.active();
       co_await session_.abort_weight_update("its chunk failed: " + message_of(failure));
       owner_.reset();
+      if (was_active && !session_.active()) update_failed(last_error_);
       std::rethrow_exception(failure);
     }
     if (owner_left_) co_await end_session_after_owner_left();
@@ -170,10 +201,19 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     if (!session_.active()) owner_.reset();
     if (failure) {
       note_error("finish_weight_update", failure);
+      if (!session_.active()) update_failed(last_error_);  // it closed, unrecorded
       std::rethrow_exception(failure);
     }
     last_error_.clear();
-    co_return json{{"stats", engine_->last_update_stats().to_json()}};
+    json stats = engine_->last_update_stats().to_json();
+    if (engine_->weights_dirty()) {
+      update_failed("finish_weight_update: the session finished with the weights dirty: " + engine_->dirty_reason());
+    } else if (std::exception_ptr failed = update_finished(stats)) {
+      auto e = std::make_exception_ptr(hook_error("finish_weight_update", "on_update_finished", failed));
+      note_error("finish_weight_update", e);
+      std::rethrow_exception(e);
+    }
+    co_return json{{"stats", std::move(stats)}};
   });
   add_verb("weight_fingerprint", [this](connection&, json params) -> asio::awaitable<json> {
     auto r = params_reader(params, "weight_fingerprint");
@@ -213,6 +253,49 @@ void worker_host::note_error(const std::string& method, std::exception_ptr e) {
   last_error_ = method + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
 }
 
+void worker_host::set_hooks(update_hooks hooks) { hooks_ = std::move(hooks); }
+
+void worker_host::note_hook_error(const char* hook, std::exception_ptr e) noexcept {
+  try {
+    last_hook_error_ = std::string(hook) + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
+  } catch (...) {
+  }
+}
+
+std::exception_ptr worker_host::update_started() noexcept {
+  if (!hooks_.on_update_started) return nullptr;
+  try {
+    auto hook = hooks_.on_update_started;  // a copy: the hook may replace the hooks
+    hook(owner_name());
+  } catch (...) {
+    note_hook_error("on_update_started", std::current_exception());
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+std::exception_ptr worker_host::update_finished(const json& stats) noexcept {
+  if (!hooks_.on_update_finished) return nullptr;
+  try {
+    auto hook = hooks_.on_update_finished;
+    hook(session_.weight_version().value_or(-1), stats);
+  } catch (...) {
+    note_hook_error("on_update_finished", std::current_exception());
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+void worker_host::update_failed(const std::string& reason) noexcept {
+  if (!hooks_.on_update_failed) return;
+  try {
+    auto hook = hooks_.on_update_failed;
+    hook(reason);
+  } catch (...) {
+    note_hook_error("on_update_failed", std::current_exception());
+  }
+}
+
 std::string worker_host::owner_name() const {
   if (!owner_) return "nobody";
   return "connection #" + std::to_string(*owner_) + " (" + owner_peer_ + ")";
@@ -238,7 +321,10 @@ json worker_host::weight_info() const {
                {"session_active", session_.active()},
                {"receiving", engine_->receiving()},
                {"state", weight_state()},
-               {"commit", to_string(config_.commit)},
+               {"commit", to_string(session_.receiving() && receiving_commit_
+                                        ? *receiving_commit_
+                                        : applied_commit_.value_or(config_.commit))},
+               {"default_commit", to_string(config_.commit)},
                {"last_update", engine_->last_update_stats().to_json()},
                {"connections", connections_.size()},
                {"accept_errors", accept_errors_}};
@@ -246,6 +332,7 @@ json worker_host::weight_info() const {
   info["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
   info["dirty_reason"] = engine_->weights_dirty() ? json(engine_->dirty_reason()) : json(nullptr);
   info["last_error"] = last_error_.empty() ? json(nullptr) : json(last_error_);
+  info["last_hook_error"] = last_hook_error_.empty() ? json(nullptr) : json(last_hook_error_);
   info["last_refused_connection"] = refused_.empty() ? json(nullptr) : json(refused_);
   info["last_accept_error"] = last_accept_error_.empty() ? json(nullptr) : json(last_accept_error_);
   return info;
@@ -349,22 +436,33 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
     }
     json request;
     json refusal;
+    bool framing_intact = false;
     try {
-      request = co_await c->stream->read(config_.timeout, /*idle_ok=*/true, "control request");
+      std::string text = co_await c->stream->read_text(config_.timeout, /*idle_ok=*/true, "control request");
+      // The whole body was read: whatever it holds, the next frame starts after it.
+      framing_intact = true;
+      request = parse_frame_body(text, "control request", limits_.frames.max_values);
     } catch (const error& e) {
       // A peer that closed is the normal end; a malformed frame is answered (id
-      // null) and ends this connection, whose framing can no longer be trusted.
+      // null: it cannot be read). A body that is not JSON leaves the framing
+      // intact and the connection is served on; an oversized length ends it (its
+      // framing can no longer be trusted).
       if (e.kind() != errc::protocol_error || !c->stream->is_open()) {
         c->stream->close();
         co_return;
       }
-      refusal = error_answer(nullptr, errc_name(e.kind()), e.message());
+      refusal = error_answer(nullptr, errc_name(e.kind()),
+                             e.message() + (framing_intact ? " (the request's id cannot be read: this answer's is null)"
+                                                           : " (the connection is closed)"));
     }
     if (!refusal.is_null()) {
+      bool written = true;
       try {
         co_await c->stream->write(refusal, config_.timeout, "control answer");
       } catch (const error&) {
+        written = false;
       }
+      if (framing_intact && written && c->stream->is_open()) continue;
       c->stream->close();
       co_return;
     }
@@ -391,11 +489,15 @@ asio::awaitable<void> worker_host::end_session_after_owner_left() {
   owner_left_ = false;
   if (!session_.active()) co_return;
   // No verb failed: dirty_reason (when any of it was applied) says what happened.
+  const std::string why = "its owner, " + who + ", closed its connection before finishing it";
+  bool ended = false;
   try {
-    co_await session_.abort_weight_update("its owner, " + who + ", closed its connection before finishing it");
+    co_await session_.abort_weight_update(why);
+    ended = true;
   } catch (const error&) {
     // a chunk started meanwhile: its end decides
   }
+  if (ended) update_failed("the weight update session was aborted: " + why);
 }
 
 asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json request, std::size_t frame_bytes) {

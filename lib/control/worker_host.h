@@ -7,9 +7,14 @@
 //   finish_weight_update         {"weight_version": int}   (optional member)
 //   weight_info                  {}
 //       -> {"weight_version", "state": "clean" | "updating" | "dirty", "dirty_reason",
-//           "session_active", "session_owner", "receiving", "commit",
-//           "last_update": stats, "last_error", "last_refused_connection",
-//           "connections", "accept_errors", "last_accept_error", ...}
+//           "session_active", "session_owner", "receiving", "commit", "default_commit",
+//           "last_update": stats, "last_error", "last_hook_error",
+//           "last_refused_connection", "connections", "accept_errors",
+//           "last_accept_error", ...}
+//       "commit" is the commit mode of the chunk being received, else of the last
+//       chunk applied (its update_info's "commit", else the config's), else the
+//       config's; "default_commit" is always the config's (worker_host::weight_info()
+//       answers the same without a connection).
 //   weight_fingerprint           {"names": [str]}  (optional; all weights when absent)
 //       -> {"algorithm", "tensors": {name: hex}, "weight_version", "state"}
 //          (needs the engine context's model_target; see lib/fingerprint.h)
@@ -17,7 +22,30 @@
 // A request is {"id": int, "method": str, "params": {...}}; the answer is
 // {"id": int, "result": {...}} or {"id": int, "error": {"kind": str, "message": str}}.
 // Every request runs in its own coroutine, so weight_info (or any other method)
-// is answered while an update is in flight.
+// is answered while an update is in flight. A frame whose body is not JSON (or
+// nests too deep, or would parse into too many values) is answered with
+//   {"id": null, "error": {"kind": "protocol_error", "message": "control request:
+//    malformed JSON frame of M bytes, at byte N: <what the parser expected> (the
+//    request's id cannot be read: this answer's is null)"}}
+// and the connection goes on serving: its length prefix was honoured, so the next
+// frame starts where it should. A length over host_limits.frames.max_bytes is
+// answered the same way, then the connection is closed (the framing is lost).
+//
+// The handshake. Every control connection starts with lib/auth.h's handshake,
+// with or without a secret, before any frame: the host writes a 48-byte challenge
+// (magic "RFTA", version 1, flags, a random nonce), reads the client's 80-byte
+// response, and writes a 48-byte verdict. Without a secret on either side
+// (config.auth_secret empty, control::client's secret empty), the flags say "no
+// secret", the macs are not checked (zeros) and the verdict is ok: the connection
+// is unauthenticated but the 176 bytes are exchanged all the same, so a client must
+// run auth::as_client(socket, "", ...) (control::client::connect does) before its
+// first frame; a peer that sends frames at once is refused (protocol_error: no
+// "RFTA" magic) and one that sends nothing is cut at host_limits.handshake_timeout
+// (at most config.timeout). A secret on one side only fails on both (auth_error,
+// and the host reports it in weight_info's last_refused_connection). The
+// connection cap rides on the same challenge, secret or not: a connection beyond
+// host_limits.max_connections gets a challenge with the busy flag and is closed
+// without reading anything, and its client fails with resource_exhausted.
 //
 // Sessions have an owner: the control connection whose start_weight_update opened
 // it. update_weights and finish_weight_update from any other connection, and
@@ -29,6 +57,9 @@
 // session is aborted (at once, or when the chunk being received ends). An aborted
 // session that had applied anything leaves the weights dirty: weight_info reports
 // "clean" at version V only when the model holds exactly the weights of V's update.
+// An application (an inference server) wraps these verbs with update_hooks (below):
+// told when a session opens, finishes clean at a version, or ends otherwise, on
+// the host's event loop, before the verb answers.
 //
 // No client can starve or bloat the host: connections are capped (a refused one
 // is told so in the authentication challenge), each has a bounded number of
@@ -56,6 +87,49 @@
 #include <refit/session.h>
 
 namespace refit::control {
+
+/// An application's hooks on the weight-update session, e.g. an inference server
+/// that flushes its KV cache and bumps its served version when an update lands.
+/// They wrap the built-in verbs (the session's bookkeeping, version, state, dirty
+/// reason and owner, is the same with or without them) and are called:
+///
+///  * on the host's event loop (the engine_context's executor, where every verb
+///    runs), synchronously, inside the verb, before its answer is written: when
+///    finish_weight_update answers, on_update_finished has returned. Keep them
+///    short and non-blocking: while one runs no request is served and no weight
+///    is received. Post long work elsewhere. A hook may read weight_info() (it
+///    already shows the state the hook is called for); it must not call stop() or
+///    destroy the host.
+///  * in pairs: every on_update_started that returns normally is followed by
+///    exactly one on_update_finished or on_update_failed for that session.
+///
+/// What a hook throws never escapes into the host; it is recorded in weight_info's
+/// "last_hook_error" ("<hook>: <kind>: <message>"), and:
+///  * on_update_started: the application refuses the session. It is closed again
+///    (nothing was received, so the weights are untouched), start_weight_update
+///    answers with the hook's error (a refit::error keeps its kind; anything else
+///    is processing_failed), and no other hook is called for it.
+///  * on_update_finished: the update stays committed (clean at its version, as
+///    weight_info says), but finish_weight_update answers with the hook's error
+///    (also in last_error), so the trainer learns that this server did not take
+///    it in.
+///  * on_update_failed: the failure being reported is the news; the verb answers
+///    as it would have.
+struct update_hooks {
+  /// start_weight_update opened a session; `owner` names its connection
+  /// ("connection #3 (127.0.0.1:40000)").
+  std::function<void(const std::string& owner)> on_update_started;
+  /// finish_weight_update closed the session and the state is clean at `version`:
+  /// the version the finish named, else the one recorded before it, else -1 (none
+  /// was ever recorded). `stats` is the finish's answer's "stats".
+  std::function<void(std::int64_t version, const json& stats)> on_update_finished;
+  /// The session ended without a clean finish; `reason` says how: a chunk failed
+  /// ("update_weights: <kind>: <message>", the update refused before its first byte
+  /// included), its owner's connection closed, its owner re-initialised the engine,
+  /// the finish failed, or it finished with the weights still dirty. weight_info()
+  /// says whether the weights are dirty (and why).
+  std::function<void(const std::string& reason)> on_update_failed;
+};
 
 /// What one worker host grants its clients.
 struct host_limits {
@@ -95,6 +169,14 @@ class worker_host {
   /// verbs cannot be replaced.
   void add_method(const std::string& name, method m);
 
+  /// Sets the application's session hooks (replacing any set before). Call it
+  /// before serve(), or on the host's event loop.
+  void set_hooks(update_hooks hooks);
+
+  /// What the weight_info verb answers (see the top of this file), for the
+  /// application that runs this host. Call it on the host's event loop.
+  json weight_info() const;
+
   weight_transfer_engine& engine() { return *engine_; }
   weight_update_session& session() { return session_; }
   /// Connections being served now (accepted and not yet closed).
@@ -111,9 +193,13 @@ class worker_host {
   void require_owner(const connection& caller, const std::string& method) const;
   std::string owner_name() const;
   asio::awaitable<void> end_session_after_owner_left();
-  json weight_info() const;
   std::string weight_state() const;
   void note_error(const std::string& method, std::exception_ptr e);
+  // The hooks: what one throws is recorded (last_hook_error) and returned, never thrown.
+  std::exception_ptr update_started() noexcept;
+  std::exception_ptr update_finished(const json& stats) noexcept;
+  void update_failed(const std::string& reason) noexcept;
+  void note_hook_error(const char* hook, std::exception_ptr e) noexcept;
   void add_verb(const std::string& name, verb v);
 
   weight_transfer_config config_;
@@ -132,6 +218,12 @@ class worker_host {
   bool owner_left_ = false;  // the owner closed while its chunk was being received
   bool stopped_ = false;
   std::string last_error_;
+  update_hooks hooks_;
+  std::string last_hook_error_;
+  // Commit modes: of the chunk being received (while session_.receiving()) and of
+  // the last chunk applied.
+  std::optional<commit_mode> receiving_commit_;
+  std::optional<commit_mode> applied_commit_;
   std::string refused_;  // why the last control connection was refused
   std::uint64_t accept_errors_ = 0;
   std::string last_accept_error_;

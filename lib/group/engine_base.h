@@ -36,7 +36,9 @@ class worker_engine : public typed_engine<stream_free_init_info, metadata_update
 
  protected:
   /// After the side channel joined: e.g. join a communicator named in `welcome`.
-  virtual asio::awaitable<void> joined(const stream_free_init_info& info, const std::string& welcome) { co_return; }
+  virtual asio::awaitable<void> joined(const stream_free_init_info& /*info*/, const std::string& /*welcome*/) {
+    co_return;
+  }
   /// Receive staging for `wire`, allocated once per init.
   virtual std::unique_ptr<staging_memory> make_staging(const wire_params& wire) = 0;
   /// The transport of one update.

@@ -1,0 +1,504 @@
+// The worker host's application hooks (update_hooks) and what a server reads of
+// its own state (worker_host::weight_info), with the control-plane details that go
+// with them: a frame that is not JSON is answered and the connection serves on,
+// fingerprints_from_json reads the weight_fingerprint answer, and weight_info's
+// "commit" is each update's own.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+
+#include <asio/read.hpp>
+#include <asio/write.hpp>
+
+#include <refit/auth.h>
+#include <refit/control/client.h>
+#include <refit/control/worker_host.h>
+#include <refit/engines/tcp/tcp.h>
+#include <refit/fingerprint.h>
+#include <refit/net.h>
+#include "tests/support/run.h"
+#include "tests/support/tensors.h"
+
+namespace refit::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+weight_transfer_config tcp_config() {
+  weight_transfer_config c;
+  c.backend = "tcp";
+  c.timeout = 5s;
+  return c;
+}
+
+// A model that keeps what it is sent (for weight_fingerprint) and refuses any update
+// with a tensor named "forbidden".
+class holding_model final : public model_target {
+ public:
+  void load_weights(std::span<const tensor_view> weights) override {
+    std::lock_guard lock(mutex_);
+    for (const auto& w : weights) {
+      auto& [spec, bytes] = held_[std::string(w.name)];
+      spec = w.spec();
+      bytes.assign(w.bytes().begin(), w.bytes().end());
+    }
+  }
+  void begin_update(const update_metadata& meta) override {
+    for (const auto& t : meta.tensors)
+      if (t.name == "forbidden")
+        throw_error(errc::invalid_argument, "holding model: no tensor may be named 'forbidden'");
+  }
+  std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names) override {
+    std::lock_guard lock(mutex_);
+    std::vector<tensor_view> views;
+    for (auto& [name, held] : held_) views.emplace_back(held.first, held.second.data());
+    return fingerprint_all(views, names);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, std::pair<tensor_spec, std::vector<std::byte>>> held_;
+};
+
+tensor_set small_set(int n = 4, std::uint64_t seed = 1) {
+  tensor_set set;
+  for (int i = 0; i < n; ++i) set.add("w" + std::to_string(i), dtype::float32, {500}, seed);
+  return set;
+}
+
+class hooks_test : public ::testing::Test {
+ protected:
+  // What the hooks saw, in order; `throw_in` names a hook that throws.
+  std::vector<std::string> events_;
+  std::vector<json> info_in_hook_;  // host_->weight_info() as each hook saw it
+  std::string throw_in_;
+
+  void start(weight_transfer_config config = tcp_config()) {
+    factory_.register_engine<tcp::engine, tcp::sender>("tcp");
+    host_ = std::make_unique<control::worker_host>(config, engine_context{io_.get_executor(), {}, {}, &model_},
+                                                   model_.as_load_weights(), factory_);
+    control::update_hooks hooks;
+    hooks.on_update_started = [this](const std::string& owner) {
+      events_.push_back("started by " + owner);
+      info_in_hook_.push_back(host_->weight_info());
+      if (throw_in_ == "started") throw std::runtime_error("the server is not ready for weights");
+    };
+    hooks.on_update_finished = [this](std::int64_t version, const json& stats) {
+      events_.push_back("finished " + std::to_string(version) + " tensors=" + stats["tensors"].dump());
+      info_in_hook_.push_back(host_->weight_info());
+      if (throw_in_ == "finished") throw_error(errc::io_error, "the KV cache flush failed");
+    };
+    hooks.on_update_failed = [this](const std::string& reason) {
+      events_.push_back("failed: " + reason);
+      info_in_hook_.push_back(host_->weight_info());
+      if (throw_in_ == "failed") throw std::runtime_error("the failure hook failed too");
+    };
+    host_->set_hooks(std::move(hooks));
+    port_ = host_->listen("127.0.0.1", 0);
+    spawn(io_, host_->serve());
+    trainer_ = connect();
+    sender_ = std::make_unique<tcp::sender>(config, trainer_context{io_.get_executor(), {}});
+  }
+  void TearDown() override {
+    for (auto& c : clients_) c->close();
+    if (host_) host_->stop();
+    if (sender_) sender_->shutdown();
+    run(io_, 5s);
+  }
+  control::client* connect() {
+    clients_.push_back(std::make_unique<control::client>(io_.get_executor(), 5s));
+    run_to_completion(io_, clients_.back()->connect("127.0.0.1", port_));
+    return clients_.back().get();
+  }
+  json call(control::client* c, const std::string& method, json params = json::object()) {
+    json result;
+    run_to_completion(io_, call_into(c, method, std::move(params), &result));
+    return result;
+  }
+  static asio::awaitable<void> call_into(control::client* c, std::string method, json params, json* out) {
+    *out = co_await c->call(method, std::move(params));
+  }
+  std::string call_error(control::client* c, const std::string& method, json params, errc kind) {
+    try {
+      call(c, method, std::move(params));
+    } catch (const error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.message();
+      return e.message();
+    }
+    ADD_FAILURE() << method << " succeeded";
+    return {};
+  }
+  void init() {
+    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
+                 {"buffer_bytes", 16384}, {"num_buffers", 2}};
+    json params = {{"init_info", sender_->prepare(args)}};
+    auto accepted = spawn(io_, sender_->connect_workers());
+    call(trainer_, "init_weight_transfer_engine", params);
+    ASSERT_TRUE(run_until(io_, [&] { return accepted->done; }, 10s));
+    ASSERT_FALSE(accepted->error) << accepted->message();
+  }
+  static json update_body(const tensor_set& set, const char* commit = nullptr) {
+    json info = json::object();
+    write_update_metadata(set.meta, info);
+    if (commit) info["commit"] = commit;
+    return {{"update_info", info}};
+  }
+  // One chunk through the trainer's connection, the bytes through the sender.
+  void chunk(tensor_set& set, const char* commit = nullptr) {
+    auto views = set.views();
+    auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
+    call(trainer_, "update_weights", update_body(set, commit));
+    ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+    ASSERT_FALSE(sent->error) << sent->message();
+  }
+  void full_update(tensor_set& set, std::optional<std::int64_t> version) {
+    call(trainer_, "start_weight_update");
+    chunk(set);
+    call(trainer_, "finish_weight_update", version ? json{{"weight_version", *version}} : json::object());
+  }
+  json info() { return call(trainer_, "weight_info"); }
+
+  asio::io_context io_;
+  engine_factory factory_;
+  holding_model model_;
+  std::unique_ptr<control::worker_host> host_;
+  std::uint16_t port_ = 0;
+  std::vector<std::unique_ptr<control::client>> clients_;
+  control::client* trainer_ = nullptr;
+  std::unique_ptr<tcp::sender> sender_;
+};
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// ---- the hooks
+
+TEST_F(hooks_test, a_successful_update_calls_started_then_finished_with_its_version_before_the_answer) {
+  start();
+  init();
+  ASSERT_TRUE(events_.empty()) << "init opens no session";
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  ASSERT_EQ(events_.size(), 1u);
+  EXPECT_TRUE(has(events_[0], "started by connection #1 (127.0.0.1:")) << events_[0];
+  EXPECT_EQ(info_in_hook_[0]["state"], "updating") << "the session is open when on_update_started runs";
+  chunk(set);
+  EXPECT_EQ(events_.size(), 1u) << "a chunk calls no hook";
+  call(trainer_, "finish_weight_update", {{"weight_version", 7}});
+  events_.push_back("finish answered");
+  ASSERT_EQ(events_.size(), 3u);
+  EXPECT_EQ(events_[1], "finished 7 tensors=4");
+  EXPECT_EQ(events_[2], "finish answered") << "on_update_finished runs before the answer";
+  // When on_update_finished runs, the state is clean at its version.
+  EXPECT_EQ(info_in_hook_[1]["state"], "clean") << info_in_hook_[1];
+  EXPECT_EQ(info_in_hook_[1]["weight_version"], 7) << info_in_hook_[1];
+  EXPECT_FALSE(info_in_hook_[1]["session_active"].get<bool>());
+
+  // A finish without a version: the version recorded before.
+  events_.clear();
+  tensor_set next = small_set(4, 2);
+  full_update(next, std::nullopt);
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_EQ(events_[1], "finished 7 tensors=4");
+  EXPECT_TRUE(info()["last_hook_error"].is_null());
+}
+
+TEST_F(hooks_test, a_finish_without_any_version_ever_recorded_reports_minus_one) {
+  start();
+  init();
+  tensor_set set = small_set();
+  full_update(set, std::nullopt);
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_EQ(events_[1], "finished -1 tensors=4");
+}
+
+TEST_F(hooks_test, the_owner_dropping_mid_session_calls_failed_with_the_reason_and_never_finished) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  trainer_->close();  // the trainer dies between its chunk and finish_weight_update
+  ASSERT_TRUE(run_until(io_, [&] { return events_.size() >= 2; }, 5s)) << "on_update_failed was not called";
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_TRUE(has(events_[0], "started by connection #1")) << events_[0];
+  EXPECT_TRUE(has(events_[1], "failed: the weight update session was aborted: its owner, connection #1")) << events_[1];
+  EXPECT_TRUE(has(events_[1], "closed its connection before finishing it")) << events_[1];
+  // The bookkeeping is the built-in one, already in place when the hook runs.
+  EXPECT_EQ(info_in_hook_[1]["state"], "dirty") << info_in_hook_[1];
+  EXPECT_FALSE(info_in_hook_[1]["session_active"].get<bool>());
+  EXPECT_TRUE(info_in_hook_[1]["weight_version"].is_null());
+  EXPECT_TRUE(info_in_hook_[1]["session_owner"].is_null());
+}
+
+TEST_F(hooks_test, a_failed_update_calls_failed_and_a_later_full_update_finished) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  // The second chunk is refused before its first byte (the model refuses it).
+  tensor_set bad;
+  bad.add("forbidden", dtype::float32, {100});
+  auto views = bad.views();
+  auto sent = spawn(io_, trainer_send_weights(*sender_, bad.meta, views));
+  auto msg = call_error(trainer_, "update_weights", update_body(bad), errc::invalid_argument);
+  ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_TRUE(has(events_[1], "failed: update_weights: invalid_argument: ")) << events_[1];
+  EXPECT_TRUE(has(events_[1], "no tensor may be named 'forbidden'")) << events_[1];
+  EXPECT_EQ(info_in_hook_[1]["state"], "dirty") << "its first chunk had been applied: " << info_in_hook_[1];
+  EXPECT_FALSE(info_in_hook_[1]["session_active"].get<bool>());
+
+  // An update_info the host cannot read fails the same way (nothing applied: clean).
+  init();  // the refusal closed the data path
+  events_.clear();
+  call(trainer_, "start_weight_update");
+  json unreadable = update_body(set);
+  unreadable["update_info"]["surprise"] = 1;
+  call_error(trainer_, "update_weights", unreadable, errc::invalid_argument);
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_TRUE(has(events_[1], "failed: update_weights: invalid_argument: ")) << events_[1];
+  EXPECT_TRUE(has(events_[1], "'surprise'")) << events_[1];
+
+  // The weights are made whole by a full update: started, finished.
+  init();
+  events_.clear();
+  full_update(set, 3);
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_EQ(events_[1], "finished 3 tensors=4");
+  EXPECT_EQ(info()["state"], "clean");
+}
+
+TEST_F(hooks_test, the_owners_re_init_mid_session_calls_failed) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  init();
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_TRUE(has(events_[1], "failed: init_weight_transfer_engine: the weight update session was aborted: "
+                              "the engine was re-initialised during it"))
+      << events_[1];
+  EXPECT_EQ(info_in_hook_[1]["state"], "dirty") << info_in_hook_[1];
+}
+
+TEST_F(hooks_test, refusals_that_end_no_session_call_no_hook) {
+  start();
+  init();
+  call(trainer_, "start_weight_update");
+  auto* stale = connect();
+  call_error(stale, "start_weight_update", json::object(), errc::invalid_state);
+  call_error(stale, "finish_weight_update", json::object(), errc::invalid_state);
+  call_error(stale, "update_weights", update_body(small_set()), errc::invalid_state);
+  call_error(trainer_, "finish_weight_update", {{"surprise", 1}}, errc::invalid_argument);
+  EXPECT_EQ(events_.size(), 1u) << "only started: " << ::testing::PrintToString(events_);
+  EXPECT_TRUE(info()["session_active"].get<bool>());
+}
+
+TEST_F(hooks_test, a_throwing_started_hook_refuses_the_session) {
+  start();
+  init();
+  throw_in_ = "started";
+  auto msg = call_error(trainer_, "start_weight_update", json::object(), errc::processing_failed);
+  EXPECT_TRUE(has(msg, "start_weight_update: the application's on_update_started hook failed: "
+                       "the server is not ready for weights"))
+      << msg;
+  json after = info();
+  EXPECT_FALSE(after["session_active"].get<bool>()) << after;
+  EXPECT_EQ(after["state"], "clean") << after;
+  EXPECT_TRUE(has(after["last_hook_error"].get<std::string>(), "on_update_started: ")) << after;
+  EXPECT_TRUE(has(after["last_error"].get<std::string>(), "start_weight_update: processing_failed:")) << after;
+  EXPECT_EQ(events_.size(), 1u) << "no failed hook for a session the application refused";
+  // Once the hook accepts, updates go through.
+  throw_in_.clear();
+  events_.clear();
+  tensor_set set = small_set();
+  full_update(set, 1);
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_EQ(events_[1], "finished 1 tensors=4");
+}
+
+TEST_F(hooks_test, a_throwing_finished_hook_is_the_finishs_answer_and_the_update_stays_committed) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set);
+  throw_in_ = "finished";
+  auto msg = call_error(trainer_, "finish_weight_update", {{"weight_version", 9}}, errc::io_error);
+  EXPECT_TRUE(has(msg, "finish_weight_update: the application's on_update_finished hook failed: "
+                       "the KV cache flush failed"))
+      << msg;
+  json after = info();
+  EXPECT_EQ(after["state"], "clean") << after;
+  EXPECT_EQ(after["weight_version"], 9) << after;
+  EXPECT_TRUE(has(after["last_error"].get<std::string>(), "on_update_finished hook failed")) << after;
+  EXPECT_TRUE(has(after["last_hook_error"].get<std::string>(), "on_update_finished: io_error: the KV cache flush"))
+      << after;
+}
+
+TEST_F(hooks_test, a_throwing_failed_hook_leaves_the_verbs_own_answer) {
+  start();
+  init();
+  throw_in_ = "failed";
+  call(trainer_, "start_weight_update");
+  json unreadable = update_body(small_set());
+  unreadable["update_info"]["surprise"] = 1;
+  auto msg = call_error(trainer_, "update_weights", unreadable, errc::invalid_argument);
+  EXPECT_TRUE(has(msg, "'surprise'")) << msg;
+  json after = info();
+  EXPECT_TRUE(has(after["last_hook_error"].get<std::string>(), "on_update_failed: ")) << after;
+  EXPECT_TRUE(has(after["last_error"].get<std::string>(), "update_weights: invalid_argument")) << after;
+  EXPECT_FALSE(after["session_active"].get<bool>());
+}
+
+// ---- weight_info without a connection
+
+TEST_F(hooks_test, the_public_weight_info_is_the_verbs_answer) {
+  start();
+  init();
+  tensor_set set = small_set();
+  full_update(set, 5);
+  json answered = info();
+  json local = host_->weight_info();
+  EXPECT_EQ(local, answered);
+  EXPECT_EQ(local["weight_version"], 5);
+  EXPECT_EQ(local["state"], "clean");
+  EXPECT_EQ(local["connections"], 1);
+}
+
+// ---- malformed frames
+
+asio::awaitable<void> raw_exchange(std::uint16_t port, std::vector<json>* answers, bool* closed_after) {
+  auto s = co_await net::connect_with_retry("127.0.0.1", port, 5s, "raw");
+  co_await auth::as_client(s, "", 5s, "raw");  // the handshake runs even without a secret
+  control::frame_stream f(std::move(s));
+  auto send_raw = [](control::frame_stream& f, std::string body) -> asio::awaitable<void> {
+    const auto n = static_cast<std::uint32_t>(body.size());
+    std::string frame = {char(n >> 24), char(n >> 16), char(n >> 8), char(n)};
+    frame += body;
+    co_await asio::async_write(f.socket(), asio::buffer(frame), asio::use_awaitable);
+  };
+  co_await send_raw(f, R"({"id": 1, "method": "weight_info", "params": {)");  // cut short
+  answers->push_back(co_await f.read(5s, false, "raw"));
+  co_await send_raw(f, "not json at all");
+  answers->push_back(co_await f.read(5s, false, "raw"));
+  // The same connection serves a valid request next.
+  json ok = {{"id", 5}, {"method", "weight_info"}};
+  co_await send_raw(f, ok.dump());
+  answers->push_back(co_await f.read(5s, false, "raw"));
+  *closed_after = !f.is_open();
+}
+
+TEST_F(hooks_test, a_frame_that_is_not_json_is_answered_and_the_connection_serves_on) {
+  start();
+  std::vector<json> answers;
+  bool closed = true;
+  run_to_completion(io_, raw_exchange(port_, &answers, &closed));
+  ASSERT_EQ(answers.size(), 3u);
+  for (int i : {0, 1}) {
+    const json& a = answers[i];
+    EXPECT_TRUE(a["id"].is_null()) << a;
+    EXPECT_EQ(a["error"]["kind"], "protocol_error") << a;
+    const std::string m = a["error"]["message"].get<std::string>();
+    EXPECT_TRUE(has(m, "control request: malformed JSON frame of ")) << m;
+    EXPECT_TRUE(has(m, "id cannot be read")) << m;
+  }
+  EXPECT_TRUE(has(answers[0]["error"]["message"].get<std::string>(),
+                  "of 46 bytes, at byte 47: parse error at line 1, column 47: syntax error"))
+      << answers[0];
+  EXPECT_TRUE(has(answers[1]["error"]["message"].get<std::string>(), "invalid literal")) << answers[1];
+  EXPECT_EQ(answers[2]["id"], 5) << answers[2];
+  EXPECT_EQ(answers[2]["result"]["backend"], "tcp") << answers[2];
+  EXPECT_FALSE(closed);
+  EXPECT_EQ(info()["backend"], "tcp");
+}
+
+// ---- fingerprints
+
+TEST_F(hooks_test, fingerprints_from_json_reads_the_weight_fingerprint_answer) {
+  start();
+  init();
+  tensor_set set = small_set();
+  full_update(set, 4);
+  json answer = call(trainer_, "weight_fingerprint");
+  EXPECT_EQ(answer["weight_version"], 4) << answer;
+  EXPECT_EQ(answer["state"], "clean") << answer;
+  fingerprint_list got;
+  ASSERT_NO_THROW(got = fingerprints_from_json(answer)) << answer;
+  EXPECT_EQ(got.size(), 4u);
+  EXPECT_TRUE(compare_fingerprints(fingerprint_all(set.views()), got).empty());
+  // Before any version: weight_version null.
+  answer["weight_version"] = nullptr;
+  EXPECT_NO_THROW(fingerprints_from_json(answer));
+  // Typos and mistyped members are still refused.
+  json typo = answer;
+  typo["stat"] = "clean";
+  try {
+    fingerprints_from_json(typo);
+    ADD_FAILURE() << "a typo was accepted";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::invalid_argument);
+    EXPECT_TRUE(has(e.message(), "'stat'")) << e.message();
+  }
+  json mistyped = answer;
+  mistyped["weight_version"] = "four";
+  EXPECT_THROW(fingerprints_from_json(mistyped), error);
+}
+
+// ---- commit modes
+
+asio::awaitable<void> call_update(control::client* c, json body) { co_await c->call("update_weights", body); }
+
+TEST_F(hooks_test, weight_info_commit_is_the_updates_own) {
+  start();
+  init();
+  EXPECT_EQ(info()["commit"], "in_place") << "no update yet: the config's";
+  EXPECT_EQ(info()["default_commit"], "in_place");
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  // While a staged chunk is being received (the bytes are not sent yet).
+  auto updating = spawn(io_, call_update(trainer_, update_body(set, "staged")));
+  ASSERT_TRUE(run_until(io_, [&] { return host_->session().receiving() || updating->done; }, 5s));
+  ASSERT_FALSE(updating->done) << updating->message();
+  json during = host_->weight_info();
+  EXPECT_EQ(during["commit"], "staged") << during;
+  EXPECT_EQ(during["default_commit"], "in_place") << during;
+  auto views = set.views();
+  auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
+  ASSERT_TRUE(run_until(io_, [&] { return sent->done && updating->done; }, 10s));
+  ASSERT_FALSE(updating->error) << updating->message();
+  ASSERT_FALSE(sent->error) << sent->message();
+  call(trainer_, "finish_weight_update", {{"weight_version", 1}});
+  json after = info();
+  EXPECT_EQ(after["commit"], "staged") << "the last update applied was staged: " << after;
+  EXPECT_EQ(after["default_commit"], "in_place") << after;
+  // The next update names none: the config's.
+  full_update(set, 2);
+  EXPECT_EQ(info()["commit"], "in_place");
+  // A refused update does not change what was applied last.
+  call(trainer_, "start_weight_update");
+  json unreadable = update_body(set, "staged");
+  unreadable["update_info"]["surprise"] = 1;
+  call_error(trainer_, "update_weights", unreadable, errc::invalid_argument);
+  EXPECT_EQ(info()["commit"], "in_place");
+}
+
+TEST_F(hooks_test, a_staged_default_shows_in_both) {
+  auto config = tcp_config();
+  config.commit = commit_mode::staged;
+  start(config);
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set, "in_place");
+  call(trainer_, "finish_weight_update", {{"weight_version", 1}});
+  json after = info();
+  EXPECT_EQ(after["commit"], "in_place") << after;
+  EXPECT_EQ(after["default_commit"], "staged") << after;
+}
+
+}  // namespace
+}  // namespace refit::testing
