@@ -13,6 +13,7 @@
 #include <refit/auth.h>
 #include <refit/config.h>
 #include <refit/control/client.h>
+#include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/dtype.h>
 #include <refit/engine.h>

@@ -53,11 +53,9 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
-#include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/torch_module_sync/model.h"
-#include <refit/async/all_of.h>
-#include <refit/control/client.h>
+#include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
 #include <refit/json_reader.h>
@@ -235,20 +233,6 @@ pid_t start_worker(const options& o, int rank, std::uint16_t& port) {
   return w.pid;
 }
 
-// init_weight_transfer_engine on every worker; a refusal also stops the sender's
-// wait for connections, so it fails now rather than at its deadline.
-asio::awaitable<void> init_workers(worker_group& workers, weight_sender& sender, json body) {
-  std::exception_ptr failure;
-  try {
-    co_await workers.call_all("init_weight_transfer_engine", std::move(body));
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (!failure) co_return;
-  sender.shutdown();
-  std::rethrow_exception(failure);
-}
-
 struct comparison {
   double max_abs_diff = 0;
   std::string worst;  // where max_abs_diff was seen
@@ -275,7 +259,7 @@ constexpr const char* block_parts[] = {"attn", "mlp"};
 
 // The workers' forward pass, the trainer summing the row-parallel partials, against
 // the trainer's own (`expected`: llama_model::trace).
-asio::awaitable<comparison> compare_forward(worker_group& workers, const at::Tensor& tokens,
+asio::awaitable<comparison> compare_forward(control::worker_group& workers, const at::Tensor& tokens,
                                             const std::vector<at::Tensor>& expected, std::int64_t layers) {
   comparison cmp;
   json embed_params = json::object();
@@ -313,7 +297,8 @@ asio::awaitable<comparison> compare_forward(worker_group& workers, const at::Ten
 // it (invalid_argument naming the fused tensor) before any byte moves, and stay
 // clean at `version`. The trainer sends nothing: the workers refuse on the
 // metadata alone.
-asio::awaitable<std::string> check_refusal(worker_group& workers, const update_metadata& good, std::int64_t version) {
+asio::awaitable<std::string> check_refusal(control::worker_group& workers, const update_metadata& good,
+                                          std::int64_t version) {
   update_metadata bad = good;
   const std::string victim = "model.layers.0.self_attn.k_proj.weight";
   const std::string fused = "model.layers.0.self_attn.qkv_proj.weight";  // what the refusal names
@@ -361,8 +346,11 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
                                    report& rep) {
   auto ex = co_await asio::this_coro::executor;
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
-  worker_group workers([](std::size_t i) { return "worker rank " + std::to_string(i); });
-  for (auto port : ports) co_await workers.connect(ex, timeout, "", "127.0.0.1", port);
+  std::vector<control::worker_endpoint> endpoints;
+  for (auto port : ports) endpoints.push_back({"127.0.0.1", port});
+  control::worker_group workers(ex, timeout, "", std::move(endpoints),
+                                [](std::size_t i) { return "worker rank " + std::to_string(i); });
+  co_await workers.connect();
 
   weight_transfer_config config;
   config.backend = "tcp";
@@ -370,18 +358,20 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
   json trainer_args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", o.tp + 1},
                        {"timeout_ms", o.timeout_ms}};
-  const json init_info = sender->prepare(trainer_args);
   // The workers are one inference engine with tp ranks: the same init info for all,
-  // each joins as rank_offset + tp_rank.
-  json init_body = json::object();
-  init_body["init_info"] = init_info;
-  co_await both(sender->connect_workers(), init_workers(workers, *sender, init_body));
+  // each joins as rank_offset + tp_rank. A refusal also shuts the sender down, so
+  // init fails now rather than at the sender's deadline.
+  control::init_options init;
+  init.ranks = control::rank_layout::shared;
+  co_await workers.init(*sender, trainer_args, init);
   std::fprintf(stderr, "[torch_module_sync] %d workers (tp %d) connected over tcp\n", o.tp, o.tp);
 
   libtorch::torch_source source(model);
-  json update_body = json::object();
-  write_update_metadata(source.metadata(), update_body["update_info"]);
   const json empty = json::object();
+  // The workers' forward pass is the check here (their modules hold the weights
+  // fused and sharded, so no fingerprint of the trainer's would match).
+  control::update_options unchecked;
+  unchecked.verify = false;
 
   const at::Tensor tokens = at::randint(model.config().vocab, {batch, seq_len}, at::kLong);
   auto expected_now = [&] {
@@ -409,11 +399,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
     }
     const auto t0 = clock_type::now();
     source.rewind();
-    co_await workers.call_all("start_weight_update", empty);
-    co_await both(workers.call_all("update_weights", update_body),
-                  sender->send_weights(source.metadata(), source));
-    json finish_body = {{"weight_version", round}};
-    co_await workers.call_all("finish_weight_update", finish_body);
+    co_await workers.update(*sender, source.metadata(), source, round, unchecked);
     const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
     rep.sync_seconds += seconds;
 

@@ -21,16 +21,13 @@
 
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
-#include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/weight_sync/model.h"
-#include <refit/async/all_of.h>
 #include <refit/async/lag_probe.h>
 #include <refit/auth.h>
-#include <refit/control/client.h>
+#include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
 #include <refit/fingerprint.h>
@@ -363,22 +360,20 @@ struct totals {
   std::string first_mismatch;
 };
 
-asio::awaitable<void> send_round(weight_sender& sender, const update_metadata& meta,
-                                 const std::vector<tensor_view>& views) {
-  co_await trainer_send_weights(sender, meta, views);
-}
-
 asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_process>& procs,
                                    trainer_model& model, totals& t) {
   auto ex = co_await asio::this_coro::executor;
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
-  // Errors name the worker by index and data rank.
-  worker_group workers(
-      [](std::size_t i) { return "worker " + std::to_string(i) + " (rank " + std::to_string(i + 1) + ")"; });
+  std::vector<control::worker_endpoint> endpoints;
   for (std::size_t i = 0; i < procs.size(); ++i) {
     const std::string host = i < o.connect.size() && !o.connect[i].host.empty() ? o.connect[i].host : o.listen;
-    co_await workers.connect(ex, timeout, o.secret, host, procs[i].port);
+    endpoints.push_back({host, procs[i].port});
   }
+  // Errors name the worker by index and data rank.
+  control::worker_group workers(ex, timeout, o.secret, std::move(endpoints), [](std::size_t i) {
+    return "worker " + std::to_string(i) + " (rank " + std::to_string(i + 1) + ")";
+  });
+  co_await workers.connect();
 
   weight_transfer_config config;
   config.backend = o.engine;
@@ -389,14 +384,11 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
                        {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
   if (!o.topology.empty()) trainer_args["topology"] = o.topology;
-  const json init_info = sender->prepare(trainer_args);
-  // Each worker is its own inference engine here, so each gets its own rank.
-  auto init_for = [&init_info, &o](std::size_t i) {
-    json info = init_info;
-    if (info.contains("rank_offset")) info["rank_offset"] = 1 + static_cast<int>(i);
-    if (!o.advertise.empty()) info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
-    return json{{"init_info", info}};
-  };
+  // Each worker is its own inference engine here, so each gets its own rank (the
+  // group's default); proxies in front of the trainer are advertised instead.
+  control::init_options init;
+  if (!o.advertise.empty())
+    init.adjust = [&o](std::size_t i, json& info) { info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i]; };
   const json empty = json::object();
   // Workers of this binary answer loop_lag (their event loop's largest stall);
   // other workers (--connect) may not.
@@ -406,31 +398,26 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   } catch (const error&) {
     probed = false;
   }
-  co_await both(sender->connect_workers(), workers.call_each("init_weight_transfer_engine", init_for));
+  co_await workers.init(*sender, trainer_args, init);
   if (probed)
     for (const auto& lag : co_await workers.call_all("loop_lag", empty))
       t.lag_init_ms = std::max(t.lag_init_ms, lag["max_ms"].get<double>());
   if (!o.quiet) std::fprintf(stderr, "[refit] %d workers connected over %s\n", o.workers, o.engine.c_str());
 
-  json update_body = json::object();
-  write_update_metadata(model.layout.meta, update_body["update_info"]);
-  if (o.load_model) co_await workers.call_all("load_model", update_body["update_info"]);
-  update_body["update_info"]["commit"] = to_string(o.commit);
+  json layout_info = json::object();
+  write_update_metadata(model.layout.meta, layout_info);
+  if (o.load_model) co_await workers.call_all("load_model", layout_info);
+  control::update_options update;
+  update.commit = o.commit;
+  update.verify = false;  // checked below, after the loop-lag probe, counting every difference
+  update.hold_before_finish = std::chrono::milliseconds(o.hold_before_finish_ms);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
     model.step(round);
-    const auto expected = fingerprint_all(model.views);
+    auto expected = fingerprint_all(model.views);
     if (probed) co_await workers.call_all("loop_lag", empty);
-    const auto t0 = clock_type::now();
-    co_await workers.call_all("start_weight_update", empty);
-    co_await both(workers.call_all("update_weights", update_body), send_round(*sender, model.layout.meta, model.views));
-    if (o.hold_before_finish_ms > 0) {
-      asio::steady_timer hold(ex, std::chrono::milliseconds(o.hold_before_finish_ms));
-      co_await hold.async_wait(asio::use_awaitable);
-    }
-    json finish_body = {{"weight_version", round}};
-    const auto finished = co_await workers.call_all("finish_weight_update", finish_body);
-    const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+    const auto result = co_await workers.update(*sender, model.layout.meta, model.views, round, update);
+    const double seconds = result.seconds;
     t.seconds += seconds;
     t.update_seconds.push_back(seconds);
     if (probed)
@@ -438,8 +425,8 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
         t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
         t.lag_update_p99_ms = std::max(t.lag_update_p99_ms, lag["p99_ms"].get<double>());
       }
-    for (const auto& f : finished) {
-      const json& s = f["stats"];
+    for (const auto& w : result.workers) {
+      const json& s = w.stats;
       t.receive_s += s["receive_s"].get<double>() / o.workers;
       t.process_s += s["process_s"].get<double>() / o.workers;
       t.overlap += s["overlap"].get<double>();
@@ -447,14 +434,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     }
     // Every tensor on every worker against the trainer's own: the workers'
     // weight_fingerprint call hashes what their models hold now.
-    const auto answers = co_await workers.call_all("weight_fingerprint", empty);
+    const auto differences = co_await workers.fingerprint_differences(std::move(expected), round);
     std::size_t bad = 0;
-    for (std::size_t w = 0; w < answers.size(); ++w) {
-      auto diff = compare_fingerprints(expected, fingerprints_from_json(
-                                                     json{{"algorithm", answers[w]["algorithm"]},
-                                                          {"tensors", answers[w]["tensors"]}}));
-      if (answers[w]["state"] != "clean") diff.push_back("state is " + answers[w]["state"].dump());
-      if (answers[w]["weight_version"] != round) diff.push_back("version is " + answers[w]["weight_version"].dump());
+    for (std::size_t w = 0; w < differences.size(); ++w) {
+      const auto& diff = differences[w];
       if (!diff.empty() && t.first_mismatch.empty())
         t.first_mismatch = "worker " + std::to_string(w) + " after update " + std::to_string(round) + ": " + diff[0];
       bad += diff.size();

@@ -44,7 +44,7 @@ asio::awaitable<void> client::read_loop(std::shared_ptr<connection> c, std::chro
   for (auto& [id, channel] : c->pending) channel->try_send(make_error_code(errc::peer_lost), json(why));
 }
 
-asio::awaitable<json> client::call(const std::string& method, json params,
+asio::awaitable<json> client::call(std::string method, json params,
                                    std::optional<std::chrono::milliseconds> timeout) {
   if (!connected()) throw_error(errc::invalid_state, "control: " + method + " on a closed connection");
   const auto limit = timeout.value_or(timeout_);

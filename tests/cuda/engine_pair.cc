@@ -9,9 +9,9 @@
 
 #include <asio/steady_timer.hpp>
 
-#include "examples/common/worker_calls.h"
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/device_model.h"
+#include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
@@ -133,20 +133,17 @@ asio::awaitable<void> engine_pair::connect(json wire, const void* native_stream)
   json init = sender_->prepare(args);
   init["rank_offset"] = 1;
   json params = {{"init_info", init}};
-  const std::string method = "init_weight_transfer_engine";
-  co_await example::both(sender_->connect_workers(), client_->call(method, params));
+  co_await control::both(sender_->connect_workers(), client_->call("init_weight_transfer_engine", params));
 }
 
 asio::awaitable<double> engine_pair::update(const update_metadata& meta, std::vector<tensor_view> views, int version) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string start = "start_weight_update", update = "update_weights", finish = "finish_weight_update";
-  co_await client_->call(start);
+  co_await client_->call("start_weight_update");
   json info;
   write_update_metadata(meta, info);
   json body = {{"update_info", info}};
-  co_await example::both(client_->call(update, body), trainer_send_weights(*sender_, meta, views));
-  json version_body = {{"weight_version", version}};
-  co_await client_->call(finish, version_body);
+  co_await control::both(client_->call("update_weights", body), trainer_send_weights(*sender_, meta, views));
+  co_await client_->call("finish_weight_update", control::params("weight_version", version));
   co_return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -1,0 +1,235 @@
+#include <refit/control/worker_group.h>
+
+#include <exception>
+#include <utility>
+
+#include <asio/steady_timer.hpp>
+#include <asio/use_awaitable.hpp>
+
+#include <refit/error.h>
+
+namespace refit::control {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+// Rethrows `failure`, a refit::error with `name` in front of its message.
+[[noreturn]] void rethrow_named(std::exception_ptr failure, const std::string& name) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const error& e) {
+    throw error(e.code(), name + ": " + e.message());
+  }
+}
+
+// One call whose error names the worker.
+asio::awaitable<void> call_one(client& c, std::string name, std::string method, json params, json* out) {
+  std::exception_ptr failure;
+  try {
+    *out = co_await c.call(std::move(method), std::move(params));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) rethrow_named(failure, name);
+}
+
+asio::awaitable<void> connect_one(client& c, std::string name, worker_endpoint at) {
+  std::exception_ptr failure;
+  try {
+    co_await c.connect(std::move(at.host), at.port);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) rethrow_named(failure, name);
+}
+
+// finish_weight_update on one worker, timed from `t0`.
+asio::awaitable<void> finish_one(client& c, std::string name, json params, worker_update* out,
+                                 clock_type::time_point t0) {
+  co_await call_one(c, std::move(name), "finish_weight_update", std::move(params), &out->finish);
+  out->seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+  if (out->finish.is_object() && out->finish.contains("stats")) out->stats = out->finish["stats"];
+}
+
+}  // namespace
+
+worker_group::worker_group(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret,
+                           std::vector<worker_endpoint> endpoints, name_fn name_of)
+    : executor_(std::move(executor)),
+      timeout_(timeout),
+      secret_(std::move(secret)),
+      endpoints_(std::move(endpoints)),
+      name_of_(std::move(name_of)) {
+  for (std::size_t i = 0; i < endpoints_.size(); ++i)
+    clients_.push_back(std::make_unique<client>(executor_, timeout_, secret_));
+}
+
+worker_group::~worker_group() { close(); }
+
+std::string worker_group::name(std::size_t i) const {
+  if (name_of_) return name_of_(i);
+  const auto& e = endpoints_.at(i);
+  return "worker " + std::to_string(i) + " (" + e.host + ":" + std::to_string(e.port) + ")";
+}
+
+asio::awaitable<void> worker_group::connect() {
+  std::vector<asio::awaitable<void>> ops;
+  for (std::size_t i = 0; i < clients_.size(); ++i) ops.push_back(connect_one(*clients_[i], name(i), endpoints_[i]));
+  co_await async::all_of(std::move(ops));
+}
+
+asio::awaitable<std::vector<json>> worker_group::call_with(std::string method, std::vector<json> params) {
+  std::vector<json> results(clients_.size());
+  std::vector<asio::awaitable<void>> ops;
+  for (std::size_t i = 0; i < clients_.size(); ++i)
+    ops.push_back(call_one(*clients_[i], name(i), method, std::move(params[i]), &results[i]));
+  co_await async::all_of(std::move(ops));
+  co_return results;
+}
+
+asio::awaitable<std::vector<json>> worker_group::call_each(std::string method,
+                                                           std::function<json(std::size_t)> params_for) {
+  std::vector<json> params;
+  for (std::size_t i = 0; i < clients_.size(); ++i) params.push_back(params_for(i));
+  co_return co_await call_with(std::move(method), std::move(params));
+}
+
+asio::awaitable<std::vector<json>> worker_group::call_all(std::string method, json params) {
+  std::vector<json> each(clients_.size(), params);
+  co_return co_await call_with(std::move(method), std::move(each));
+}
+
+// Every worker's init; a refusal shuts the sender down so that its wait for the
+// workers' connections ends at once (the refusal is the first error, and wins).
+asio::awaitable<void> worker_group::init_workers(weight_sender& sender, std::vector<json> bodies) {
+  std::exception_ptr failure;
+  try {
+    co_await call_with("init_weight_transfer_engine", std::move(bodies));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (!failure) co_return;
+  sender.shutdown();
+  std::rethrow_exception(failure);
+}
+
+asio::awaitable<json> worker_group::init(weight_sender& sender, json trainer_args, init_options options) {
+  const json init_info = sender.prepare(trainer_args);
+  std::vector<json> bodies;
+  for (std::size_t i = 0; i < clients_.size(); ++i) {
+    json info = init_info;
+    if (options.ranks == rank_layout::per_worker && info.contains("rank_offset") &&
+        info["rank_offset"].is_number_integer())
+      info["rank_offset"] = info["rank_offset"].get<std::int64_t>() + static_cast<std::int64_t>(i);
+    if (options.adjust) options.adjust(i, info);
+    json body = json::object();
+    body["init_info"] = std::move(info);
+    bodies.push_back(std::move(body));
+  }
+  co_await both(sender.connect_workers(), init_workers(sender, std::move(bodies)));
+  co_return init_info;
+}
+
+asio::awaitable<update_result> worker_group::update(weight_sender& sender, update_metadata meta,
+                                                    std::span<const tensor_view> tensors, std::int64_t version,
+                                                    update_options options) {
+  if (options.verify && !options.expected) options.expected = fingerprint_all(tensors);
+  range_source<std::span<const tensor_view>> source(tensors);
+  co_return co_await run_update(sender, std::move(meta), source, version, std::move(options));
+}
+
+asio::awaitable<update_result> worker_group::update(weight_sender& sender, update_metadata meta,
+                                                    tensor_source& source, std::int64_t version,
+                                                    update_options options) {
+  if (options.verify && !options.expected)
+    throw_error(errc::invalid_argument,
+                "worker_group::update: verify needs the trainer's fingerprints (update_options::expected) when "
+                "the tensors come from a tensor_source");
+  co_return co_await run_update(sender, std::move(meta), source, version, std::move(options));
+}
+
+namespace {
+
+asio::awaitable<void> send(weight_sender& sender, const update_metadata& meta, tensor_source& source) {
+  co_await sender.send_weights(meta, source);
+}
+
+}  // namespace
+
+asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, update_metadata meta,
+                                                        tensor_source& source, std::int64_t version,
+                                                        update_options options) {
+  // Bodies built before any co_await (GCC 12 and braced lists across suspension).
+  json update_info = options.update_info.is_object() ? options.update_info : json::object();
+  write_update_metadata(meta, update_info);
+  if (options.commit) update_info["commit"] = to_string(*options.commit);
+  json update_body = json::object();
+  update_body["update_info"] = std::move(update_info);
+  json finish_body = json::object();
+  finish_body["weight_version"] = version;
+
+  update_result result;
+  result.version = version;
+  result.workers.resize(clients_.size());
+  const auto t0 = clock_type::now();
+  co_await call_all("start_weight_update");
+  co_await both(call_all("update_weights", std::move(update_body)), send(sender, meta, source));
+  if (options.hold_before_finish.count() > 0) {
+    asio::steady_timer hold(executor_, options.hold_before_finish);
+    co_await hold.async_wait(asio::use_awaitable);
+  }
+  std::vector<asio::awaitable<void>> finishes;
+  for (std::size_t i = 0; i < clients_.size(); ++i)
+    finishes.push_back(finish_one(*clients_[i], name(i), finish_body, &result.workers[i], t0));
+  co_await async::all_of(std::move(finishes));
+  result.seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+
+  if (options.verify) {
+    co_await verify(std::move(*options.expected), version);
+    result.verified = true;
+  }
+  co_return result;
+}
+
+asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(
+    fingerprint_list expected, std::int64_t version) {
+  const auto answers = co_await call_all("weight_fingerprint");
+  std::vector<std::vector<std::string>> out(answers.size());
+  for (std::size_t w = 0; w < answers.size(); ++w) {
+    const json& a = answers[w];
+    fingerprint_list got;
+    try {
+      if (!a.is_object() || !a.contains("algorithm") || !a.contains("tensors"))
+        throw_error(errc::protocol_error, "weight_fingerprint answer without algorithm and tensors: " + a.dump());
+      json list = json::object();
+      list["algorithm"] = a["algorithm"];
+      list["tensors"] = a["tensors"];
+      got = fingerprints_from_json(list);
+    } catch (const error& e) {
+      throw error(e.code(), name(w) + ": " + e.message());
+    }
+    out[w] = compare_fingerprints(expected, got);
+    const json state = a.contains("state") ? a["state"] : json(nullptr);
+    const json got_version = a.contains("weight_version") ? a["weight_version"] : json(nullptr);
+    if (state != "clean") out[w].push_back("state is " + state.dump());
+    if (got_version != version) out[w].push_back("version is " + got_version.dump());
+  }
+  co_return out;
+}
+
+asio::awaitable<void> worker_group::verify(fingerprint_list expected, std::int64_t version) {
+  const auto diffs = co_await fingerprint_differences(std::move(expected), version);
+  for (std::size_t w = 0; w < diffs.size(); ++w) {
+    if (diffs[w].empty()) continue;
+    std::string message = name(w) + ": weight fingerprints after update " + std::to_string(version) + ": " +
+                          diffs[w][0];
+    if (diffs[w].size() > 1) message += " (and " + std::to_string(diffs[w].size() - 1) + " more differences)";
+    throw_error(errc::integrity_error, message);
+  }
+}
+
+void worker_group::close() {
+  for (auto& c : clients_) c->close();
+}
+
+}  // namespace refit::control

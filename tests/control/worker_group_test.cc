@@ -1,0 +1,338 @@
+// control::worker_group (lib/control/worker_group.h): the trainer's whole update
+// sequence against in-process worker hosts over the tcp engine, and
+// control::client::call's awaitables built from temporaries.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include <refit/async/all_of.h>
+#include <refit/control/client.h>
+#include <refit/control/worker_group.h>
+#include <refit/control/worker_host.h>
+#include <refit/engines/tcp/tcp.h>
+#include <refit/fingerprint.h>
+#include "tests/support/run.h"
+#include "tests/support/tensors.h"
+
+namespace refit::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+weight_transfer_config tcp_config() {
+  weight_transfer_config c;
+  c.backend = "tcp";
+  c.timeout = 5s;
+  return c;
+}
+
+// A worker's model: a copy of every tensor it is given, fingerprinted on request.
+// With `tamper`, that tensor's first byte is flipped as it is loaded (a worker that
+// holds other bytes than it was sent).
+class test_model final : public model_target {
+ public:
+  explicit test_model(std::string tamper = {}) : tamper_(std::move(tamper)) {}
+
+  void load_weights(std::span<const tensor_view> views) override {
+    std::lock_guard lock(mutex_);
+    for (const auto& v : views) {
+      auto& slot = tensors_[std::string(v.name)];
+      slot.spec = tensor_spec{std::string(v.name), v.dtype, std::vector<std::int64_t>(v.shape.begin(), v.shape.end())};
+      auto bytes = v.bytes();
+      slot.bytes.assign(bytes.begin(), bytes.end());
+      if (slot.spec.name == tamper_ && !slot.bytes.empty()) slot.bytes[0] ^= std::byte{1};
+    }
+  }
+
+  fingerprint_list fingerprint(const std::vector<std::string>& names) override {
+    std::lock_guard lock(mutex_);
+    std::vector<tensor_view> views;
+    for (auto& [name, t] : tensors_) views.emplace_back(t.spec, t.bytes.data());
+    return fingerprint_all(views, names);
+  }
+
+ private:
+  struct tensor {
+    tensor_spec spec;
+    std::vector<std::byte> bytes;
+  };
+  std::string tamper_;
+  std::mutex mutex_;
+  std::map<std::string, tensor> tensors_;
+};
+
+// An engine that refuses every init (registered as "tcp" for one worker).
+class refusing_engine final : public weight_transfer_engine {
+ public:
+  using weight_transfer_engine::weight_transfer_engine;
+  std::string_view backend() const noexcept override { return "tcp"; }
+  std::unique_ptr<init_info> parse_init_info(const json&) const override { return std::make_unique<init_info>(); }
+  std::unique_ptr<update_info> parse_update_info(const json&) const override {
+    return std::make_unique<update_info>();
+  }
+
+ protected:
+  asio::awaitable<void> do_init(const init_info&) override {
+    throw_error(errc::invalid_state, "this worker refuses every init");
+    co_return;
+  }
+  asio::awaitable<void> do_receive(const update_info&, load_weights_fn) override { co_return; }
+  void do_shutdown() override {}
+};
+
+// One in-process worker: a host with its own factory and model.
+struct worker {
+  worker(asio::io_context& io, std::string tamper, bool refuse_init) : model(std::move(tamper)) {
+    if (refuse_init)
+      factory.register_engine<refusing_engine, void>("tcp");
+    else
+      factory.register_engine<tcp::engine, tcp::sender>("tcp");
+    host = std::make_unique<control::worker_host>(tcp_config(), engine_context{io.get_executor(), {}, {}, &model},
+                                                  model.as_load_weights(), factory);
+    port = host->listen("127.0.0.1", 0);
+    spawn(io, host->serve());
+  }
+  engine_factory factory;
+  test_model model;
+  std::unique_ptr<control::worker_host> host;
+  std::uint16_t port = 0;
+};
+
+struct worker_setup {
+  std::string tamper;  // a tensor whose bytes this worker alters
+  bool refuse_init = false;
+};
+
+class worker_group_test : public ::testing::Test {
+ protected:
+  void start(std::vector<worker_setup> setups) {
+    std::vector<control::worker_endpoint> endpoints;
+    for (auto& s : setups) {
+      workers_.push_back(std::make_unique<worker>(io_, s.tamper, s.refuse_init));
+      endpoints.push_back({"127.0.0.1", workers_.back()->port});
+    }
+    group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", std::move(endpoints));
+    sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
+    run_to_completion(io_, group_->connect());
+  }
+  void TearDown() override {
+    if (group_) group_->close();
+    for (auto& w : workers_) w->host->stop();
+    if (sender_) sender_->shutdown();
+    EXPECT_TRUE(run(io_, 5s)) << "stop() leaves nothing running";
+  }
+
+  json trainer_args() const {
+    return {{"master_address", "127.0.0.1"}, {"master_port", 0},   {"world_size", workers_.size() + 1},
+            {"buffer_bytes", 16384},         {"num_buffers", 2}};
+  }
+  asio::awaitable<void> init() { co_await group_->init(*sender_, trainer_args()); }
+  asio::awaitable<void> update_into(control::update_result& out, tensor_set& set, std::int64_t version,
+                                    control::update_options options) {
+    auto views = set.views();
+    out = co_await group_->update(*sender_, set.meta, views, version, std::move(options));
+  }
+  // Runs an update; its error (or nullopt).
+  std::optional<error> try_update(tensor_set& set, std::int64_t version, control::update_result& result,
+                                  control::update_options options = {}) {
+    try {
+      run_to_completion(io_, update_into(result, set, version, std::move(options)));
+    } catch (const error& e) {
+      return e;
+    }
+    return std::nullopt;
+  }
+  std::vector<json> call_all(const std::string& method) {
+    std::vector<json> out;
+    run_to_completion(io_, call_all_into(method, out));
+    return out;
+  }
+  asio::awaitable<void> call_all_into(std::string method, std::vector<json>& out) {
+    out = co_await group_->call_all(std::move(method));
+  }
+
+  static tensor_set model_tensors(std::uint64_t seed) {
+    tensor_set set;
+    for (int i = 0; i < 6; ++i) set.add("layer." + std::to_string(i), dtype::bfloat16, {64, 96}, seed);
+    return set;
+  }
+
+  asio::io_context io_;
+  std::vector<std::unique_ptr<worker>> workers_;
+  std::unique_ptr<control::worker_group> group_;
+  std::unique_ptr<tcp::sender> sender_;
+};
+
+TEST_F(worker_group_test, a_full_update_of_two_workers_ends_verified_at_its_version) {
+  start({{}, {}});
+  run_to_completion(io_, init());
+  for (std::int64_t version : {7, 8}) {
+    tensor_set set = model_tensors(static_cast<std::uint64_t>(version));
+    control::update_result result;
+    control::update_options options;
+    options.commit = version == 8 ? commit_mode::staged : commit_mode::in_place;
+    auto failure = try_update(set, version, result, options);
+    ASSERT_FALSE(failure) << failure->message();
+    EXPECT_TRUE(result.verified);
+    EXPECT_EQ(result.version, version);
+    EXPECT_GT(result.seconds, 0);
+    ASSERT_EQ(result.workers.size(), 2u);
+    for (const auto& w : result.workers) {
+      EXPECT_EQ(w.stats["tensors"], 6) << w.finish.dump();
+      EXPECT_EQ(w.stats["bytes"], set.meta.total_bytes()) << w.finish.dump();
+      EXPECT_GT(w.seconds, 0);
+      EXPECT_LE(w.seconds, result.seconds);
+    }
+    const auto infos = call_all("weight_info");
+    for (const auto& info : infos) {
+      EXPECT_EQ(info["weight_version"], version) << info.dump();
+      EXPECT_EQ(info["state"], "clean") << info.dump();
+    }
+  }
+}
+
+TEST_F(worker_group_test, a_worker_holding_other_bytes_is_a_fingerprint_mismatch_naming_it) {
+  start({{}, {"layer.3"}});
+  run_to_completion(io_, init());
+  tensor_set set = model_tensors(1);
+  control::update_result result;
+  auto failure = try_update(set, 5, result);
+  ASSERT_TRUE(failure) << "the tampered worker passed the check";
+  EXPECT_EQ(failure->kind(), errc::integrity_error) << failure->message();
+  const std::string expected_name = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  EXPECT_NE(failure->message().find(expected_name), std::string::npos) << failure->message();
+  EXPECT_NE(failure->message().find("'layer.3' differs"), std::string::npos) << failure->message();
+  EXPECT_EQ(failure->message().find("worker 0"), std::string::npos) << failure->message();
+
+  // Without the check the update itself succeeds; the differences, by worker.
+  auto differences = [&]() -> asio::awaitable<std::vector<std::vector<std::string>>> {
+    co_return co_await group_->fingerprint_differences(fingerprint_all(set.views()), 6);
+  };
+  control::update_options unchecked;
+  unchecked.verify = false;
+  failure = try_update(set, 6, result, unchecked);
+  ASSERT_FALSE(failure) << failure->message();
+  EXPECT_FALSE(result.verified);
+  std::vector<std::vector<std::string>> diffs;
+  auto fetch = [&]() -> asio::awaitable<void> { diffs = co_await differences(); };
+  run_to_completion(io_, fetch());
+  ASSERT_EQ(diffs.size(), 2u);
+  EXPECT_TRUE(diffs[0].empty()) << diffs[0][0];
+  ASSERT_EQ(diffs[1].size(), 1u);
+  EXPECT_NE(diffs[1][0].find("'layer.3' differs"), std::string::npos) << diffs[1][0];
+}
+
+TEST_F(worker_group_test, the_check_also_wants_the_version) {
+  start({{}, {}});
+  run_to_completion(io_, init());
+  tensor_set set = model_tensors(2);
+  control::update_result result;
+  control::update_options unchecked;
+  unchecked.verify = false;
+  ASSERT_FALSE(try_update(set, 3, result, unchecked));
+  std::string message;
+  auto check = [&]() -> asio::awaitable<void> {
+    try {
+      co_await group_->verify(fingerprint_all(set.views()), 4);
+    } catch (const error& e) {
+      message = e.message();
+    }
+  };
+  run_to_completion(io_, check());
+  EXPECT_NE(message.find("worker 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("version is 3"), std::string::npos) << message;
+}
+
+TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once) {
+  start({{}, {"", true}});
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<error> failure;
+  try {
+    run_to_completion(io_, init());
+  } catch (const error& e) {
+    failure = e;
+  }
+  ASSERT_TRUE(failure) << "init succeeded with a refusing worker";
+  EXPECT_EQ(failure->kind(), errc::invalid_state) << failure->message();
+  const std::string expected_name = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  EXPECT_EQ(failure->message().rfind(expected_name, 0), 0u) << failure->message();
+  EXPECT_NE(failure->message().find("refuses every init"), std::string::npos) << failure->message();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s) << "waited for the sender's deadline";
+}
+
+TEST_F(worker_group_test, errors_of_application_calls_name_the_worker_by_the_naming_function) {
+  start({{}, {}});
+  workers_[0]->host->add_method("only_on_rank_1", [](const json&) -> asio::awaitable<json> { co_return json(1); });
+  std::vector<control::worker_endpoint> endpoints = {{"127.0.0.1", workers_[0]->port}, {"127.0.0.1", workers_[1]->port}};
+  control::worker_group named(io_.get_executor(), 5s, "", endpoints,
+                              [](std::size_t i) { return "worker rank " + std::to_string(i + 1); });
+  run_to_completion(io_, named.connect());
+  std::string message;
+  auto call = [&]() -> asio::awaitable<void> {
+    try {
+      co_await named.call_all("only_on_rank_1");
+    } catch (const error& e) {
+      message = e.message();
+    }
+  };
+  run_to_completion(io_, call());
+  EXPECT_EQ(message.rfind("worker rank 2: ", 0), 0u) << message;
+  EXPECT_NE(message.find("only_on_rank_1"), std::string::npos) << message;
+  named.close();
+}
+
+// ---- client::call's awaitables own their arguments
+
+asio::awaitable<void> into(json& out, asio::awaitable<json> op) { out = co_await std::move(op); }
+
+TEST(control_client, awaitables_built_from_temporaries_can_be_awaited_later) {
+  asio::io_context io;
+  engine_factory factory;
+  factory.register_engine<tcp::engine, tcp::sender>("tcp");
+  capture got;
+  control::worker_host host(tcp_config(), engine_context{io.get_executor()}, got.fn(), factory);
+  const int n = 8;
+  // Long names (beyond the small-string buffer): a dangling reference to a freed
+  // temporary reads garbage.
+  auto method_name = [](int i) { return "echo_method_with_a_name_longer_than_sso_" + std::to_string(i); };
+  for (int i = 0; i < n; ++i)
+    host.add_method(method_name(i), [i](const json& params) -> asio::awaitable<json> {
+      json answer = params;
+      answer["method"] = i;
+      co_return answer;
+    });
+  const auto port = host.listen("127.0.0.1", 0);
+  spawn(io, host.serve());
+  control::client c(io.get_executor(), 5s);
+  run_to_completion(io, c.connect("127.0.0.1", port));
+
+  std::vector<json> answers(n);
+  auto all = [&]() -> asio::awaitable<void> {
+    std::vector<asio::awaitable<void>> ops;
+    for (int i = 0; i < n; ++i) {
+      // Method and params are temporaries of this statement; the call runs later.
+      ops.push_back(into(answers[i], c.call(method_name(i), json{{"payload", std::string(40, 'a' + i)}})));
+    }
+    co_await async::all_of(std::move(ops));
+    // The documented braced form's replacement compiles inside co_await.
+    const std::vector<int> list = {1, 2};
+    json p = co_await c.call(method_name(0), control::params("k", 1, "name", "x", "list", list));
+    EXPECT_EQ(p["k"], 1);
+    EXPECT_EQ(p["name"], "x");
+    EXPECT_EQ(p["list"], json::array({1, 2}));
+    EXPECT_EQ(control::params(), json::object());
+  };
+  run_to_completion(io, all());
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(answers[i]["method"], i) << answers[i].dump();
+    EXPECT_EQ(answers[i]["payload"], std::string(40, 'a' + i)) << answers[i].dump();
+  }
+  c.close();
+  host.stop();
+  EXPECT_TRUE(run(io, 5s));
+}
+
+}  // namespace
+}  // namespace refit::testing
