@@ -23,4 +23,5 @@
 #include <refit/metadata.h>
 #include <refit/session.h>
 #include <refit/tensor.h>
+#include <refit/tensor_map_target.h>
 #include <refit/trainer.h>
