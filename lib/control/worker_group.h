@@ -78,7 +78,13 @@ enum class rank_layout {
   shared,
 };
 
+// The option structs declare their constructor, so they are not aggregates: GCC 12
+// destroys an aggregate temporary passed by value to a coroutine inside co_await
+// twice (a default `options = {}` included), which for update_options' json is a
+// double free. With a constructor, `co_await group.update(..., version)` is safe.
+// Set members after construction (no designated initialisers).
 struct init_options {
+  init_options() = default;
   rank_layout ranks = rank_layout::per_worker;
   /// Called with each worker's index and init_info before it is sent, e.g. to
   /// advertise another master_port (a proxy in front of the trainer). Optional.
@@ -86,6 +92,7 @@ struct init_options {
 };
 
 struct update_options {
+  update_options() = default;
   /// Written into update_info's "commit"; nullopt: leave it out (each worker's
   /// configured mode).
   std::optional<commit_mode> commit;

@@ -22,14 +22,19 @@ asio::awaitable<void> train(refit::control::worker_host& host, std::uint16_t por
                             const consumer::config& cfg, int& verified) {
   auto ex = co_await asio::this_coro::executor;
   const std::chrono::milliseconds timeout(30000);
-  refit::control::worker_group workers(ex, timeout, "", {{"127.0.0.1", port}});
+  std::vector<refit::control::worker_endpoint> endpoints;
+  endpoints.push_back({"127.0.0.1", port});
+  refit::control::worker_group workers(ex, timeout, "", std::move(endpoints));
   co_await workers.connect();
 
   refit::weight_transfer_config config;  // backend "tcp"
   config.timeout = timeout;
   auto sender = refit::engine_factory::instance().create_sender(config, refit::trainer_context{ex, {}});
-  refit::json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
-  co_await workers.init(*sender, args);
+  refit::json args;
+  args["master_address"] = "127.0.0.1";
+  args["master_port"] = 0;
+  args["world_size"] = 2;
+  const refit::json init_info = co_await workers.init(*sender, args);  // the sender's init_info, as sent
 
   // The trainer's weights: cfg.tensors bf16 tensors, new values every update.
   refit::update_metadata meta;

@@ -193,6 +193,30 @@ TEST_F(worker_group_test, a_full_update_of_two_workers_ends_verified_at_its_vers
   }
 }
 
+// GCC 12 destroys an aggregate temporary passed by value to a coroutine in a
+// co_await twice; the default options (a json inside) were a double free in the
+// natural `co_await workers.update(sender, meta, views, version)` (seen in the
+// consumer demo). The option structs are not aggregates, so this runs clean
+// (and ASan, in ./refit check, would see a second destruction).
+asio::awaitable<void> update_with_default_options(control::worker_group& group, tcp::sender& sender,
+                                                  tensor_set& set, int& verified) {
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
+  co_await group.init(sender, args);
+  auto views = set.views();
+  for (std::int64_t version = 1; version <= 2; ++version) {
+    auto result = co_await group.update(sender, set.meta, views, version);
+    if (result.verified) ++verified;
+  }
+}
+
+TEST_F(worker_group_test, default_options_passed_inside_co_await_are_destroyed_once) {
+  start({{}});
+  tensor_set set = model_tensors(3);
+  int verified = 0;
+  run_to_completion(io_, update_with_default_options(*group_, *sender_, set, verified));
+  EXPECT_EQ(verified, 2);
+}
+
 TEST_F(worker_group_test, a_worker_holding_other_bytes_is_a_fingerprint_mismatch_naming_it) {
   start({{}, {"layer.3"}});
   run_to_completion(io_, init());
