@@ -1,8 +1,6 @@
 #include <refit/tensor_map_target.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include <refit/error.h>
 
@@ -39,7 +37,9 @@ struct tensor_map_target::snapshot {
   std::vector<std::byte*> data;         // per tensor, the copy readers read
 };
 
-void tensor_map_target::free_deleter::operator()(std::byte* p) const noexcept { std::free(p); }
+void tensor_map_target::memory_deleter::operator()(std::byte* p) const noexcept {
+  if (p) memory->release(p);
+}
 
 // ---------------------------------------------------------------- reader
 
@@ -80,13 +80,13 @@ tensor_view tensor_map_target::reader::operator[](std::size_t index) const {
   if (index >= snap_->data.size())
     throw_error(errc::invalid_argument, std::string(who) + ": tensor index " + std::to_string(index) +
                                             " out of range (" + std::to_string(snap_->data.size()) + " tensors)");
-  return tensor_view(target_->tensors_[index].spec, snap_->data[index]);
+  return tensor_view(target_->tensors_[index].spec, snap_->data[index], target_->device_);
 }
 
 std::optional<tensor_view> tensor_map_target::reader::find(std::string_view name) const {
   auto it = target_->index_.find(name);
   if (it == target_->index_.end()) return std::nullopt;
-  return tensor_view(target_->tensors_[it->second].spec, snap_->data[it->second]);
+  return tensor_view(target_->tensors_[it->second].spec, snap_->data[it->second], target_->device_);
 }
 
 tensor_view tensor_map_target::reader::view(std::string_view name) const {
@@ -96,7 +96,10 @@ tensor_view tensor_map_target::reader::view(std::string_view name) const {
 
 // ---------------------------------------------------------------- setup
 
-tensor_map_target::tensor_map_target(tensor_map_target_options options) : options_(std::move(options)) {}
+tensor_map_target::tensor_map_target(tensor_map_target_options options)
+    : options_(std::move(options)),
+      memory_(options_.memory ? options_.memory : host_memory()),
+      device_(memory_->device()) {}
 
 tensor_map_target::~tensor_map_target() {
   // Guards must not outlive the target; the target's own snapshot goes last.
@@ -110,7 +113,23 @@ tensor_map_target::~tensor_map_target() {
 std::span<std::byte> tensor_map_target::add(const tensor_spec& spec) { return add_entry(spec, nullptr, 0, false); }
 
 std::span<std::byte> tensor_map_target::add(const tensor_spec& spec, std::span<std::byte> external) {
+  if (!device_.is_cpu())
+    throw_error(errc::invalid_argument, std::string(who) + ": add('" + spec.name +
+                                            "', span) wraps host memory, this target's tensors are on " +
+                                            to_string(device_) + " (add a tensor_view on " + to_string(device_) +
+                                            " instead)");
   return add_entry(spec, external.data(), external.size(), true);
+}
+
+tensor_view tensor_map_target::add(const tensor_view& external) {
+  const tensor_spec spec = external.spec();
+  if (!(external.device == device_))
+    throw_error(errc::invalid_argument, std::string(who) + ": external memory for '" + spec.name + "' is on " +
+                                            to_string(external.device) + ", this target's tensors are on " +
+                                            to_string(device_));
+  const std::uint64_t n = spec.nbytes();  // validates the shape
+  auto first = add_entry(spec, external.data, n, true);
+  return tensor_view(tensors_.back().spec, first.data(), device_);
 }
 
 std::span<std::byte> tensor_map_target::add_entry(const tensor_spec& spec, std::byte* external,
@@ -140,15 +159,13 @@ std::span<std::byte> tensor_map_target::add_entry(const tensor_spec& spec, std::
       e.buf[0] = external;
       continue;
     }
-    // At least one line, so even an empty tensor has an address; zeroed (and
-    // faulted in) here, not when the first update lands.
-    const std::uint64_t rounded = std::max<std::uint64_t>(64, (n + 63) / 64 * 64);
-    void* p = std::aligned_alloc(64, static_cast<std::size_t>(rounded));
+    // Even an empty tensor has an address; zeroed (on the host: and faulted in)
+    // here, not when the first update lands.
+    std::byte* p = memory_->allocate_zeroed(n);
     if (!p)
-      throw_error(errc::resource_exhausted, std::string(who) + ": cannot allocate " + std::to_string(rounded) +
-                                                " bytes for '" + spec.name + "'");
-    std::memset(p, 0, static_cast<std::size_t>(rounded));
-    e.own[c].reset(static_cast<std::byte*>(p));
+      throw_error(errc::resource_exhausted, std::string(who) + ": cannot allocate " + std::to_string(n) +
+                                                " bytes on " + to_string(device_) + " for '" + spec.name + "'");
+    e.own[c] = std::unique_ptr<std::byte, memory_deleter>(p, memory_deleter{memory_.get()});
     e.buf[c] = e.own[c].get();
   }
   tensors_.push_back(std::move(e));
@@ -367,12 +384,15 @@ void tensor_map_target::begin_update(const update_metadata& meta) {
 
 std::optional<tensor_view> tensor_map_target::destination(const tensor_spec& spec) {
   if (!options_.direct_receive) return std::nullopt;
+  // Engines refuse a destination on another device than theirs: device memory is
+  // offered only to an engine the application says receives on that device.
+  if (!device_.is_cpu() && !options_.direct_receive_on_device) return std::nullopt;
   const entry* e = lookup(spec.name);
   if (!e || !mismatch(e->spec, spec.dtype, spec.shape).empty()) return std::nullopt;
   std::lock_guard lock(mutex_);
   seal_locked();
   open_ = true;
-  return tensor_view(e->spec, write_buffer_locked(*e));
+  return tensor_view(e->spec, write_buffer_locked(*e), device_);
 }
 
 void tensor_map_target::direct_write_begins() {
@@ -399,11 +419,12 @@ void tensor_map_target::load_weights(std::span<const tensor_view> weights) {
     if (std::string diff = mismatch(e.spec, v.dtype, v.shape); !diff.empty())
       throw_error(errc::invalid_argument, std::string(who) + ": load_weights got tensor '" + e.spec.name +
                                               "' with " + diff + "; nothing of the batch was written");
-    if (!v.device.is_cpu())
+    if (!v.device.is_cpu() && !(v.device == device_))
       throw_error(errc::unsupported, std::string(who) + ": load_weights got tensor '" + e.spec.name + "' on " +
-                                         to_string(v.device) +
-                                         "; this target holds host tensors only (device buffers are not "
-                                         "supported yet)");
+                                         to_string(v.device) + "; this target's tensors are on " +
+                                         to_string(device_) + " and it loads views on the host" +
+                                         (device_.is_cpu() ? std::string() : " or on " + to_string(device_)) +
+                                         "; nothing of the batch was written");
     if (v.data == nullptr && e.nbytes != 0)
       throw_error(errc::invalid_argument, std::string(who) + ": load_weights got tensor '" + e.spec.name +
                                               "' without data");
@@ -422,7 +443,14 @@ void tensor_map_target::load_weights(std::span<const tensor_view> weights) {
   for (std::size_t i = 0; i < weights.size(); ++i) {
     const std::uint64_t n = tensors_[at[i]].nbytes;
     // Received directly: already in place.
-    if (n != 0 && into[i] != weights[i].data) std::memcpy(into[i], weights[i].data, static_cast<std::size_t>(n));
+    if (n == 0 || into[i] == weights[i].data) continue;
+    try {
+      memory_->copy_in(into[i], weights[i]);
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      --loads_;
+      throw;
+    }
   }
   std::lock_guard lock(mutex_);
   --loads_;
@@ -434,10 +462,38 @@ fingerprint_list tensor_map_target::fingerprint(const std::vector<std::string>& 
     throw_error(errc::invalid_state, std::string(who) + ": the weights are being updated (an update has been "
                                                         "writing them since its first byte); fingerprint them "
                                                         "after it finishes");
-  std::vector<tensor_view> views;
-  views.reserve(r->size());
-  for (auto v : *r) views.push_back(v);
-  return fingerprint_all(views, names);
+  if (device_.is_cpu()) {
+    std::vector<tensor_view> views;
+    views.reserve(r->size());
+    for (auto v : *r) views.push_back(v);
+    return fingerprint_all(views, names);
+  }
+  // Device memory: each tensor is copied to one host buffer and hashed there, so
+  // the fingerprints are those of host tensors of the same bytes.
+  std::vector<std::size_t> which;
+  if (names.empty()) {
+    which.resize(tensors_.size());
+    for (std::size_t i = 0; i < which.size(); ++i) which[i] = i;
+  } else {
+    which.reserve(names.size());
+    for (const auto& n : names) {
+      auto it = index_.find(n);
+      if (it == index_.end()) throw_error(errc::invalid_argument, "fingerprint: no weight named '" + n + "'");
+      which.push_back(it->second);
+    }
+  }
+  std::uint64_t largest = 0;
+  for (auto i : which) largest = std::max(largest, tensors_[i].nbytes);
+  std::vector<std::byte> host(static_cast<std::size_t>(largest));
+  fingerprint_list out;
+  out.reserve(which.size());
+  for (auto i : which) {
+    const entry& e = tensors_[i];
+    const std::span<std::byte> bytes(host.data(), static_cast<std::size_t>(e.nbytes));
+    if (e.nbytes != 0) memory_->copy_out(bytes, (*r)[i].data);
+    out.emplace_back(e.spec.name, refit::fingerprint(tensor_view(e.spec, host.data())));
+  }
+  return out;
 }
 
 }  // namespace refit

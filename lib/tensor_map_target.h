@@ -1,6 +1,7 @@
-// A ready-made model_target: named host tensors that an engine receives into
-// directly, checked against every update before any byte moves, with a reader API
-// that always shows bytes and weight version together.
+// A ready-made model_target: named tensors (host memory by default, device memory
+// through a tensor_memory) that an engine receives into directly, checked against
+// every update before any byte moves, with a reader API that always shows bytes
+// and weight version together.
 //
 //   refit::tensor_map_target model;                       // reader_lock mode
 //   auto w = model.add({"w", refit::dtype::bfloat16, {4096, 4096}});  // zeroed, owned
@@ -13,14 +14,33 @@
 //   { auto r = model.read();                              // any thread
 //     serve(r.version(), r.view("w")); }                  // bytes of exactly r.version()
 //
-// Tensors. add(spec) allocates zeroed host memory the target owns (64-byte
-// aligned, faulted in at add(), never on the event loop); add(spec, span) wraps
-// memory the application owns (exactly spec.nbytes() bytes, else invalid_argument;
-// it must outlive the target). Populate before first use: add() is refused
-// (invalid_state) once the target has been read, updated or fingerprinted.
-// Device (CUDA) memory is NOT supported by this target yet: it holds host tensors
-// only, and load_weights refuses device views (unsupported). For models on a GPU
-// use the libtorch adapter (lib/torch/target.h) or a model_target of your own.
+// Tensors. add(spec) allocates zeroed memory the target owns (from its
+// tensor_memory: on the host, 64-byte aligned, faulted in at add(), never on the
+// event loop); add(spec, span) wraps host memory the application owns (exactly
+// spec.nbytes() bytes, else invalid_argument; it must outlive the target);
+// add(view) wraps the application's memory on the target's device (the view's
+// device must be the memory's, else invalid_argument). Populate before first use:
+// add() is refused (invalid_state) once the target has been read, updated or
+// fingerprinted.
+//
+// Device tensors. tensor_map_target_options::memory says where the tensors live
+// and how bytes move there (lib/tensor_memory.h; null: host memory). With device
+// memory (CUDA builds: refit::cuda::device_tensor_memory, lib/cuda/tensor_memory.h)
+// every tensor is allocated on that device, and:
+//  * the views readers see (and destination() offers) carry the memory's device;
+//    readers read them with the device's API (e.g. kernels on that GPU);
+//  * load_weights copies every view through memory->copy_in: views on the host
+//    (an engine's host staging: tcp, loopback) are copied host -> device, views on
+//    the memory's device device -> device; a view on any other device is refused
+//    (unsupported, naming the tensor and both devices) before anything is written;
+//  * fingerprint copies each tensor to a host buffer with memory->copy_out and
+//    hashes that: the fingerprints are those of host tensors of the same bytes;
+//  * direct receive is off unless direct_receive_on_device is set too (see
+//    "Direct receive");
+//  * double buffering swaps pointers, as for host memory: nothing is copied at
+//    finish.
+// The initial weights: add(spec) returns the memory served first, on the device:
+// write it with the device's API (or memory->copy_in) before first use.
 //
 // Checks. begin_update (called by the engine base before any byte of a chunk
 // moves) refuses an update naming a tensor the target does not hold, or one whose
@@ -34,7 +54,13 @@
 // double_buffered mode: its back copy) when spec matches it exactly, so the engine
 // receives straight into it; load_weights copies only views that are not already
 // that memory. direct_receive = false in the options turns this off (every update
-// goes through the engine's staging and is copied by load_weights).
+// goes through the engine's staging and is copied by load_weights). With device
+// memory destination() offers memory only when direct_receive_on_device is set as
+// well: engines refuse a destination on another device than the one they receive
+// on (tcp and loopback receive on the host), so the default for device memory is
+// no direct receive (the engine stages on the host, load_weights copies in). Set
+// it when the engine receives on the memory's device (its engine_context::device
+// is memory->device(), e.g. cuda_ipc or nccl).
 //
 // Updates. An update is one session of one or more chunks (each a receive_weights /
 // update_weights): it opens with the first begin_update, direct_write_begins or
@@ -99,19 +125,25 @@
 //  * load_weights: on the engine's processing executor (a pool of
 //    config.processing_threads, or engine_context::processing_executor), never
 //    concurrently with itself for one update, possibly concurrently with the event
-//    loop's calls above. It may wait like direct_write_begins.
+//    loop's calls above. It may wait like direct_write_begins. Its copies
+//    (memory->copy_in: memcpy on the host, a synchronous device copy for device
+//    memory) run there too, after the wait, outside the target's lock, and are
+//    complete when load_weights returns.
 //  * fingerprint: on the processing executor (worker_host's weight_fingerprint),
 //    concurrently with anything. It never waits: in reader_lock mode while an
 //    update holds the weights it throws invalid_state (waiting there could starve
 //    the update's own load_weights on a one-thread pool); in double_buffered mode it
-//    hashes the front copies.
+//    hashes the front copies. With device memory its copy_out calls run on the
+//    calling thread, under a reader guard, possibly concurrently with an update's
+//    copy_in into the back copies (double_buffered).
 //  * finish, abort, start: any thread, but not concurrently with an update's
 //    load_weights (see Updates); usually the event loop, in the session's hooks.
 //  * read, try_read, the guards, version/dirty/generation queries: any thread,
 //    concurrently with everything. A guard must not outlive the target; do not hold
 //    one on the event loop across a co_await that waits for an update (the update
 //    would wait for the guard: a deadlock). Readers must not write through views.
-//  * add: before first use, on one thread.
+//  * add: before first use, on one thread (it allocates: memory->allocate_zeroed;
+//    the target's destruction releases: memory->release).
 #pragma once
 
 #include <condition_variable>
@@ -132,6 +164,7 @@
 #include <refit/fingerprint.h>
 #include <refit/metadata.h>
 #include <refit/tensor.h>
+#include <refit/tensor_memory.h>
 
 namespace refit {
 
@@ -150,6 +183,14 @@ struct tensor_map_target_options {
   std::optional<std::int64_t> initial_version;
   /// Offer the tensors' memory as destinations (direct receive).
   bool direct_receive = true;
+  /// Where the tensors live and how bytes move there (null: host memory).
+  std::shared_ptr<tensor_memory> memory;
+  /// With memory on a device (not the host): offer it as destinations too (with
+  /// direct_receive), because the engine receives on that device (its
+  /// engine_context::device is memory->device()). Off by default: tcp and
+  /// loopback receive on the host and refuse a device destination; they stage and
+  /// load_weights copies in. Ignored for host memory.
+  bool direct_receive_on_device = false;
 };
 
 class tensor_map_target final : public model_target {
@@ -226,9 +267,16 @@ class tensor_map_target final : public model_target {
   /// mode); returns the memory served first, for initial weights. invalid_argument
   /// for an empty or duplicate name or a bad shape; invalid_state after first use.
   std::span<std::byte> add(const tensor_spec& spec);
-  /// Adds a tensor in the application's memory (exactly spec.nbytes() bytes, else
-  /// invalid_argument); in double_buffered mode it is one of the two copies.
+  /// Adds a tensor in the application's host memory (exactly spec.nbytes() bytes,
+  /// else invalid_argument); in double_buffered mode it is one of the two copies.
+  /// Host memory only (with device memory: invalid_argument, use add(view)).
   std::span<std::byte> add(const tensor_spec& spec, std::span<std::byte> external);
+  /// Adds the tensor `external` describes (name, dtype, shape), in the
+  /// application's memory it points to, which must be on the target's device
+  /// (memory()->device(), else invalid_argument naming both) and outlive the
+  /// target; in double_buffered mode it is one of the two copies. Returns the view
+  /// served first (the target's spec, the target's device).
+  tensor_view add(const tensor_view& external);
 
   /// Waits while an update holds the weights (reader_lock mode); never waits in
   /// double_buffered mode.
@@ -256,6 +304,10 @@ class tensor_map_target final : public model_target {
   bool writing() const;
 
   reader_mode mode() const noexcept { return options_.mode; }
+  /// Where the tensors live (never null: host_memory() when none was given).
+  const std::shared_ptr<tensor_memory>& memory() const noexcept { return memory_; }
+  /// memory()->device(): the device of every view the target hands out.
+  refit::device device() const noexcept { return device_; }
   std::size_t size() const noexcept { return tensors_.size(); }
   /// The specs, in the order added.
   std::vector<tensor_spec> specs() const;
@@ -270,14 +322,15 @@ class tensor_map_target final : public model_target {
   fingerprint_list fingerprint(const std::vector<std::string>& names) override;
 
  private:
-  struct free_deleter {
+  struct memory_deleter {
+    tensor_memory* memory;  // no default member initializer: the deleter must be default-constructible here
     void operator()(std::byte* p) const noexcept;
   };
   struct entry {
     tensor_spec spec;
     std::uint64_t nbytes = 0;
     std::byte* buf[2] = {nullptr, nullptr};  // buf[1]: double_buffered only
-    std::unique_ptr<std::byte, free_deleter> own[2];
+    std::unique_ptr<std::byte, memory_deleter> own[2];
     int front = 0;  // double_buffered: the copy readers read (changed under mutex_)
   };
 
@@ -293,6 +346,8 @@ class tensor_map_target final : public model_target {
   std::byte* write_buffer_locked(const entry& e) const;
 
   tensor_map_target_options options_;
+  std::shared_ptr<tensor_memory> memory_;  // declared before tensors_: released after them
+  refit::device device_;
   std::deque<entry> tensors_;  // never relocated: views and the index point into it
   std::unordered_map<std::string_view, std::size_t> index_;
 

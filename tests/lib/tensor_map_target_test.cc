@@ -2,7 +2,9 @@
 // leave the bytes alone), direct receive into its own memory, full updates through
 // the loopback engine (both commit modes), and the reader contract in both reader
 // modes: every byte a reader sees belongs to the version it is shown, while
-// updates run repeatedly on another thread.
+// updates run repeatedly on another thread. And a target on "device" memory (a
+// tensor_memory that is host memory claiming to be cuda:0) going through the
+// interface for allocation, loads and fingerprints.
 #include <refit/tensor_map_target.h>
 
 #include <atomic>
@@ -19,6 +21,7 @@
 
 #include <refit/engines/loopback/loopback.h>
 #include <refit/fingerprint.h>
+#include <refit/tensor_memory.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -263,7 +266,7 @@ TEST(tensor_map_target, load_weights_checks_the_whole_batch_before_writing) {
                        copy.data[1].data(), device::cuda(0));
     e = REFIT_THROWN(target->load_weights(std::span<const tensor_view>(&on_gpu, 1)));
     EXPECT_EQ(e.kind(), errc::unsupported);
-    EXPECT_THAT(e.message(), HasSubstr("device buffers are not supported"));
+    EXPECT_THAT(e.message(), HasSubstr("tensor 'layers.0.b' on cuda:0; this target's tensors are on cpu"));
   }
 }
 
@@ -540,6 +543,219 @@ TEST(tensor_map_target, double_buffered_guards_keep_their_generation) {
   loader.join();
   target->finish(2);
   expect_version(target->read(), 2);
+}
+
+// ---------------------------------------------------------------- device memory
+
+// Host memory that claims to be on a device (cuda:0 by default) and counts what
+// the target asks of it: the core's side of device tensors, without a GPU.
+class counting_memory final : public tensor_memory {
+ public:
+  explicit counting_memory(refit::device dev = device::cuda(0)) : dev_(dev) {}
+  refit::device device() const noexcept override { return dev_; }
+  std::byte* allocate_zeroed(std::uint64_t bytes) override {
+    ++allocations;
+    return host_.allocate_zeroed(bytes);
+  }
+  void release(std::byte* p) noexcept override {
+    ++releases;
+    host_.release(p);
+  }
+  void copy_in(std::byte* dst, const tensor_view& src) override {
+    ++copies_in;
+    if (src.device.is_cpu()) ++from_host;
+    else if (src.device == dev_) ++from_device;
+    else ++from_elsewhere;
+    if (src.nbytes() != 0) std::memcpy(dst, src.data, static_cast<std::size_t>(src.nbytes()));
+  }
+  void copy_out(std::span<std::byte> host, const std::byte* src) override {
+    ++copies_out;
+    if (!host.empty()) std::memcpy(host.data(), src, host.size());
+  }
+
+  std::atomic<int> allocations{0}, releases{0}, copies_in{0}, copies_out{0};
+  std::atomic<int> from_host{0}, from_device{0}, from_elsewhere{0};
+
+ private:
+  refit::device dev_;
+  host_tensor_memory host_;
+};
+
+std::unique_ptr<tensor_map_target> make_device_target(reader_mode mode, std::shared_ptr<counting_memory> memory,
+                                                      std::int64_t initial_version = 0,
+                                                      bool direct_receive_on_device = false) {
+  tensor_map_target_options o;
+  o.mode = mode;
+  o.initial_version = initial_version;
+  o.memory = memory;
+  o.direct_receive_on_device = direct_receive_on_device;
+  auto target = std::make_unique<tensor_map_target>(o);
+  const auto layout = model_layout();
+  for (std::size_t t = 0; t < layout.tensors.size(); ++t) {
+    // The initial weights, written the way an application writes device memory.
+    std::vector<std::byte> host(layout.tensors[t].nbytes());
+    fill_all(host, initial_version, t);
+    auto at = target->add(layout.tensors[t]);
+    memory->copy_in(at.data(), tensor_view(layout.tensors[t], host.data()));
+  }
+  memory->copies_in = 0;
+  memory->from_host = 0;
+  return target;
+}
+
+// Every tensor of `target` read back through the memory's copy_out.
+void expect_device_version(tensor_map_target& target, tensor_memory& memory, std::int64_t v) {
+  auto r = target.read();
+  ASSERT_EQ(r.version(), v);
+  std::size_t t = 0;
+  for (auto view : r) {
+    EXPECT_EQ(view.device, device::cuda(0)) << view.name;
+    std::vector<std::byte> host(view.nbytes());
+    memory.copy_out(host, view.data);
+    EXPECT_EQ(first_mismatch(host, v, t), -1) << view.name << " at version " << v;
+    ++t;
+  }
+  EXPECT_EQ(t, model_layout().tensors.size());
+}
+
+TEST(tensor_map_target, device_memory_allocates_through_the_interface_and_views_carry_its_device) {
+  for (reader_mode mode : modes) {
+    SCOPED_TRACE(std::string(to_string(mode)));
+    const int copies = mode == reader_mode::double_buffered ? 2 : 1;
+    auto memory = std::make_shared<counting_memory>();
+    auto target = make_device_target(mode, memory, 0);
+    EXPECT_EQ(memory->allocations, 3 * copies);
+    EXPECT_EQ(target->device(), device::cuda(0));
+    EXPECT_EQ(target->memory().get(), memory.get());
+
+    // The application's memory: a view on the memory's device, not a host span.
+    std::vector<std::byte> mine(8);
+    auto e = REFIT_THROWN(target->add({"span", dtype::float32, {2}}, mine));
+    EXPECT_EQ(e.kind(), errc::invalid_argument);
+    EXPECT_THAT(e.message(), HasSubstr("'span'"));
+    EXPECT_THAT(e.message(), HasSubstr("on cuda:0"));
+    const std::vector<std::int64_t> two = {2};
+    e = REFIT_THROWN(target->add(tensor_view("on_host", dtype::float32, two, mine.data())));
+    EXPECT_EQ(e.kind(), errc::invalid_argument);
+    EXPECT_THAT(e.message(), HasSubstr("external memory for 'on_host' is on cpu, this target's tensors are on cuda:0"));
+    auto wrapped = target->add(tensor_view("mine", dtype::float32, two, mine.data(), device::cuda(0)));
+    EXPECT_EQ(wrapped.data, mine.data());
+    EXPECT_EQ(wrapped.device, device::cuda(0));
+    EXPECT_EQ(wrapped.name, "mine");
+    EXPECT_EQ(memory->allocations, 3 * copies + (copies - 1)) << "double_buffered: the other copy is allocated";
+
+    // Device memory is no destination unless the engine receives on that device.
+    for (const auto& s : model_layout().tensors) EXPECT_FALSE(target->destination(s)) << s.name;
+    auto r = target->read();
+    for (auto v : r) EXPECT_EQ(v.device, device::cuda(0)) << v.name;
+    EXPECT_EQ(r.view("mine").data, mine.data());
+    r.release();
+
+    auto direct = make_device_target(mode, memory, 0, true);
+    auto d = direct->destination(model_layout().tensors[0]);
+    ASSERT_TRUE(d);
+    EXPECT_EQ(d->device, device::cuda(0));
+    tensor_map_target_options off;
+    off.memory = memory;
+    off.direct_receive = false;
+    off.direct_receive_on_device = true;
+    tensor_map_target none(off);
+    none.add(model_layout().tensors[0]);
+    EXPECT_FALSE(none.destination(model_layout().tensors[0])) << "direct_receive = false wins";
+
+    const int allocated = memory->allocations;
+    target.reset();
+    direct.reset();
+    EXPECT_EQ(memory->releases, allocated - 1) << "every owned copy is released (not the one of `none`, reader_lock)";
+  }
+}
+
+TEST(tensor_map_target, device_memory_full_update_through_the_loopback_engine) {
+  for (reader_mode mode : modes) {
+    for (commit_mode commit : {commit_mode::in_place, commit_mode::staged}) {
+      SCOPED_TRACE(std::string(to_string(mode)) + " " + std::string(to_string(commit)));
+      auto memory = std::make_shared<counting_memory>();
+      auto target = make_device_target(mode, memory, 0);
+      loopback_pair pair(target.get());  // receives on the host: staged, then copied in
+      trainer_copy copy(model_layout());
+      copy.set_version(5);
+      pair.update(copy, target->as_load_weights(), commit);
+      target->finish(5);
+      EXPECT_EQ(memory->copies_in, 3) << "every tensor goes through copy_in";
+      EXPECT_EQ(memory->from_host, 3) << "from the engine's host staging";
+      expect_device_version(*target, *memory, 5);
+
+      memory->copies_out = 0;
+      EXPECT_EQ(target->fingerprint({}), fingerprint_all(copy.views())) << "the trainer's fingerprints";
+      EXPECT_EQ(memory->copies_out, 3) << "fingerprints hash host copies";
+      const std::vector<std::string> names = {"embed", "layers.0.w"};
+      EXPECT_EQ(target->fingerprint(names), fingerprint_all(copy.views(), names));
+      auto e = REFIT_THROWN(target->fingerprint({"nope"}));
+      EXPECT_EQ(e.kind(), errc::invalid_argument);
+      EXPECT_THAT(e.message(), HasSubstr("'nope'"));
+
+      // A partial update; then views already on the device (device -> device).
+      update_metadata one;
+      one.tensors.push_back(model_layout().tensors[0]);
+      trainer_copy part(one);
+      part.set_version(6);
+      pair.update(part, target->as_load_weights(), commit);
+      target->finish(6);
+      {
+        auto r = target->read();
+        std::vector<std::byte> host(r.view("layers.0.w").nbytes());
+        memory->copy_out(host, r.view("layers.0.w").data);
+        EXPECT_EQ(first_mismatch(host, 6, 0), -1);
+        host.resize(r.view("embed").nbytes());
+        memory->copy_out(host, r.view("embed").data);
+        EXPECT_EQ(first_mismatch(host, 5, 2), -1);
+      }
+      copy.set_version(7);
+      std::vector<tensor_view> on_device = copy.views();
+      for (auto& v : on_device) v.device = device::cuda(0);
+      target->load_weights(on_device);
+      target->finish(7);
+      EXPECT_EQ(memory->from_device, 3);
+      expect_device_version(*target, *memory, 7);
+      EXPECT_EQ(target->fingerprint({}), fingerprint_all(copy.views()));
+    }
+  }
+}
+
+TEST(tensor_map_target, device_memory_refuses_views_on_other_devices_naming_the_tensor) {
+  for (reader_mode mode : modes) {
+    SCOPED_TRACE(std::string(to_string(mode)));
+    auto memory = std::make_shared<counting_memory>();
+    auto target = make_device_target(mode, memory, 3);
+    trainer_copy copy(model_layout());
+    copy.set_version(4);
+    auto views = copy.views();
+    views[1].device = device::cuda(1);  // the others are fine: nothing of the batch is written
+    auto e = REFIT_THROWN(target->load_weights(views));
+    EXPECT_EQ(e.kind(), errc::unsupported);
+    EXPECT_THAT(e.message(), HasSubstr("tensor 'layers.0.b' on cuda:1"));
+    EXPECT_THAT(e.message(), HasSubstr("this target's tensors are on cuda:0"));
+    EXPECT_THAT(e.message(), HasSubstr("nothing of the batch was written"));
+    EXPECT_EQ(memory->copies_in, 0);
+    EXPECT_FALSE(target->writing());
+    expect_device_version(*target, *memory, 3);
+  }
+}
+
+// With direct_receive_on_device the target offers device memory; an engine that
+// receives on the host refuses it (why it is off by default).
+TEST(tensor_map_target, device_destinations_are_refused_by_a_host_engine) {
+  auto memory = std::make_shared<counting_memory>();
+  auto target = make_device_target(reader_mode::reader_lock, memory, 0, true);
+  loopback_pair pair(target.get());
+  trainer_copy copy(model_layout());
+  copy.set_version(1);
+  auto received = spawn(pair.io, receive(*pair.engine, pair.info_for(copy.meta, commit_mode::in_place),
+                                         target->as_load_weights()));
+  ASSERT_TRUE(testing::run_until(pair.io, [&] { return received->done; }));
+  ASSERT_TRUE(received->error);
+  EXPECT_THAT(received->message(), HasSubstr("on cuda:0, expected"));
+  EXPECT_FALSE(target->writing());
 }
 
 }  // namespace
