@@ -24,4 +24,5 @@
 #include <refit/session.h>
 #include <refit/tensor.h>
 #include <refit/tensor_map_target.h>
+#include <refit/tensor_memory.h>
 #include <refit/trainer.h>
