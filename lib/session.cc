@@ -24,6 +24,11 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
   updating_ = true;
   std::exception_ptr failure;
   try {
+    // A chunk may come while the previous chunk's deferred processing still runs
+    // (update_weights answers once its bytes are in); the engine receives only
+    // after that work is done, so wait for it here rather than refuse the chunk.
+    // Its errors fail this chunk (the earlier one had reached the model: dirty).
+    if (chunks_ > 0) co_await engine_.drain_pending();
     co_await engine_.receive_weights(info, std::move(load_weights));
   } catch (...) {
     failure = std::current_exception();

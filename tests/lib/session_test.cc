@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <asio/io_context.hpp>
@@ -137,6 +138,41 @@ TEST_F(session_test, start_update_chunks_finish_records_the_version) {
   EXPECT_FALSE(rc->error) << rc->message();
   EXPECT_TRUE(run_finish(session, 8)->done);
   EXPECT_EQ(session.weight_version(), 8);
+}
+
+// update_weights answers once a chunk's bytes are in, while its processing may still
+// run (loopback defers it): the next chunk waits for that work instead of being
+// refused ("previous update's processing is pending"), seen as a flaky hooks_test.
+TEST_F(session_test, a_chunk_arriving_while_the_previous_one_is_processed_waits_for_it) {
+  connect();
+  weight_update_session session(*engine);
+  session.start_weight_update();
+  tensor_set a = chunk(0), b = chunk(1);
+  capture got_a, got_b;
+  std::atomic<bool> release{false};
+  load_weights_fn slow = [&release, inner = got_a.fn()](std::span<const tensor_view> w) {
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    inner(w);
+  };
+  auto recv_a = spawn(io, update_json(session, metadata_json(a.meta), slow));
+  auto sent_a = spawn(io, send(*sender, a.meta, a.views()));
+  ASSERT_TRUE(testing::run_until(io, [&] { return recv_a->done; }, std::chrono::seconds(10)));
+  ASSERT_FALSE(recv_a->error) << recv_a->message();
+  auto recv_b = spawn(io, update_json(session, metadata_json(b.meta), got_b.fn()));
+  auto sent_b = spawn(io, send(*sender, b.meta, b.views()));
+  poll(io);
+  EXPECT_FALSE(recv_b->done) << "chunk b was taken (or refused) while chunk a was still being processed: "
+                             << recv_b->message();
+  release = true;
+  EXPECT_TRUE(testing::run(io));
+  EXPECT_FALSE(sent_a->error) << sent_a->message();
+  EXPECT_FALSE(recv_b->error) << recv_b->message();
+  EXPECT_FALSE(sent_b->error) << sent_b->message();
+  auto f = run_finish(session, 3);
+  EXPECT_TRUE(f->done && !f->error) << f->message();
+  EXPECT_EQ(session.weight_version(), 3);
+  EXPECT_NO_THROW(got_a.check_equals(a));
+  EXPECT_NO_THROW(got_b.check_equals(b));
 }
 
 TEST_F(session_test, typed_update_info_is_accepted_too) {
