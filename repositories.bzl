@@ -12,6 +12,9 @@ Nothing here downloads. It defines:
   refit_local_cuda
       the CUDA toolkit and NCCL of this machine ($CUDA_HOME, else /usr/local/cuda),
       used by the GPU engines under --define=refit_cuda=1 (refit's --config=cuda);
+  refit_local_python
+      the Python headers and nanobind of $REFIT_PYTHON (else python3), used only by
+      the extension module in //python;
   refit_local_torch
       libtorch ($REFIT_LIBTORCH, a torch wheel, or Debian's libtorch-dev), used only
       by the optional lib/torch adapter.
@@ -21,6 +24,7 @@ GoogleTest for tests) are Debian 12 packages: see the README.
 """
 
 load("//third_party/cuda:repo.bzl", "local_cuda_repository")
+load("//third_party/python:repo.bzl", "local_python_repository")
 load("//third_party/torch:repo.bzl", "local_torch_repository")
 
 def _shim_impl(rctx):
@@ -51,3 +55,5 @@ def refit_dependencies():
         local_cuda_repository(name = "refit_local_cuda")
     if "refit_local_torch" not in existing:
         local_torch_repository(name = "refit_local_torch")
+    if "refit_local_python" not in existing:
+        local_python_repository(name = "refit_local_python")

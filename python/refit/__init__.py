@@ -1,0 +1,367 @@
+"""refit: weight transfer from RL trainers to inference workers, from Python.
+
+The engines are refit's C++ engines (tcp, loopback, and nccl / cuda_ipc in CUDA
+builds), run on refit's own event loop, a thread of its own. Every long call comes
+in two forms:
+
+* blocking, ``engine.receive(info, load_weights)``: the GIL is released while C++
+  works, so other Python threads run; Ctrl-C cancels it;
+* asyncio, ``await engine.receive_async(info, load_weights)``: returns at once to
+  the asyncio loop, which keeps running; the result comes back through
+  ``loop.call_soon_threadsafe``. Cancelling the awaiting task cancels the C++
+  operation (refit's loop gets asio's terminal cancellation).
+
+Tensors are exchanged without copies: anything with ``__dlpack__`` (torch tensors
+on the CPU or a GPU, numpy arrays, cupy, ...) is read or written in place, and
+``load_weights`` gets torch tensors (numpy arrays when torch is not installed, or
+with ``framework="numpy"``) that view refit's memory for the duration of the call:
+copy what must outlive it (vLLM's ``model.load_weights`` does).
+
+Errors are :class:`refit.Error` subclasses by refit's kind (``refit.TimeoutError``,
+``refit.PeerLostError``, ...). An exception raised by a Python ``load_weights``
+comes out of the call that received as itself.
+
+Worker side: :class:`Engine` (an engine from the factory, with vLLM's session verbs)
+and :class:`WorkerHost` (refit's control plane, driven by a trainer's
+:class:`WorkerGroup`). Trainer side: :class:`Sender` and :class:`WorkerGroup`. The
+vLLM backend is :mod:`refit.vllm`.
+"""
+
+import asyncio as _asyncio
+import atexit as _atexit
+
+from . import _refit
+from ._errors import (  # noqa: F401
+    AlreadyRegisteredError,
+    AuthError,
+    CancelledError,
+    Error,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidStateError,
+    IoError,
+    LoadFailedError,
+    NotRegisteredError,
+    PeerLostError,
+    ProcessingFailedError,
+    ProtocolError,
+    ResourceExhaustedError,
+    TimeoutError,
+    UnsupportedError,
+    error_class,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine", "Sender", "WorkerGroup", "WorkerHost", "Error", "backends", "describe", "fingerprints",
+    "register_plugin", "error_class",
+]
+
+backends = _refit.backends
+describe = _refit.describe
+fingerprints = _refit.fingerprints
+register_plugin = _refit.register_plugin
+
+# Stop refit's loop before the interpreter goes: nothing may call into Python after.
+_atexit.register(_refit._shutdown)
+
+
+def _resolve(future, result, exc):
+    if future.done():  # cancelled meanwhile
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+async def _run(start, *args):
+    """Awaits a C++ operation started with ``start(*args, done)``."""
+    loop = _asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def done(result, exc):  # on refit's loop, GIL held
+        try:
+            loop.call_soon_threadsafe(_resolve, future, result, exc)
+        except RuntimeError:  # the asyncio loop is closed: nobody waits any more
+            pass
+
+    call = start(*args, done)
+    try:
+        return await future
+    except _asyncio.CancelledError:
+        call.cancel()
+        raise
+
+
+class Engine:
+    """A worker-side engine of ``backend`` (see :func:`backends`).
+
+    ``init(init_info)`` connects to the trainer with the dict the trainer's
+    :meth:`Sender.prepare` returned. ``receive(update_info, load_weights)`` receives
+    one update: ``update_info`` is vLLM's ``{"names", "dtype_names", "shapes"}``
+    (plus the engine's own members); ``load_weights(batch)`` is called with lists of
+    ``(name, tensor)`` views, incrementally, never concurrently with itself. With
+    ``tensors={name: tensor}`` the engine receives straight into those tensors'
+    memory (host tensors; checked against every update before a byte moves) and
+    ``load_weights`` may be omitted; ``fingerprint()`` then answers for them.
+
+    The session verbs of vLLM's RL API are here too: ``start_weight_update()``,
+    ``update_weights(update_info, load_weights)`` (one or more chunks),
+    ``finish_weight_update(version)`` (drains deferred processing and records the
+    version), ``abort_weight_update(why)``.
+    """
+
+    def __init__(self, backend="tcp", *, device="cpu", timeout_ms=60000, commit="in_place", auth_secret_file=None,
+                 processing_threads=1, socket_buffer_bytes=0, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1,
+                 tensors=None, framework="auto"):
+        self._impl = _refit._Engine(backend, str(device), int(timeout_ms), commit, auth_secret_file,
+                                    processing_threads, socket_buffer_bytes, tp_rank, tp_size, dp_rank, dp_size,
+                                    tensors, framework)
+        self._tensors = tensors  # referenced for as long as the engine writes them
+
+    @property
+    def backend(self):
+        return self._impl.backend
+
+    @property
+    def defers_processing(self):
+        """True when receive returns once every byte arrived and load_weights may still
+        run: drain() (or finish_weight_update) is its completion."""
+        return self._impl.defers_processing
+
+    def state(self):
+        """The engine's state: initialized, receiving, processing_pending, weights_dirty,
+        dirty_reason, session_active, weight_version, last_update (stats)."""
+        return self._impl.state()
+
+    @property
+    def weight_version(self):
+        return self.state()["weight_version"]
+
+    @property
+    def weights_dirty(self):
+        return self.state()["weights_dirty"]
+
+    @property
+    def dirty_reason(self):
+        return self.state()["dirty_reason"]
+
+    @property
+    def last_update_stats(self):
+        return self.state()["last_update"]
+
+    def init(self, init_info):
+        self._impl.init(init_info)
+
+    async def init_async(self, init_info):
+        await _run(_keep(self, self._impl._start_init), init_info)
+
+    def receive(self, update_info, load_weights=None):
+        self._impl.receive(update_info, load_weights)
+
+    async def receive_async(self, update_info, load_weights=None):
+        await _run(_keep(self, self._impl._start_receive), update_info, load_weights)
+
+    def drain(self):
+        """Waits for deferred processing; raises the first error it hit, once."""
+        self._impl.drain()
+
+    async def drain_async(self):
+        await _run(_keep(self, self._impl._start_drain))
+
+    # vLLM's names for the same
+    drain_pending = drain
+    drain_pending_async = drain_async
+
+    def start_weight_update(self):
+        self._impl.start_weight_update()
+
+    def update_weights(self, update_info, load_weights=None):
+        self._impl.update_weights(update_info, load_weights)
+
+    async def update_weights_async(self, update_info, load_weights=None):
+        await _run(_keep(self, self._impl._start_update_weights), update_info, load_weights)
+
+    def finish_weight_update(self, version=None):
+        self._impl.finish_weight_update(version)
+
+    async def finish_weight_update_async(self, version=None):
+        await _run(_keep(self, self._impl._start_finish_weight_update), version)
+
+    def abort_weight_update(self, why=""):
+        self._impl.abort_weight_update(why)
+
+    async def abort_weight_update_async(self, why=""):
+        await _run(_keep(self, self._impl._start_abort_weight_update), why)
+
+    def fingerprint(self, names=None):
+        """{name: 64-bit fingerprint} of the engine's tensors (all, or ``names``)."""
+        return self._impl.fingerprint(list(names or []))
+
+    def shutdown(self):
+        self._impl.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+
+class Sender:
+    """The trainer side of ``backend``: ``prepare(trainer_args)`` returns the init_info
+    every worker's :meth:`Engine.init` takes; ``connect_workers()`` waits for them;
+    ``send_weights(tensors)`` sends one update (a mapping or an iterable of
+    ``(name, tensor)``, e.g. ``model.named_parameters()``), checked tensor by tensor
+    against ``metadata`` (``describe(tensors)`` by default: the first divergent
+    parameter is named). tcp's trainer_args: ``master_address``, ``master_port``
+    (0: any free port), ``world_size`` (workers + 1), ``buffer_bytes``,
+    ``num_buffers``, ``timeout_ms``, ``topology``.
+    """
+
+    def __init__(self, backend="tcp", *, device="cpu", timeout_ms=60000, auth_secret_file=None, socket_buffer_bytes=0):
+        self._impl = _refit._Sender(backend, str(device), int(timeout_ms), auth_secret_file, socket_buffer_bytes)
+
+    @property
+    def backend(self):
+        return self._impl.backend
+
+    def prepare(self, trainer_args=None):
+        return self._impl.prepare(trainer_args or {})
+
+    def connect_workers(self):
+        self._impl.connect_workers()
+
+    async def connect_workers_async(self):
+        await _run(_keep(self, self._impl._start_connect_workers))
+
+    def send_weights(self, tensors, metadata=None):
+        self._impl.send_weights(tensors, metadata)
+
+    async def send_weights_async(self, tensors, metadata=None):
+        await _run(_keep(self, self._impl._start_send_weights), tensors, metadata)
+
+    @property
+    def last_send_stats(self):
+        return self._impl.last_send_stats()
+
+    def shutdown(self):
+        self._impl.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _keep(owner, start):
+    def bound(*args):
+        *rest, done = args
+        return start(*rest, lambda result, exc, _owner=owner: done(result, exc))
+    return bound
+
+
+class WorkerGroup:
+    """The trainer's control connections to N workers (refit's control plane, e.g.
+    :class:`WorkerHost` processes or the C++ main job's workers), each ``"host:port"``
+    or ``(host, port)``. ``update(sender, tensors, version)`` runs a whole update on
+    every worker at once: start_weight_update, update_weights alongside the send,
+    finish_weight_update, then (``verify=True``) every worker's fingerprints against
+    the trainer's. The first error names the worker.
+    """
+
+    def __init__(self, endpoints, *, timeout_ms=60000, auth_secret_file=None):
+        self._impl = _refit._WorkerGroup(list(endpoints), int(timeout_ms), auth_secret_file)
+
+    def __len__(self):
+        return len(self._impl)
+
+    def connect(self):
+        self._impl.connect()
+
+    async def connect_async(self):
+        await _run(_keep(self, self._impl._start_connect))
+
+    def init(self, sender, trainer_args=None, *, ranks="per_worker"):
+        """sender.prepare(trainer_args), every worker's init alongside
+        sender.connect_workers(); returns the init_info. ``ranks="shared"``: the workers
+        are the ranks of one tensor-parallel engine."""
+        return self._impl.init(sender._impl, trainer_args or {}, ranks)
+
+    async def init_async(self, sender, trainer_args=None, *, ranks="per_worker"):
+        return await _run(_keep((self, sender), self._impl._start_init), sender._impl, trainer_args or {}, ranks)
+
+    def update(self, sender, tensors, version, *, verify=True, commit=None, update_info=None, expected=None,
+               metadata=None):
+        """One update of every worker; returns {"version", "seconds", "verified", "workers"}."""
+        return self._impl.update(sender._impl, tensors, int(version), verify, commit, update_info, expected, metadata)
+
+    async def update_async(self, sender, tensors, version, *, verify=True, commit=None, update_info=None,
+                           expected=None, metadata=None):
+        return await _run(_keep((self, sender), self._impl._start_update), sender._impl, tensors, int(version), verify,
+                          commit, update_info, expected, metadata)
+
+    def call_all(self, method, params=None):
+        """``method`` on every worker at once; the answers by worker."""
+        return self._impl.call_all(method, params or {})
+
+    async def call_all_async(self, method, params=None):
+        return await _run(_keep(self, self._impl._start_call_all), method, params or {})
+
+    def fingerprint_differences(self, expected, version):
+        return self._impl.fingerprint_differences(expected, int(version))
+
+    def close(self):
+        self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class WorkerHost:
+    """refit's control plane in this process: serves vLLM's weight-transfer verbs
+    (init_weight_transfer_engine, start_weight_update, update_weights,
+    finish_weight_update, weight_info, weight_fingerprint) on ``host:port`` (0: any
+    free port, see ``.port``) for a trainer's :class:`WorkerGroup`, on refit's loop.
+    Updates land in ``tensors`` (received into directly, readers see whole versions)
+    or go to ``load_weights``. The ``on_update_*`` hooks are called on refit's loop
+    (keep them short): started(owner), finished(version, stats), failed(reason).
+    """
+
+    def __init__(self, backend="tcp", *, host="127.0.0.1", port=0, tensors=None, load_weights=None, timeout_ms=60000,
+                 commit="in_place", auth_secret_file=None, processing_threads=1, framework="auto",
+                 on_update_started=None, on_update_finished=None, on_update_failed=None):
+        self._impl = _refit._WorkerHost(backend, host, int(port), tensors, load_weights, int(timeout_ms), commit,
+                                        auth_secret_file, processing_threads, framework, on_update_started,
+                                        on_update_finished, on_update_failed)
+        self._tensors = tensors
+
+    @property
+    def port(self):
+        return self._impl.port
+
+    def weight_info(self):
+        return self._impl.weight_info()
+
+    def fingerprint(self, names=None):
+        return self._impl.fingerprint(list(names or []))
+
+    def add_method(self, name, fn):
+        """Serves ``name``: ``fn(params: dict) -> dict``, called on refit's loop."""
+        self._impl.add_method(name, fn)
+
+    def stop(self):
+        self._impl.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

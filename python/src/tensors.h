@@ -1,0 +1,58 @@
+// Tensors between Python and refit, without copies: any object with __dlpack__
+// (torch, numpy, cupy, ...) becomes a tensor_view of its own memory, and refit's
+// views become torch tensors (or numpy arrays) over refit's memory.
+#pragma once
+
+#include <deque>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include <refit/metadata.h>
+#include <refit/tensor.h>
+
+#include "bridge.h"
+
+namespace refit::py {
+
+/// What load_weights is given: torch tensors, or numpy arrays (bf16 and fp8 as
+/// their raw bits, uint16 and uint8, which numpy has no type for).
+enum class framework { torch, numpy };
+/// "torch", "numpy" or "auto" (torch when it can be imported). GIL held.
+framework parse_framework(const std::string& name);
+
+/// Python tensors held for as long as refit reads or writes their memory: their
+/// views, and references to the objects (released under the GIL, on any thread).
+class held_tensors {
+ public:
+  /// From a mapping {name: tensor} or an iterable of (name, tensor) pairs (what
+  /// named_parameters() yields). Each must be C-contiguous, of a dtype refit
+  /// moves, in host or CUDA memory; otherwise invalid_argument naming it. torch
+  /// tensors that require grad are detached (a view of the same memory). GIL held.
+  static held_tensors from_python(nb::handle tensors, const std::string& what);
+
+  std::span<const tensor_view> views() const { return views_; }
+  /// Names, dtypes and shapes, in order.
+  update_metadata metadata() const;
+  std::size_t size() const { return views_.size(); }
+
+ private:
+  struct item {
+    std::string name;
+    std::vector<std::int64_t> shape;
+  };
+  std::deque<item> items_;  // stable addresses: the views point into them
+  std::vector<tensor_view> views_;
+  shared_object owners_;    // a list of the Python objects
+};
+
+/// A Python view of `v`'s memory (no copy, no owner: valid while refit keeps the
+/// memory, i.e. during the load_weights call it is given to). GIL held.
+nb::object python_view(const tensor_view& v, framework fw);
+
+/// The (name, tensor) list load_weights gets for `views`. GIL held.
+nb::list python_batch(std::span<const tensor_view> views, framework fw);
+
+}  // namespace refit::py
