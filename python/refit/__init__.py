@@ -289,11 +289,18 @@ class WorkerGroup:
     def init(self, sender, trainer_args=None, *, ranks="per_worker"):
         """sender.prepare(trainer_args), every worker's init alongside
         sender.connect_workers(); returns the init_info. ``ranks="shared"``: the workers
-        are the ranks of one tensor-parallel engine."""
-        return self._impl.init(sender._impl, trainer_args or {}, ranks)
+        are the ranks of one tensor-parallel engine. ``world_size`` defaults to the
+        group's size + 1 (the trainer is rank 0)."""
+        return self._impl.init(sender._impl, self._trainer_args(trainer_args), ranks)
 
     async def init_async(self, sender, trainer_args=None, *, ranks="per_worker"):
-        return await _run(_keep((self, sender), self._impl._start_init), sender._impl, trainer_args or {}, ranks)
+        return await _run(_keep((self, sender), self._impl._start_init), sender._impl,
+                          self._trainer_args(trainer_args), ranks)
+
+    def _trainer_args(self, trainer_args):
+        args = dict(trainer_args or {})
+        args.setdefault("world_size", len(self) + 1)
+        return args
 
     def update(self, sender, tensors, version, *, verify=True, commit=None, update_info=None, expected=None,
                metadata=None):

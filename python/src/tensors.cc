@@ -53,6 +53,17 @@ std::optional<refit::dtype> refit_dtype(nb::dlpack::dtype d) {
   return std::nullopt;
 }
 
+std::string dlpack_dtype_name(nb::dlpack::dtype d) {
+  static const char* names[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool", "float8_e3m4",
+                                "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
+                                "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
+                                "float6_e3m2fn", "float4_e2m1fn", "bcomplex"};
+  std::string name = d.code < std::size(names) ? names[d.code] : "code " + std::to_string(d.code);
+  if (d.code <= 6 || d.code == 18) name += std::to_string(d.bits);
+  if (d.lanes != 1) name += "x" + std::to_string(d.lanes);
+  return name;
+}
+
 std::string py_type_name(nb::handle o) { return nb::cast<std::string>(nb::str(nb::handle(o.type()).attr("__name__"))); }
 
 // torch.Tensor, when torch has been imported (refit never imports it for this).
@@ -117,9 +128,8 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
                                               "numpy arrays");
     auto type = refit_dtype(array.dtype());
     if (!type)
-      throw_error(errc::invalid_argument, what + ": tensor '" + name + "' has a dtype refit does not move (DLPack code " +
-                                              std::to_string(array.dtype().code) + ", " +
-                                              std::to_string(array.dtype().bits) + " bits)");
+      throw_error(errc::invalid_argument, what + ": tensor '" + name + "' has a dtype refit does not move (" +
+                                              dlpack_dtype_name(array.dtype()) + ")");
     item it{std::move(name), {}};
     it.shape.reserve(array.ndim());
     std::int64_t expected = 1;
@@ -130,6 +140,7 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
       expected *= extent;
     }
     for (std::size_t d = 0; d < array.ndim(); ++d) it.shape.push_back(static_cast<std::int64_t>(array.shape(d)));
+    if (expected == 0) contiguous = true;  // no element: any strides describe it
     if (!contiguous)
       throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' of shape " + shape_to_string(it.shape) +
                                               " is not contiguous: send tensor.contiguous()");

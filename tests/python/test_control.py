@@ -1,0 +1,87 @@
+"""refit's control plane from Python: WorkerHost workers driven by a WorkerGroup."""
+
+import numpy as np
+import pytest
+
+import refit
+
+
+def model(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": rng.standard_normal((128, 32), dtype=np.float32),
+        "layers.0.w": rng.standard_normal((32, 32), dtype=np.float32),
+        "layers.0.b": rng.standard_normal(32).astype(np.float16),
+        "head": rng.standard_normal((32, 128), dtype=np.float32),
+    }
+
+
+def test_a_worker_group_updates_worker_hosts_and_verifies_them():
+    dests = [{k: np.zeros_like(v) for k, v in model(0).items()} for _ in range(2)]
+    events = []
+    hosts = [refit.WorkerHost("tcp", tensors=d, timeout_ms=10000,
+                              on_update_started=lambda owner: events.append(("started", owner)),
+                              on_update_finished=lambda v, stats: events.append(("finished", v)))
+             for d in dests]
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([f"127.0.0.1:{h.port}" for h in hosts], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        for version in (1, 2, 3):
+            src = model(version)
+            result = group.update(sender, src, version)
+            assert result["verified"] and result["version"] == version
+            assert len(result["workers"]) == 2
+            for d in dests:
+                assert all(d[k].tobytes() == src[k].tobytes() for k in src)
+        for h in hosts:
+            info = h.weight_info()
+            assert info["weight_version"] == 3 and info["state"] == "clean"
+            assert h.fingerprint() == refit.fingerprints(model(3))
+        assert [e for e in events if e[0] == "finished"] == [("finished", v) for v in (1, 1, 2, 2, 3, 3)]
+    sender.shutdown()
+    for h in hosts:
+        h.stop()
+
+
+def test_a_worker_that_holds_other_weights_is_named():
+    dest = {k: np.zeros_like(v) for k, v in model(0).items()}
+    host = refit.WorkerHost("tcp", tensors=dest, timeout_ms=10000)
+    host.add_method("corrupt", lambda params: (dest["head"].__setitem__((0, 0), 42.0), {})[1])
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([("127.0.0.1", host.port)], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        group.update(sender, model(1), 1)
+        group.call_all("corrupt")
+        diffs = group.fingerprint_differences(refit.fingerprints(model(1)), 1)
+        assert len(diffs) == 1 and any("head" in line for line in diffs[0]), diffs
+        with pytest.raises(refit.IntegrityError, match="head"):
+            group.update(sender, model(2), 2, expected={**refit.fingerprints(model(2)), "head": 1})
+    sender.shutdown()
+    host.stop()
+
+
+def test_a_python_load_weights_worker_host_and_its_errors():
+    got = {}
+
+    def load(batch):
+        for name, t in batch:
+            if name == "head" and t.flat[0] > 1e9:
+                raise ValueError("head is out of range")
+            got[name] = t.copy()
+
+    host = refit.WorkerHost("tcp", load_weights=load, framework="numpy", timeout_ms=10000)
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        src = model(4)
+        group.update(sender, src, 1, verify=False)
+        assert all(got[k].tobytes() == src[k].tobytes() for k in src)
+        bad = dict(src, head=np.full((32, 128), 1e10, dtype=np.float32))
+        with pytest.raises(refit.ProcessingFailedError, match="head is out of range"):
+            group.update(sender, bad, 2, verify=False)
+        assert host.weight_info()["state"] == "dirty"
+    sender.shutdown()
+    host.stop()

@@ -1,0 +1,353 @@
+"""refit's engines from Python: round trips, zero-copy views, errors, deadlines, the GIL."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import refit
+from conftest import Background, Recorder, connect, transfer
+
+try:
+    import torch
+except ImportError:  # numpy-only venvs run the numpy tests
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed in this venv")
+
+
+def numpy_model():
+    rng = np.random.default_rng(7)
+    return {
+        "embed.weight": rng.standard_normal((64, 16), dtype=np.float32),
+        "layer.0.bias": rng.standard_normal(16).astype(np.float64),
+        "layer.0.half": rng.standard_normal((3, 5, 7)).astype(np.float16),
+        "ids": rng.integers(-2**40, 2**40, size=33, dtype=np.int64),
+        "mask": rng.integers(0, 2, size=(4, 4)).astype(np.bool_),
+        "bytes": rng.integers(0, 255, size=1000, dtype=np.uint8),
+        "small.int8": rng.integers(-100, 100, size=9, dtype=np.int8),
+        "small.int16": rng.integers(-1000, 1000, size=9, dtype=np.int16),
+        "small.int32": rng.integers(-10**6, 10**6, size=9, dtype=np.int32),
+        "scalar": np.array(3.5, dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+
+
+def test_backends_lists_the_built_in_engines():
+    assert {"tcp", "loopback"} <= set(refit.backends())
+
+
+def test_numpy_round_trip_of_mixed_dtypes_and_shapes():
+    src = numpy_model()
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, framework="numpy")
+        connect(sender, [engine])
+        rec = Recorder()
+        transfer(sender, [engine], src, rec)
+        assert set(rec.got) == set(src)
+        for name, a in src.items():
+            b = rec.got[name]
+            assert b.dtype == a.dtype and b.shape == a.shape, name
+            assert a.tobytes() == b.tobytes(), name
+        stats = engine.last_update_stats
+        assert stats["tensors"] == len(src)
+        assert stats["bytes"] == sum(a.nbytes for a in src.values())
+
+
+@needs_torch
+def test_torch_round_trip_bf16_fp8_and_parameters_that_require_grad():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 16).to(torch.bfloat16)  # requires_grad parameters
+    src = dict(layer.named_parameters())
+    src["h"] = torch.randn(5, 3, dtype=torch.float16)
+    src["i64"] = torch.arange(10, dtype=torch.int64)
+    src["flag"] = torch.tensor([True, False, True])
+    fp8 = [d for d in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, d)]
+    for d in fp8:
+        src[d] = torch.randn(4, 8).to(getattr(torch, d))
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, framework="torch")
+        connect(sender, [engine])
+        rec = Recorder()
+        transfer(sender, [engine], src, rec)
+        for name, a in src.items():
+            b = rec.got[name]
+            assert isinstance(b, torch.Tensor)
+            assert b.dtype == a.dtype and b.shape == a.shape, name
+            assert torch.equal(a.detach().view(torch.uint8), b.view(torch.uint8)), name
+    meta = refit.describe(src)
+    assert meta["dtype_names"][0] == "bfloat16"
+    for d in fp8:
+        assert d in meta["dtype_names"]
+
+
+@needs_torch
+def test_load_weights_gets_views_of_refits_memory_not_copies():
+    src = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    seen = []
+
+    def load(batch):
+        for name, t in batch:
+            seen.append((t.data_ptr(), t.is_contiguous(), t.device.type))
+
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000)
+        connect(sender, [engine], buffer_bytes=1 << 20, num_buffers=2)
+        transfer(sender, [engine], src, load)
+        transfer(sender, [engine], src, load)
+    # Both updates were handed views of the engine's staging slots (two buffers),
+    # not fresh allocations per call.
+    assert len(seen) == 2 and all(c and d == "cpu" for _, c, d in seen)
+    assert len({p for p, _, _ in seen}) <= 2
+
+
+def test_receive_straight_into_given_tensors_and_fingerprints():
+    src = numpy_model()
+    dest = {k: np.zeros_like(v) for k, v in src.items()}
+    addresses = {k: v.ctypes.data for k, v in dest.items()}
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, tensors=dest)
+        connect(sender, [engine])
+        transfer(sender, [engine], src)
+        for k in src:
+            assert dest[k].tobytes() == src[k].tobytes(), k
+            assert dest[k].ctypes.data == addresses[k]
+        assert engine.fingerprint() == refit.fingerprints(src)
+        assert engine.fingerprint(["ids"]) == refit.fingerprints(src, ["ids"])
+
+
+def test_an_update_that_does_not_fit_the_given_tensors_is_refused_before_a_byte_moves():
+    src = numpy_model()
+    dest = {k: np.zeros_like(v) for k, v in src.items()}
+    wrong = dict(src, **{"embed.weight": np.ones((64, 17), dtype=np.float32)})
+    with refit.Sender("tcp", timeout_ms=5000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=5000, tensors=dest)
+        connect(sender, [engine])
+        with pytest.raises(refit.InvalidArgumentError, match="embed.weight"):
+            transfer(sender, [engine], wrong)
+        assert all(not d.any() for d in dest.values() if d.size and d.dtype != np.bool_)
+
+
+def test_session_verbs_record_the_version():
+    src = numpy_model()
+    dest = {k: np.zeros_like(v) for k, v in src.items()}
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, tensors=dest)
+        connect(sender, [engine])
+        meta = refit.describe(src)
+        engine.start_weight_update()
+        send = Background(sender.send_weights, src)
+        engine.update_weights(meta)
+        send.join()
+        engine.finish_weight_update(7)
+        assert engine.weight_version == 7 and not engine.weights_dirty
+        with pytest.raises(refit.InvalidStateError):
+            engine.finish_weight_update(8)
+
+
+def test_errors_are_exceptions_of_refits_kinds():
+    with pytest.raises(refit.NotRegisteredError, match="available backends") as e:
+        refit.Engine("no_such_backend")
+    assert e.value.kind == "not_registered" and isinstance(e.value, LookupError)
+    with pytest.raises(refit.InvalidArgumentError, match="commit"):
+        refit.Engine("tcp", commit="sometimes")
+    with pytest.raises(refit.InvalidArgumentError, match="complex"):
+        refit.describe({"z": np.zeros(3, dtype=np.complex64)})
+    with pytest.raises(refit.InvalidArgumentError, match="not contiguous"):
+        refit.describe({"t": np.zeros((4, 4), dtype=np.float32).T})
+    with pytest.raises(refit.InvalidArgumentError, match="no DLPack"):
+        refit.describe({"l": [1, 2, 3]})
+    engine = refit.Engine("tcp", timeout_ms=2000)
+    with pytest.raises(refit.InvalidStateError):
+        engine.receive({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}, lambda b: None)
+    with pytest.raises(refit.InvalidArgumentError, match="master_address"):
+        engine.init({"master_port": 1})
+
+
+def test_the_first_divergent_parameter_is_named():
+    src = numpy_model()
+    declared = refit.describe(src)
+    declared["shapes"][3] = [34]  # "ids"
+    with refit.Sender("tcp", timeout_ms=5000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=5000, framework="numpy")
+        connect(sender, [engine])
+        send = Background(sender.send_weights, src, declared)
+        with pytest.raises(refit.InvalidArgumentError, match="ids"):
+            send.join()
+
+
+class CustomError(Exception):
+    pass
+
+
+def test_an_exception_raised_in_load_weights_comes_back_as_itself():
+    src = numpy_model()
+    marker = CustomError("the model refused it")
+
+    def load(batch):
+        raise marker
+
+    with refit.Sender("tcp", timeout_ms=5000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=5000, framework="numpy")
+        connect(sender, [engine])
+        meta = refit.describe(src)
+        send = Background(sender.send_weights, src)
+        with pytest.raises(CustomError) as e:
+            engine.receive(meta, load)
+            engine.drain()
+        assert e.value is marker
+        send.join()
+        assert engine.weights_dirty
+
+
+def test_a_blocking_call_releases_the_gil():
+    # While the main thread waits in a receive (the trainer sends only after 0.3 s),
+    # another Python thread keeps counting.
+    src = {"w": np.ones(1 << 20, dtype=np.float32)}
+    counter = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counter[0] += 1
+
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, framework="numpy")
+        connect(sender, [engine])
+        meta = refit.describe(src)
+
+        def late_send():
+            time.sleep(0.3)
+            sender.send_weights(src)
+
+        send = Background(late_send)
+        counting = Background(count)
+        before = counter[0]
+        engine.receive(meta, lambda b: None)
+        engine.drain()
+        during = counter[0] - before
+        stop.set()
+        counting.join()
+        send.join()
+    assert during > 10000, f"the counting thread ran only {during} times during a 0.3 s receive"
+
+
+TRAINER = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    import refit
+    sender = refit.Sender("tcp", timeout_ms=int(sys.argv[1]))
+    info = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
+    print(json.dumps(info), flush=True)
+    sender.connect_workers()
+    print("connected", flush=True)
+    time.sleep(600)  # never sends: the test kills it, or the worker's deadline passes
+""")
+
+
+@pytest.mark.parametrize("kill", [True, False], ids=["killed", "silent"])
+def test_a_dead_or_silent_trainer_is_an_error_within_the_deadline(kill):
+    import json
+
+    timeout_ms = 3000
+    # The trainer's timeout travels in its init_info: the worker's deadline is it.
+    child = subprocess.Popen([sys.executable, "-c", TRAINER, str(timeout_ms)], stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(child.stdout.readline())
+        assert info["timeout_ms"] == timeout_ms
+        engine = refit.Engine("tcp", timeout_ms=60000, framework="numpy")
+        engine.init(info)
+        assert child.stdout.readline().strip() == "connected"
+        meta = refit.describe({"w": np.zeros(1 << 20, dtype=np.float32)})
+        if kill:
+            threading.Timer(0.5, child.kill).start()
+        start = time.monotonic()
+        with pytest.raises((refit.PeerLostError, refit.TimeoutError)) as e:
+            engine.receive(meta, lambda b: None)
+            engine.drain()
+        elapsed = time.monotonic() - start
+        assert elapsed < timeout_ms / 1000 + 2, f"the failure took {elapsed:.1f} s"
+        if kill:
+            assert isinstance(e.value, refit.PeerLostError), e.value
+            assert elapsed < 2.5
+        else:
+            assert isinstance(e.value, refit.TimeoutError), e.value
+            assert elapsed >= timeout_ms / 1000 * 0.9
+    finally:
+        child.kill()
+        child.wait()
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_and_reference_counts_stay_flat_over_100_updates():
+    src = {f"t{i}": np.full(1 << 14, i, dtype=np.float32) for i in range(32)}  # 2 MiB
+    dest = {k: np.zeros_like(v) for k, v in src.items()}
+    sink = {}
+
+    def load(batch):
+        for name, t in batch:
+            sink[name] = float(t[0])
+
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        direct = refit.Engine("tcp", timeout_ms=10000, tensors=dest)
+        viewed = refit.Engine("tcp", timeout_ms=10000, framework="numpy")
+        connect(sender, [direct, viewed])
+        meta = refit.describe(src)
+
+        def one():
+            send = Background(sender.send_weights, src, meta)
+            a = Background(lambda: (direct.receive(meta), direct.drain()))
+            b = Background(lambda: (viewed.receive(meta, load), viewed.drain()))
+            a.join(), b.join(), send.join()
+
+        for _ in range(10):
+            one()
+        gc.collect()
+        refs = [sys.getrefcount(v) for v in src.values()] + [sys.getrefcount(v) for v in dest.values()]
+        objects = len(gc.get_objects())
+        rss = rss_bytes()
+        for _ in range(100):
+            one()
+        gc.collect()
+        assert [sys.getrefcount(v) for v in src.values()] + [sys.getrefcount(v) for v in dest.values()] == refs
+        grown = len(gc.get_objects()) - objects
+        assert grown < 200, f"{grown} more Python objects after 100 updates"
+        growth = rss_bytes() - rss
+        assert growth < 8 << 20, f"RSS grew {growth / 2**20:.1f} MiB over 100 updates"
+        assert sink == {k: float(v[0]) for k, v in src.items()}
+        assert direct.fingerprint() == refit.fingerprints(src)
+
+
+def test_auth_secret_files_must_agree(tmp_path):
+    good = tmp_path / "secret"
+    good.write_text("correct horse battery staple\n")
+    good.chmod(0o600)
+    other = tmp_path / "other"
+    other.write_text("a different secret entirely\n")
+    other.chmod(0o600)
+    src = {"w": np.arange(10, dtype=np.float32)}
+    with refit.Sender("tcp", timeout_ms=5000, auth_secret_file=str(good)) as sender:
+        engine = refit.Engine("tcp", timeout_ms=5000, auth_secret_file=str(good), framework="numpy")
+        connect(sender, [engine])
+        rec = Recorder()
+        transfer(sender, [engine], src, rec)
+        assert rec.got["w"].tobytes() == src["w"].tobytes()
+    with refit.Sender("tcp", timeout_ms=3000, auth_secret_file=str(good)) as sender:
+        engine = refit.Engine("tcp", timeout_ms=3000, auth_secret_file=str(other), framework="numpy")
+        with pytest.raises(refit.AuthError):
+            connect(sender, [engine])
+    loose = tmp_path / "loose"
+    loose.write_text("readable by everyone\n")
+    loose.chmod(0o644)
+    with pytest.raises(refit.Error, match="0600|mode|permission"):
+        refit.Sender("tcp", auth_secret_file=str(loose))
