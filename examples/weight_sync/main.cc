@@ -153,7 +153,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--engine") o.engine = next();
     else if (a == "--workers") o.workers = static_cast<int>(integer(1, 64));
     else if (a == "--model-bytes") o.model_bytes = parse_bytes(next(), a);
-    else if (a == "--layers") o.layers = static_cast<int>(integer(1, 1000));
+    else if (a == "--layers") o.layers = static_cast<int>(integer(1, 4096));
     else if (a == "--vocab") o.vocab = integer(1, 1 << 22);
     else if (a == "--updates") o.updates = static_cast<int>(integer(1, 100000));
     else if (a == "--buffer-bytes") o.buffer_bytes = parse_bytes(next(), a);

@@ -20,8 +20,8 @@ std::uint64_t bytes_for(std::int64_t vocab, std::int64_t h, int layers) {
 }  // namespace
 
 model_layout make_layout(std::uint64_t target_bytes, int layers, std::int64_t vocab) {
-  if (layers < 1 || layers > 1000)
-    throw_error(errc::invalid_argument, "--layers must be in [1, 1000], got " + std::to_string(layers));
+  if (layers < 1 || layers > 4096)
+    throw_error(errc::invalid_argument, "--layers must be in [1, 4096], got " + std::to_string(layers));
   if (vocab < 1) throw_error(errc::invalid_argument, "--vocab must be positive");
   std::int64_t best = 64;
   for (std::int64_t h = 64; h <= 65536; h += 64) {
