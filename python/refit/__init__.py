@@ -30,6 +30,19 @@ vLLM backend is :mod:`refit.vllm`.
 import asyncio as _asyncio
 import atexit as _atexit
 
+try:
+    from ._build import BUILD as _BUILD  # written into the wheel by build_wheel.py
+except ImportError:  # a source tree
+    _BUILD = "cpu"
+if _BUILD == "cuda":
+    # The CUDA build links libnccl.so.2. torch brings its own (newer) NCCL under the
+    # same soname: load torch first so that one serves both; loading refit first
+    # would bind the system's older NCCL and torch's import would then fail.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
 from . import _refit
 from ._errors import (  # noqa: F401
     AlreadyRegisteredError,

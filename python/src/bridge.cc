@@ -86,6 +86,11 @@ nb::object python_exception(std::exception_ptr e, python_error_slot* slot) {
   } catch (const refit::error& err) {
     nb::object cls = error_class(err.kind());
     return cls(nb::str(err.message().c_str()), nb::str(std::string(errc_name(err.kind())).c_str()));
+  } catch (const std::system_error& err) {
+    // Another category's error (CUDA's, the OS's): refit.Error with the category's
+    // name as its kind ("cuda", "system").
+    nb::object cls = nb::module_::import_("refit._errors").attr("error_class")(err.code().category().name());
+    return cls(nb::str(err.what()), nb::str(err.code().category().name()));
   } catch (const std::exception& err) {
     return nb::borrow(PyExc_RuntimeError)(nb::str(err.what()));
   } catch (...) {

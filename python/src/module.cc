@@ -25,6 +25,10 @@
 #include <refit/tensor_map_target.h>
 #include <refit/trainer.h>
 
+#ifdef REFIT_PY_CUDA
+#include <refit/cuda/tensor_memory.h>
+#endif
+
 #include "bridge.h"
 #include "tensors.h"
 
@@ -104,27 +108,44 @@ load_weights_fn python_loader(nb::object fn, framework fw, std::shared_ptr<pytho
 }
 
 /// Tensors a worker receives into directly: a tensor_map_target over the Python
-/// tensors' own memory (validated updates, direct receive, fingerprints).
+/// tensors' own memory (validated updates, direct receive, fingerprints). Host
+/// tensors, or (CUDA builds) tensors on one GPU, received into directly when the
+/// engine receives on that GPU (nccl) and staged then copied in otherwise (tcp).
 struct held_target {
   held_tensors held;
   std::unique_ptr<tensor_map_target> target;
 
-  static std::unique_ptr<held_target> make(nb::handle tensors, const std::string& what) {
+  static std::unique_ptr<held_target> make(nb::handle tensors, const std::string& what, refit::device engine_device) {
     auto out = std::make_unique<held_target>();
     out->held = held_tensors::from_python(tensors, what);
     tensor_map_target_options options;
     options.direct_receive = true;
-    out->target = std::make_unique<tensor_map_target>(options);
+    std::optional<refit::device> where;
     for (const auto& v : out->held.views()) {
-      if (!v.device.is_cpu())
-        throw_error(errc::unsupported, what + ": tensor '" + std::string(v.name) + "' is on " + to_string(v.device) +
-                                           "; this build of refit's Python module receives into host tensors only "
-                                           "(give a load_weights that copies to the device)");
-      out->target->add(v);
+      if (where && *where != v.device)
+        throw_error(errc::invalid_argument, what + ": tensor '" + std::string(v.name) + "' is on " + to_string(v.device) +
+                                                " and an earlier one on " + to_string(*where) +
+                                                "; give one engine's tensors on one device");
+      where = v.device;
     }
+    if (where && where->is_cuda()) {
+#ifdef REFIT_PY_CUDA
+      options.memory = std::make_shared<cuda::device_tensor_memory>(where->index);
+      options.direct_receive_on_device = engine_device == *where;
+#else
+      (void)engine_device;
+      throw_error(errc::unsupported, what + ": the tensors are on " + to_string(*where) +
+                                         "; this build of refit's Python module has no CUDA (./refit wheel --cuda "
+                                         "builds one), so it receives into host tensors only (or give a load_weights "
+                                         "that copies to the device)");
+#endif
+    }
+    out->target = std::make_unique<tensor_map_target>(options);
+    for (const auto& v : out->held.views()) out->target->add(v);
     return out;
   }
 };
+
 
 // Calls a Python hook (GIL held); what it raises becomes a refit error here, under
 // the GIL, so no Python object crosses into the host.
@@ -157,7 +178,7 @@ class py_engine {
     ctx.ranks.dp_rank = dp_rank;
     ctx.ranks.dp_size = dp_size;
     if (!tensors.is_none()) {
-      held_ = held_target::make(tensors, "Engine(tensors=...)");
+      held_ = held_target::make(tensors, "Engine(tensors=...)", ctx.device);
       ctx.model = held_->target.get();
     }
     engine_ = engine_factory::instance().create_engine(config, ctx);
@@ -487,7 +508,7 @@ class py_worker_host {
     ctx.executor = runtime::get().executor();
     load_weights_fn fn;
     if (!tensors.is_none()) {
-      held_ = held_target::make(tensors, "WorkerHost(tensors=...)");
+      held_ = held_target::make(tensors, "WorkerHost(tensors=...)", ctx.device);
       ctx.model = held_->target.get();
       fn = held_->target->as_load_weights();
       if (!load_weights.is_none())
@@ -606,7 +627,7 @@ NB_MODULE(_refit, m) {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
-    } catch (const refit::error&) {
+    } catch (const std::system_error&) {  // refit's kinds, and CUDA's or the OS's errors
       nb::object exc = python_exception(p);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
