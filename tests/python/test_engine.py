@@ -351,3 +351,19 @@ def test_auth_secret_files_must_agree(tmp_path):
     loose.chmod(0o644)
     with pytest.raises(refit.Error, match="0600|mode|permission"):
         refit.Sender("tcp", auth_secret_file=str(loose))
+
+
+def test_checksummed_updates_round_trip():
+    src = numpy_model()
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engines = [refit.Engine("tcp", timeout_ms=10000, framework="numpy") for _ in range(2)]
+        info = connect(sender, engines, checksums=True)
+        assert info["checksums"] is True
+        recs = [Recorder(), Recorder()]
+        meta = refit.describe(src)
+        send = Background(sender.send_weights, src, meta)
+        receivers = [Background(lambda e=e, r=r: (e.receive(meta, r), e.drain())) for e, r in zip(engines, recs)]
+        for t in receivers + [send]:
+            t.join()
+        for r in recs:
+            assert all(r.got[k].tobytes() == src[k].tobytes() for k in src)
