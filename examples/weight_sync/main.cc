@@ -355,6 +355,9 @@ struct totals {
   int overlap_samples = 0;
   int rounds_done = 0;
   std::vector<double> update_seconds;  // each update's time (the first pays for first touches)
+  // The whole worker_group::update call: also its update_info JSON before the
+  // workers are called (what a Python trainer's figure includes).
+  std::vector<double> update_call_seconds;
   bool verified = true;
   std::uint64_t peak_rss = 0;
   std::string first_mismatch;
@@ -416,7 +419,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     model.step(round);
     auto expected = fingerprint_all(model.views);
     if (probed) co_await workers.call_all("loop_lag", empty);
+    const auto call_start = std::chrono::steady_clock::now();
     const auto result = co_await workers.update(*sender, model.layout.meta, model.views, round, update);
+    t.update_call_seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - call_start).count());
     const double seconds = result.seconds;
     t.seconds += seconds;
     t.update_seconds.push_back(seconds);
@@ -520,6 +526,7 @@ int run_trainer(const options& o) {
                  {"updates", o.updates},
                  {"seconds", t.seconds},
                  {"update_seconds", t.update_seconds},
+                 {"update_call_seconds", t.update_call_seconds},
                  {"gbps", t.seconds > 0 ? bytes * o.updates / t.seconds / 1e9 : 0.0},
                  {"receive_s", t.receive_s},
                  {"process_s", t.process_s},

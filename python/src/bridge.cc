@@ -68,9 +68,11 @@ shared_object python_error_slot::take() {
 namespace {
 
 nb::object error_class(errc kind) {
-  static nb::object by_kind;  // refit._errors.error_class, found on first use
-  if (!by_kind.is_valid()) by_kind = nb::module_::import_("refit._errors").attr("error_class");
-  return by_kind(nb::str(std::string(errc_name(kind)).c_str()));
+  // refit._errors.error_class, found on first use; never destroyed (a static
+  // nb::object would be released after the interpreter is gone).
+  static nb::object* by_kind = nullptr;
+  if (!by_kind) by_kind = new nb::object(nb::module_::import_("refit._errors").attr("error_class"));
+  return (*by_kind)(nb::str(std::string(errc_name(kind)).c_str()));
 }
 
 }  // namespace

@@ -368,14 +368,16 @@ class py_sender {
     });
   }
   weight_sender& sender() { return *sender_; }
+  tensor_cache& cache() { return cache_; }
 
  private:
   std::unique_ptr<weight_sender> sender_;
+  tensor_cache cache_;
 };
 
 std::pair<std::shared_ptr<held_tensors>, update_metadata> hold_for_send(nb::handle tensors, nb::handle metadata,
-                                                                        const std::string& what) {
-  auto held = std::make_shared<held_tensors>(held_tensors::from_python(tensors, what));
+                                                                        const std::string& what, tensor_cache* cache) {
+  auto held = std::make_shared<held_tensors>(held_tensors::from_python(tensors, what, cache));
   update_metadata declared = metadata.is_none() ? held->metadata() : read_metadata(metadata, what + " metadata");
   return {std::move(held), std::move(declared)};
 }
@@ -739,11 +741,11 @@ NB_MODULE(_refit, m) {
         return start_void(s.connect_workers(), std::move(done));
       })
       .def("send_weights", [](py_sender& s, nb::handle tensors, nb::handle metadata) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "send_weights");
+        auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
         block_on(py_sender::send(&s.sender(), std::move(held), std::move(declared)));
       }, nb::arg("tensors"), nb::arg("metadata").none())
       .def("_start_send_weights", [](py_sender& s, nb::handle tensors, nb::handle metadata, nb::object done) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "send_weights");
+        auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
         return start_void(py_sender::send(&s.sender(), std::move(held), std::move(declared)), std::move(done));
       }, nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("done"))
       .def("last_send_stats", &py_sender::last_send_stats)
@@ -772,7 +774,7 @@ NB_MODULE(_refit, m) {
       .def("update", [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                              std::optional<std::string> commit, nb::handle update_info, nb::handle expected,
                              nb::handle metadata) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "update");
+        auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
         auto options = make_update_options(verify, commit, update_info, expected);
         json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared), version,
                                                     std::move(options)));
@@ -782,7 +784,7 @@ NB_MODULE(_refit, m) {
       .def("_start_update", [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                                     std::optional<std::string> commit, nb::handle update_info, nb::handle expected,
                                     nb::handle metadata, nb::object done) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "update");
+        auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
         auto options = make_update_options(verify, commit, update_info, expected);
         return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared), version,
                                                    std::move(options)),

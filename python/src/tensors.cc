@@ -66,15 +66,56 @@ std::string dlpack_dtype_name(nb::dlpack::dtype d) {
 
 std::string py_type_name(nb::handle o) { return nb::cast<std::string>(nb::str(nb::handle(o.type()).attr("__name__"))); }
 
-// torch.Tensor, when torch has been imported (refit never imports it for this).
-nb::handle torch_tensor_type() {
-  static nb::object type;
-  if (!type.is_valid()) {
-    nb::dict modules = nb::borrow<nb::dict>(PyImport_GetModuleDict());
-    if (!modules.contains("torch")) return {};
-    type = nb::module_::import_("torch").attr("Tensor");
-  }
-  return type;
+// What the torch fast path reads, found once torch has been imported (refit never
+// imports it for this). Reading a tensor's data_ptr, shape, dtype and device
+// through these costs about a microsecond; its __dlpack__ (a Python method of
+// torch's) several: with 10k parameters that is the difference a trainer sees.
+struct torch_api {
+  nb::object tensor_type, strided;
+  nb::dict dtypes;  // torch.dtype -> refit dtype
+  nb::object data_ptr, shape, dtype, is_contiguous, is_cuda, is_cpu, get_device, layout;
+};
+
+const torch_api* torch_fast() {
+  static torch_api* api = nullptr;  // never destroyed: it would outlive the interpreter
+  if (api) return api;
+  nb::dict modules = nb::borrow<nb::dict>(PyImport_GetModuleDict());
+  if (!modules.contains("torch")) return nullptr;
+  nb::module_ torch = nb::module_::import_("torch");
+  auto a = std::make_unique<torch_api>();
+  a->tensor_type = torch.attr("Tensor");
+  a->strided = torch.attr("strided");
+  const std::pair<const char*, dtype> names[] = {
+      {"bool", dtype::bool_},       {"uint8", dtype::uint8},       {"int8", dtype::int8},
+      {"int16", dtype::int16},      {"int32", dtype::int32},       {"int64", dtype::int64},
+      {"float16", dtype::float16},  {"bfloat16", dtype::bfloat16}, {"float32", dtype::float32},
+      {"float64", dtype::float64},  {"float8_e4m3fn", dtype::float8_e4m3fn},
+      {"float8_e5m2", dtype::float8_e5m2}};
+  for (const auto& [name, type] : names)
+    if (nb::hasattr(torch, name)) a->dtypes[torch.attr(name)] = nb::int_(static_cast<int>(type));
+  auto intern = [](const char* n) { return nb::steal(PyUnicode_InternFromString(n)); };
+  a->data_ptr = intern("data_ptr");
+  a->shape = intern("shape");
+  a->dtype = intern("dtype");
+  a->is_contiguous = intern("is_contiguous");
+  a->is_cuda = intern("is_cuda");
+  a->is_cpu = intern("is_cpu");
+  a->get_device = intern("get_device");
+  a->layout = intern("layout");
+  api = a.release();
+  return api;
+}
+
+nb::object get(nb::handle o, const nb::object& name) {
+  PyObject* r = PyObject_GetAttr(o.ptr(), name.ptr());
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
+}
+
+nb::object call(nb::handle o, const nb::object& name) {
+  PyObject* r = PyObject_CallMethodNoArgs(o.ptr(), name.ptr());
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
 }
 
 }  // namespace
@@ -93,13 +134,14 @@ framework parse_framework(const std::string& name) {
   throw_error(errc::invalid_argument, "framework: expected 'auto', 'torch' or 'numpy', got '" + name + "'");
 }
 
-held_tensors held_tensors::from_python(nb::handle tensors, const std::string& what) {
+held_tensors held_tensors::from_python(nb::handle tensors, const std::string& what, tensor_cache* cache) {
   held_tensors out;
+  bool all_hit = cache != nullptr;
   nb::list owners;
   nb::object pairs = nb::borrow(tensors);
   if (PyDict_Check(tensors.ptr()) || (nb::hasattr(tensors, "items") && nb::hasattr(tensors, "keys")))
     pairs = tensors.attr("items")();
-  nb::handle tensor_type = torch_tensor_type();
+  const torch_api* api = torch_fast();
   std::size_t index = 0;
   for (nb::handle pair : pairs) {
     nb::object name_obj, obj;
@@ -117,57 +159,141 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
     if (!PyUnicode_Check(name_obj.ptr()))
       throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) + ": the name is a " +
                                               py_type_name(name_obj) + ", not a str");
-    std::string name = nb::cast<std::string>(name_obj);
-    if (tensor_type.is_valid() && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(tensor_type.ptr())) &&
-        nb::cast<bool>(obj.attr("requires_grad")))
-      obj = obj.attr("detach")();
-    nb::ndarray<> array;
-    if (!nb::try_cast(obj, array, false))
-      throw_error(errc::invalid_argument, what + ": tensor '" + name + "' is a " + py_type_name(obj) +
-                                              ", which has no DLPack form (__dlpack__): pass torch tensors or "
-                                              "numpy arrays");
-    auto type = refit_dtype(array.dtype());
-    if (!type)
-      throw_error(errc::invalid_argument, what + ": tensor '" + name + "' has a dtype refit does not move (" +
-                                              dlpack_dtype_name(array.dtype()) + ")");
-    item it{std::move(name), {}};
-    it.shape.reserve(array.ndim());
-    std::int64_t expected = 1;
-    bool contiguous = true;
-    for (std::size_t d = array.ndim(); d-- > 0;) {
-      const auto extent = static_cast<std::int64_t>(array.shape(d));
-      if (extent != 1 && array.stride_ptr() && array.stride(d) != expected) contiguous = false;
-      expected *= extent;
+    // A torch tensor as the cache saw it: a handful of reads, nothing rebuilt.
+    const bool is_torch =
+        api && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(api->tensor_type.ptr()));
+    if (is_torch && cache && index < cache->entries.size()) {
+      const auto& e = cache->entries[index];
+      Py_ssize_t length = 0;
+      const char* utf8 = PyUnicode_AsUTF8AndSize(name_obj.ptr(), &length);
+      if (!utf8) throw nb::python_error();
+      bool hit = std::string_view(utf8, static_cast<std::size_t>(length)) == e.name &&
+                 get(obj, api->dtype).ptr() == e.torch_dtype &&
+                 PyLong_AsVoidPtr(call(obj, api->data_ptr).ptr()) == e.data &&
+                 get(obj, api->is_cuda).is(nb::handle(e.device.is_cuda() ? Py_True : Py_False));
+      if (hit) {
+        nb::object shape = get(obj, api->shape);
+        const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+        hit = static_cast<std::size_t>(ndim) == e.shape.size();
+        for (Py_ssize_t d = 0; hit && d < ndim; ++d)
+          hit = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d)) == e.shape[static_cast<std::size_t>(d)];
+        hit = hit && call(obj, api->is_contiguous).is(nb::handle(Py_True));
+      }
+      if (hit) {
+        auto& stored = out.items_.emplace_back(item{e.name, e.shape});
+        out.views_.emplace_back(stored.name, e.type, std::span<const std::int64_t>(stored.shape), e.data, e.device);
+        owners.append(obj);
+        ++cache->hits;
+        ++index;
+        continue;
+      }
     }
-    for (std::size_t d = 0; d < array.ndim(); ++d) it.shape.push_back(static_cast<std::int64_t>(array.shape(d)));
-    if (expected == 0) contiguous = true;  // no element: any strides describe it
-    if (!contiguous)
-      throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' of shape " + shape_to_string(it.shape) +
-                                              " is not contiguous: send tensor.contiguous()");
+    all_hit = false;
+    std::string name = nb::cast<std::string>(name_obj);
+    item it{std::move(name), {}};
+    PyObject* seen_dtype = nullptr;
+    refit::dtype type{};
     refit::device dev;
-    switch (array.device_type()) {
-      case nb::device::cpu::value:
-      case nb::device::cuda_host::value:
-        break;
-      case nb::device::cuda::value:
-      case nb::device::cuda_managed::value:
-        dev = refit::device::cuda(array.device_id());
-        break;
-      default:
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is on a device refit does not know "
-                                                "(DLPack device type " + std::to_string(array.device_type()) + ")");
+    void* data = nullptr;
+    if (is_torch) {
+      // A torch tensor: its own accessors (no detach needed, nothing is exported).
+      if (!get(obj, api->layout).is(api->strided))
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' has layout " +
+                                                nb::cast<std::string>(nb::str(get(obj, api->layout))) +
+                                                "; refit moves dense (strided) tensors");
+      nb::object torch_dtype = get(obj, api->dtype);
+      PyObject* code = PyDict_GetItemWithError(api->dtypes.ptr(), torch_dtype.ptr());
+      if (!code)
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' has a dtype refit does not move (" +
+                                                nb::cast<std::string>(nb::str(torch_dtype)) + ")");
+      type = static_cast<refit::dtype>(PyLong_AsLong(code));
+      seen_dtype = torch_dtype.ptr();
+      nb::object shape = get(obj, api->shape);
+      const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+      it.shape.reserve(static_cast<std::size_t>(ndim));
+      for (Py_ssize_t d = 0; d < ndim; ++d) it.shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d)));
+      if (!call(obj, api->is_contiguous).is(nb::handle(Py_True)))
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' of shape " + shape_to_string(it.shape) +
+                                                " is not contiguous: send tensor.contiguous()");
+      if (get(obj, api->is_cuda).is(nb::handle(Py_True))) {
+        dev = refit::device::cuda(static_cast<int>(PyLong_AsLong(call(obj, api->get_device).ptr())));
+      } else if (!get(obj, api->is_cpu).is(nb::handle(Py_True))) {
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is on " +
+                                                nb::cast<std::string>(nb::str(obj.attr("device"))) +
+                                                "; refit moves host and CUDA tensors");
+      }
+      data = PyLong_AsVoidPtr(call(obj, api->data_ptr).ptr());
+    } else {
+      nb::ndarray<> array;
+      if (!nb::try_cast(obj, array, false))
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is a " + py_type_name(obj) +
+                                                ", which has no DLPack form (__dlpack__): pass torch tensors or "
+                                                "numpy arrays");
+      auto t = refit_dtype(array.dtype());
+      if (!t)
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' has a dtype refit does not move (" +
+                                                dlpack_dtype_name(array.dtype()) + ")");
+      type = *t;
+      it.shape.reserve(array.ndim());
+      std::int64_t expected = 1;
+      bool contiguous = true;
+      for (std::size_t d = array.ndim(); d-- > 0;) {
+        const auto extent = static_cast<std::int64_t>(array.shape(d));
+        if (extent != 1 && array.stride_ptr() && array.stride(d) != expected) contiguous = false;
+        expected *= extent;
+      }
+      for (std::size_t d = 0; d < array.ndim(); ++d) it.shape.push_back(static_cast<std::int64_t>(array.shape(d)));
+      if (expected == 0) contiguous = true;  // no element: any strides describe it
+      if (!contiguous)
+        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' of shape " + shape_to_string(it.shape) +
+                                                " is not contiguous: send tensor.contiguous()");
+      switch (array.device_type()) {
+        case nb::device::cpu::value:
+        case nb::device::cuda_host::value:
+          break;
+        case nb::device::cuda::value:
+        case nb::device::cuda_managed::value:
+          dev = refit::device::cuda(array.device_id());
+          break;
+        default:
+          throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is on a device refit does not know "
+                                                  "(DLPack device type " + std::to_string(array.device_type()) + ")");
+      }
+      data = const_cast<void*>(static_cast<const void*>(array.data()));
     }
     auto& stored = out.items_.emplace_back(std::move(it));
-    out.views_.emplace_back(stored.name, *type, std::span<const std::int64_t>(stored.shape),
-                            const_cast<void*>(static_cast<const void*>(array.data())), dev);
+    out.views_.emplace_back(stored.name, type, std::span<const std::int64_t>(stored.shape), data, dev);
     owners.append(obj);
+    if (cache) {
+      if (cache->entries.size() <= index) cache->entries.resize(index + 1);
+      auto& e = cache->entries[index];
+      e.name = stored.name;
+      e.torch_dtype = seen_dtype;  // null for non-torch: never a hit
+      e.type = type;
+      e.shape = stored.shape;
+      e.device = dev;
+      e.data = data;
+      ++cache->misses;
+    }
     ++index;
   }
   out.owners_ = shared_object(std::move(owners));
+  if (cache) {
+    if (cache->entries.size() != index) {
+      cache->entries.resize(index);
+      all_hit = false;
+    }
+    if (all_hit && cache->meta) {
+      out.cached_meta_ = cache->meta;
+    } else {
+      cache->meta = out.metadata();
+    }
+  }
   return out;
 }
 
 update_metadata held_tensors::metadata() const {
+  if (cached_meta_) return *cached_meta_;
   update_metadata meta;
   meta.tensors.reserve(views_.size());
   for (const auto& v : views_) meta.tensors.push_back(v.spec());

@@ -23,6 +23,27 @@ enum class framework { torch, numpy };
 /// "torch", "numpy" or "auto" (torch when it can be imported). GIL held.
 framework parse_framework(const std::string& name);
 
+/// What a sender saw in its last update, so the next one costs less Python: a torch
+/// tensor whose name, dtype, shape, contiguity, device and data pointer all read as
+/// before is taken as before (its layout and dtype need not be looked up again, nor
+/// its entry rebuilt), and when every tensor is, the metadata is reused. Nothing is
+/// referenced: each update reads every tensor's data pointer afresh, so a parameter
+/// given new memory is sent from its new memory. GIL held.
+class tensor_cache {
+ public:
+  struct entry {
+    std::string name;
+    PyObject* torch_dtype = nullptr;  // a torch.dtype (interned singletons, never freed)
+    refit::dtype type{};
+    std::vector<std::int64_t> shape;
+    refit::device device;
+    void* data = nullptr;
+  };
+  std::vector<entry> entries;
+  std::optional<update_metadata> meta;  // of `entries`, when all of them were seen again
+  std::uint64_t hits = 0, misses = 0;
+};
+
 /// Python tensors held for as long as refit reads or writes their memory: their
 /// views, and references to the objects (released under the GIL, on any thread).
 class held_tensors {
@@ -31,10 +52,12 @@ class held_tensors {
   /// named_parameters() yields). Each must be C-contiguous, of a dtype refit
   /// moves, in host or CUDA memory; otherwise invalid_argument naming it. torch
   /// tensors that require grad are detached (a view of the same memory). GIL held.
-  static held_tensors from_python(nb::handle tensors, const std::string& what);
+  /// With `cache`, torch tensors read as in the cache's last update are taken from it
+  /// (and the cache is updated to this one).
+  static held_tensors from_python(nb::handle tensors, const std::string& what, tensor_cache* cache = nullptr);
 
   std::span<const tensor_view> views() const { return views_; }
-  /// Names, dtypes and shapes, in order.
+  /// Names, dtypes and shapes, in order (the cache's when every tensor hit it).
   update_metadata metadata() const;
   std::size_t size() const { return views_.size(); }
 
@@ -46,6 +69,7 @@ class held_tensors {
   std::deque<item> items_;  // stable addresses: the views point into them
   std::vector<tensor_view> views_;
   shared_object owners_;    // a list of the Python objects
+  std::optional<update_metadata> cached_meta_;
 };
 
 /// A Python view of `v`'s memory (no copy, no owner: valid while refit keeps the

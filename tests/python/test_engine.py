@@ -367,3 +367,28 @@ def test_checksummed_updates_round_trip():
             t.join()
         for r in recs:
             assert all(r.got[k].tobytes() == src[k].tobytes() for k in src)
+
+
+@needs_torch
+def test_a_sender_reads_every_tensor_afresh_each_update():
+    # The sender remembers the last update's tensors to hand the next one over
+    # faster; a parameter given new memory, a new dtype or shape must still be sent
+    # as it is now.
+    layer = torch.nn.Linear(8, 4)
+    src = dict(layer.named_parameters())
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, framework="torch")
+        connect(sender, [engine])
+        for step in range(4):
+            if step == 1:
+                with torch.no_grad():
+                    layer.weight.add_(1)  # in place: same memory
+            if step == 2:
+                layer.weight.data = torch.full((4, 8), 5.0)  # new memory, same object
+            if step == 3:
+                layer.bias.data = torch.arange(6, dtype=torch.float64)  # new dtype and shape
+            rec = Recorder()
+            transfer(sender, [engine], list(layer.named_parameters()), rec)
+            for name, p in layer.named_parameters():
+                assert rec.got[name].dtype == p.dtype and rec.got[name].shape == p.shape, (step, name)
+                assert torch.equal(rec.got[name], p.detach()), (step, name)
