@@ -21,38 +21,9 @@ import sys
 import time
 
 import torch
-from torch import nn
 
 import refit
-
-
-class TinyLM(nn.Module):
-    """A decoder-only transformer: embeddings, pre-norm blocks, tied-free lm head."""
-
-    def __init__(self, vocab, d_model, layers, heads, seq):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.pos = nn.Parameter(torch.zeros(seq, d_model))
-        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
-                                           norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        x = self.blocks(x, mask=self.causal[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
-        return self.head(self.norm(x))
-
-
-def batch(vocab, seq, size, generator):
-    """Sequences of a synthetic language: arithmetic progressions modulo vocab, so the
-    next token is predictable and the loss falls as the model learns."""
-    start = torch.randint(0, vocab, (size, 1), generator=generator)
-    step = torch.randint(1, 7, (size, 1), generator=generator)
-    tokens = (start + step * torch.arange(seq + 1)) % vocab
-    return tokens[:, :-1], tokens[:, 1:]
+from tiny_lm import TinyLM, train_step
 
 
 def start_workers(binary, n, timeout_ms):
@@ -121,18 +92,13 @@ def main():
     losses, update_s = [], []
     verified = True
     for step in range(1, args.steps + 1):
-        tokens, targets = batch(args.vocab, args.seq, args.batch, generator)
-        logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        loss = train_step(model, optimizer, args.vocab, args.seq, args.batch, generator)
+        losses.append(loss)
         start = time.perf_counter()
         result = group.update(sender, export(), step)  # raises unless every worker verified
         update_s.append(time.perf_counter() - start)
         verified = verified and result["verified"]
-        print(f"[train_and_sync] step {step}: loss {loss.item():.3f}, update {update_s[-1] * 1000:.1f} ms to "
+        print(f"[train_and_sync] step {step}: loss {loss:.3f}, update {update_s[-1] * 1000:.1f} ms to "
               f"{len(endpoints)} workers, verified", file=sys.stderr)
 
     states = [w["state"] for w in group.call_all("weight_info")]
