@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# python/venv.sh [VENV_DIR]
+#
+# Makes (or reuses) the Python virtual environment refit's Python package, its vLLM
+# backend (refit.vllm) and their tests run in: nanobind, numpy and pytest; torch
+# 2.14.0 with only the NVIDIA libraries it needs to import on a machine without a
+# GPU; vllm 0.33.0 with only what its weight-transfer API imports. Every version
+# is pinned in python/requirements-vllm.txt, installed with `pip install --no-deps`
+# (the file is the whole closure; see its header).
+#
+# VENV_DIR defaults to $REFIT_VENV, else ~/.cache/refit/venv-<python major><minor>.
+# The interpreter is $REFIT_PYTHON, else python3. A venv is reused when its stamp
+# (a hash of requirements-vllm.txt and the interpreter's version) matches and it
+# has torch and vllm; otherwise it is rebuilt from scratch (`venv --clear`), so no
+# package of an older pin set lingers. A cold build downloads about 1.4 GB (torch,
+# vllm, the NVIDIA libraries) unless pip's cache has them.
+# Extra wheel folders for pip: REFIT_WHEELS="dir1 dir2" (passed as --find-links).
+#
+# Its only line on stdout is the venv's path (pip's output goes to stderr). Fails
+# loudly (a line starting with "venv.sh: error:" on stderr, exit status 1) when
+# anything cannot be installed or the installed environment does not import.
+set -euo pipefail
+
+die() {
+  echo "venv.sh: error: $*" >&2
+  exit 1
+}
+note() { echo "venv.sh: $*" >&2; }
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REQ="$HERE/requirements-vllm.txt"
+[ -f "$REQ" ] || die "$REQ is missing"
+
+PYTHON=${REFIT_PYTHON:-python3}
+command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH (set REFIT_PYTHON to an interpreter)"
+PYTAG=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")') ||
+  die "'$PYTHON' does not run"
+[ "$PYTAG" = 311 ] || note "warning: the pins were tested with CPython 3.11; '$PYTHON' is $PYTAG"
+
+VENV=${1:-${REFIT_VENV:-$HOME/.cache/refit/venv-$PYTAG}}
+mkdir -p "$(dirname "$VENV")" || die "cannot create $(dirname "$VENV")"
+VENV=$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")
+STAMP="$VENV/.refit-venv-stamp"
+
+# One build at a time per venv.
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"$VENV.lock"
+  flock 9 || die "cannot lock $VENV.lock"
+fi
+
+STAMP_VALUE=$( {
+  cat "$REQ"
+  "$PYTHON" -c 'import sys, platform; print(sys.version, platform.machine())'
+} | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_VALUE" ] && [ -x "$VENV/bin/python" ] &&
+  "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("vllm")))' >/dev/null 2>&1; then
+  note "reusing $VENV (up to date)"
+  echo "$VENV"
+  exit 0
+fi
+
+# Never wipe a folder that is not a venv.
+if [ -d "$VENV" ] && [ -n "$(ls -A "$VENV")" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
+  die "$VENV exists and is not a virtual environment; refusing to overwrite it (choose another VENV_DIR)"
+fi
+
+start=$(date +%s)
+note "creating $VENV with $("$PYTHON" -c 'import sys; print(sys.executable)')"
+rm -f "$STAMP"
+"$PYTHON" -m venv --clear "$VENV" ||
+  die "'$PYTHON -m venv' failed (on Debian: apt-get install python3-venv)"
+PY="$VENV/bin/python"
+
+PIP=("$PY" -m pip --disable-pip-version-check)
+FIND_LINKS=()
+for d in ${REFIT_WHEELS:-}; do FIND_LINKS+=(--find-links "$d"); done
+
+"${PIP[@]}" install "${FIND_LINKS[@]}" --no-deps -r "$REQ" >&2 ||
+  die "pip could not install $REQ (see pip's message above)"
+
+# CUDA libraries libtorch links that neither the packages above nor the system
+# provide: install each one's package (the "#cuda-fallback" lines of $REQ) until
+# the dynamic linker finds them all.
+missing_sonames() {
+  local lib
+  lib=$("$PY" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("torch").origin), "lib"))')
+  for so in "$lib"/libtorch_cuda.so "$lib"/libtorch.so "$lib"/libtorch_python.so "$lib"/libc10_cuda.so; do
+    [ -f "$so" ] && ldd "$so" 2>/dev/null
+  done | awk '/=> not found/ {print $1}' | grep -vx 'libcuda.so.1' | sort -u || true
+}
+for round in 1 2 3 4; do
+  missing=$(missing_sonames)
+  [ -z "$missing" ] && break
+  reqs=()
+  for so in $missing; do
+    r=$(awk -v so="$so" '$1 == "#cuda-fallback" && $2 == so {print $3}' "$REQ")
+    [ -n "$r" ] || die "torch needs $so, which no CUDA install here provides and $REQ names no package for (add a '#cuda-fallback $so PACKAGE==VERSION' line)"
+    reqs+=("$r")
+  done
+  note "the system lacks $(echo $missing); installing ${reqs[*]}"
+  "${PIP[@]}" install "${FIND_LINKS[@]}" --no-deps $(printf '%s\n' "${reqs[@]}" | sort -u) >&2 ||
+    die "pip could not install ${reqs[*]} (see pip's message above)"
+done
+still=$(missing_sonames)
+[ -z "$still" ] || die "torch still lacks $(echo $still) after installing the CUDA fallbacks"
+
+# The environment must import what refit and its tests use. Without a GPU,
+# vLLM's CUDA wheel needs the CPU platform selected to build a VllmConfig.
+note "checking the environment"
+VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-$("$PY" -c 'import torch; print("" if torch.accelerator.device_count() else "cpu")' 2>/dev/null || echo cpu)} \
+VLLM_PLUGINS=${VLLM_PLUGINS-} VLLM_LOGGING_LEVEL=WARNING "$PY" - <<'EOF' >&2 || die "the venv was installed but does not work (see the traceback above); $VENV is left without its stamp"
+import importlib
+
+import nanobind, numpy, pytest, requests  # noqa: F401
+import torch
+
+x = torch.arange(6, dtype=torch.float32).to(torch.bfloat16)
+assert x.sum().item() == 15.0
+
+import vllm.distributed.weight_transfer  # noqa: F401
+from vllm.config import ParallelConfig, VllmConfig, WeightTransferConfig
+from vllm.distributed.weight_transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+)
+from vllm.plugins import load_general_plugins
+
+# Every built-in engine's module loads (modelexpress needs ModelExpress, a
+# separate install; the sharded_rdt trainer needs Ray: neither is installed).
+for name, loader in WeightTransferEngineFactory._registry.items():
+    if name != "modelexpress":
+        loader()
+for name, loader in WeightTransferTrainerFactory._registry.items():
+    if name != "sharded_rdt":
+        loader()
+assert WeightTransferConfig(backend="refit").backend == "refit"
+VllmConfig(parallel_config=ParallelConfig(), weight_transfer_config=WeightTransferConfig(backend="refit"))
+m = torch.nn.Linear(2, 2)
+assert [n for n, _ in ModuleSource(m).iter_full()] == ["weight", "bias"]
+HTTPVLLMWeightSyncClient("http://127.0.0.1:1")
+load_general_plugins()
+print("venv.sh: torch", torch.__version__, "vllm", importlib.import_module("vllm").__version__, "import fine")
+EOF
+
+echo "$STAMP_VALUE" >"$STAMP"
+note "done in $(($(date +%s) - start)) s; $(du -sh "$VENV" | cut -f1) in $VENV"
+echo "$VENV"
