@@ -351,10 +351,11 @@ class py_sender {
   }
   asio::awaitable<void> connect_workers() { co_await sender_->connect_workers(); }
 
-  static asio::awaitable<void> send(weight_sender* sender, std::shared_ptr<held_tensors> held, update_metadata declared) {
+  static asio::awaitable<void> send(weight_sender* sender, std::shared_ptr<held_tensors> held,
+                                    std::shared_ptr<const update_metadata> declared) {
     auto views = held->views();
     range_source<std::span<const tensor_view>> source(views);
-    co_await sender->send_weights(declared, source);
+    co_await sender->send_weights(*declared, source);
   }
 
   nb::object last_send_stats() {
@@ -375,10 +376,14 @@ class py_sender {
   tensor_cache cache_;
 };
 
-std::pair<std::shared_ptr<held_tensors>, update_metadata> hold_for_send(nb::handle tensors, nb::handle metadata,
-                                                                        const std::string& what, tensor_cache* cache) {
+// The tensors of one send and what the trainer declares for them (their own
+// metadata unless `metadata` is given; shared with the sender's cache, not copied).
+std::pair<std::shared_ptr<held_tensors>, std::shared_ptr<const update_metadata>> hold_for_send(
+    nb::handle tensors, nb::handle metadata, const std::string& what, tensor_cache* cache) {
   auto held = std::make_shared<held_tensors>(held_tensors::from_python(tensors, what, cache));
-  update_metadata declared = metadata.is_none() ? held->metadata() : read_metadata(metadata, what + " metadata");
+  auto declared = metadata.is_none()
+                      ? held->shared_metadata()
+                      : std::make_shared<const update_metadata>(read_metadata(metadata, what + " metadata"));
   return {std::move(held), std::move(declared)};
 }
 
@@ -437,8 +442,9 @@ class py_worker_group {
     co_return co_await group->init(*sender, std::move(args), options);
   }
   static asio::awaitable<json> update(worker_group* group, weight_sender* sender, std::shared_ptr<held_tensors> held,
-                                      update_metadata meta, std::int64_t version, control::update_options options) {
-    auto result = co_await group->update(*sender, meta, held->views(), version, options);
+                                      std::shared_ptr<const update_metadata> meta, std::int64_t version,
+                                      control::update_options options) {
+    auto result = co_await group->update(*sender, *meta, held->views(), version, options);
     json out;
     out["version"] = result.version;
     out["seconds"] = result.seconds;

@@ -137,6 +137,15 @@ framework parse_framework(const std::string& name) {
 held_tensors held_tensors::from_python(nb::handle tensors, const std::string& what, tensor_cache* cache) {
   held_tensors out;
   bool all_hit = cache != nullptr;
+  // The last update's entries (kept alive for the views of hits), and this one's,
+  // made only when something differs.
+  std::shared_ptr<const std::vector<tensor_cache::entry>> old_entries = cache ? cache->entries : nullptr;
+  std::shared_ptr<std::vector<tensor_cache::entry>> new_entries;
+  auto start_new_entries = [&](std::size_t upto) {
+    if (new_entries || !cache) return;
+    new_entries = std::make_shared<std::vector<tensor_cache::entry>>();
+    if (old_entries) new_entries->assign(old_entries->begin(), old_entries->begin() + static_cast<std::ptrdiff_t>(upto));
+  };
   nb::list owners;
   nb::object pairs = nb::borrow(tensors);
   if (PyDict_Check(tensors.ptr()) || (nb::hasattr(tensors, "items") && nb::hasattr(tensors, "keys")))
@@ -162,8 +171,8 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
     // A torch tensor as the cache saw it: a handful of reads, nothing rebuilt.
     const bool is_torch =
         api && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(api->tensor_type.ptr()));
-    if (is_torch && cache && index < cache->entries.size()) {
-      const auto& e = cache->entries[index];
+    if (is_torch && old_entries && index < old_entries->size()) {
+      const auto& e = (*old_entries)[index];
       Py_ssize_t length = 0;
       const char* utf8 = PyUnicode_AsUTF8AndSize(name_obj.ptr(), &length);
       if (!utf8) throw nb::python_error();
@@ -180,15 +189,16 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
         hit = hit && call(obj, api->is_contiguous).is(nb::handle(Py_True));
       }
       if (hit) {
-        auto& stored = out.items_.emplace_back(item{e.name, e.shape});
-        out.views_.emplace_back(stored.name, e.type, std::span<const std::int64_t>(stored.shape), e.data, e.device);
+        out.views_.emplace_back(e.name, e.type, std::span<const std::int64_t>(e.shape), e.data, e.device);
         owners.append(obj);
+        if (new_entries) new_entries->push_back(e);
         ++cache->hits;
         ++index;
         continue;
       }
     }
     all_hit = false;
+    start_new_entries(index);
     std::string name = nb::cast<std::string>(name_obj);
     item it{std::move(name), {}};
     PyObject* seen_dtype = nullptr;
@@ -264,9 +274,8 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
     auto& stored = out.items_.emplace_back(std::move(it));
     out.views_.emplace_back(stored.name, type, std::span<const std::int64_t>(stored.shape), data, dev);
     owners.append(obj);
-    if (cache) {
-      if (cache->entries.size() <= index) cache->entries.resize(index + 1);
-      auto& e = cache->entries[index];
+    if (new_entries) {
+      auto& e = new_entries->emplace_back();
       e.name = stored.name;
       e.torch_dtype = seen_dtype;  // null for non-torch: never a hit
       e.type = type;
@@ -279,17 +288,22 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
   }
   out.owners_ = shared_object(std::move(owners));
   if (cache) {
-    if (cache->entries.size() != index) {
-      cache->entries.resize(index);
-      all_hit = false;
-    }
-    if (all_hit && cache->meta) {
+    out.cached_entries_ = old_entries;  // hits' views point into it
+    if (all_hit && old_entries && old_entries->size() == index && cache->meta) {
       out.cached_meta_ = cache->meta;
     } else {
-      cache->meta = out.metadata();
+      start_new_entries(index);  // fewer tensors than last time, all of them hits
+      cache->entries = std::move(new_entries);
+      cache->meta = std::make_shared<const update_metadata>(out.metadata());
+      out.cached_meta_ = cache->meta;
     }
   }
   return out;
+}
+
+std::shared_ptr<const update_metadata> held_tensors::shared_metadata() const {
+  if (cached_meta_) return cached_meta_;
+  return std::make_shared<const update_metadata>(metadata());
 }
 
 update_metadata held_tensors::metadata() const {

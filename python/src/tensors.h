@@ -39,8 +39,10 @@ class tensor_cache {
     refit::device device;
     void* data = nullptr;
   };
-  std::vector<entry> entries;
-  std::optional<update_metadata> meta;  // of `entries`, when all of them were seen again
+  /// The last update's tensors. Shared, not copied: a send in flight keeps the
+  /// entries its views point into while a later update replaces them.
+  std::shared_ptr<const std::vector<entry>> entries;
+  std::shared_ptr<const update_metadata> meta;  // of `entries`
   std::uint64_t hits = 0, misses = 0;
 };
 
@@ -59,6 +61,8 @@ class held_tensors {
   std::span<const tensor_view> views() const { return views_; }
   /// Names, dtypes and shapes, in order (the cache's when every tensor hit it).
   update_metadata metadata() const;
+  /// The same, shared (not copied) when it is the cache's.
+  std::shared_ptr<const update_metadata> shared_metadata() const;
   std::size_t size() const { return views_.size(); }
 
  private:
@@ -69,7 +73,8 @@ class held_tensors {
   std::deque<item> items_;  // stable addresses: the views point into them
   std::vector<tensor_view> views_;
   shared_object owners_;    // a list of the Python objects
-  std::optional<update_metadata> cached_meta_;
+  std::shared_ptr<const std::vector<tensor_cache::entry>> cached_entries_;  // what hits' views point into
+  std::shared_ptr<const update_metadata> cached_meta_;  // when every tensor hit
 };
 
 /// A Python view of `v`'s memory (no copy, no owner: valid while refit keeps the

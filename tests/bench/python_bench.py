@@ -118,6 +118,9 @@ def summary(values):
 
 
 def main():
+    # torch's intra-op threads (and their OpenMP spin-waits after the step's add_)
+    # would compete with the send on these 2 cores; the C++ trainer has none.
+    torch.set_num_threads(1)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weight-sync", required=True)
     ap.add_argument("--rounds", type=int, default=3)
