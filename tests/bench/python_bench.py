@@ -13,7 +13,7 @@ Each round starts two C++ workers (weight_sync --role worker) and updates them:
 Ratios are taken within each round (time of C++ / time of Python: 1.0 means the
 same throughput), then their median over the rounds is reported with the spread.
 
-usage: python_bench.py --weight-sync BIN [--rounds 3] [--updates 3] [--json FILE]
+usage: python_bench.py --weight-sync BIN [--rounds 3] [--updates 3] [--small-updates 8] [--json FILE]
        run with the venv's python (refit and torch installed); ./refit bench runs it.
 """
 
@@ -124,7 +124,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weight-sync", required=True)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=3, help="updates of the 1 GiB layout per trainer and round")
+    ap.add_argument("--small-updates", type=int, default=8,
+                    help="updates of the 10k-tensor layout (each ~0.1 s: more of them steady the median)")
     ap.add_argument("--model-bytes", default="1G")
     ap.add_argument("--json")
     ap.add_argument("--no-gloo", action="store_true")
@@ -143,8 +145,8 @@ def main():
         try:
             cpp_big, nbytes, _ = cpp_updates(binary, ports, big_flags, args.updates)
             py_big = python_updates(ports, big, args.updates, 1000)
-            cpp_small, small_bytes, ntensors = cpp_updates(binary, ports, small_flags, args.updates)
-            py_small = python_updates(ports, small, args.updates, 2000)
+            cpp_small, small_bytes, ntensors = cpp_updates(binary, ports, small_flags, args.small_updates)
+            py_small = python_updates(ports, small, args.small_updates, 2000)
         finally:
             stop_workers(procs, ports)
         row["big_bytes"], row["small_bytes"], row["small_tensors"] = nbytes, small_bytes, ntensors
