@@ -35,10 +35,12 @@ def main():
     parser.add_argument("--cuda", action="store_true", help="the extension was built with --config=cuda")
     args = parser.parse_args()
 
+    # The CUDA build carries a local version label: both wheels can sit in dist/.
+    version = VERSION + ("+cuda" if args.cuda else "")
     tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     ext_suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    wheel_name = f"{NAME}-{VERSION}-{tag}-{tag}-{platform}.whl"
+    wheel_name = f"{NAME}-{version}-{tag}-{tag}-{platform}.whl"
 
     files = {}  # archive path -> bytes
     package = os.path.join(HERE, "refit")
@@ -64,13 +66,13 @@ def main():
         f'"""How this wheel was built (written by build_wheel.py)."""\nBUILD = {build!r}\nPYTHON = {tag!r}\n'
     ).encode()
 
-    dist_info = f"{NAME}-{VERSION}.dist-info"
+    dist_info = f"{NAME}-{version}.dist-info"
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
         description = f.read()
     files[f"{dist_info}/METADATA"] = (
         "Metadata-Version: 2.1\n"
         f"Name: {NAME}\n"
-        f"Version: {VERSION}\n"
+        f"Version: {version}\n"
         "Summary: refit's C++ weight-transfer engines for PyTorch trainers and vLLM workers\n"
         f"Requires-Python: =={sys.version_info[0]}.{sys.version_info[1]}.*\n"
         "Requires-Dist: numpy\n"
