@@ -6,7 +6,9 @@
 # 2.14.0 with only the NVIDIA libraries it needs to import on a machine without a
 # GPU; vllm 0.33.0 with only what its weight-transfer API imports. Every version
 # is pinned in python/requirements-vllm.txt, installed with `pip install --no-deps`
-# (the file is the whole closure; see its header).
+# (the file is the whole closure; see its header) and --no-compile (byte-compiling
+# torch's and vLLM's thousands of modules at install time costs half a minute;
+# Python compiles what it imports).
 #
 # VENV_DIR defaults to $REFIT_VENV, else ~/.cache/refit/venv-<python major><minor>.
 # The interpreter is $REFIT_PYTHON, else python3. A venv is reused when its stamp
@@ -76,7 +78,7 @@ PIP=("$PY" -m pip --disable-pip-version-check)
 FIND_LINKS=()
 for d in ${REFIT_WHEELS:-}; do FIND_LINKS+=(--find-links "$d"); done
 
-"${PIP[@]}" install "${FIND_LINKS[@]}" --no-deps -r "$REQ" >&2 ||
+"${PIP[@]}" install "${FIND_LINKS[@]}" --no-compile --no-deps -r "$REQ" >&2 ||
   die "pip could not install $REQ (see pip's message above)"
 
 # CUDA libraries libtorch links that neither the packages above nor the system
@@ -99,7 +101,7 @@ for round in 1 2 3 4; do
     reqs+=("$r")
   done
   note "the system lacks $(echo $missing); installing ${reqs[*]}"
-  "${PIP[@]}" install "${FIND_LINKS[@]}" --no-deps $(printf '%s\n' "${reqs[@]}" | sort -u) >&2 ||
+  "${PIP[@]}" install "${FIND_LINKS[@]}" --no-compile --no-deps $(printf '%s\n' "${reqs[@]}" | sort -u) >&2 ||
     die "pip could not install ${reqs[*]} (see pip's message above)"
 done
 still=$(missing_sonames)
