@@ -219,21 +219,30 @@ void pending_call::cancel() {
   asio::post(runtime::get().executor(), [signal] { signal->emit(asio::cancellation_type::terminal); });
 }
 
+void deliver(const shared_object& done, std::exception_ptr e, python_error_slot* slot,
+             const std::function<nb::object()>& result) {
+  nb::gil_scoped_acquire gil;
+  try {
+    nb::object value = nb::none(), exc = nb::none();
+    if (e)
+      exc = python_exception(e, slot);
+    else
+      value = result();
+    nb::handle(done.get())(value, exc);
+  } catch (nb::python_error& err) {
+    err.discard_as_unraisable("refit: delivering a result to asyncio");
+  } catch (std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    PyErr_WriteUnraisable(nullptr);
+  }
+}
+
 pending_call start_void(asio::awaitable<void> op, nb::object done, std::shared_ptr<python_error_slot> slot) {
   auto cancel = std::make_shared<asio::cancellation_signal>();
   shared_object callback(std::move(done));
   asio::co_spawn(runtime::get().executor(), std::move(op),
                  asio::bind_cancellation_slot(cancel->slot(), [callback, slot, cancel](std::exception_ptr e) {
-                   nb::gil_scoped_acquire gil;
-                   try {
-                     nb::object exc = e ? python_exception(e, slot.get()) : nb::none();
-                     nb::handle(callback.get())(nb::none(), exc);
-                   } catch (nb::python_error& err) {
-                     err.discard_as_unraisable("refit: delivering a result to asyncio");
-                   } catch (std::exception& err) {
-                     PyErr_SetString(PyExc_RuntimeError, err.what());
-                     PyErr_WriteUnraisable(nullptr);
-                   }
+                   deliver(callback, e, slot.get(), [] { return nb::none(); });
                  }));
   return pending_call(std::move(cancel));
 }

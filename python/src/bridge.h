@@ -148,6 +148,12 @@ class pending_call {
   std::shared_ptr<asio::cancellation_signal> signal_;
 };
 
+/// Hands an asyncio call's outcome to its `done` callback, under the GIL (taken
+/// here): done(result(), None), or done(None, the Python exception of `e`). What
+/// the callback raises is reported as unraisable, never thrown into the loop.
+void deliver(const shared_object& done, std::exception_ptr e, python_error_slot* slot,
+             const std::function<nb::object()>& result);
+
 /// Starts `op` on refit's loop and returns at once. When it ends,
 /// `done(result, exception)` is called on refit's loop with the GIL held: result is
 /// convert(value) (None on error), exception the Python exception (None on
@@ -160,20 +166,7 @@ pending_call start(asio::awaitable<T> op, std::function<nb::object(T&)> convert,
   asio::co_spawn(runtime::get().executor(), std::move(op),
                  asio::bind_cancellation_slot(cancel->slot(), [callback, convert, slot, cancel](
                                                                   std::exception_ptr e, T v) mutable {
-                   nb::gil_scoped_acquire gil;
-                   try {
-                     nb::object result = nb::none(), exc = nb::none();
-                     if (e)
-                       exc = python_exception(e, slot.get());
-                     else
-                       result = convert(v);
-                     nb::handle(callback.get())(result, exc);
-                   } catch (nb::python_error& err) {
-                     err.discard_as_unraisable("refit: delivering a result to asyncio");
-                   } catch (std::exception& err) {
-                     PyErr_SetString(PyExc_RuntimeError, err.what());
-                     PyErr_WriteUnraisable(nullptr);
-                   }
+                   deliver(callback, e, slot.get(), [&] { return convert(v); });
                  }));
   return pending_call(std::move(cancel));
 }
