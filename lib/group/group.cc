@@ -297,12 +297,17 @@ asio::awaitable<joined> join(std::string address, std::uint16_t port, int rank, 
 }
 
 std::array<std::byte, 48> update_header(std::uint64_t seq, const update_metadata& meta, const bucket_plan& plan) {
+  return update_header(seq, meta.tensors.size(), metadata_digest(meta), plan.buckets.size(), plan.payload_bytes);
+}
+
+std::array<std::byte, 48> update_header(std::uint64_t seq, std::uint64_t tensors, std::uint64_t digest,
+                                        std::uint64_t buckets, std::uint64_t payload_bytes) {
   wire::update u;
   u.seq = seq;
-  u.digest = metadata_digest(meta);
-  u.tensors = meta.tensors.size();
-  u.buckets = plan.buckets.size();
-  u.payload_bytes = plan.payload_bytes;
+  u.digest = digest;
+  u.tensors = tensors;
+  u.buckets = buckets;
+  u.payload_bytes = payload_bytes;
   return wire::encode(u);
 }
 

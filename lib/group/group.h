@@ -98,6 +98,10 @@ asio::awaitable<joined> join(std::string address, std::uint16_t port, int rank, 
 /// The update header a trainer announces for update `seq` of `meta` planned as `plan`.
 std::array<std::byte, 48> update_header(std::uint64_t seq, const update_metadata& meta, const bucket_plan& plan);
 
+/// The same from explicit members (sharded streams announce their own plan).
+std::array<std::byte, 48> update_header(std::uint64_t seq, std::uint64_t tensors, std::uint64_t digest,
+                                        std::uint64_t buckets, std::uint64_t payload_bytes);
+
 /// Trainer side: announces `header` to one worker and waits for it to accept.
 asio::awaitable<void> announce_update(asio::ip::tcp::socket& socket, const std::array<std::byte, 48>& header,
                                       std::chrono::milliseconds timeout, std::string who);

@@ -1,0 +1,173 @@
+// Sharded TCP ("tcp_sharded"): M trainer ranks, each a process with its own
+// sender holding only its local shards, send each of N workers only the bytes
+// that worker keeps, straight from the shards (gather writes, no packing) into the
+// worker's own tensors (scatter reads, no staging), all pairs at once.
+//
+// Both sides compute the same transfer plan (lib/transfer_plan.h) from the global
+// metadata and the layout spec, which the trainer gets in its trainer_args and the
+// workers in each update_info; the per-pair header carries the plan's digest, so a
+// worker whose layout differs refuses before a byte moves.
+//
+// Every worker connects to every trainer rank (a rank with nothing for a worker
+// sends it an empty stream, which keeps the pair's sequence in step). Per update,
+// per pair: header (accepted or refused), frames of at most buffer_bytes each
+// (wire::bucket_header + payload, XXH3 checksums when enabled), confirmation.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <asio/ip/tcp.hpp>
+#include <asio/strand.hpp>
+#include <asio/thread_pool.hpp>
+
+#include <refit/bucket_plan.h>
+#include <refit/engine.h>
+#include <refit/layout.h>
+#include <refit/shard_io.h>
+#include <refit/trainer.h>
+#include <refit/transfer_plan.h>
+
+namespace refit::tcp {
+
+/// A layout spec read against global metadata: both sides' layouts and the plan.
+struct sharded_layouts {
+  update_metadata global;
+  source_layout source;
+  std::vector<dest_layout> workers;
+  std::shared_ptr<const transfer_plan> plan;
+};
+
+/// Reads {"source": <read_source_layout>, "destination": <read_dest_layouts>} for
+/// `global`; the result is cached by (metadata digest, spec) so an unchanged model
+/// is planned once.
+class layout_cache {
+ public:
+  std::shared_ptr<const sharded_layouts> get(const update_metadata& global, const json& spec,
+                                             const std::string& context);
+
+ private:
+  std::mutex mutex_;
+  std::uint64_t key_ = 0;
+  std::shared_ptr<const sharded_layouts> last_;
+};
+
+/// Worker init info: {"trainers": [{"address": str, "port": int}, ...] (rank
+/// order), "workers": int, "rank_offset": int (this worker is number rank_offset -
+/// 1 + its tp_rank; 1 by default), "buffer_bytes", "num_buffers", "checksums",
+/// "timeout_ms"}.
+struct sharded_init_info final : refit::init_info {
+  struct endpoint {
+    std::string address;
+    std::uint16_t port = 0;
+  };
+  std::vector<endpoint> trainers;
+  int workers = 1;
+  int rank_offset = 1;
+  wire_params wire;
+  std::optional<std::chrono::milliseconds> timeout;
+  static sharded_init_info read(json_reader& r);
+};
+
+/// Update info: vLLM's metadata members of the GLOBAL tensors (what the trainer
+/// ranks shard), "layout" (the spec above) and optional "commit". Parsed, its
+/// metadata is this worker's own tensors (what its model is told of).
+struct sharded_update_info final : refit::update_info {
+  std::shared_ptr<const sharded_layouts> layouts;
+};
+
+/// Worker side.
+class sharded_engine final : public weight_transfer_engine {
+ public:
+  sharded_engine(const weight_transfer_config& config, const engine_context& context);
+  ~sharded_engine() override;
+  std::string_view backend() const noexcept override { return "tcp_sharded"; }
+  std::unique_ptr<refit::init_info> parse_init_info(const json& j) const override;
+  /// Needs the worker's number, so only after init_transfer_engine.
+  std::unique_ptr<refit::update_info> parse_update_info(const json& j) const override;
+  /// This worker's number among the destinations (after init).
+  int worker() const noexcept { return worker_; }
+  /// Closes every connection now (an update in flight fails).
+  void disconnect() noexcept { do_shutdown(); }
+
+ protected:
+  asio::awaitable<void> do_init(const refit::init_info& info) override;
+  asio::awaitable<void> do_receive(const refit::update_info& info, load_weights_fn load_weights) override;
+  void do_shutdown() override;
+  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+
+ private:
+  using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
+  asio::awaitable<void> receive_pair(socket_ptr socket, int rank, std::shared_ptr<const sharded_layouts> layouts,
+                                     std::vector<std::byte*> bases);
+  std::string who() const { return "tcp_sharded worker " + std::to_string(worker_); }
+
+  std::vector<socket_ptr> sockets_;  // by trainer rank
+  std::vector<std::uint64_t> last_seq_;
+  mutable layout_cache layouts_;
+  wire_params wire_;
+  std::chrono::milliseconds timeout_{0};
+  int worker_ = -1, workers_ = 0;
+  // Host memory for tensors the model offers no destination for (kept across
+  // updates; load_weights copies from it).
+  std::vector<std::byte> fallback_;
+  model_target* direct_target_ = nullptr;  // to tell when the update's first bytes land
+};
+
+/// Trainer side: one rank. trainer_args: {"rank": int, "trainers": [{"address",
+/// "port"}, ...] (every rank's listen address in rank order; this rank's port may be
+/// 0: any free port), "workers": int, "layout": {"source", "destination"},
+/// "buffer_bytes", "checksums", "timeout_ms"}. prepare() listens and returns the
+/// workers' init info (rank_offset 1); connect_workers() accepts every worker.
+/// send_weights(declared, source): `declared` is the GLOBAL metadata (what the
+/// workers' update_info carries); `source` yields this rank's local shards in the
+/// same order, each checked against the shape its placement gives it.
+class sharded_sender final : public weight_sender {
+ public:
+  sharded_sender(const weight_transfer_config& config, const trainer_context& context);
+  ~sharded_sender() override;
+  std::string_view backend() const noexcept override { return "tcp_sharded"; }
+  json prepare(const json& trainer_args) override;
+  asio::awaitable<void> connect_workers() override;
+  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
+  void shutdown() override;
+  update_stats last_send_stats() const override { return stats_; }
+  /// Bytes this rank sent each worker in the last update.
+  const std::vector<std::uint64_t>& last_bytes_per_worker() const noexcept { return sent_; }
+  /// Seconds the last update spent planning (0 when the plan was cached).
+  double last_plan_seconds() const noexcept { return plan_s_; }
+  int rank() const noexcept { return rank_; }
+
+ private:
+  using pool_strand = asio::strand<asio::thread_pool::executor_type>;
+  struct peer {
+    int worker = 0;
+    pool_strand strand;
+    asio::ip::tcp::socket socket;
+  };
+  asio::awaitable<void> stream_to(std::shared_ptr<peer> p, std::array<std::byte, 48> header,
+                                  std::shared_ptr<const std::vector<stream_frame>> frames, std::uint64_t seq);
+  void fail_all();
+
+  weight_transfer_config config_;
+  trainer_context context_;
+  std::unique_ptr<asio::thread_pool> io_pool_;
+  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
+  json init_info_;
+  json layout_spec_;
+  layout_cache layouts_;
+  wire_params wire_;
+  std::chrono::milliseconds timeout_{0};
+  int rank_ = 0, ranks_ = 0, workers_ = 0;
+  std::vector<std::shared_ptr<peer>> peers_;  // by worker
+  std::uint64_t seq_ = 0;
+  update_stats stats_;
+  std::vector<std::uint64_t> sent_;
+  double plan_s_ = 0;
+};
+
+}  // namespace refit::tcp
