@@ -19,8 +19,17 @@
 
 namespace refit::nccl {
 
+/// One point-to-point transfer of a grouped exchange.
+struct p2p_op {
+  enum class kind : std::uint8_t { send, recv };
+  kind type = kind::send;
+  int peer = 0;
+  std::byte* data = nullptr;
+  std::uint64_t bytes = 0;
+};
+
 /// One rank's membership of a group: rank 0 (the trainer) broadcasts each bucket
-/// to every rank.
+/// to every rank; sharded transfers exchange point to point.
 class collective {
  public:
   virtual ~collective() = default;
@@ -30,6 +39,11 @@ class collective {
   /// take part within `deadline` makes it a timeout, after which the communicator
   /// is aborted and every later call fails.
   virtual asio::awaitable<void> broadcast(std::byte* data, std::uint64_t bytes, std::chrono::milliseconds deadline) = 0;
+  /// Runs `ops` as one group (NCCL: ncclGroupStart, ncclSend/ncclRecv, ncclGroupEnd):
+  /// every send is matched by its peer's receive of the same size, in the order
+  /// each pair issues them; completes when all of this rank's ops are done.
+  /// Deadline and abort as for broadcast.
+  virtual asio::awaitable<void> exchange(std::span<const p2p_op> ops, std::chrono::milliseconds deadline) = 0;
   /// Aborts outstanding and later operations of this rank; others fail too.
   /// Returns at once: whatever blocks (ncclCommAbort does, even for non-blocking
   /// communicators) runs on a thread of its own, never on the caller's event loop.

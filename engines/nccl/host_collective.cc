@@ -24,7 +24,16 @@ using inbox = asio::experimental::channel<void(std::error_code, payload)>;
 struct group {
   int world_size = 0;
   std::map<int, std::shared_ptr<inbox>> ranks;
+  // Point-to-point: one queue per (sender, receiver), made by whichever comes first.
+  std::map<std::pair<int, int>, std::shared_ptr<inbox>> pairs;
+  asio::any_io_executor executor;
   bool aborted = false;
+
+  std::shared_ptr<inbox> pair(int from, int to) {
+    auto& box = pairs[{from, to}];
+    if (!box) box = std::make_shared<inbox>(executor, 64);
+    return box;
+  }
 };
 
 std::mutex registry_mutex;
@@ -62,10 +71,43 @@ class host_collective final : public collective {
     if (bytes) std::memcpy(data, got->data(), bytes);
   }
 
+  asio::awaitable<void> exchange(std::span<const p2p_op> ops, std::chrono::milliseconds deadline) override {
+    const std::string who = "host collective rank " + std::to_string(rank_);
+    // Sends first (queued, copied now), then receives in order: as NCCL's group,
+    // no rank waits on another's receive to post its sends.
+    for (const auto& op : ops) {
+      if (group_->aborted) throw_error(errc::peer_lost, who + ": the communicator was aborted");
+      if (op.type != p2p_op::kind::send) continue;
+      if (op.peer < 0 || op.peer >= group_->world_size || op.peer == rank_)
+        throw_error(errc::invalid_argument, who + ": no peer rank " + std::to_string(op.peer));
+      auto copy = std::make_shared<const std::vector<std::byte>>(op.data, op.data + op.bytes);
+      auto [ec] = co_await async::with_deadline(
+          group_->pair(rank_, op.peer)->async_send(std::error_code{}, copy, asio::experimental::as_tuple(asio::use_awaitable)),
+          deadline, who + ": send to rank " + std::to_string(op.peer));
+      if (ec) throw_error(errc::peer_lost, who + ": rank " + std::to_string(op.peer) + " left the communicator");
+    }
+    for (const auto& op : ops) {
+      if (op.type != p2p_op::kind::recv) continue;
+      if (op.peer < 0 || op.peer >= group_->world_size || op.peer == rank_)
+        throw_error(errc::invalid_argument, who + ": no peer rank " + std::to_string(op.peer));
+      if (group_->aborted) throw_error(errc::peer_lost, who + ": the communicator was aborted");
+      auto box = group_->pair(op.peer, rank_);
+      auto [ec, got] = co_await async::with_deadline(box->async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
+                                                     deadline, who + ": receive from rank " + std::to_string(op.peer));
+      if (ec || !got) throw_error(errc::peer_lost, who + ": the communicator was aborted");
+      if (got->size() != op.bytes)
+        throw_error(errc::protocol_error, who + ": rank " + std::to_string(op.peer) + " sent " +
+                                              std::to_string(got->size()) + " bytes, this rank expected " +
+                                              std::to_string(op.bytes));
+      if (op.bytes) std::memcpy(op.data, got->data(), op.bytes);
+    }
+  }
+
   void abort() noexcept override {
     if (group_->aborted) return;
     group_->aborted = true;
     for (auto& [rank, box] : group_->ranks) box->close();
+    for (auto& [key, box] : group_->pairs) box->close();
   }
 
  private:
@@ -91,6 +133,7 @@ class host_provider final : public collective_provider {
       if (!slot || slot->aborted) {
         slot = std::make_shared<group>();
         slot->world_size = world_size;
+        slot->executor = executor;
       }
       g = slot;
       if (g->world_size != world_size)

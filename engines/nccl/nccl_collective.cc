@@ -122,6 +122,42 @@ class nccl_collective final : public collective {
       const ncclResult_t r = ncclBroadcast(data, data, bytes, ncclUint8, 0, c_->comm, c_->stream->get());
       if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, who + ": ncclBroadcast");
     }
+    co_await until_done(who, "broadcast of " + std::to_string(bytes) + " bytes", until, deadline);
+  }
+
+  asio::awaitable<void> exchange(std::span<const p2p_op> ops, std::chrono::milliseconds deadline) override {
+    const std::string who = "nccl rank " + std::to_string(rank_);
+    if (ops.empty()) co_return;
+    const auto until = clock_type::now() + deadline;
+    std::uint64_t bytes = 0;
+    {
+      std::lock_guard lock(c_->mutex);
+      if (!c_->comm) throw_error(errc::peer_lost, who + ": the communicator was aborted");
+      const cuda::device_scope scope(c_->device);
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) fail_locked(r, who + ": ncclGroupStart");
+      for (const auto& op : ops) {
+        bytes += op.bytes;
+        r = op.type == p2p_op::kind::send
+                ? ncclSend(op.data, op.bytes, ncclUint8, op.peer, c_->comm, c_->stream->get())
+                : ncclRecv(op.data, op.bytes, ncclUint8, op.peer, c_->comm, c_->stream->get());
+        if (r != ncclSuccess && r != ncclInProgress) {
+          (void)ncclGroupEnd();
+          fail_locked(r, who + (op.type == p2p_op::kind::send ? ": ncclSend to rank " : ": ncclRecv from rank ") +
+                             std::to_string(op.peer));
+        }
+      }
+      r = ncclGroupEnd();
+      if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, who + ": ncclGroupEnd");
+    }
+    co_await until_done(who, "grouped exchange of " + std::to_string(ops.size()) + " sends and receives (" +
+                                 std::to_string(bytes) + " bytes)", until, deadline);
+  }
+
+  // Polls the communicator and its stream until the work queued last is done, the
+  // deadline passes (abort, timeout) or an asynchronous error comes (abort).
+  asio::awaitable<void> until_done(std::string who, std::string what, clock_type::time_point until,
+                                   std::chrono::milliseconds deadline) {
     asio::steady_timer timer(executor_);
     backoff b;
     for (;;) {
@@ -132,7 +168,7 @@ class nccl_collective final : public collective {
         const ncclResult_t r = ncclCommGetAsyncError(c_->comm, &state);
         if (r != ncclSuccess) fail_locked(r, who + ": ncclCommGetAsyncError");
         if (state != ncclSuccess && state != ncclInProgress)
-          fail_locked(state, who + ": broadcast of " + std::to_string(bytes) + " bytes");
+          fail_locked(state, who + ": " + what);
       }
       if (state == ncclSuccess) {
         const cudaError_t q = cudaStreamQuery(c_->stream->get());
@@ -144,7 +180,7 @@ class nccl_collective final : public collective {
       }
       if (clock_type::now() >= until) {
         abort();
-        throw_error(errc::timeout, who + ": broadcast of " + std::to_string(bytes) + " bytes: no progress within " +
+        throw_error(errc::timeout, who + ": " + what + ": no progress within " +
                                        std::to_string(deadline.count()) + " ms (a peer is gone or stalled; "
                                        "communicator aborted)");
       }

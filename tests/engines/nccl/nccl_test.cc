@@ -143,6 +143,9 @@ class recording_provider final : public nccl::collective_provider {
       co_await inner_->broadcast(data, bytes, d);
       owner_->log.push_back("bcast" + std::to_string(k) + " end");
     }
+    asio::awaitable<void> exchange(std::span<const nccl::p2p_op> ops, std::chrono::milliseconds d) override {
+      co_await inner_->exchange(ops, d);
+    }
     void abort() noexcept override { inner_->abort(); }
 
    private:
