@@ -726,7 +726,12 @@ struct sharded_totals {
   bool verified = true;
   std::string first_mismatch;
   std::uint64_t peak_rss = 0;
+  // After a failed update: what each worker says it holds ({"state", "weight_version"}).
+  json worker_states = json::array();
 };
+
+asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& workers, weight_sender& sender,
+                                     const update_metadata& meta, const planned& p, sharded_totals& t);
 
 asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_process>& procs,
                                    const std::vector<worker_process>& ranks, const update_metadata& meta,
@@ -761,6 +766,43 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
   if (!o.quiet)
     std::fprintf(stderr, "[refit] %d trainer ranks -> %d tp workers over %s connected\n", o.trainers, o.tp,
                  o.engine.c_str());
+  std::exception_ptr failure;
+  try {
+    co_await sharded_rounds(o, workers, *sender, meta, p, t);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // What every worker that still answers says it holds now: a failed update must
+    // not leave a worker claiming weights it does not have (checked by the fault test).
+    sender->shutdown();
+    for (std::size_t w = 0; w < procs.size(); ++w) {
+      json state = {{"worker", w}};
+      try {
+        const json a = co_await workers.at(w).call("weight_fingerprint", json::object(), std::chrono::milliseconds(3000));
+        state["state"] = a.value("state", std::string("?"));
+        state["weight_version"] = a.contains("weight_version") ? a["weight_version"] : json(nullptr);
+      } catch (const error& e) {
+        state["unreachable"] = std::string(errc_name(e.kind())) + ": " + e.message();
+      }
+      t.worker_states.push_back(std::move(state));
+    }
+    workers.close();
+    std::rethrow_exception(failure);
+  }
+  for (const auto& s : co_await workers.call_all("worker_stats"))
+    t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
+  try {
+    co_await workers.call_all("shutdown");
+  } catch (const error&) {
+  }
+  sender->shutdown();
+  workers.close();
+}
+
+asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& workers, weight_sender& sender_ref,
+                                     const update_metadata& meta, const planned& p, sharded_totals& t) {
+  weight_sender* sender = &sender_ref;
   // Rank 0's own shards (the whole model when broadcasting).
   std::optional<shard_model> shards;
   if (!o.broadcast) shards.emplace(p.source, 0);
@@ -788,7 +830,7 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
     // Every byte of every worker against the reference slicing of the whole model.
     const auto expected = reference_fingerprints(meta, p.workers, round);
     std::size_t bad = 0;
-    for (std::size_t w = 0; w < procs.size(); ++w) {
+    for (std::size_t w = 0; w < workers.size(); ++w) {
       const json a = co_await workers.at(w).call("weight_fingerprint");
       json list = json::object();
       list["algorithm"] = a.at("algorithm");
@@ -806,14 +848,6 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
                    meta.total_bytes() / 1e9, t.bytes_per_worker.empty() ? 0.0 : t.bytes_per_worker[0] / 1e9,
                    result.seconds, bad ? ("MISMATCH in " + std::to_string(bad) + " tensors").c_str() : "verified");
   }
-  for (const auto& s : co_await workers.call_all("worker_stats"))
-    t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
-  try {
-    co_await workers.call_all("shutdown");
-  } catch (const error&) {
-  }
-  sender->shutdown();
-  workers.close();
 }
 
 int run_sharded_trainer(const options& o) {
@@ -830,7 +864,10 @@ int run_sharded_trainer(const options& o) {
   std::vector<std::string> stats_files;
   std::string failure;
   try {
-    for (int i = 0; i < o.tp; ++i) procs.push_back(start_worker(o, i));
+    for (int i = 0; i < o.tp; ++i) {
+      procs.push_back(start_worker(o, i));
+      std::fprintf(stderr, "[refit] pid of worker %d: %d\n", i, static_cast<int>(procs.back().pid));
+    }
     for (int r = 1; r < o.trainers; ++r) {
       stats_files.push_back("/tmp/refit-weight-sync-" + std::to_string(getpid()) + "-rank" + std::to_string(r) + ".json");
       std::vector<std::string> args = {"weight_sync", "--role", "trainer-rank", "--rank", std::to_string(r),
@@ -846,6 +883,7 @@ int run_sharded_trainer(const options& o) {
         args.push_back(o.secret_file);
       }
       ranks.push_back(start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "trainer rank " + std::to_string(r)));
+      std::fprintf(stderr, "[refit] pid of trainer rank %d: %d\n", r, static_cast<int>(ranks.back().pid));
     }
     asio::io_context io;
     std::exception_ptr error;
@@ -908,6 +946,7 @@ int run_sharded_trainer(const options& o) {
                  {"rounds_verified", t.verified ? t.rounds_done : 0},
                  {"worker_peak_rss_bytes", t.peak_rss},
                  {"verified", failure.empty() && t.verified && t.rounds_done == o.updates}};
+  if (!t.worker_states.empty()) result["worker_states_after_failure"] = t.worker_states;
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
   return failure.empty() && t.verified ? 0 : 1;
