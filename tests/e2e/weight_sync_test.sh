@@ -35,9 +35,41 @@ printf 'e2e-secret\n' > "$secret_dir/secret"
 chmod 600 "$secret_dir/secret"
 check --workers 2 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 1M --commit staged --checksums \
   --auth-secret-file "$secret_dir/secret"
+cp "$secret_dir/secret" "$secret_dir/secret.ok" && chmod 600 "$secret_dir/secret.ok"
 chmod 644 "$secret_dir/secret"
 if err=$("$bin" --auth-secret-file "$secret_dir/secret" 2>&1); then fail "a world-readable secret accepted"; fi
 echo "$err" | grep -q "chmod 600" || fail "no advice for a world-readable secret: $err"
+
+# Sharded: M trainer processes, N tp workers, each receiving only what it keeps.
+check_sharded() {
+  local out last
+  out=$("$bin" --quiet "$@") || fail "weight_sync $* exited non-zero: $out"
+  last=$(printf '%s\n' "$out" | tail -n 1)
+  python3 - "$last" "$@" <<'PY' || fail "bad result for $*: $last"
+import json, sys
+r = json.loads(sys.argv[1])
+for key in ("bytes_per_worker", "trainer_egress_bytes", "plan_s", "rounds_verified", "mode"):
+    assert key in r, key
+assert r["verified"] is True and r["rounds_verified"] == r["updates"], r
+assert len(r["bytes_per_worker"]) == r["tp"] and len(r["trainer_egress_bytes"]) == r["trainers"], r
+if r["mode"] == "sharded":
+    # Every byte a worker keeps, once: the planned share, not the whole model.
+    assert max(r["bytes_per_worker"]) == r["planned_bytes_per_worker_max"], r
+    assert max(r["bytes_per_worker"]) < r["bytes"] / r["tp"] * 1.05, r
+    assert sum(r["trainer_egress_bytes"]) == sum(r["bytes_per_worker"]), r
+else:
+    assert min(r["bytes_per_worker"]) == r["bytes"], r
+print("ok:", " ".join(sys.argv[2:]), "->", r["bytes_per_worker"], "bytes per worker of", r["bytes"])
+PY
+}
+check_sharded --trainers 2 --tp 2 --model-bytes 24M --layers 2 --updates 2 --checksums --auth-secret-file "$secret_dir/secret.ok"
+check_sharded --trainers 3 --tp 2 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 64K --no-direct
+check_sharded --trainers 1 --tp 4 --model-bytes 16M --layers 2 --updates 1
+check_sharded --tp 2 --broadcast --model-bytes 16M --layers 1 --updates 2
+if err=$("$bin" --tp 2 --workers 3 2>&1); then fail "--tp 2 --workers 3 accepted"; fi
+echo "$err" | grep -q "tp ranks of one engine" || fail "no message for --tp 2 --workers 3: $err"
+if err=$("$bin" --tp 2 --trainers 2 --broadcast 2>&1); then fail "--broadcast with 2 trainers accepted"; fi
+echo "$err" | grep -q "one trainer" || fail "no message for --broadcast --trainers 2: $err"
 
 if err=$("$bin" --workers 0 2>&1); then fail "--workers 0 accepted"; fi
 echo "$err" | grep -q "workers" || fail "no message for --workers 0: $err"
