@@ -52,25 +52,12 @@ const char* style_name(parallel_style s) {
   switch (s) {
     case parallel_style::column: return "column";
     case parallel_style::row: return "row";
+    case parallel_style::vocab: return "vocab";
     default: return "replicated";
   }
 }
 
 }  // namespace
-
-std::vector<fused_param> vllm_stacked_params() {
-  return {
-      {".qkv_proj", {".q_proj", ".k_proj", ".v_proj"}, {}},
-      {".gate_up_proj", {".gate_proj", ".up_proj"}, {}},
-  };
-}
-
-std::vector<shard_rule> vllm_llama_shards() {
-  return {
-      {"\\.(qkv_proj|gate_up_proj|q_proj|k_proj|v_proj|gate_proj|up_proj)\\.", parallel_style::column},
-      {"\\.(o_proj|down_proj)\\.", parallel_style::row},
-  };
-}
 
 // The options, compiled once.
 struct module_target::compiled {
@@ -125,6 +112,7 @@ struct placement {
   int shard_dim = -1;           // dim of the incoming tensor holding this rank's slice
   std::int64_t shard_start = 0, shard_length = 0;
   bool fused = false;           // a component: [offset, offset + length) of dim 0
+  bool padded = false;          // vocab-parallel: the slice fills the first shard_length rows
   std::int64_t offset = 0, length = 0;
 };
 
@@ -139,6 +127,8 @@ module_target::module_target(std::vector<named_tensor> tensors, target_options o
   if (o.tp_size < 1 || o.tp_rank < 0 || o.tp_rank >= o.tp_size)
     throw_error(errc::invalid_argument, "module_target: tp_rank " + std::to_string(o.tp_rank) + " is not in [0, tp_size " +
                                             std::to_string(o.tp_size) + ")");
+  if (o.vocab_padding < 1)
+    throw_error(errc::invalid_argument, "module_target: vocab_padding must be positive, got " + std::to_string(o.vocab_padding));
   for (const auto& r : o.renames) {
     if (r.type == rename_rule::kind::regex)
       rules_->renames.emplace_back(compile(r.from, "rename pattern"));
@@ -245,7 +235,21 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
       throw_error(errc::invalid_argument, "module_target: " + what + " is a scalar; fused components stack along dim 0");
     const parallel_style style = rules_->style(name);
     std::vector<std::int64_t> slice(shape.begin(), shape.end());  // this rank's part
-    if (style != parallel_style::replicated && o.tp_size > 1) {
+    if (style == parallel_style::vocab && o.tp_size > 1 && !shape.empty()) {
+      // vLLM's VocabParallelEmbedding: rows padded, then split evenly; the last
+      // ranks' rows past the vocabulary are padding the update does not write.
+      if (fp) throw_error(errc::invalid_argument, "module_target: " + what + " is vocab-parallel and fused");
+      const std::int64_t padded = (shape[0] + o.vocab_padding - 1) / o.vocab_padding * o.vocab_padding;
+      if (padded % o.tp_size != 0)
+        throw_error(errc::invalid_argument, "module_target: " + what + " pads to " + std::to_string(padded) +
+                                                " rows, not divisible by tp_size " + std::to_string(o.tp_size));
+      const std::int64_t per = padded / o.tp_size;
+      pl.shard_dim = 0;
+      pl.shard_start = std::min(shape[0], per * o.tp_rank);
+      pl.shard_length = std::min(shape[0], per * (o.tp_rank + 1)) - pl.shard_start;
+      pl.padded = true;
+      slice[0] = per;
+    } else if (style != parallel_style::replicated && o.tp_size > 1) {
       const int dim = style == parallel_style::column ? 0 : (shape.size() >= 2 ? 1 : -1);
       if (style == parallel_style::column && shape.empty())
         throw_error(errc::invalid_argument, "module_target: " + what + " is a scalar and cannot be column-parallel");
@@ -408,6 +412,7 @@ void module_target::load_weights(std::span<const tensor_view> weights) {
     if (pl.shard_dim >= 0) src = src.narrow(pl.shard_dim, pl.shard_start, pl.shard_length);
     at::Tensor dst = tensors_[pl.target].second;
     if (pl.fused) dst = dst.narrow(0, pl.offset, pl.length);
+    if (pl.padded) dst = dst.narrow(0, 0, pl.shard_length);
     note(src.device());
     note(dst.device());
     if (src.numel() == 0) continue;

@@ -37,50 +37,22 @@
 #include <ATen/core/Tensor.h>
 
 #include <refit/engine.h>
+#include <refit/layout.h>
 #include <refit/metadata.h>
 #include <refit/torch/module.h>
 #include <refit/torch/tensor.h>
 
 namespace refit::libtorch {
 
-/// How a model tensor is split across tensor-parallel ranks (vLLM's linear layers).
-enum class parallel_style {
-  replicated,  ///< every rank holds the whole tensor
-  column,      ///< ColumnParallelLinear: dim 0 split; rank r holds rows [r*n/tp, (r+1)*n/tp)
-  row,         ///< RowParallelLinear: dim 1 split; a 1-D tensor (its bias) is replicated
-};
-
-/// Tensors whose model name matches `pattern` (std::regex, ECMAScript, searched
-/// anywhere in the name) are split as `style`. The first matching rule wins;
-/// tensors no rule matches are replicated.
-struct shard_rule {
-  std::string pattern;
-  parallel_style style = parallel_style::replicated;
-};
-
-/// Checkpoint tensors stacked along dim 0 into one model tensor, as vLLM's
-/// stacked_params_mapping: a name containing components[i] loads into the name with
-/// that substring replaced by `fused`, at the offset of the components before it.
-/// Components may differ in size (GQA: k and v smaller than q); under tensor
-/// parallelism each is sharded first and the rank's shards are stacked.
-struct fused_param {
-  std::string fused;                    ///< "qkv_proj"
-  std::vector<std::string> components;  ///< {"q_proj", "k_proj", "v_proj"}, in stacking order
-  /// Optional dim-0 sizes of the components, unsharded (the checkpoint's sizes).
-  /// Needed only for updates that carry some components of a fused tensor but not
-  /// all (require_complete = false); otherwise the sizes come from the update.
-  std::vector<std::int64_t> sizes;
-};
-
-/// vLLM's stacked_params_mapping for Llama-style models: (".qkv_proj",
-/// ".q_proj"/".k_proj"/".v_proj") and (".gate_up_proj", ".gate_proj"/".up_proj").
-std::vector<fused_param> vllm_stacked_params();
-
-/// vLLM's tensor-parallel layout of a Llama-style decoder layer: qkv_proj and
-/// gate_up_proj (and unfused q/k/v/gate/up_proj) column-parallel, o_proj and
-/// down_proj row-parallel. Embeddings and lm_head (vocab-parallel with padding in
-/// vLLM) are not covered: they stay replicated unless a rule of yours says otherwise.
-std::vector<shard_rule> vllm_llama_shards();
+// vLLM's loading rules live in the core's layout model (lib/layout.h), shared with
+// sharded transfers: the same presets slice a broadcast here and plan a sharded
+// transfer there.
+using refit::fused_param;
+using refit::parallel_style;
+using refit::shard_rule;
+using refit::vllm_llama_shards;
+using refit::vllm_stacked_params;
+using refit::vllm_vocab_shards;
 
 /// A rename applied to each incoming name (before fusing).
 struct rename_rule {
@@ -108,6 +80,9 @@ struct target_options {
   std::vector<shard_rule> shards;
   int tp_rank = 0;
   int tp_size = 1;
+  /// vocab-style tensors (vllm_vocab_shards) pad dim 0 to a multiple of this and
+  /// split it evenly; the model tensor holds the padded rows of its rank.
+  std::int64_t vocab_padding = 64;
   /// Convert between floating-point dtypes (float16, bfloat16, float32, float64,
   /// float8 where libtorch has it) into the model tensor's dtype. Integer and bool
   /// tensors must always match exactly; false: every dtype must match.

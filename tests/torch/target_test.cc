@@ -521,6 +521,26 @@ TEST(module_target, vllm_llama_shards_split_a_decoder_layer_as_vllm_does) {
   EXPECT_TRUE(at::equal(m["layers.0.input_layernorm.weight"], at::ones({4})));
 }
 
+TEST(module_target, vocab_parallel_embeddings_hold_their_padded_rows_as_the_layout_places_them) {
+  // vocab 100 padded to 128 for tp 2: rank 1 holds rows [64, 128), of which [64, 100)
+  // are the vocabulary and the rest padding the update never writes.
+  model m({{"model.embed_tokens.weight", at::full({64, 2}, -1.0)}});
+  auto rules = vllm_vocab_shards();
+  module_target target(m.tensors, {.shards = rules, .tp_rank = 1, .tp_size = 2});
+  apply(target, {{{"model.embed_tokens.weight", range(100, 2, 0)}}});
+  EXPECT_TRUE(at::equal(m["model.embed_tokens.weight"].narrow(0, 0, 36), range(100, 2, 0).narrow(0, 64, 36)));
+  EXPECT_TRUE(at::equal(m["model.embed_tokens.weight"].narrow(0, 36, 28), at::full({28, 2}, -1.0)));
+  // The core's layout (what sharded transfers plan with) places the same rows.
+  tp_layout_options o;
+  o.shards = rules;
+  const auto layout = tensor_parallel_layout({{{"model.embed_tokens.weight", dtype::float32, {100, 2}}}}, 2, 1, o);
+  ASSERT_EQ(layout.tensors.size(), 1u);
+  EXPECT_EQ(layout.tensors[0].spec.shape, (std::vector<std::int64_t>{64, 2}));
+  ASSERT_EQ(layout.tensors[0].pieces.size(), 1u);
+  EXPECT_EQ(layout.tensors[0].pieces[0].from, (box{{64, 0}, {36, 2}}));
+  EXPECT_EQ(layout.tensors[0].pieces[0].at, (std::vector<std::int64_t>{0, 0}));
+}
+
 // ---------------------------------------------------------------- construction
 
 TEST(module_target, bad_options_and_model_tensors_are_refused_at_construction) {
