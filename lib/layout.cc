@@ -190,11 +190,11 @@ source_layout source_layout::uniform(const update_metadata& meta, device_mesh me
   l.mesh = std::move(mesh);
   l.tensors.reserve(meta.tensors.size());
   for (const auto& t : meta.tensors) {
-    // Shard a dim a scalar does not have? Such tensors (rare: step counters) stay
-    // replicated rather than refusing the whole layout.
+    // Scalars (rare: step counters) cannot be sharded: they stay replicated rather
+    // than refusing the whole layout. Any other tensor lacking the dim is refused.
     auto p = placements;
-    for (auto& x : p)
-      if (x.is_shard() && x.dim >= static_cast<int>(t.shape.size())) x = placement::replicate();
+    if (t.shape.empty())
+      for (auto& x : p) x = placement::replicate();
     l.tensors.push_back({t, std::move(p)});
   }
   l.validate();
@@ -508,14 +508,14 @@ json write_source_layout(const source_layout& layout) {
   for (const auto& [k, n] : counts)
     if (n > best) best = n, common = k;
   out["placements"] = common;
-  // uniform() turns shard placements a tensor lacks the dim for into replicate.
+  // uniform() makes scalars replicated.
   std::vector<placement> parsed;
   for (const auto& s : common) parsed.push_back(parse_placement(s));
   json overrides = json::object();
   for (std::size_t i = 0; i < layout.tensors.size(); ++i) {
     auto implied = parsed;
-    for (auto& x : implied)
-      if (x.is_shard() && x.dim >= static_cast<int>(layout.tensors[i].spec.shape.size())) x = placement::replicate();
+    if (layout.tensors[i].spec.shape.empty())
+      for (auto& x : implied) x = placement::replicate();
     if (layout.tensors[i].placements != implied) overrides[layout.tensors[i].spec.name] = names[i];
   }
   if (!overrides.empty()) out["tensors"] = std::move(overrides);

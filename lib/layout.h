@@ -110,7 +110,8 @@ struct source_layout {
   void validate() const;
 
   /// Every tensor of `meta` placed with `placements` (e.g. {shard(0)} over a mesh of
-  /// `ranks`: FSDP's layout).
+  /// `ranks`: FSDP's layout); scalars are replicated. invalid_argument for a tensor
+  /// without the dim a placement shards.
   static source_layout uniform(const update_metadata& meta, device_mesh mesh, std::vector<placement> placements);
   /// One rank holding everything: the broadcast case.
   static source_layout single(const update_metadata& meta);

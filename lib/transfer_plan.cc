@@ -39,43 +39,47 @@ class hasher {
   XXH3_state_t* state_;
 };
 
-// One tensor dim's cut into the blocks its shard placements make (nested
-// torch.chunk in mesh-dim order), sorted by start.
+// One block of a tensor dim: the nested torch.chunk cut its shard placements make
+// (mesh-dim order), and what its coordinates add to the linear mesh index.
 struct segment {
   std::int64_t start = 0, length = 0;
-  std::vector<std::int64_t> coords;  // the coordinate of each mesh dim sharding this tensor dim
+  std::int64_t mesh_index = 0;  // sum of coordinate x stride over the mesh dims sharding this dim
+};
+
+// How one tensor dim is cut, computed on demand (never materialised: a dim cut
+// over a 512-rank mesh is 512 blocks per tensor, times 100k tensors).
+struct dim_cut {
+  std::int64_t n = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> levels;  // (parts, mesh stride) per sharding mesh dim
+
+  // The non-empty block that holds position x (0 <= x < n).
+  segment at(std::int64_t x) const {
+    segment s{0, n, 0};
+    for (const auto& [parts, stride] : levels) {
+      const std::int64_t size = (s.length + parts - 1) / parts;  // torch.chunk
+      const std::int64_t c = (x - s.start) / size;
+      const std::int64_t start = s.start + c * size;
+      s.length = std::min(s.start + s.length, start + size) - start;
+      s.start = start;
+      s.mesh_index += c * stride;
+    }
+    return s;
+  }
 };
 
 struct tensor_grid {
-  std::vector<std::vector<segment>> dims;      // per tensor dim
-  std::vector<std::vector<std::size_t>> mesh_dims;  // per tensor dim: the mesh dims sharding it, in order
-  std::vector<std::size_t> free_dims;          // mesh dims that replicate it
+  std::vector<dim_cut> dims;           // per tensor dim
+  std::vector<std::size_t> free_dims;  // mesh dims that replicate it
 };
 
-tensor_grid grid_of(const device_mesh& mesh, const placed_tensor& t) {
+tensor_grid grid_of(const device_mesh& mesh, const placed_tensor& t, std::span<const std::int64_t> mesh_stride) {
   tensor_grid g;
-  const std::size_t rank = t.spec.shape.size();
-  g.dims.resize(rank);
-  g.mesh_dims.resize(rank);
-  for (std::size_t d = 0; d < rank; ++d) g.dims[d].push_back({0, t.spec.shape[d], {}});
+  g.dims.resize(t.spec.shape.size());
+  for (std::size_t d = 0; d < t.spec.shape.size(); ++d) g.dims[d].n = t.spec.shape[d];
   for (std::size_t i = 0; i < t.placements.size(); ++i) {
     const auto& p = t.placements[i];
-    if (!p.is_shard()) {
-      g.free_dims.push_back(i);
-      continue;
-    }
-    auto& segs = g.dims[p.dim];
-    std::vector<segment> next;
-    next.reserve(segs.size() * mesh.shape[i]);
-    for (const auto& s : segs)
-      for (std::int64_t c = 0; c < mesh.shape[i]; ++c) {
-        const auto ch = torch_chunk(s.length, mesh.shape[i], c);
-        segment n{s.start + ch.start, ch.length, s.coords};
-        n.coords.push_back(c);
-        next.push_back(std::move(n));
-      }
-    segs = std::move(next);
-    g.mesh_dims[p.dim].push_back(i);
+    if (p.is_shard()) g.dims[p.dim].levels.emplace_back(mesh.shape[i], mesh_stride[i]);
+    else g.free_dims.push_back(i);
   }
   return g;
 }
@@ -131,14 +135,16 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
   std::unordered_map<std::string_view, std::uint32_t> index;
   index.reserve(source.tensors.size());
   for (std::uint32_t i = 0; i < source.tensors.size(); ++i) index.emplace(source.tensors[i].spec.name, i);
-  // Grids on first use: a tensor no worker wants costs nothing.
-  std::vector<std::optional<tensor_grid>> grids(source.tensors.size());
   const auto& mesh = source.mesh;
   std::vector<std::int64_t> mesh_stride(mesh.shape.size(), 1);
   for (std::size_t i = mesh.shape.size(); i-- > 1;) mesh_stride[i - 1] = mesh_stride[i] * mesh.shape[i];
+  // Grids on first use: a tensor no worker wants costs nothing.
+  std::vector<std::optional<tensor_grid>> grids(source.tensors.size());
 
-  std::vector<std::size_t> pick;  // per tensor dim: the segment chosen
-  std::vector<std::pair<std::size_t, std::size_t>> range;  // per tensor dim: segments [first, last)
+  std::uint64_t items = 0, turns = 0;
+  constexpr std::int64_t max_scanned_holders = 1024;
+  std::vector<std::size_t> pick;                   // per tensor dim: the block chosen
+  std::vector<std::vector<segment>> touched;       // per tensor dim: the blocks the piece touches
   for (std::size_t w = 0; w < workers.size(); ++w) {
     const auto& dest = workers[w];
     for (std::uint32_t di = 0; di < dest.tensors.size(); ++di) {
@@ -148,40 +154,60 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
         if (piece.from.empty()) continue;
         const std::uint32_t si = index.at(piece.source);
         const auto& st = source.tensors[si];
-        if (!grids[si]) grids[si] = grid_of(mesh, st);
+        if (!grids[si]) grids[si] = grid_of(mesh, st, mesh_stride);
         const auto& g = *grids[si];
         const std::size_t rank = st.spec.shape.size();
-        // Per dim, the segments the piece's box touches (binary search by start).
-        range.assign(rank, {0, 0});
+        // Per dim, the blocks the piece's box touches, walked from its first byte.
+        touched.resize(rank);
+        std::uint64_t combos = 1;
         for (std::size_t d = 0; d < rank; ++d) {
-          const auto& segs = g.dims[d];
+          touched[d].clear();
           const auto lo = piece.from.offset[d], hi = lo + piece.from.extent[d];
-          auto first = std::upper_bound(segs.begin(), segs.end(), lo,
-                                        [](std::int64_t v, const segment& s) { return v < s.start + s.length; });
-          auto last = std::lower_bound(first, segs.end(), hi, [](const segment& s, std::int64_t v) { return s.start < v; });
-          range[d] = {static_cast<std::size_t>(first - segs.begin()), static_cast<std::size_t>(last - segs.begin())};
+          for (std::int64_t x = lo; x < hi;) {
+            touched[d].push_back(g.dims[d].at(x));
+            x = touched[d].back().start + touched[d].back().length;
+            if (touched[d].size() > max_plan_items)
+              throw_error(errc::invalid_argument, "transfer plan: tensor '" + st.spec.name + "' is cut into more than " +
+                                                      std::to_string(max_plan_items) + " blocks");
+          }
+          combos *= touched[d].size();
+          if (items + combos > max_plan_items)
+            throw_error(errc::invalid_argument, "transfer plan: more than " + std::to_string(max_plan_items) +
+                                                    " boxes (the layouts cut the model into too many pieces; worker " +
+                                                    std::to_string(w) + ", tensor '" + dt.spec.name + "')");
         }
-        // Every combination of touched segments is one block held by the ranks
-        // whose coordinates match it on the sharding mesh dims.
+        // Every combination of touched blocks is one box, held by the ranks whose
+        // coordinates match it on the sharding mesh dims.
         pick.assign(rank, 0);
-        for (std::size_t d = 0; d < rank; ++d) pick[d] = range[d].first;
         for (;;) {
           box block;
           block.offset.resize(rank);
           block.extent.resize(rank);
           std::int64_t fixed = 0;  // linear mesh index of the sharding coordinates
           for (std::size_t d = 0; d < rank; ++d) {
-            const auto& s = g.dims[d][pick[d]];
-            block.offset[d] = s.start;
-            block.extent[d] = s.length;
-            for (std::size_t k = 0; k < g.mesh_dims[d].size(); ++k) fixed += s.coords[k] * mesh_stride[g.mesh_dims[d][k]];
+            const auto& sg = touched[d][pick[d]];
+            block.offset[d] = sg.start;
+            block.extent[d] = sg.length;
+            fixed += sg.mesh_index;
           }
           const box part = intersect(block, piece.from);
           if (!part.empty()) {
-            // The holder with the least egress so far (lowest rank on ties).
+            // The holder with the least egress so far (lowest rank on ties); past
+            // max_scanned_holders candidates, the next in turn (still deterministic).
             int holder = -1;
             std::vector<std::int64_t> free(g.free_dims.size(), 0);
-            for (;;) {
+            std::int64_t holders = 1;
+            for (auto f : g.free_dims) holders *= mesh.shape[f];
+            if (holders > max_scanned_holders) {
+              std::int64_t turn = static_cast<std::int64_t>(turns++ % static_cast<std::uint64_t>(holders));
+              std::int64_t at = fixed;
+              for (std::size_t k = free.size(); k-- > 0;) {
+                at += (turn % mesh.shape[g.free_dims[k]]) * mesh_stride[g.free_dims[k]];
+                turn /= mesh.shape[g.free_dims[k]];
+              }
+              holder = mesh.rank_at(at);
+            }
+            for (; holder < 0 || holders <= max_scanned_holders;) {
               std::int64_t at = fixed;
               for (std::size_t k = 0; k < free.size(); ++k) at += free[k] * mesh_stride[g.free_dims[k]];
               const int r = mesh.rank_at(at);
@@ -211,6 +237,7 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
               item.dst_at[d] = piece.at[d] + (part.offset[d] - piece.from.offset[d]);
             }
             item.bytes = static_cast<std::uint64_t>(part.numel()) * element;
+            ++items;
             auto& pp = plan.pairs[static_cast<std::size_t>(holder) * plan.workers + w];
             pp.bytes += item.bytes;
             plan.egress[holder] += item.bytes;
@@ -222,11 +249,11 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
           bool done = true;
           while (d > 0) {
             --d;
-            if (++pick[d] < range[d].second) {
+            if (++pick[d] < touched[d].size()) {
               done = false;
               break;
             }
-            pick[d] = range[d].first;
+            pick[d] = 0;
           }
           if (done) break;
         }

@@ -53,6 +53,10 @@ struct transfer_plan {
   std::uint64_t total_bytes() const;
 };
 
+/// Most boxes one plan may hold: layouts come from peers and users, and a mesh
+/// that cuts every tensor into 2^20 blocks is an error, not gigabytes of plan.
+inline constexpr std::uint64_t max_plan_items = 1ull << 24;
+
 /// Digest of a plan's inputs (what transfer_plan::digest holds), without planning.
 std::uint64_t layout_digest(const source_layout& source, std::span<const dest_layout> workers);
 

@@ -61,6 +61,36 @@ write("info_fuzz", "bad-not_json.txt", "master_address=127.0.0.1\n")
 # Found by info_fuzz: nlohmann's parse error quotes the bytes where it stopped.
 write("info_fuzz", "bad-utf8_parse_error.json", b'{"master_address": "h", "\xff\xff\xff\x1fbuffer_bytes": 4095}')
 
+# ---- layout_fuzz: a tcp_sharded update_info ----
+LLAMA = {"names": ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                   "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                   "model.layers.0.self_attn.o_proj.weight", "model.layers.0.input_layernorm.weight",
+                   "lm_head.weight"],
+         "dtype_names": ["bfloat16"] * 7, "shapes": [[100, 16], [16, 16], [8, 16], [8, 16], [16, 16], [16], [100, 16]]}
+SHARD0 = {"mesh": [2], "placements": ["shard(0)"]}
+write("layout_fuzz", "ok-fsdp_to_vllm_tp2.json",
+      js(dict(LLAMA, layout={"source": SHARD0, "destination": {"preset": "vllm_llama", "tp_size": 2}})))
+write("layout_fuzz", "ok-2d_mesh_replicated_norm.json",
+      js(dict(LLAMA, layout={"source": {"mesh": [2, 2], "ranks": [3, 2, 1, 0], "placements": ["shard(0)", "replicate"],
+                                        "tensors": {"model.layers.0.input_layernorm.weight": ["replicate", "replicate"]}},
+                             "destination": {"preset": "vllm_llama", "tp_size": 4, "vocab_padding": 32}})))
+write("layout_fuzz", "ok-explicit_pieces.json",
+      js({"names": ["a", "b"], "dtype_names": ["float32", "float32"], "shapes": [[4, 4], [2, 4]],
+          "layout": {"source": {"mesh": [3], "placements": ["shard(1)"]},
+                     "destination": {"workers": [[{"name": "ab", "dtype": "float32", "shape": [7, 4], "pieces": [
+                         {"source": "a", "offset": [0, 0], "extent": [4, 4], "at": [0, 0]},
+                         {"source": "b", "offset": [0, 1], "extent": [2, 3], "at": [4, 1]}]}]]}}}))
+write("layout_fuzz", "bad-overlapping_pieces.json",
+      js({"names": ["a"], "dtype_names": ["float32"], "shapes": [[4]],
+          "layout": {"source": {"mesh": [1]}, "destination": {"workers": [[{"name": "x", "dtype": "float32", "shape": [4],
+              "pieces": [{"source": "a", "offset": [0], "extent": [3], "at": [0]},
+                         {"source": "a", "offset": [1], "extent": [3], "at": [1]}]}]]}}}))
+write("layout_fuzz", "bad-indivisible_tp.json",
+      js(dict(LLAMA, layout={"source": SHARD0, "destination": {"preset": "vllm_llama", "tp_size": 3}})))
+write("layout_fuzz", "bad-shard_dim.json",
+      js(dict(LLAMA, layout={"source": {"mesh": [2], "placements": ["shard(5)"]},
+                             "destination": {"preset": "vllm_llama", "tp_size": 1}})))
+
 # torch_ipc: a PyTorch trainer's handles (examples/torch_ipc/refit_ipc.py).
 GPU = "GPU-6f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
 
