@@ -6,6 +6,7 @@
 #include <numeric>
 #include <regex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <refit/error.h>
 
@@ -214,35 +215,54 @@ update_metadata dest_layout::metadata() const {
   return meta;
 }
 
-void validate(const dest_layout& dest, const source_layout& source, std::size_t worker) {
-  std::unordered_map<std::string_view, std::size_t> index;
+namespace {
+
+using name_index = std::unordered_map<std::string_view, std::size_t>;
+
+name_index index_of(const source_layout& source) {
+  name_index index;
   index.reserve(source.tensors.size());
   for (std::size_t i = 0; i < source.tensors.size(); ++i) index.emplace(source.tensors[i].spec.name, i);
-  dest.metadata().validate();
-  const std::string who = "destination layout of worker " + std::to_string(worker);
+  return index;
+}
+
+// Messages are made only when something is wrong: a 100k-tensor layout has
+// millions of pieces.
+void validate_one(const dest_layout& dest, const source_layout& source, const name_index& index, std::size_t worker) {
+  auto who = [&] { return "destination layout of worker " + std::to_string(worker); };
+  {
+    std::unordered_set<std::string_view> names;
+    names.reserve(dest.tensors.size());
+    for (const auto& t : dest.tensors) {
+      if (t.spec.name.empty()) throw_error(errc::invalid_argument, who() + ": a tensor has an empty name");
+      if (!names.insert(t.spec.name).second)
+        throw_error(errc::invalid_argument, who() + ": tensor " + in_quotes(t.spec.name) + " appears twice");
+      (void)t.spec.nbytes();  // shape checked
+    }
+  }
   for (const auto& t : dest.tensors) {
-    const std::string tensor = who + ", tensor " + in_quotes(t.spec.name);
+    auto tensor = [&] { return who() + ", tensor " + in_quotes(t.spec.name); };
     const std::size_t rank = t.spec.shape.size();
     for (std::size_t k = 0; k < t.pieces.size(); ++k) {
       const auto& p = t.pieces[k];
-      const std::string piece = tensor + ", piece " + std::to_string(k);
+      auto piece = [&] { return tensor() + ", piece " + std::to_string(k); };
       auto it = index.find(p.source);
-      if (it == index.end()) throw_error(errc::invalid_argument, piece + ": no source tensor " + in_quotes(p.source));
+      if (it == index.end()) throw_error(errc::invalid_argument, piece() + ": no source tensor " + in_quotes(p.source));
       const auto& s = source.tensors[it->second].spec;
       if (s.dtype != t.spec.dtype)
-        throw_error(errc::invalid_argument, piece + ": source " + in_quotes(s.name) + " is " +
+        throw_error(errc::invalid_argument, piece() + ": source " + in_quotes(s.name) + " is " +
                                                 std::string(to_string(s.dtype)) + ", the tensor " +
                                                 std::string(to_string(t.spec.dtype)));
       if (s.shape.size() != rank || p.from.offset.size() != rank || p.from.extent.size() != rank || p.at.size() != rank)
-        throw_error(errc::invalid_argument, piece + ": source " + in_quotes(s.name) + " of shape " +
+        throw_error(errc::invalid_argument, piece() + ": source " + in_quotes(s.name) + " of shape " +
                                                 shape_to_string(s.shape) + " and the tensor of shape " +
                                                 shape_to_string(t.spec.shape) + " need boxes of their rank");
       for (std::size_t d = 0; d < rank; ++d) {
         if (p.from.offset[d] < 0 || p.from.extent[d] < 0 || p.from.offset[d] + p.from.extent[d] > s.shape[d])
-          throw_error(errc::invalid_argument, piece + ": box " + p.from.to_string() + " is outside source " +
+          throw_error(errc::invalid_argument, piece() + ": box " + p.from.to_string() + " is outside source " +
                                                   in_quotes(s.name) + " of shape " + shape_to_string(s.shape));
         if (p.at[d] < 0 || p.at[d] + p.from.extent[d] > t.spec.shape[d])
-          throw_error(errc::invalid_argument, piece + ": placed at dim " + std::to_string(d) + " offset " +
+          throw_error(errc::invalid_argument, piece() + ": placed at dim " + std::to_string(d) + " offset " +
                                                   std::to_string(p.at[d]) + " it does not fit the tensor's shape " +
                                                   shape_to_string(t.spec.shape));
       }
@@ -263,12 +283,23 @@ void validate(const dest_layout& dest, const source_layout& source, std::size_t 
         for (std::size_t d = 0; d < rank && overlap; ++d)
           overlap = a.at[d] < b.at[d] + b.from.extent[d] && b.at[d] < a.at[d] + a.from.extent[d];
         if (overlap)
-          throw_error(errc::invalid_argument, tensor + ": pieces " + std::to_string(std::min(order[i], order[j])) +
+          throw_error(errc::invalid_argument, tensor() + ": pieces " + std::to_string(std::min(order[i], order[j])) +
                                                   " and " + std::to_string(std::max(order[i], order[j])) +
                                                   " overlap (each byte must come from one piece)");
       }
     }
   }
+}
+
+}  // namespace
+
+void validate(const dest_layout& dest, const source_layout& source, std::size_t worker) {
+  validate_one(dest, source, index_of(source), worker);
+}
+
+void validate(std::span<const dest_layout> workers, const source_layout& source) {
+  const auto index = index_of(source);
+  for (std::size_t w = 0; w < workers.size(); ++w) validate_one(workers[w], source, index, w);
 }
 
 // ---------------------------------------------------------------- vLLM's rules

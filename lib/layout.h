@@ -149,6 +149,8 @@ struct dest_layout {
 /// its placement inside the destination, and no two pieces of a tensor overlap.
 /// Throws invalid_argument naming the worker, the tensor and the piece.
 void validate(const dest_layout& dest, const source_layout& source, std::size_t worker = 0);
+/// Every worker's layout (worker w named as w).
+void validate(std::span<const dest_layout> workers, const source_layout& source);
 
 // ---------------------------------------------------------------- vLLM's rules
 

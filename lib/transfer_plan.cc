@@ -122,7 +122,7 @@ std::uint64_t layout_digest(const source_layout& source, std::span<const dest_la
 transfer_plan plan_transfer(const source_layout& source, std::span<const dest_layout> workers) {
   source.validate();
   if (workers.empty()) throw_error(errc::invalid_argument, "transfer plan: no workers");
-  for (std::size_t w = 0; w < workers.size(); ++w) validate(workers[w], source, w);
+  validate(workers, source);
 
   transfer_plan plan;
   plan.ranks = source.ranks();
@@ -145,6 +145,8 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
   constexpr std::int64_t max_scanned_holders = 1024;
   std::vector<std::size_t> pick;                   // per tensor dim: the block chosen
   std::vector<std::vector<segment>> touched;       // per tensor dim: the blocks the piece touches
+  box block, part;                                 // reused: no allocation per block
+  std::vector<std::int64_t> free;
   for (std::size_t w = 0; w < workers.size(); ++w) {
     const auto& dest = workers[w];
     for (std::uint32_t di = 0; di < dest.tensors.size(); ++di) {
@@ -179,10 +181,11 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
         // Every combination of touched blocks is one box, held by the ranks whose
         // coordinates match it on the sharding mesh dims.
         pick.assign(rank, 0);
+        block.offset.resize(rank);
+        block.extent.resize(rank);
+        part.offset.resize(rank);
+        part.extent.resize(rank);
         for (;;) {
-          box block;
-          block.offset.resize(rank);
-          block.extent.resize(rank);
           std::int64_t fixed = 0;  // linear mesh index of the sharding coordinates
           for (std::size_t d = 0; d < rank; ++d) {
             const auto& sg = touched[d][pick[d]];
@@ -190,12 +193,19 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
             block.extent[d] = sg.length;
             fixed += sg.mesh_index;
           }
-          const box part = intersect(block, piece.from);
-          if (!part.empty()) {
+          bool empty = false;
+          for (std::size_t d = 0; d < rank; ++d) {
+            const auto lo = std::max(block.offset[d], piece.from.offset[d]);
+            const auto hi = std::min(block.offset[d] + block.extent[d], piece.from.offset[d] + piece.from.extent[d]);
+            part.offset[d] = lo;
+            part.extent[d] = std::max<std::int64_t>(0, hi - lo);
+            empty |= part.extent[d] == 0;
+          }
+          if (!empty) {
             // The holder with the least egress so far (lowest rank on ties); past
             // max_scanned_holders candidates, the next in turn (still deterministic).
             int holder = -1;
-            std::vector<std::int64_t> free(g.free_dims.size(), 0);
+            free.assign(g.free_dims.size(), 0);
             std::int64_t holders = 1;
             for (auto f : g.free_dims) holders *= mesh.shape[f];
             if (holders > max_scanned_holders) {
