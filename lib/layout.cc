@@ -503,7 +503,15 @@ source_layout read_source_layout(json_reader& r, const update_metadata& meta) {
   if (placements.size() != mesh.shape.size())
     r.fail("member '" + r.member_path("placements") + "' has " + std::to_string(placements.size()) +
            " placements for a " + std::to_string(mesh.shape.size()) + "-dimensional mesh");
-  auto layout = source_layout::uniform(meta, mesh, placements);
+  // uniform()'s placements, validated only once the overrides are in: a default
+  // that shards a dim some tensor lacks is fine when that tensor's override says
+  // otherwise (what write_source_layout writes for sharded weights and 1-D biases).
+  source_layout layout;
+  layout.mesh = mesh;
+  layout.tensors.reserve(meta.tensors.size());
+  for (const auto& t : meta.tensors)
+    layout.tensors.push_back(
+        {t, t.shape.empty() ? std::vector<placement>(placements.size(), placement::replicate()) : placements});
   if (r.has("tensors")) {
     auto overrides = r.required<json>("tensors");
     if (!overrides.is_object()) r.fail("member '" + r.member_path("tensors") + "' must be an object");
@@ -518,8 +526,8 @@ source_layout read_source_layout(json_reader& r, const update_metadata& meta) {
       for (const auto& s : list) p.push_back(parse_placement(s));
       layout.tensors[it->second].placements = std::move(p);
     }
-    layout.validate();
   }
+  layout.validate();
   return layout;
 }
 
