@@ -67,9 +67,16 @@ struct dim_cut {
   }
 };
 
+// Past this many holders of a replicated block, the next holder in turn (per block
+// position) is taken instead of the least loaded: a scan of every holder per block
+// would cost most of a large plan.
+constexpr std::int64_t max_scanned_holders = 16;
+
 struct tensor_grid {
   std::vector<dim_cut> dims;           // per tensor dim
   std::vector<std::size_t> free_dims;  // mesh dims that replicate it
+  std::int64_t holders = 1;            // ranks holding each block (the replicating dims' product)
+  std::vector<std::int64_t> free_offsets;  // their linear mesh offsets (when few enough to scan)
 };
 
 tensor_grid grid_of(const device_mesh& mesh, const placed_tensor& t, std::span<const std::int64_t> mesh_stride) {
@@ -80,6 +87,16 @@ tensor_grid grid_of(const device_mesh& mesh, const placed_tensor& t, std::span<c
     const auto& p = t.placements[i];
     if (p.is_shard()) g.dims[p.dim].levels.emplace_back(mesh.shape[i], mesh_stride[i]);
     else g.free_dims.push_back(i);
+  }
+  for (auto f : g.free_dims) g.holders *= mesh.shape[f];
+  if (g.holders <= max_scanned_holders) {
+    g.free_offsets.assign(1, 0);
+    for (auto f : g.free_dims) {
+      std::vector<std::int64_t> next;
+      for (auto o : g.free_offsets)
+        for (std::int64_t c = 0; c < mesh.shape[f]; ++c) next.push_back(o + c * mesh_stride[f]);
+      g.free_offsets = std::move(next);
+    }
   }
   return g;
 }
@@ -141,12 +158,11 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
   // Grids on first use: a tensor no worker wants costs nothing.
   std::vector<std::optional<tensor_grid>> grids(source.tensors.size());
 
-  std::uint64_t items = 0, turns = 0;
-  constexpr std::int64_t max_scanned_holders = 1024;
+  std::uint64_t items = 0;
+  std::unordered_map<std::int64_t, std::uint64_t> turns;  // per sharding coordinate
   std::vector<std::size_t> pick;                   // per tensor dim: the block chosen
   std::vector<std::vector<segment>> touched;       // per tensor dim: the blocks the piece touches
   box block, part;                                 // reused: no allocation per block
-  std::vector<std::int64_t> free;
   for (std::size_t w = 0; w < workers.size(); ++w) {
     const auto& dest = workers[w];
     for (std::uint32_t di = 0; di < dest.tensors.size(); ++di) {
@@ -205,36 +221,24 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
             // The holder with the least egress so far (lowest rank on ties); past
             // max_scanned_holders candidates, the next in turn (still deterministic).
             int holder = -1;
-            free.assign(g.free_dims.size(), 0);
-            std::int64_t holders = 1;
-            for (auto f : g.free_dims) holders *= mesh.shape[f];
-            if (holders > max_scanned_holders) {
-              std::int64_t turn = static_cast<std::int64_t>(turns++ % static_cast<std::uint64_t>(holders));
+            if (g.holders > max_scanned_holders) {
+              // (the offsets of the turn's coordinates on the replicating dims)
+              // Each block position rotates through its own holders, so equal blocks
+              // spread evenly (a shared counter would align with the block pattern).
+              std::int64_t turn = static_cast<std::int64_t>(turns[fixed]++ % static_cast<std::uint64_t>(g.holders));
               std::int64_t at = fixed;
-              for (std::size_t k = free.size(); k-- > 0;) {
+              for (std::size_t k = g.free_dims.size(); k-- > 0;) {
                 at += (turn % mesh.shape[g.free_dims[k]]) * mesh_stride[g.free_dims[k]];
                 turn /= mesh.shape[g.free_dims[k]];
               }
               holder = mesh.rank_at(at);
-            }
-            for (; holder < 0 || holders <= max_scanned_holders;) {
-              std::int64_t at = fixed;
-              for (std::size_t k = 0; k < free.size(); ++k) at += free[k] * mesh_stride[g.free_dims[k]];
-              const int r = mesh.rank_at(at);
-              if (holder < 0 || plan.egress[r] < plan.egress[holder] ||
-                  (plan.egress[r] == plan.egress[holder] && r < holder))
-                holder = r;
-              std::size_t k = free.size();
-              bool done = true;
-              while (k > 0) {
-                --k;
-                if (++free[k] < mesh.shape[g.free_dims[k]]) {
-                  done = false;
-                  break;
-                }
-                free[k] = 0;
+            } else {
+              for (const std::int64_t off : g.free_offsets) {
+                const int r = mesh.rank_at(fixed + off);
+                if (holder < 0 || plan.egress[r] < plan.egress[holder] ||
+                    (plan.egress[r] == plan.egress[holder] && r < holder))
+                  holder = r;
               }
-              if (done) break;
             }
             transfer_item item;
             item.source = si;

@@ -2,7 +2,8 @@
 // destination layout (lib/layout.h), for each (trainer rank, worker) pair the
 // ordered list of boxes that rank sends that worker. Each destination byte a piece
 // covers comes exactly once, from one rank that holds it; a box several ranks hold
-// (replicated) is sent by the one with the least egress so far, so replicated
+// (replicated) is sent by the one with the least egress so far (up to 16 holders;
+// beyond, by the next holder in turn for that block position), so replicated
 // tensors spread over their holders.
 //
 // Deterministic: it depends only on its inputs, so the trainer ranks and the
