@@ -181,8 +181,10 @@ struct sharded_group {
     json j = json::object();
     write_update_metadata(meta, j);
     j["layout"] = std::move(layout);
+    if (!commit.empty()) j["commit"] = commit;
     return j;
   }
+  std::string commit;  // "staged" or "in_place" in every update_info; empty: the config's
   // One update of `model`: every rank sends its shards, every worker receives.
   std::pair<std::vector<std::shared_ptr<outcome>>, std::vector<std::shared_ptr<outcome>>> update(
       const full_model& model, std::vector<std::vector<std::vector<std::byte>>>& shards,
@@ -309,6 +311,33 @@ TEST(tcp_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_with_a_ty
   }
   // A failure after direct writes marks the weights dirty; never clean and claimed.
   for (int w = 0; w < 2; ++w) EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
+}
+
+TEST(tcp_sharded, staged_commits_land_whole_or_not_at_all) {
+  sharded_group g(2, 2, true);
+  g.commit = "staged";
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model first(checkpoint(), 5);
+  auto [sent, got] = g.update(first, shards);
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+  for (int w = 0; w < 2; ++w) {
+    for (const auto& [name, bytes] : first.expected(layouts.workers[w]))
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
+    EXPECT_GT(g.engines[w]->staged_bytes(), 0u);
+  }
+  // The next update loses a trainer rank: staged, the models keep update 5 whole.
+  g.senders[1]->shutdown();
+  full_model second(checkpoint(), 6);
+  auto [sent2, got2] = g.update(second, shards);
+  for (auto& o : got2) ASSERT_TRUE(o->error);
+  for (int w = 0; w < 2; ++w) {
+    for (const auto& [name, bytes] : first.expected(layouts.workers[w]))
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name << " changed";
+    EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
+  }
 }
 
 TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
