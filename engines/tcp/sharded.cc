@@ -3,6 +3,7 @@
 #include <refit/engines/tcp/sharded.h>
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include <asio/co_spawn.hpp>
@@ -223,6 +224,26 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   }
   for (std::size_t i = 0; i < dest.tensors.size(); ++i)
     if (fallback_at[i] != ~0ull) bases[i] = fallback_.data() + fallback_at[i];
+  // Padding (bytes no piece covers) is never sent. In memory that is not the
+  // model's own (the staged commit's stage, the fallback area) it would reach the
+  // model as whatever was there before: zero it, as vLLM's padded rows are.
+  {
+    const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
+    std::vector<std::pair<std::byte*, std::uint64_t>> zero;
+    for (std::size_t i = 0; i < dest.tensors.size(); ++i) {
+      if (!staged && fallback_at[i] == ~0ull) continue;  // the model's memory: left as it is
+      const auto& t = dest.tensors[i];
+      std::uint64_t covered = 0;
+      for (const auto& p : t.pieces) covered += static_cast<std::uint64_t>(p.from.numel()) * element_size(t.spec.dtype);
+      if (covered < t.spec.nbytes()) zero.emplace_back(bases[i], t.spec.nbytes());
+    }
+    if (!zero.empty()) {
+      auto* z = &zero;
+      co_await async::offload(processing_executor(), [z] {
+        for (auto [p, n] : *z) std::memset(p, 0, n);
+      });
+    }
+  }
   // Told once the first pair's header is accepted: from then on bytes land in it.
   direct_target_ = direct ? target : nullptr;
 
