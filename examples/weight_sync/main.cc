@@ -828,15 +828,11 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
     }
     t.egress.assign(1, sender->last_send_stats().bytes * copies);
     // Every byte of every worker against the reference slicing of the whole model.
-    const auto expected = reference_fingerprints(meta, p.workers, round);
+    auto expected = reference_fingerprints(meta, p.workers, round);
+    const auto differences = co_await workers.fingerprint_differences(std::move(expected), round);
     std::size_t bad = 0;
-    for (std::size_t w = 0; w < workers.size(); ++w) {
-      const json a = co_await workers.at(w).call("weight_fingerprint");
-      json list = json::object();
-      list["algorithm"] = a.at("algorithm");
-      list["tensors"] = a.at("tensors");
-      auto diff = compare_fingerprints(expected[w], fingerprints_from_json(list));
-      if (a.value("state", std::string()) != "clean") diff.push_back("state is " + a.value("state", std::string("?")));
+    for (std::size_t w = 0; w < differences.size(); ++w) {
+      const auto& diff = differences[w];
       if (!diff.empty() && t.first_mismatch.empty())
         t.first_mismatch = "worker " + std::to_string(w) + " after update " + std::to_string(round) + ": " + diff[0];
       bad += diff.size();

@@ -193,6 +193,15 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
 
 asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(
     fingerprint_list expected, std::int64_t version) {
+  std::vector<fingerprint_list> each(clients_.size(), expected);
+  co_return co_await fingerprint_differences(std::move(each), version);
+}
+
+asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(
+    std::vector<fingerprint_list> expected, std::int64_t version) {
+  if (expected.size() != clients_.size())
+    throw_error(errc::invalid_argument, "worker_group::fingerprint_differences: " + std::to_string(expected.size()) +
+                                            " expectations for " + std::to_string(clients_.size()) + " workers");
   const auto answers = co_await call_all("weight_fingerprint");
   std::vector<std::vector<std::string>> out(answers.size());
   for (std::size_t w = 0; w < answers.size(); ++w) {
@@ -208,7 +217,7 @@ asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint
     } catch (const error& e) {
       throw error(e.code(), name(w) + ": " + e.message());
     }
-    out[w] = compare_fingerprints(expected, got);
+    out[w] = compare_fingerprints(expected[w], got);
     const json state = a.contains("state") ? a["state"] : json(nullptr);
     const json got_version = a.contains("weight_version") ? a["weight_version"] : json(nullptr);
     if (state != "clean") out[w].push_back("state is " + state.dump());
