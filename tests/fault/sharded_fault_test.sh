@@ -10,7 +10,11 @@ set -euo pipefail
 bin=$1
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-job=(--trainers 2 --tp 2 --model-bytes 128M --layers 8 --vocab 4000 --timeout-ms 4000 --checksums)
+timeout_ms=4000
+# Sanitized builds (REFIT_SANITIZER, from .bazelrc's asan and tsan test configs) run
+# several times slower: give the peers' deadline room.
+[ -n "${REFIT_SANITIZER:-}" ] && timeout_ms=10000
+job=(--trainers 2 --tp 2 --model-bytes 128M --layers 8 --vocab 4000 --timeout-ms "$timeout_ms" --checksums)
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
@@ -29,14 +33,18 @@ scenario() {
   local victim=$1 after=$2 name=$3
   local log="$dir/$name.log" out="$dir/$name.json"
   local start=$SECONDS
-  timeout 120 "$bin" "${job[@]}" --updates 40 >"$out" 2>"$log" &
+  # The log exists before the job starts, so that reading it never races its creation.
+  : >"$log"
+  timeout 240 "$bin" "${job[@]}" --updates 40 >"$out" 2>"$log" &
   local job_pid=$!
-  local pid=""
-  for _ in $(seq 1 600); do
+  local pid="" ready=0
+  while [ $((SECONDS - start)) -lt 120 ]; do
     pid=$(sed -n "s/^\[refit\] pid of $victim: \([0-9]*\)$/\1/p" "$log" | head -1)
-    if [ -n "$pid" ] && grep -q "^\[refit\] update $after: .*verified" "$log"; then break; fi
+    if [ -n "$pid" ] && grep -q "^\[refit\] update $after: .*verified" "$log"; then ready=1; break; fi
+    kill -0 "$job_pid" 2>/dev/null || fail "$name: the job ended before update $after was verified: $(tail -5 "$log")"
     sleep 0.05
   done
+  [ "$ready" = 1 ] || fail "$name: update $after was not verified within 120 s: $(tail -5 "$log")"
   [ -n "$pid" ] || fail "$name: no pid for $victim in the log: $(tail -5 "$log")"
   kill -9 "$pid"
   local rc=0

@@ -301,7 +301,9 @@ class suite {
     const auto t0 = clock_type::now();
     for (int i = 0; i < o_.workers; ++i) workers_.push_back(start_worker(i));
     // A baseline: every worker holds a known version.
-    if (!recover("baseline")) throw_error(errc::io_error, "the baseline update failed; see " + dir_);
+    if (!recover("baseline"))
+      throw_error(errc::io_error, "the baseline update failed (" + (r_.problems.empty() ? std::string("?") : r_.problems.back()) +
+                                      "); see " + dir_);
     for (auto& w : workers_) {
       w.fds = count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd");
       w.threads = count_entries("/proc/" + std::to_string(w.proc.pid) + "/task");
