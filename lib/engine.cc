@@ -198,6 +198,9 @@ asio::awaitable<void> weight_transfer_engine::init_transfer_engine(const init_in
     throw_error(errc::invalid_state, name + ": init_transfer_engine while " +
                                          (state_ == state::receiving ? "an update is being received"
                                                                      : "another init is running"));
+  if (reading_ > 0)
+    throw_error(errc::invalid_state, name + ": init_transfer_engine while an update_info is being read "
+                                            "(read_update_info)");
   if (state_ == state::ready) do_shutdown();  // re-init replaces the old connection
   state_ = state::initializing;
   try {
@@ -208,6 +211,17 @@ asio::awaitable<void> weight_transfer_engine::init_transfer_engine(const init_in
     throw;
   }
   state_ = state::ready;
+}
+
+asio::awaitable<std::unique_ptr<update_info>> weight_transfer_engine::read_update_info(const json& j) {
+  ++reading_;
+  struct done {
+    int& n;
+    ~done() { --n; }
+  } guard{reading_};
+  const json* p = &j;
+  const weight_transfer_engine* self = this;
+  co_return co_await async::offload(processing_executor(), [self, p] { return self->parse_update_info(*p); });
 }
 
 asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info& info,

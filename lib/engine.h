@@ -131,8 +131,15 @@ class weight_transfer_engine {
   /// Builds this engine's typed init info; throws invalid_argument naming the engine
   /// and the member on a missing, mistyped or unknown member.
   virtual std::unique_ptr<init_info> parse_init_info(const json& j) const = 0;
-  /// Builds this engine's typed update info, likewise.
+  /// Builds this engine's typed update info, likewise. It may run on the
+  /// processing executor (read_update_info): it reads only what init set.
   virtual std::unique_ptr<update_info> parse_update_info(const json& j) const = 0;
+  /// parse_update_info on the processing executor, the result posted back: an
+  /// update_info of 100k tensors (or a sharded layout and its first plan) is tens
+  /// to hundreds of milliseconds of CPU that the event loop an inference server
+  /// shares with refit must not spend. init_transfer_engine is refused while one
+  /// runs. Keeps a reference to `j`: co_await it where j is alive.
+  asio::awaitable<std::unique_ptr<update_info>> read_update_info(const json& j);
 
   /// Connects to the trainer. May be called again after shutdown() or after a
   /// failed update to reconnect. Like every awaitable here it keeps references to
@@ -249,6 +256,7 @@ class weight_transfer_engine {
   std::unique_ptr<asio::thread_pool> own_pool_;
   update_stats stats_;
   state state_ = state::created;
+  int reading_ = 0;  // read_update_info calls running on the processing executor
   commit_mode mode_ = commit_mode::in_place;  // of the update being received (or last)
   std::atomic<bool> touched_{false};          // the model saw bytes of that update
   std::unique_ptr<tracking_target> tracker_;

@@ -50,14 +50,27 @@ asio::awaitable<void> weight_update_session::update_weights(const json& update_i
                                                             load_weights_fn load_weights) {
   if (!active_)
     throw_error(errc::invalid_state, "update_weights: no active weight update (call start_weight_update first)");
-  auto info = engine_.parse_update_info(update_info_json);
+  if (updating_ || reading_)
+    throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
+  // Read off the event loop; meanwhile another chunk or a finish is refused as
+  // while receiving.
+  reading_ = true;
+  std::unique_ptr<update_info> info;
+  std::exception_ptr failure;
+  try {
+    info = co_await engine_.read_update_info(update_info_json);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  reading_ = false;
+  if (failure) std::rethrow_exception(failure);
   co_await update_weights(*info, std::move(load_weights));
 }
 
 asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<std::int64_t> weight_version) {
   if (!active_)
     throw_error(errc::invalid_state, "finish_weight_update: no active weight update (call start_weight_update first)");
-  if (updating_)
+  if (updating_ || reading_)
     throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
   active_ = false;
   std::exception_ptr failure;

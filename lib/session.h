@@ -42,7 +42,7 @@ class weight_update_session {
 
   bool active() const noexcept { return active_; }
   /// True while a chunk (update_weights) is being received.
-  bool receiving() const noexcept { return updating_; }
+  bool receiving() const noexcept { return updating_ || reading_; }
   /// The version recorded by the last successful finish, if any.
   std::optional<std::int64_t> weight_version() const noexcept { return version_; }
   /// Chunks received in the active (or last) session.
@@ -52,6 +52,7 @@ class weight_update_session {
   weight_transfer_engine& engine_;
   bool active_ = false;
   bool updating_ = false;
+  bool reading_ = false;  // update_weights(json): its update_info is being read off the loop
   std::uint64_t chunks_ = 0;
   bool failed_ = false;  // a chunk of the active session failed
   std::optional<std::int64_t> version_;

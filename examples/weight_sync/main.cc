@@ -726,6 +726,9 @@ struct sharded_totals {
   bool verified = true;
   std::string first_mismatch;
   std::uint64_t peak_rss = 0;
+  // The workers' largest event-loop stalls: during the first update (which reads
+  // and plans the layout) and during the later ones (max and p99).
+  double lag_first_ms = 0, lag_update_ms = 0, lag_update_p99_ms = 0;
   // After a failed update: what each worker says it holds ({"state", "weight_version"}).
   json worker_states = json::array();
 };
@@ -815,8 +818,18 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
     if (shards) shards->step(round);
     else whole->step(round);
     const auto& views = shards ? shards->views : whole->views;
+    co_await workers.call_all("loop_lag");  // restarts each worker's probe
     const auto result = co_await workers.update(*sender, meta, views, round, update);
     t.update_seconds.push_back(result.seconds);
+    for (const auto& lag : co_await workers.call_all("loop_lag")) {
+      const double max_ms = lag["max_ms"].get<double>();
+      if (round == o.first_round) {
+        t.lag_first_ms = std::max(t.lag_first_ms, max_ms);
+      } else {
+        t.lag_update_ms = std::max(t.lag_update_ms, max_ms);
+        t.lag_update_p99_ms = std::max(t.lag_update_p99_ms, lag["p99_ms"].get<double>());
+      }
+    }
     t.bytes_per_worker.clear();
     for (const auto& w : result.workers) t.bytes_per_worker.push_back(w.stats["bytes"].get<std::uint64_t>());
     // A broadcast's trainer sends one copy per direct child: each worker in a star
@@ -941,6 +954,8 @@ int run_sharded_trainer(const options& o) {
                  {"buffer_bytes", o.buffer_bytes},
                  {"rounds_verified", t.verified ? t.rounds_done : 0},
                  {"worker_peak_rss_bytes", t.peak_rss},
+                 {"worker_loop_lag_ms",
+                  {{"first_update", t.lag_first_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
                  {"verified", failure.empty() && t.verified && t.rounds_done == o.updates}};
   if (!t.worker_states.empty()) result["worker_states_after_failure"] = t.worker_states;
   if (!failure.empty()) result["error"] = failure;

@@ -84,6 +84,8 @@ error hook_error(const std::string& verb, const char* hook, std::exception_ptr e
 // Frames this large leave many freed small blocks behind; give them back to the
 // system (off the event loop) so a big update_info does not stay resident.
 constexpr std::size_t trim_after_bytes = 1 << 20;
+// Requests at least this large are parsed off the event loop (about 1 ms of CPU).
+constexpr std::size_t large_request_bytes = 64 << 10;
 
 }  // namespace
 
@@ -160,7 +162,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
         auto r = params_reader(params, "update_weights");
         if (!r.has("update_info")) r.fail("missing required member 'update_info'");  // read in place, not copied
         r.finish();
-        info = engine_->parse_update_info(params["update_info"]);
+        info = co_await engine_->read_update_info(params["update_info"]);
       } catch (const error& e) {
         // The trainer is about to send this update: tell it at once why it is
         // refused rather than let it wait for a worker that reads nothing.
@@ -441,7 +443,17 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
       std::string text = co_await c->stream->read_text(config_.timeout, /*idle_ok=*/true, "control request");
       // The whole body was read: whatever it holds, the next frame starts after it.
       framing_intact = true;
-      request = parse_frame_body(text, "control request", limits_.frames.max_values);
+      // A large request (an update_info of thousands of tensors) is parsed on the
+      // processing executor: about 10 ms of CPU per MB the event loop must not spend.
+      if (text.size() < large_request_bytes) {
+        request = parse_frame_body(text, "control request", limits_.frames.max_values);
+      } else {
+        const std::string* body = &text;
+        const std::size_t max_values = limits_.frames.max_values;
+        request = co_await async::offload(engine_->processing_executor(), [body, max_values] {
+          return parse_frame_body(*body, "control request", max_values);
+        });
+      }
     } catch (const error& e) {
       // A peer that closed is the normal end; a malformed frame is answered (id
       // null: it cannot be read). A body that is not JSON leaves the framing

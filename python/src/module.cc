@@ -235,7 +235,7 @@ class py_engine {
   // A receive outside a session: into the engine's tensors it also ends their
   // update (processing drained), so readers see it whole.
   asio::awaitable<void> receive(json info, load_weights_fn fn, bool into_tensors) {
-    auto parsed = engine_->parse_update_info(info);
+    auto parsed = co_await engine_->read_update_info(info);
     co_await engine_->receive_weights(*parsed, std::move(fn));
     if (into_tensors) {
       try {

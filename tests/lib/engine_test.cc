@@ -3,8 +3,11 @@
 // probe engine whose transport the test controls.
 #include <refit/engine.h>
 
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -325,6 +328,86 @@ TEST_F(engine_test, concurrent_receive_and_init_during_receive_are_refused) {
   ASSERT_TRUE(testing::run(io));
   EXPECT_TRUE(first->done && !first->error) << "the refused calls must not disturb the running one: "
                                             << first->message();
+  EXPECT_EQ(loaded, 2u);
+}
+
+// An engine whose parse_update_info says on which thread it runs and waits for the
+// test before it returns (to look at the engine while a read_update_info runs).
+class reading_engine final : public typed_engine<probe_init, probe_update> {
+ public:
+  using typed_engine::typed_engine;
+  std::string_view backend() const noexcept override { return "reading"; }
+  std::unique_ptr<update_info> parse_update_info(const json& j) const override {
+    parse_thread = std::this_thread::get_id();
+    started.set_value();
+    release.wait();
+    return typed_engine::parse_update_info(j);
+  }
+  mutable std::thread::id parse_thread;
+  mutable std::promise<void> started;
+  std::shared_future<void> release;
+
+ protected:
+  asio::awaitable<void> init(const probe_init&) override { co_return; }
+  asio::awaitable<void> receive(const probe_update&, load_weights_fn) override { co_return; }
+  void do_shutdown() override {}
+};
+
+asio::awaitable<void> read_into(weight_transfer_engine* e, json j, std::unique_ptr<update_info>* out) {
+  *out = co_await e->read_update_info(j);
+}
+
+TEST_F(engine_test, read_update_info_parses_off_the_event_loop_and_init_waits_for_it) {
+  engine_context ctx;
+  ctx.executor = io.get_executor();
+  weight_transfer_config config;
+  config.backend = "reading";
+  reading_engine engine(config, ctx);
+  auto init_info = engine.parse_init_info(json::object());
+  testing::run_to_completion(io, engine.init_transfer_engine(*init_info));
+
+  std::promise<void> release;
+  engine.release = release.get_future().share();
+  std::unique_ptr<update_info> got;
+  auto read = spawn(io, read_into(&engine, update_json(), &got));
+  poll(io);
+  ASSERT_EQ(engine.started.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_NE(engine.parse_thread, std::this_thread::get_id()) << "parsed on the event loop's thread";
+  poll(io);
+  EXPECT_FALSE(read->done);
+  // The parse reads what init set: a re-init waits until no read is running.
+  auto reinit = spawn(io, engine.init_transfer_engine(*init_info));
+  poll(io);
+  ASSERT_TRUE(reinit->done);
+  EXPECT_EQ(reinit->kind(), static_cast<int>(errc::invalid_state));
+  EXPECT_EQ(reinit->message(), "reading: init_transfer_engine while an update_info is being read (read_update_info)");
+  release.set_value();
+  ASSERT_TRUE(testing::run_until(io, [&] { return read->done; }));
+  ASSERT_FALSE(read->error) << read->message();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->metadata.tensors.size(), 2u);
+  // Once it has returned, init is accepted again.
+  testing::run_to_completion(io, engine.init_transfer_engine(*init_info));
+}
+
+TEST_F(engine_test, read_update_info_delivers_the_parse_error_typed) {
+  auto engine = make();
+  init(*engine);
+  std::unique_ptr<update_info> got;
+  json bad = update_json();
+  bad["shapes"] = "not a list";
+  auto read = spawn(io, read_into(engine.get(), bad, &got));
+  ASSERT_TRUE(testing::run_until(io, [&] { return read->done; }));
+  EXPECT_EQ(read->kind(), static_cast<int>(errc::invalid_argument));
+  EXPECT_THAT(read->message(), HasSubstr("shapes"));
+  EXPECT_FALSE(got);
+  // Nothing was left half-done: a good one reads and receives.
+  auto read2 = spawn(io, read_into(engine.get(), update_json(), &got));
+  ASSERT_TRUE(testing::run_until(io, [&] { return read2->done; }));
+  ASSERT_TRUE(got) << read2->message();
+  auto r = receive(*engine, *got);
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_TRUE(r->done && !r->error) << r->message();
   EXPECT_EQ(loaded, 2u);
 }
 
