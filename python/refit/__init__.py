@@ -68,7 +68,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Engine", "Sender", "WorkerGroup", "WorkerHost", "Error", "backends", "describe", "fingerprints",
-    "register_plugin", "error_class",
+    "register_plugin", "error_class", "sharded_init_info",
 ]
 
 backends = _refit.backends
@@ -269,6 +269,35 @@ class Sender:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def sharded_init_info(infos):
+    """The workers' init_info of a ``tcp_sharded`` job from what every trainer rank's
+    :meth:`Sender.prepare` returned (in rank order): each rank knows only its own
+    listen port (``"port": 0`` in trainer_args takes any free one), the workers need
+    them all. Raises :class:`refit.InvalidArgumentError` when the ranks were
+    prepared with different workers, wire parameters or rank counts.
+    """
+    infos = list(infos)
+    if not infos:
+        raise InvalidArgumentError("sharded_init_info: no trainer ranks")
+    merged = {k: v for k, v in infos[0].items()}
+    trainers = [dict(t) for t in infos[0]["trainers"]]
+    if len(trainers) != len(infos):
+        raise InvalidArgumentError(f"sharded_init_info: {len(infos)} init infos for a job of {len(trainers)} "
+                                   "trainer ranks (give one per rank, in rank order)")
+    for r, info in enumerate(infos):
+        others = {k: v for k, v in info.items() if k != "trainers"}
+        first = {k: v for k, v in infos[0].items() if k != "trainers"}
+        if others != first:
+            raise InvalidArgumentError(f"sharded_init_info: trainer rank {r} was prepared with {others}, rank 0 with "
+                                       f"{first}")
+        if len(info["trainers"]) != len(trainers):
+            raise InvalidArgumentError(f"sharded_init_info: trainer rank {r} lists {len(info['trainers'])} ranks, "
+                                       f"rank 0 {len(trainers)}")
+        trainers[r] = dict(info["trainers"][r])
+    merged["trainers"] = trainers
+    return merged
 
 
 def _keep(owner, start):
