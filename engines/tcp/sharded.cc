@@ -207,6 +207,8 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   std::uint64_t fallback_bytes = 0;
   bool direct = false;
   for (std::size_t i = 0; i < dest.tensors.size(); ++i) {
+    // Thousands of lookups in the model: in stretches, the loop is shared.
+    if (i % 512 == 511) co_await async::yield_now();
     const auto& spec = dest.tensors[i].spec;
     std::optional<tensor_view> d = target ? target->destination(spec) : std::nullopt;
     if (d && d->device.is_cpu() && d->nbytes() == spec.nbytes()) {

@@ -10,7 +10,9 @@
 #include <asio/associated_executor.hpp>
 #include <asio/async_result.hpp>
 #include <asio/executor_work_guard.hpp>
+#include <asio/awaitable.hpp>
 #include <asio/post.hpp>
+#include <asio/this_coro.hpp>
 #include <asio/use_awaitable.hpp>
 
 namespace refit::async {
@@ -71,6 +73,14 @@ auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
         },
         token, std::move(fn));
   }
+}
+
+/// Lets the handlers waiting on the coroutine's executor run before it goes on: a
+/// loop over thousands of items on an event loop calls it every few hundred, so no
+/// stretch of it holds the loop for long.
+inline asio::awaitable<void> yield_now() {
+  auto ex = co_await asio::this_coro::executor;
+  co_await asio::post(ex, asio::use_awaitable);
 }
 
 }  // namespace refit::async

@@ -167,8 +167,14 @@ struct frame_stream::pending_write {
 
 asio::awaitable<void> frame_stream::write(const json& message, std::chrono::milliseconds deadline,
                                           const std::string& what) {
+  std::string text = message.dump();
+  co_await write_text(std::move(text), deadline, what);
+}
+
+asio::awaitable<void> frame_stream::write_text(std::string text, std::chrono::milliseconds deadline,
+                                               const std::string& what) {
   auto w = std::make_shared<pending_write>(socket_.get_executor());
-  w->text = message.dump();
+  w->text = std::move(text);
   if (w->text.size() > limits_.max_bytes)
     throw_error(errc::invalid_argument, what + ": message of " + std::to_string(w->text.size()) +
                                             " bytes exceeds the frame limit " + std::to_string(limits_.max_bytes));

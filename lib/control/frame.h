@@ -79,6 +79,8 @@ class frame_stream {
   asio::awaitable<std::string> read_text(std::chrono::milliseconds deadline, bool idle_ok, const std::string& what);
   /// Queues `message` and completes when it has been written.
   asio::awaitable<void> write(const json& message, std::chrono::milliseconds deadline, const std::string& what);
+  /// The same for a message already serialized (a large one, dumped off the loop).
+  asio::awaitable<void> write_text(std::string text, std::chrono::milliseconds deadline, const std::string& what);
 
   void close();
   bool is_open() const { return socket_.is_open(); }

@@ -87,6 +87,22 @@ constexpr std::size_t trim_after_bytes = 1 << 20;
 // Requests at least this large are parsed off the event loop (about 1 ms of CPU).
 constexpr std::size_t large_request_bytes = 64 << 10;
 
+// Whether `j` has more than `budget` values (counted until the budget runs out, so
+// the check itself stays a few microseconds): such answers are serialized, and
+// freed, off the event loop.
+bool larger_than(const json& j, std::size_t& budget) {
+  if (budget == 0) return true;
+  --budget;
+  if (j.is_structured())
+    for (const auto& v : j)
+      if (larger_than(v, budget)) return true;
+  return false;
+}
+bool large_answer(const json& j) {
+  std::size_t budget = 2048;
+  return larger_than(j, budget);
+}
+
 }  // namespace
 
 worker_host::worker_host(weight_transfer_config config, engine_context context, load_weights_fn load_weights,
@@ -227,9 +243,9 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     auto* model = context_.model;
     // (Captures by pointer and reference only: GCC 12 may destroy a lambda that owns
     // memory twice when it is a temporary of a co_await expression.)
-    auto list = co_await async::offload(engine_->processing_executor(),
-                                        [model, &names] { return model->fingerprint(names); });
-    json answer = fingerprints_to_json(list);
+    // (Its JSON is built there too: a map of every tensor.)
+    json answer = co_await async::offload(engine_->processing_executor(),
+                                          [model, &names] { return fingerprints_to_json(model->fingerprint(names)); });
     answer["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
     answer["state"] = weight_state();
     co_return answer;
@@ -540,7 +556,19 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json re
     answer = error_answer(id, "io_error", e.what());
   }
   try {
-    co_await c->stream->write(answer, config_.timeout, "control answer");
+    if (!large_answer(answer)) {
+      co_await c->stream->write(answer, config_.timeout, "control answer");
+    } else {
+      // A large answer (the fingerprints of a whole model) is serialized and freed
+      // on the processing executor: milliseconds per thousand tensors.
+      json* a = &answer;
+      std::string text = co_await async::offload(engine_->processing_executor(), [a] {
+        std::string t = a->dump();
+        *a = json();
+        return t;
+      });
+      co_await c->stream->write_text(std::move(text), config_.timeout, "control answer");
+    }
   } catch (const error&) {
     c->stream->close();  // the trainer went away; its calls fail on its side
   }

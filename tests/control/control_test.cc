@@ -117,6 +117,31 @@ TEST_F(control_test, full_update_through_the_verbs_records_the_version) {
   EXPECT_EQ(info["last_update"]["bytes"], set.meta.total_bytes());
 }
 
+// A request of ~200 KiB (an update_info of 3,000 tensors) is parsed, and an answer
+// of 5,000 values serialized, off the event loop: both arrive whole and in order.
+TEST_F(control_test, large_requests_and_answers_arrive_whole) {
+  host_->add_method("count_to", [](const json& p) -> asio::awaitable<json> {
+    json a = json::array();
+    for (int i = 0; i < p.at("n").get<int>(); ++i) a.push_back(i);
+    co_return a;
+  });
+  json many = call("count_to", {{"n", 5000}});
+  ASSERT_EQ(many.size(), 5000u);
+  EXPECT_EQ(many[0], 0);
+  EXPECT_EQ(many[4999], 4999);
+  EXPECT_EQ(call("count_to", {{"n", 3}}), json::array({0, 1, 2}));
+  run_to_completion(io_, init_both());
+  tensor_set set;
+  for (int i = 0; i < 3000; ++i) set.add("model.layers." + std::to_string(i) + ".weight", dtype::float32, {4});
+  json body = json::object();
+  write_update_metadata(set.meta, body);
+  ASSERT_GT(body.dump().size(), 64u << 10) << "the update_info must be large enough to be parsed off the loop";
+  json during;
+  run_to_completion(io_, update(set, during, 3));
+  EXPECT_NO_THROW(got_.check_equals(set));
+  EXPECT_EQ(call("weight_info")["last_update"]["tensors"], 3000);
+}
+
 asio::awaitable<void> call_update(control::client& c, json body) { co_await c.call("update_weights", body); }
 
 // The trainer dies mid-transfer: the worker's update fails with peer_lost (not a

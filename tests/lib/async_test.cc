@@ -305,6 +305,26 @@ TEST(slot_ring, generation_advances_on_each_release) {
   EXPECT_THROW(ring.generation(2), std::out_of_range);
 }
 
+// ---- yield_now ----
+
+asio::awaitable<void> count_with_yields(std::vector<int>& order, int who, int steps) {
+  for (int i = 0; i < steps; ++i) {
+    order.push_back(who);
+    co_await async::yield_now();
+  }
+}
+
+TEST(yield_now, lets_the_other_handlers_of_the_loop_run_in_between) {
+  asio::io_context io;
+  std::vector<int> order;
+  auto a = testing::spawn(io, count_with_yields(order, 1, 3));
+  auto b = testing::spawn(io, count_with_yields(order, 2, 3));
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_TRUE(a->done && !a->error && b->done && !b->error);
+  // Without the yields each would run its three steps in one stretch.
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 1, 2, 1, 2}));
+}
+
 // ---- offload ----
 
 struct offload_record {
