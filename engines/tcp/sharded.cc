@@ -144,10 +144,9 @@ std::unique_ptr<refit::update_info> sharded_engine::parse_update_info(const json
   if (static_cast<int>(l.workers.size()) != workers_)
     throw_error(errc::invalid_argument, context + ": the layout has " + std::to_string(l.workers.size()) +
                                             " destinations, init_info said " + std::to_string(workers_) + " workers");
-  if (l.source.ranks() != static_cast<int>(sockets_.size()) && !sockets_.empty())
+  if (l.source.ranks() != trainers_)
     throw_error(errc::invalid_argument, context + ": the layout's mesh has " + std::to_string(l.source.ranks()) +
-                                            " trainer ranks, this worker connected to " +
-                                            std::to_string(sockets_.size()));
+                                            " trainer ranks, init_info listed " + std::to_string(trainers_));
   info->metadata = l.workers[worker_].metadata();
   return info;
 }
@@ -158,6 +157,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   timeout_ = info.timeout.value_or(config().timeout);
   wire_ = info.wire;
   workers_ = info.workers;
+  trainers_ = static_cast<int>(info.trainers.size());
   const int number = info.rank_offset - 1 + context().ranks.tp_rank;
   if (number < 0 || number >= info.workers)
     throw_error(errc::invalid_argument, "tcp_sharded: rank_offset " + std::to_string(info.rank_offset) +

@@ -111,7 +111,8 @@ class sharded_engine final : public weight_transfer_engine {
   mutable layout_cache layouts_;
   wire_params wire_;
   std::chrono::milliseconds timeout_{0};
-  int worker_ = -1, workers_ = 0;
+  // Set by init only (parse_update_info reads them, possibly off the loop).
+  int worker_ = -1, workers_ = 0, trainers_ = 0;
   // Host memory for tensors the model offers no destination for (kept across
   // updates; load_weights copies from it).
   std::vector<std::byte> fallback_;

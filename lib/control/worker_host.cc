@@ -173,6 +173,9 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     require_owner(caller, "update_weights");
     std::exception_ptr failure;
     try {
+      // Refused before its update_info is read (off the loop) as after.
+      if (session_.receiving())
+        throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
       std::unique_ptr<update_info> info;
       try {
         auto r = params_reader(params, "update_weights");
