@@ -18,23 +18,17 @@ usage: loop_lag_bench.py [--layers 3000] [--model-bytes 512M] [--updates 3] [--r
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
+
+import weight_sync_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_job(binary, args, a):
-    cmd = [binary, "--model-bytes", a.model_bytes, "--layers", str(a.layers), "--vocab", "1000",
-           "--updates", str(a.updates), "--quiet"] + args
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
-    if p.returncode != 0 or not lines:
-        sys.exit(f"loop_lag_bench: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    r = json.loads(lines[-1])
-    if not r.get("verified"):
-        sys.exit(f"loop_lag_bench: {' '.join(cmd)} did not verify: {r}")
+    r = weight_sync_job.run("loop_lag_bench", binary, [
+        "--model-bytes", a.model_bytes, "--layers", str(a.layers), "--vocab", "1000",
+        "--updates", str(a.updates), "--quiet"] + args)
     lag = r.get("worker_loop_lag_ms")
     if not lag:
         sys.exit(f"loop_lag_bench: {binary} reports no worker_loop_lag_ms")
@@ -44,7 +38,7 @@ def run_job(binary, args, a):
 
 
 def fmt(xs, digits=1):
-    return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
+    return weight_sync_job.spread(xs, digits)
 
 
 def main():

@@ -26,6 +26,8 @@ import statistics
 import subprocess
 import sys
 
+import weight_sync_job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -36,15 +38,9 @@ def parse_bytes(text):
 
 
 def run_job(binary, args, model_bytes, layers, updates):
-    cmd = [binary, "--model-bytes", str(model_bytes), "--layers", str(layers), "--vocab", "32000",
-           "--updates", str(updates), "--quiet"] + args
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
-    if p.returncode != 0 or not lines:
-        sys.exit(f"sharded_bench: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    r = json.loads(lines[-1])
-    if not r.get("verified"):
-        sys.exit(f"sharded_bench: {' '.join(cmd)} did not verify: {r}")
+    r = weight_sync_job.run("sharded_bench", binary, [
+        "--model-bytes", str(model_bytes), "--layers", str(layers), "--vocab", "32000",
+        "--updates", str(updates), "--quiet"] + args)
     steady = r["update_seconds"][1:] or r["update_seconds"]
     return {"bytes_per_worker": max(r["bytes_per_worker"]), "seconds": statistics.median(steady),
             "egress": r["trainer_egress_bytes"], "plan_s": r["plan_s"], "bytes": r["bytes"],
@@ -59,13 +55,8 @@ def limit(pairs, bytes_each, updates):
     return json.loads(p.stdout.strip().splitlines()[-1])["aggregate_gbps"]
 
 
-def med(xs):
-    return statistics.median(xs), min(xs), max(xs)
-
-
 def fmt(xs, digits=3):
-    m, lo, hi = med(xs)
-    return f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+    return weight_sync_job.spread(xs, digits)
 
 
 def main():
