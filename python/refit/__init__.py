@@ -124,14 +124,21 @@ class Engine:
     ``update_weights(update_info, load_weights)`` (one or more chunks),
     ``finish_weight_update(version)`` (drains deferred processing and records the
     version), ``abort_weight_update(why)``.
+
+    ``check_update(update_info)``, when given, is called with every update's
+    ``{"names", "dtype_names", "shapes"}`` before any byte of it moves (on refit's
+    loop thread); what it raises refuses the update: the trainer learns why at once
+    (its send fails naming the reason), the receive raises
+    :class:`InvalidArgumentError` with it, and nothing reaches ``load_weights``. A
+    refused update closes the data path: ``init`` again before the next one.
     """
 
     def __init__(self, backend="tcp", *, device="cpu", timeout_ms=60000, commit="in_place", auth_secret_file=None,
                  processing_threads=1, socket_buffer_bytes=0, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1,
-                 tensors=None, framework="auto"):
+                 tensors=None, framework="auto", check_update=None):
         self._impl = _refit._Engine(backend, str(device), int(timeout_ms), commit, auth_secret_file,
                                     processing_threads, socket_buffer_bytes, tp_rank, tp_size, dp_rank, dp_size,
-                                    tensors, framework)
+                                    tensors, framework, check_update)
         self._tensors = tensors  # referenced for as long as the engine writes them
 
     @property

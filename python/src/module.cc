@@ -147,6 +147,52 @@ struct held_target {
 };
 
 
+/// The model_target of an Engine given check_update=: its begin_update calls the
+/// Python check with the update's {"names", "dtype_names", "shapes"} before any
+/// byte of it moves, so a refusal reaches the trainer at once (the engine base
+/// refuses the update on the data path) and the model is never touched. Everything
+/// else goes to the Engine's own tensors (tensors=) when it has some.
+class checked_target final : public model_target {
+ public:
+  checked_target(nb::object check, model_target* inner) : check_(std::move(check)), inner_(inner) {
+    if (!PyCallable_Check(check_.get().ptr()))
+      throw_error(errc::invalid_argument, "check_update: expected a callable, got a " +
+                                              nb::cast<std::string>(nb::str(nb::handle(check_.get().type()).attr("__name__"))));
+  }
+
+  void begin_update(const update_metadata& meta) override {
+    json j;
+    write_update_metadata(meta, j);
+    {
+      nb::gil_scoped_acquire gil;
+      try {
+        nb::handle(check_.get())(to_python(j));
+      } catch (nb::python_error& e) {
+        throw_error(errc::invalid_argument, "check_update refused the update: " + python_error_text(e));
+      }
+    }
+    if (inner_) inner_->begin_update(meta);
+  }
+  void load_weights(std::span<const tensor_view> weights) override {
+    if (!inner_) throw_error(errc::invalid_state, "check_update: this Engine holds no tensors to load into");
+    inner_->load_weights(weights);
+  }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    return inner_ ? inner_->destination(spec) : std::nullopt;
+  }
+  void direct_write_begins() override {
+    if (inner_) inner_->direct_write_begins();
+  }
+  fingerprint_list fingerprint(const std::vector<std::string>& names) override {
+    if (!inner_) return model_target::fingerprint(names);
+    return inner_->fingerprint(names);
+  }
+
+ private:
+  shared_object check_;
+  model_target* inner_;
+};
+
 // Calls a Python hook (GIL held); what it raises becomes a refit error here, under
 // the GIL, so no Python object crosses into the host.
 template <class F>
@@ -167,7 +213,7 @@ class py_engine {
   py_engine(const std::string& backend, const std::string& device, std::int64_t timeout_ms, const std::string& commit,
             const std::optional<std::string>& secret_file, std::size_t processing_threads,
             std::size_t socket_buffer_bytes, int tp_rank, int tp_size, int dp_rank, int dp_size, nb::handle tensors,
-            const std::string& fw)
+            const std::string& fw, nb::handle check_update)
       : fw_(parse_framework(fw)) {
     auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes);
     engine_context ctx;
@@ -180,6 +226,10 @@ class py_engine {
     if (!tensors.is_none()) {
       held_ = held_target::make(tensors, "Engine(tensors=...)", ctx.device);
       ctx.model = held_->target.get();
+    }
+    if (!check_update.is_none()) {
+      checked_ = std::make_unique<checked_target>(nb::borrow(check_update), ctx.model);
+      ctx.model = checked_.get();
     }
     engine_ = engine_factory::instance().create_engine(config, ctx);
     session_ = std::make_unique<weight_update_session>(*engine_);
@@ -316,6 +366,7 @@ class py_engine {
   framework fw_;
   std::shared_ptr<python_error_slot> slot_ = std::make_shared<python_error_slot>();
   std::unique_ptr<held_target> held_;
+  std::unique_ptr<checked_target> checked_;  // check_update=, in front of held_'s target
   std::unique_ptr<weight_transfer_engine> engine_;
   std::unique_ptr<weight_update_session> session_;
 };
@@ -687,11 +738,11 @@ NB_MODULE(_refit, m) {
   nb::class_<py_engine>(m, "_Engine")
       .def(nb::init<const std::string&, const std::string&, std::int64_t, const std::string&,
                     const std::optional<std::string>&, std::size_t, std::size_t, int, int, int, int, nb::handle,
-                    const std::string&>(),
+                    const std::string&, nb::handle>(),
            nb::arg("backend"), nb::arg("device"), nb::arg("timeout_ms"), nb::arg("commit"),
            nb::arg("auth_secret_file").none(), nb::arg("processing_threads"), nb::arg("socket_buffer_bytes"),
            nb::arg("tp_rank"), nb::arg("tp_size"), nb::arg("dp_rank"), nb::arg("dp_size"), nb::arg("tensors").none(),
-           nb::arg("framework"))
+           nb::arg("framework"), nb::arg("check_update").none())
       .def_prop_ro("backend", &py_engine::backend)
       .def_prop_ro("defers_processing", &py_engine::defers_processing)
       .def("state", &py_engine::state)
