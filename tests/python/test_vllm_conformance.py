@@ -680,7 +680,9 @@ def test_layerwise_reload_for_a_model_vllm_loaded():
         trainer_info(world_size=2), client=client, source=ModuleSource(source_model)
     )
     try:
-        assert engine._layerwise_applies()
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        assert model in LAYERWISE_INFO  # what makes refit reload it layerwise
         for seed in (14, 15):
             g = torch.Generator().manual_seed(seed)
             with torch.no_grad():
@@ -694,6 +696,177 @@ def test_layerwise_reload_for_a_model_vllm_loaded():
     finally:
         trainer.shutdown()
         engine.shutdown()
+
+
+class _VllmStyleModel(torch.nn.Module):
+    """Two layers loaded through vLLM's weight loaders, recorded for vLLM's
+    layerwise reload as vLLM's model loader records every model it builds;
+    ``fail_on`` makes load_weights raise at that tensor (after loading the ones
+    before it in the batch)."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+        from vllm.model_executor.utils import set_weight_attrs
+
+        super().__init__()
+        self.fail_on = fail_on
+        self.a = torch.nn.Linear(16, 8, dtype=torch.bfloat16)
+        self.b = torch.nn.Linear(8, 4, dtype=torch.bfloat16)
+        for p in self.parameters():
+            set_weight_attrs(p, {"weight_loader": default_weight_loader})
+
+    def load_weights(self, weights):
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, w in weights:
+            if name == self.fail_on:
+                raise LoadFailure(f"cannot load {name}")
+            p = params[name]
+            getattr(p, "weight_loader", default_weight_loader)(p, w)
+            loaded.add(name)
+        return loaded
+
+
+def _recorded(model: torch.nn.Module) -> torch.nn.Module:
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    record_metadata_for_reloading(model)
+    return model
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: as_bytes(p).clone() for n, p in model.named_parameters()}
+
+
+def _source_like(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    src = _VllmStyleModel()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    return src
+
+
+def test_staged_update_reaches_the_model_only_at_finish():
+    """Staged (the default): after update_weights every byte is in refit's stage and
+    the model still serves its old weights, none on the meta device; finish loads
+    them through vLLM's layerwise reload (parameters keep their storage)."""
+    model = _recorded(_VllmStyleModel())
+    before = _snapshot(model)
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    vllm_config = make_vllm_config()
+    engine, _ = make_worker(model, vllm_config)
+    stub = WorkerStub(engine, vllm_config.parallel_config)
+    src = _source_like(model, 31)
+    sender = refit.Sender("tcp", timeout_ms=TIMEOUT_MS)
+    try:
+        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
+        run_concurrently(lambda: stub.init_weight_transfer_engine({"init_info": init, "timeout_ms": TIMEOUT_MS}),
+                         sender.connect_workers)
+        stub.start_weight_update()
+        assert _snapshot(model).keys() == before.keys()
+        info = {"names": [n for n, _ in src.named_parameters()],
+                "dtype_names": ["bfloat16"] * 4, "shapes": [list(p.shape) for p in src.parameters()]}
+        run_concurrently(lambda: stub.update_weights(info),
+                         lambda: sender.send_weights([(n, p.detach()) for n, p in src.named_parameters()]))
+        for name, p in model.named_parameters():
+            assert not p.is_meta, f"{name} is on the meta device between update_weights and finish"
+            assert torch.equal(as_bytes(p), before[name]), f"{name} changed before finish (staged)"
+        stub.finish_weight_update()
+        for (name, got), (_, want) in zip(model.named_parameters(), src.named_parameters()):
+            assert torch.equal(as_bytes(got), as_bytes(want)), name
+            assert got.data_ptr() == storage[name], f"{name} moved"
+    finally:
+        sender.shutdown()
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("commit", ["staged", "in_place"])
+def test_load_weights_that_raises_leaves_every_layer_whole(commit):
+    """The model's load_weights raises halfway (layer b got its weight, not its
+    bias): the update fails, nothing is left on the meta device, layer a (processed
+    before the failure) holds the new weights and layer b its old ones, whole; the
+    next update lands."""
+    model = _recorded(_VllmStyleModel(fail_on="b.bias"))
+    before = _snapshot(model)
+    vllm_config = make_vllm_config()
+    engine, _ = make_worker(model, vllm_config)
+    client = InProcessClient([WorkerStub(engine, vllm_config.parallel_config)])
+    src = _source_like(model, 32)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        trainer_info(world_size=2, commit=commit), client=client, source=ModuleSource(src))
+    try:
+        with pytest.raises(Exception, match="cannot load b.bias"):
+            trainer.send_weights()
+        new = {n: as_bytes(p) for n, p in src.named_parameters()}
+        for name, p in model.named_parameters():
+            assert not p.is_meta, name
+            want = new[name] if name.startswith("a.") else before[name]
+            assert torch.equal(as_bytes(p), want), f"{name}: not the {'new' if name.startswith('a.') else 'old'} bytes"
+        assert engine.refit_state()["session_active"] is False
+        model.fail_on = None
+        trainer.send_weights()
+        for (name, got), (_, want) in zip(model.named_parameters(), src.named_parameters()):
+            assert torch.equal(as_bytes(got), as_bytes(want)), name
+    finally:
+        trainer.shutdown()
+        engine.shutdown()
+
+
+def test_update_that_does_not_fit_the_checkpoint_is_refused_before_a_byte_moves(tmp_path):
+    """With the checkpoint the model was loaded from (safetensors in
+    model_config.model), an update naming a tensor the model lacks, or with another
+    shape or dtype, or with only part of a fused layer, is refused at once, naming
+    it; the model is untouched; the same trainer engine's next update lands."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    model = _recorded(_VllmStyleModel())
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(tmp_path / "model.safetensors"))
+    before = _snapshot(model)
+    vllm_config = make_vllm_config()
+    engine, _ = make_worker(model, vllm_config)
+    engine.model_config = SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, revision=None)
+    client = InProcessClient([WorkerStub(engine, vllm_config.parallel_config)])
+
+    class Extra(_VllmStyleModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = torch.nn.Linear(2, 2, dtype=torch.bfloat16)
+
+    class Wider(_VllmStyleModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = torch.nn.Linear(8, 5, dtype=torch.bfloat16)
+
+    class Half(_VllmStyleModel):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.b.bias
+
+    for bad, named in ((Extra(), "c.weight"), (Wider(), "b.weight"), (Half(), "b.bias")):
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            trainer_info(world_size=2), client=client, source=ModuleSource(bad))
+        try:
+            started = time.monotonic()
+            with pytest.raises(Exception, match=named.replace(".", r"\.")):
+                trainer.send_weights()
+            assert time.monotonic() - started < TIMEOUT_MS / 2000, "the refusal waited for a deadline"
+            assert _snapshot(model).keys() == before.keys()
+            for name, p in model.named_parameters():
+                assert torch.equal(as_bytes(p), before[name]), f"{name} changed by a refused update"
+            good = _source_like(model, 33)
+            trainer.source = ModuleSource(good)
+            trainer.send_weights()
+            for (name, got), (_, want) in zip(model.named_parameters(), good.named_parameters()):
+                assert torch.equal(as_bytes(got), as_bytes(want)), name
+            before = _snapshot(model)
+        finally:
+            trainer.shutdown()
+    engine.shutdown()
 
 
 def test_trainer_engine_two_workers():
@@ -942,6 +1115,6 @@ def test_trainer_init_requires_a_full_source():
             yield "w", torch.zeros(2)
 
     client = RecordingClient()
-    with pytest.raises(ValueError, match="owners must start at rank 0"):
+    with pytest.raises(ValueError, match="not held by trainer rank 0"):
         WeightTransferTrainerFactory.trainer_init(trainer_info(), client=client, source=Partitioned())
     assert client.calls == []

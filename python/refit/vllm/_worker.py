@@ -1,0 +1,474 @@
+"""The worker side: :class:`RefitWeightTransferEngine`, a vLLM ``WeightTransferEngine``.
+
+What a failed update leaves (the guarantee this module exists for):
+
+* **staged** (the default): every chunk of the session is received into refit's
+  stage (host memory the size of the update, kept for the next session); the
+  model is not touched until ``finish_weight_update``, which opens vLLM's
+  layerwise reload, loads the stage, and closes the reload before it returns. A
+  session that fails before that (a refused update, a trainer killed or silent
+  mid-stream, a corrupt bucket, a receive error, an abort, a new trainer's init)
+  leaves the model's weights exactly as they were, and vLLM's ``/weight_info``
+  at the old version (vLLM records a version only when finish succeeds).
+* **in_place** (opt-in: no stage, only refit's buffers): each ``update_weights``
+  chunk loads as its buckets arrive, inside a layerwise reload that opens at the
+  chunk's first load and closes before the call returns. If the chunk fails, every
+  vLLM layer that had all of its tensors loaded serves the new weights, and every
+  other layer its old ones (refit never lets vLLM process a half-loaded layer);
+  refit's engine reports its weights dirty (``refit_state()``), vLLM's version
+  stays the old one.
+
+Either way the server keeps serving: no forward pass ever meets an open reload
+(the reload never outlives the vLLM call that opened it), and every update is
+checked against the checkpoint the model was loaded from (names, shapes, dtypes,
+whole layers; see ``_checkpoint``) before a byte of it moves, so the refusal
+reaches the trainer at once and names the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import refit
+
+from . import _reload
+from ._checkpoint import CheckpointIndex
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+logger = logging.getLogger("refit.vllm")
+
+COMMIT_MODES = ("in_place", "staged")
+
+
+def secret_file(explicit: str | None) -> str | None:
+    """The auth secret file: the explicit one, else $REFIT_AUTH_SECRET_FILE."""
+    return explicit if explicit is not None else (os.environ.get("REFIT_AUTH_SECRET_FILE") or None)
+
+
+@dataclass
+class RefitInitInfo(WeightTransferInitInfo):
+    """What a worker's ``init_weight_transfer_engine`` takes for refit.
+
+    Attributes:
+        init_info: the dict refit's engine takes (``refit.Sender.prepare``'s
+            result, e.g. tcp's ``{"master_address", "master_port", "rank_offset",
+            "world_size", ...}``), passed to ``refit.Engine.init`` unchanged. Every
+            worker gets the same one; each finds its own rank from its place in
+            vLLM's parallel layout (``data_parallel_index * world_size + rank``,
+            as vLLM's NCCL engine does).
+        refit_backend: refit's engine ("tcp"; see ``refit.backends()``).
+        timeout_ms: refit's deadline for every wait on the trainer (a trainer
+            that falls silent mid-update fails the update after this long); the
+            trainer's own ``timeout_ms`` in ``init_info`` applies where shorter.
+        commit: "staged" (default: the model sees an update only once all of it
+            arrived; a failed update leaves the old weights) or "in_place" (no
+            stage; see the module's documentation). An update's own ``commit``
+            overrides it.
+        device: the device refit's engine is told the model is on (default: the
+            worker's device).
+        layerwise_reload: load through vLLM's layerwise reload. ``None``
+            (default): when vLLM's model loader recorded the model (every model
+            vLLM loads), not for a plain ``torch.nn.Module``.
+        validate: check every update against the model's checkpoint (names,
+            shapes, dtypes, whole layers) before a byte moves. On by default;
+            a model loaded without a safetensors checkpoint is checked by vLLM's
+            loader only (a warning says so).
+
+    The auth secret file is the worker's own ``$REFIT_AUTH_SECRET_FILE`` (never
+    sent over the wire).
+    """
+
+    init_info: dict[str, Any] = field(default_factory=dict)
+    refit_backend: str = "tcp"
+    timeout_ms: int = 60000
+    commit: str = "staged"
+    device: str | None = None
+    layerwise_reload: bool | None = None
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.init_info, dict):
+            raise ValueError(f"`init_info` must be a dict (refit's init info), got {type(self.init_info).__name__}")
+        if not isinstance(self.refit_backend, str) or not self.refit_backend:
+            raise ValueError(f"`refit_backend` must name one of refit's engines, got {self.refit_backend!r}")
+        if self.commit not in COMMIT_MODES:
+            raise ValueError(f"`commit` must be 'in_place' or 'staged', got {self.commit!r}")
+        if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, int) or self.timeout_ms <= 0:
+            raise ValueError(f"`timeout_ms` must be a positive int, got {self.timeout_ms!r}")
+        if not isinstance(self.validate, bool):
+            raise ValueError(f"`validate` must be a bool, got {self.validate!r}")
+
+
+@dataclass
+class RefitUpdateInfo(WeightTransferUpdateInfo):
+    """One ``update_weights`` chunk for refit: vLLM's parameter metadata.
+
+    Attributes:
+        names, dtype_names, shapes: the tensors of the chunk, in the order the
+            trainer sends them (vLLM's spelling: ``"bfloat16"``, ``[4096, 4096]``).
+            Leave all three empty to reuse the previous chunk's metadata for the
+            same model, as vLLM's NCCL engine allows: a trainer that sends the same
+            parameters every round ships them once.
+        commit: this update's refit commit mode ("in_place" | "staged"); the
+            engine's when None.
+        extra: further members of refit's update info for the engine (merged
+            into the dict refit receives).
+        refit_backend: when given, the refit backend the trainer sends with; a
+            worker whose engine is another backend refuses the update.
+    """
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    commit: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    refit_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        num_params = len(self.names)
+        if len(self.dtype_names) != num_params:
+            raise ValueError(
+                f"`dtype_names` should be of the same size as `names`: got {len(self.dtype_names)} and {num_params}"
+            )
+        if len(self.shapes) != num_params:
+            raise ValueError(f"`shapes` should be of the same size as `names`: got {len(self.shapes)} and {num_params}")
+        if self.commit is not None and self.commit not in COMMIT_MODES:
+            raise ValueError(f"`commit` must be 'in_place', 'staged' or None, got {self.commit!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"`extra` must be a dict, got {type(self.extra).__name__}")
+        clash = {"names", "dtype_names", "shapes", "commit"} & self.extra.keys()
+        if clash:
+            raise ValueError(f"`extra` must not repeat the update info's own members: {sorted(clash)}")
+
+    def to_refit(self) -> dict[str, Any]:
+        """The update info refit's engine takes."""
+        info: dict[str, Any] = {
+            "names": list(self.names),
+            "dtype_names": list(self.dtype_names),
+            "shapes": [list(s) for s in self.shapes],
+        }
+        if self.commit is not None:
+            info["commit"] = self.commit
+        info.update(self.extra)
+        return info
+
+    def to_payload(self) -> dict[str, Any]:
+        """The dict a trainer passes to the client's ``update_weights``: the set
+        members only, so that it stays small and JSON-native."""
+        payload: dict[str, Any] = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        if self.commit is not None:
+            payload["commit"] = self.commit
+        if self.extra:
+            payload["extra"] = self.extra
+        if self.refit_backend is not None:
+            payload["refit_backend"] = self.refit_backend
+        return payload
+
+
+class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    """vLLM worker-side weight transfer over refit.
+
+    The refit engine is built at ``init_transfer_engine``, when the trainer's init
+    info names its backend; ``shutdown`` releases it (the worker keeps serving) and
+    a later ``init_transfer_engine`` builds a new one.
+
+    ``update_weights`` returns once its chunk is in refit's stage (staged) or
+    loaded (in_place): vLLM's worker runs forward passes between its RPCs, so
+    nothing of an update is left half-applied between them. ``defers_processing``
+    is therefore False, and ``drain_pending`` has nothing to wait for.
+    ``self.model.load_weights`` runs on refit's processing thread while the vLLM
+    call that loads (``update_weights`` in place, ``finish_weight_update`` staged)
+    waits for it.
+    """
+
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+
+    defers_processing: bool = False
+    supports_draft_weight_update: bool = True
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._refit: refit.Engine | None = None
+        self._backend: str | None = None
+        self._init: RefitInitInfo | None = None
+        self._session: _Session | None = None
+        # Metadata of the last update per model, reused by an empty update info.
+        self._last_update_info: dict[torch.nn.Module, RefitUpdateInfo] = {}
+        # Checkpoint indexes per model (the target can be a draft model).
+        self._indexes: dict[int, CheckpointIndex | None] = {}
+
+    # -- refit's parallel layout ----------------------------------------------------
+
+    def _worker_index(self) -> tuple[int, int]:
+        """(this worker's index, the number of workers) across TP*PP and DP, the
+        same formula as vLLM's NCCL (``_worker_group_rank``) and RDT engines."""
+        pc = self.parallel_config
+        world_size = int(pc.world_size)
+        dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
+        index = dp_index * world_size + int(pc.rank)
+        try:
+            count = int(pc.world_size_across_dp)
+        except (AttributeError, TypeError, ValueError):
+            count = world_size * int(getattr(pc, "data_parallel_size", 1) or 1)
+        return index, max(count, index + 1)
+
+    # -- WeightTransferEngine ------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        """Builds the refit engine of ``init_info.refit_backend`` and connects it to
+        the trainer (``refit.Engine.init(init_info.init_info)``). Blocks until the
+        trainer accepted it (the trainer's ``connect_workers`` runs meanwhile). A
+        session still open (its trainer is gone: a new one is taking over) is
+        aborted first; the model keeps its weights (staged) or stays as that
+        session left it (in_place)."""
+        if self._session is not None:
+            logger.warning("refit: a new trainer initialises the engine during an open weight update; aborting it")
+            self._fail("a new trainer initialised the engine")
+        self._release()
+        index, count = self._worker_index()
+        engine = refit.Engine(
+            init_info.refit_backend,
+            device=init_info.device if init_info.device is not None else str(self.device),
+            timeout_ms=init_info.timeout_ms,
+            commit=init_info.commit,
+            auth_secret_file=secret_file(None),
+            tp_rank=index,
+            tp_size=count,
+            check_update=self._check_update if init_info.validate else None,
+        )
+        try:
+            engine.init(_bounded_wait(init_info.init_info, init_info.timeout_ms))
+        except BaseException:
+            engine.shutdown()
+            raise
+        self._refit = engine
+        self._backend = init_info.refit_backend
+        self._init = init_info
+        self._last_update_info.clear()
+
+    def _engine(self) -> refit.Engine:
+        if self._refit is None:
+            raise RuntimeError("refit weight transfer not initialized. Call init_transfer_engine() first.")
+        return self._refit
+
+    def _index(self) -> CheckpointIndex | None:
+        key = id(self.model)
+        if key not in self._indexes:
+            index = CheckpointIndex.load(self.model_config, self.model)
+            if index is None:
+                logger.warning(
+                    "refit: no safetensors checkpoint found for %s; updates are checked by vLLM's loader only",
+                    getattr(self.model_config, "model", type(self.model).__name__),
+                )
+            self._indexes[key] = index
+        return self._indexes[key]
+
+    def _check_update(self, update: dict[str, Any]) -> None:
+        """refit's check_update: runs before any byte of an update moves."""
+        index = self._index()
+        if index is not None:
+            index.check(update)
+
+    def start_weight_update(self) -> None:
+        """Opens refit's update session. The model is not touched yet."""
+        engine = self._engine()
+        if self._session is not None:
+            # vLLM's worker refuses a second start itself, so a session still open
+            # here is one the worker gave up on: abort it and start afresh.
+            logger.warning("refit: aborting a weight update that was never finished")
+            self._fail("a new weight update started before the previous one finished")
+        engine.start_weight_update()
+        assert self._init is not None
+        self._session = _Session(
+            _reload.LayerwiseReload(
+                self.model, self.model_config, _reload.applies_to(self.model, self._init.layerwise_reload)
+            )
+        )
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receives one chunk: into refit's stage (staged) or loaded into the model
+        (in_place), complete either way when this returns. A failed chunk aborts
+        the session (the model as the module's documentation says), so the next
+        ``start_weight_update`` starts clean (vLLM's worker does not call finish
+        after a failed update)."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException as e:
+            self._fail(f"update_weights failed: {e!r}")
+            raise
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        """Receives the chunk ``update_info`` describes. Within a session
+        (start_weight_update .. finish_weight_update) this is refit's
+        ``update_weights``; outside one, a standalone in-place ``receive``."""
+        engine = self._engine()
+        if update_info.refit_backend is not None and update_info.refit_backend != self._backend:
+            raise ValueError(
+                f"update_info is for refit backend {update_info.refit_backend!r}, but this worker's refit "
+                f"engine is {self._backend!r}"
+            )
+        update_info = self._with_metadata(update_info)
+        session = self._session
+        if session is None:
+            reload = _reload.LayerwiseReload(
+                self.model, self.model_config, _reload.applies_to(self.model, self._init.layerwise_reload)
+            )
+            load = reload.wrap(_model_loader(self.model))
+            try:
+                engine.receive(update_info.to_refit(), load)
+                engine.drain()
+            except BaseException:
+                reload.settle(failed=True)
+                raise
+            reload.settle(failed=False)
+            return
+        engine.update_weights(update_info.to_refit(), session.reload.wrap(_model_loader(self.model)))
+        session.chunks += 1
+        # In place, the chunk's loads may still run (tcp defers them): wait, then
+        # close the reload so that no forward pass between vLLM's RPCs meets it.
+        engine.drain()
+        session.reload.settle(failed=False)
+
+    def _with_metadata(self, update_info: RefitUpdateInfo) -> RefitUpdateInfo:
+        if update_info.names:
+            self._last_update_info[self.model] = update_info
+            return update_info
+        last = self._last_update_info.get(self.model)
+        if last is None:
+            raise ValueError(
+                "update_info has no names and there is no previous update of this model to reuse: "
+                "the first update must declare its tensors"
+            )
+        return RefitUpdateInfo(
+            names=last.names,
+            dtype_names=last.dtype_names,
+            shapes=last.shapes,
+            commit=update_info.commit,
+            extra=update_info.extra,
+        )
+
+    def finish_weight_update(self) -> None:
+        """refit's ``finish_weight_update``: a staged session's stage is loaded into
+        the model here (inside vLLM's layerwise reload, closed before this
+        returns); raises what failed. vLLM records the version only when this
+        returns."""
+        engine = self._engine()
+        session = self._session
+        if session is None:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        try:
+            engine.finish_weight_update()
+        except BaseException as e:
+            self._fail(f"finish_weight_update failed: {e!r}")
+            raise
+        self._session = None
+        session.reload.settle(failed=False)
+
+    def drain_pending(self) -> None:
+        """refit's ``drain``. Nothing is left to wait for when a vLLM call has
+        returned (see the class); a no-op before ``init_transfer_engine``."""
+        engine = getattr(self, "_refit", None)
+        if engine is not None:
+            engine.drain()
+
+    def shutdown(self) -> None:
+        """Releases refit's engine (its connections); the worker keeps serving and a
+        later ``init_transfer_engine`` connects again."""
+        if getattr(self, "_session", None) is not None:
+            self._fail("the weight transfer engine is shutting down")
+        self._release()
+
+    def refit_state(self) -> dict[str, Any]:
+        """refit's own state of this worker (``refit.Engine.state()``: weight
+        version, dirty and why, the last update's statistics, ...); empty before
+        ``init_transfer_engine``."""
+        engine = getattr(self, "_refit", None)
+        return engine.state() if engine is not None else {}
+
+    # -- internals -------------------------------------------------------------------
+
+    def _fail(self, why: str) -> None:
+        """Ends the open session after a failure: refit's session aborted (a staged
+        stage discarded), vLLM's reload closed with every unprocessed layer back at
+        its old weights."""
+        session, self._session = self._session, None
+        engine = getattr(self, "_refit", None)
+        if engine is not None:
+            try:
+                engine.drain()  # loads of the failed chunk that may still run
+            except BaseException:  # noqa: BLE001 - the original error is what matters
+                pass
+        if session is not None:
+            try:
+                restored = session.reload.settle(failed=True)
+                if restored:
+                    logger.warning("refit: %s; layers restored to their old weights: %s", why, restored)
+            except BaseException:  # noqa: BLE001
+                logger.exception("refit: closing vLLM's layerwise reload after a failure failed")
+        if engine is None:
+            return
+        try:
+            engine.abort_weight_update(why)
+        except refit.Error:
+            pass  # nothing to abort any more: the original error is what matters
+
+    def _release(self) -> None:
+        engine, self._refit = getattr(self, "_refit", None), None
+        self._backend = None
+        self._session = None
+        if engine is not None:
+            engine.shutdown()
+
+
+def _bounded_wait(init: dict[str, Any], timeout_ms: int) -> dict[str, Any]:
+    """The trainer's init info with its ``timeout_ms`` (refit's engines wait on the
+    trainer that long) no longer than this worker's own."""
+    theirs = init.get("timeout_ms")
+    if isinstance(theirs, int) and not isinstance(theirs, bool) and theirs > timeout_ms:
+        return {**init, "timeout_ms": timeout_ms}
+    return init
+
+
+@dataclass
+class _Session:
+    reload: _reload.LayerwiseReload
+    chunks: int = 0
+
+
+def _model_loader(model: torch.nn.Module):
+    """``model.load_weights`` as refit's ``load_weights``: called on refit's
+    processing thread, so the MTP-completeness switch vLLM's NCCL engine turns off
+    around its receive (a ContextVar: per thread) is turned off there."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:  # vLLM 0.32
+        disable_mtp_completeness_check = None
+
+    def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+        if disable_mtp_completeness_check is None:
+            model.load_weights(weights)
+            return
+        with disable_mtp_completeness_check():
+            model.load_weights(weights)
+
+    return load_weights
