@@ -377,7 +377,7 @@ asio::awaitable<void> worker_host::serve() {
       // Out of descriptors (EMFILE, ENFILE) or memory: serving goes on, but an
       // accept retried at once fails at once, forever. Back off (up to 1 s) and say so.
       ++accept_errors_;
-      last_accept_error_ = "control: accepting a connection failed: " + failed.message() + " (" +
+      last_accept_error_ = "control: accepting a connection failed: " + net::describe(failed) + " (" +
                            std::to_string(accept_errors_) + " failures so far)";
       backoff = std::clamp(backoff * 2, std::chrono::milliseconds(5), std::chrono::milliseconds(1000));
       pause.expires_after(backoff);

@@ -243,6 +243,45 @@ TEST_F(hardening_test, a_failed_init_is_in_last_error) {
       << after;
 }
 
+// Out of descriptors at init: the worker's connect to the trainer fails at once
+// naming EMFILE, not "could not connect ... (last error: Operation aborted.)" at
+// the deadline.
+TEST_F(hardening_test, init_out_of_descriptors_names_emfile_at_once) {
+  start(tcp_config(60s));  // a deadline the error must not wait for
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
+               {"buffer_bytes", 16384}, {"num_buffers", 2}};
+  json params = {{"init_info", sender_->prepare(args)}};
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  int fd_probe = dup(0);
+  ASSERT_GE(fd_probe, 0);
+  close(fd_probe);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(fd_probe + 4);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> hogs;
+  for (int fd; (fd = dup(0)) >= 0;) hogs.push_back(fd);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string msg;
+  try {
+    call(trainer_, "init_weight_transfer_engine", params);
+  } catch (const error& e) {
+    msg = e.message();
+    EXPECT_EQ(e.kind(), errc::resource_exhausted) << msg;
+  }
+  const auto took = std::chrono::steady_clock::now() - t0;
+  for (int fd : hogs) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_NE(msg.find("EMFILE"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Too many open files"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("connecting to the trainer"), std::string::npos) << msg;
+  EXPECT_LT(took, 2s) << "the init waited instead of failing at once: " << msg;
+  json after = info();
+  ASSERT_TRUE(after["last_error"].is_string()) << after;
+  EXPECT_NE(after["last_error"].get<std::string>().find("EMFILE"), std::string::npos) << after;
+  init();  // descriptors are back: the next init connects
+}
+
 // ---- frames cost what was sent
 
 // Opens a raw connection and authenticates (the host has no secret).
@@ -510,6 +549,7 @@ TEST_F(hardening_test, out_of_descriptors_the_accept_loop_backs_off_and_recovers
   json now = info();
   EXPECT_GT(now["accept_errors"].get<int>(), 0) << now;
   EXPECT_NE(now["last_accept_error"].get<std::string>().find("Too many open files"), std::string::npos) << now;
+  EXPECT_NE(now["last_accept_error"].get<std::string>().find("EMFILE"), std::string::npos) << now;
   // Descriptors are back: the pending connections and new ones are served.
   for (int s : pending) close(s);
   connect();
