@@ -457,6 +457,7 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
     }
     json request;
     json refusal;
+    json refused_id;  // a refused frame's id, when it could be read
     bool framing_intact = false;
     try {
       std::string text = co_await c->stream->read_text(config_.timeout, /*idle_ok=*/true, "control request");
@@ -465,26 +466,30 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
       // A large request (an update_info of thousands of tensors) is parsed on the
       // processing executor: about 10 ms of CPU per MB the event loop must not spend.
       if (text.size() < large_request_bytes) {
-        request = parse_frame_body(text, "control request", limits_.frames.max_values);
+        request = parse_frame_body(text, "control request", limits_.frames.max_values, &refused_id);
       } else {
         const std::string* body = &text;
+        json* id = &refused_id;
         const std::size_t max_values = limits_.frames.max_values;
-        request = co_await async::offload(engine_->processing_executor(), [body, max_values] {
-          return parse_frame_body(*body, "control request", max_values);
+        request = co_await async::offload(engine_->processing_executor(), [body, max_values, id] {
+          return parse_frame_body(*body, "control request", max_values, id);
         });
       }
     } catch (const error& e) {
-      // A peer that closed is the normal end; a malformed frame is answered (id
-      // null: it cannot be read). A body that is not JSON leaves the framing
-      // intact and the connection is served on; an oversized length ends it (its
-      // framing can no longer be trusted).
+      // A peer that closed is the normal end; a refused frame is answered. A body
+      // that is not JSON (id null: it cannot be read), nests too deep or holds too
+      // many values (with its id where the JSON is well-formed, so the caller's
+      // call fails with the reason rather than its client dropping an answer it
+      // cannot route) leaves the framing intact and the connection is served on;
+      // an oversized length ends it (its framing can no longer be trusted).
       if (e.kind() != errc::protocol_error || !c->stream->is_open()) {
         c->stream->close();
         co_return;
       }
-      refusal = error_answer(nullptr, errc_name(e.kind()),
-                             e.message() + (framing_intact ? " (the request's id cannot be read: this answer's is null)"
-                                                           : " (the connection is closed)"));
+      std::string message = e.message();
+      if (!framing_intact) message += " (the connection is closed)";
+      else if (refused_id.is_null()) message += " (the request's id cannot be read: this answer's is null)";
+      refusal = error_answer(refused_id, errc_name(e.kind()), message);
     }
     if (!refusal.is_null()) {
       bool written = true;

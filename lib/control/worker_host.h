@@ -22,14 +22,19 @@
 // A request is {"id": int, "method": str, "params": {...}}; the answer is
 // {"id": int, "result": {...}} or {"id": int, "error": {"kind": str, "message": str}}.
 // Every request runs in its own coroutine, so weight_info (or any other method)
-// is answered while an update is in flight. A frame whose body is not JSON (or
-// nests too deep, or would parse into too many values) is answered with
+// is answered while an update is in flight. A frame whose body is not JSON is
+// answered with
 //   {"id": null, "error": {"kind": "protocol_error", "message": "control request:
 //    malformed JSON frame of M bytes, at byte N: <what the parser expected> (the
 //    request's id cannot be read: this answer's is null)"}}
-// and the connection goes on serving: its length prefix was honoured, so the next
-// frame starts where it should. A length over host_limits.frames.max_bytes is
-// answered the same way, then the connection is closed (the framing is lost).
+// and one that nests deeper than max_json_depth (64) or would parse into more than
+// host_limits.frames.max_values values with protocol_error naming the limit ("JSON
+// frame nests 65 levels deep, deeper than the limit of 64 levels") and the
+// request's own id (read with everything below the top level discarded), so a
+// control::client's call fails with that reason; either way the connection goes
+// on serving: its length prefix was honoured, so the next frame starts where it
+// should. A length over host_limits.frames.max_bytes is answered with id null,
+// then the connection is closed (the framing is lost).
 //
 // The handshake. Every control connection starts with lib/auth.h's handshake,
 // with or without a secret, before any frame: the host writes a 48-byte challenge

@@ -362,6 +362,63 @@ TEST_F(hardening_test, a_frame_that_would_parse_into_too_many_values_is_refused_
   EXPECT_NE(answer["error"]["message"].get<std::string>().find("values, limit 100000"), std::string::npos) << answer;
 }
 
+// Reads one answer frame from a raw connection.
+asio::awaitable<void> read_answer(std::shared_ptr<control::frame_stream> f, json* out) {
+  *out = co_await f->read(30s, false, "answer");
+}
+
+std::vector<std::uint8_t> framed(const std::string& body) {
+  std::vector<std::uint8_t> frame{std::uint8_t(body.size() >> 24), std::uint8_t(body.size() >> 16),
+                                  std::uint8_t(body.size() >> 8), std::uint8_t(body.size())};
+  frame.insert(frame.end(), body.begin(), body.end());
+  return frame;
+}
+
+asio::awaitable<void> send_on(std::shared_ptr<control::frame_stream> f, std::vector<std::uint8_t> bytes) {
+  co_await asio::async_write(f->socket(), asio::buffer(bytes), asio::use_awaitable);
+}
+
+// A frame nested deeper than max_json_depth is answered (protocol_error naming the
+// limit) and the connection serves on: 65 levels, 100k, and 4M (8 MiB of brackets).
+TEST_F(hardening_test, a_frame_nested_too_deep_is_answered_naming_the_limit_and_the_connection_serves_on) {
+  start();
+  std::shared_ptr<asio::ip::tcp::socket> raw;
+  run_to_completion(io_, raw_connect(port_, &raw));
+  auto f = std::make_shared<control::frame_stream>(std::move(*raw));
+  for (std::size_t depth : {std::size_t(max_json_depth) + 1, std::size_t(100000), std::size_t(4) << 20}) {
+    // {"id":1,"method":"weight_info","params":{"x":[[...]]}}: the request itself is
+    // three levels of it.
+    const std::size_t brackets = depth - 2;
+    std::string body = "{\"id\":1,\"method\":\"weight_info\",\"params\":{\"x\":";
+    body.append(brackets, '[');
+    body.append(brackets, ']');
+    body += "}}";
+    ASSERT_EQ(scan_json(body).depth, depth);
+    run_to_completion(io_, send_on(f, framed(body)));
+    json answer;
+    run_to_completion(io_, read_answer(f, &answer));
+    EXPECT_EQ(answer["id"], 1) << "the answer names the request: " << depth << ": " << answer.dump().substr(0, 300);
+    EXPECT_EQ(answer["error"]["kind"], "protocol_error") << depth << ": " << answer.dump().substr(0, 300);
+    const std::string m = answer["error"]["message"].is_string() ? answer["error"]["message"].get<std::string>() : "";
+    EXPECT_NE(m.find("nests " + std::to_string(depth) + " levels deep, deeper than the limit of 64 levels"),
+              std::string::npos)
+        << depth << ": " << m;
+    // The same connection answers a valid request next.
+    run_to_completion(io_, send_on(f, framed(json{{"id", 7}, {"method", "weight_info"}}.dump())));
+    json ok;
+    run_to_completion(io_, read_answer(f, &ok));
+    EXPECT_EQ(ok["id"], 7) << depth << ": " << ok;
+    EXPECT_EQ(ok["result"]["backend"], "tcp") << depth << ": " << ok;
+  }
+  // Through control::client, as a trainer calls: the call fails with the reason (the
+  // answer names its id) and the same connection serves the next call.
+  json deep = json::array();
+  for (std::size_t i = 0; i < max_json_depth; ++i) deep = json::array({deep});
+  auto msg = call_error(trainer_, "weight_info", {{"x", deep}}, errc::protocol_error);
+  EXPECT_NE(msg.find("deeper than the limit of 64 levels"), std::string::npos) << msg;
+  EXPECT_EQ(call(trainer_, "weight_info")["backend"], "tcp");
+}
+
 // ---- floods and churn
 
 asio::awaitable<void> flood(std::uint16_t port, int requests, int* answered) {
