@@ -108,28 +108,47 @@ class hardening_test : public ::testing::Test {
     ADD_FAILURE() << method << " succeeded";
     return {};
   }
-  void init() {
+  // init_weight_transfer_engine through `client` (the trainer's by default) for
+  // `sender`'s init info (the trainer's sender by default).
+  void init(control::client* client = nullptr, tcp::sender* sender = nullptr) {
+    client = client ? client : trainer_;
+    sender = sender ? sender : sender_.get();
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
                  {"buffer_bytes", 16384}, {"num_buffers", 2}};
-    json params = {{"init_info", sender_->prepare(args)}};
-    auto accepted = spawn(io_, sender_->connect_workers());
-    call(trainer_, "init_weight_transfer_engine", params);
+    json params = {{"init_info", sender->prepare(args)}};
+    auto accepted = spawn(io_, sender->connect_workers());
+    call(client, "init_weight_transfer_engine", params);
     ASSERT_TRUE(run_until(io_, [&] { return accepted->done; }, 10s));
     ASSERT_FALSE(accepted->error) << accepted->message();
   }
-  json update_body(const tensor_set& set) {
+  json update_body(const tensor_set& set, const char* commit = nullptr) {
     json info = json::object();
     write_update_metadata(set.meta, info);
+    if (commit) info["commit"] = commit;
     return {{"update_info", info}};
   }
-  // One chunk through the trainer's connection, the bytes through the sender.
-  void chunk(tensor_set& set) {
+  // One chunk through the trainer's connection (or `client`), the bytes through
+  // the trainer's sender (or `sender`).
+  void chunk(tensor_set& set, const char* commit = nullptr, control::client* client = nullptr,
+             tcp::sender* sender = nullptr) {
+    client = client ? client : trainer_;
+    sender = sender ? sender : sender_.get();
     auto views = set.views();
-    auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
-    call(trainer_, "update_weights", update_body(set));
+    auto sent = spawn(io_, trainer_send_weights(*sender, set.meta, views));
+    call(client, "update_weights", update_body(set, commit));
     ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
     ASSERT_FALSE(sent->error) << sent->message();
   }
+  // start, one chunk, finish at `version`.
+  void full_update(tensor_set& set, std::int64_t version, const char* commit = nullptr,
+                   control::client* client = nullptr, tcp::sender* sender = nullptr) {
+    client = client ? client : trainer_;
+    call(client, "start_weight_update");
+    chunk(set, commit, client, sender);
+    call(client, "finish_weight_update", {{"weight_version", version}});
+  }
+  // Whether load_weights ever saw a tensor named `name`.
+  bool loaded(const std::string& name) const { return got_.received().count(name) > 0; }
   json info() { return call(trainer_, "weight_info"); }
 
   asio::io_context io_;
@@ -209,6 +228,141 @@ TEST_F(hardening_test, the_owners_own_init_ends_its_session_dirty_when_it_had_ap
   EXPECT_NE(after["dirty_reason"].get<std::string>().find("re-initialised"), std::string::npos) << after;
 }
 
+// ---- sessions have a deadline: their owner's silence
+
+tensor_set named_set(const std::string& prefix, std::uint64_t seed) {
+  tensor_set set;
+  for (int i = 0; i < 4; ++i) set.add(prefix + std::to_string(i), dtype::float32, {500}, seed);
+  return set;
+}
+
+// A trainer frozen after its chunk, before its finish (what SIGSTOP does; the
+// fault suite does it to real processes: frozen_trainer): the worker aborts the
+// session once its owner has been silent for the session timeout, a replacement
+// trainer takes over, and the frozen one, when it resumes, is refused and changes
+// nothing. Staged, the weights stay exactly at the old version, clean; in_place,
+// the applied chunk leaves them dirty until the replacement's update.
+class session_deadline_test : public hardening_test, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(session_deadline_test, a_silent_owner_loses_its_session_and_a_replacement_trainer_takes_over) {
+  const char* commit = GetParam();
+  const bool staged = std::string(commit) == "staged";
+  control::host_limits limits;
+  limits.session_timeout = 400ms;
+  start(tcp_config(5s), limits);
+  init();
+  tensor_set old_set = named_set("old", 1), frozen_set = named_set("frozen", 2), new_set = named_set("new", 3);
+  full_update(old_set, 1, commit);
+  ASSERT_EQ(info()["state"], "clean");
+  // The trainer's last acts: start, one chunk. Then it sends nothing.
+  call(trainer_, "start_weight_update");
+  chunk(frozen_set, commit);
+  const auto frozen_at = std::chrono::steady_clock::now();
+  EXPECT_EQ(loaded("frozen0"), !staged) << "a staged chunk reached the model before its finish";
+  // A replacement trainer is refused while the session is open, and told when it
+  // will not be any more.
+  auto* next = connect();
+  auto refused = call_error(next, "init_weight_transfer_engine", {{"init_info", json::object()}}, errc::invalid_state);
+  EXPECT_NE(refused.find("started by connection #1"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("the session is aborted after 400 ms of silence"), std::string::npos) << refused;
+  json during = call(next, "weight_info");
+  EXPECT_EQ(during["session_timeout_ms"], 400) << during;
+  EXPECT_TRUE(during["session_idle_ms"].is_number_integer()) << during;
+  // The session ends within the timeout (its owner's polls would have kept it).
+  ASSERT_TRUE(run_until(io_, [&] { return !host_->session().active(); }, 5s)) << "the frozen trainer kept its session";
+  const auto took = std::chrono::steady_clock::now() - frozen_at;
+  EXPECT_LT(took, 3s) << "aborted at the config's 5 s timeout, not the session timeout";
+  json after = call(next, "weight_info");
+  EXPECT_FALSE(after["session_active"].get<bool>()) << after;
+  EXPECT_TRUE(after["session_owner"].is_null()) << after;
+  EXPECT_EQ(after["weight_version"], 1) << after;
+  ASSERT_TRUE(after["last_error"].is_string()) << after;
+  const std::string last_error = after["last_error"];
+  EXPECT_NE(last_error.find("its owner, connection #1 (127.0.0.1:"), std::string::npos) << last_error;
+  EXPECT_NE(last_error.find("sent nothing for"), std::string::npos) << last_error;
+  EXPECT_NE(last_error.find("the session timeout is 400 ms"), std::string::npos) << last_error;
+  if (staged) {
+    EXPECT_EQ(after["state"], "clean") << after;
+    EXPECT_FALSE(loaded("frozen0")) << "the aborted staged session reached the model";
+  } else {
+    EXPECT_EQ(after["state"], "dirty") << after;
+    EXPECT_NE(after["dirty_reason"].get<std::string>().find("sent nothing for"), std::string::npos) << after;
+  }
+  // The replacement takes over: its own sender, init, a full update.
+  tcp::sender replacement(tcp_config(5s), trainer_context{io_.get_executor(), {}});
+  init(next, &replacement);
+  full_update(new_set, 2, commit, next, &replacement);
+  json taken = call(next, "weight_info");
+  EXPECT_EQ(taken["state"], "clean") << taken;
+  EXPECT_EQ(taken["weight_version"], 2) << taken;
+  EXPECT_TRUE(loaded("new0"));
+  // The frozen trainer resumes: its session is gone, and it is told why.
+  auto late = call_error(trainer_, "finish_weight_update", {{"weight_version", 99}}, errc::invalid_state);
+  EXPECT_NE(late.find("no active weight update"), std::string::npos) << late;
+  EXPECT_NE(late.find("this connection's weight update session was aborted: its owner, connection #1"),
+            std::string::npos)
+      << late;
+  late = call_error(trainer_, "update_weights", update_body(frozen_set, commit), errc::invalid_state);
+  EXPECT_NE(late.find("was aborted"), std::string::npos) << late;
+  json end = call(next, "weight_info");
+  EXPECT_EQ(end["state"], "clean") << end;
+  EXPECT_EQ(end["weight_version"], 2) << "the stale trainer's finish changed the version: " << end;
+  replacement.shutdown();
+}
+
+INSTANTIATE_TEST_SUITE_P(commit, session_deadline_test, ::testing::Values("staged", "in_place"));
+
+// An owner that polls is not silent: weight_info on its own connection keeps the
+// session past the timeout; and a finish after that completes the update.
+TEST_F(hardening_test, an_owner_that_keeps_talking_keeps_its_session) {
+  control::host_limits limits;
+  limits.session_timeout = 300ms;
+  start(tcp_config(5s), limits);
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set, "staged");
+  const auto until = std::chrono::steady_clock::now() + 900ms;
+  while (std::chrono::steady_clock::now() < until) {
+    ASSERT_TRUE(info()["session_active"].get<bool>()) << "the session was aborted while its owner was talking";
+    asio::steady_timer pace(io_, 100ms);  // an owner polling every 100 ms
+    run_to_completion(io_, [](asio::steady_timer& t) -> asio::awaitable<void> {
+      co_await t.async_wait(asio::use_awaitable);
+    }(pace));
+  }
+  call(trainer_, "finish_weight_update", {{"weight_version", 4}});
+  json after = info();
+  EXPECT_EQ(after["state"], "clean") << after;
+  EXPECT_EQ(after["weight_version"], 4) << after;
+  EXPECT_NO_THROW(got_.check_equals(set));
+}
+
+// A trainer killed (SIGKILL) after its staged chunk arrived: its connection closes,
+// the session is aborted, the old weights stay, clean at the old version, and
+// last_error says what happened. (in_place: dirty, the test above.)
+TEST_F(hardening_test, a_trainer_gone_after_its_staged_chunk_leaves_the_old_weights_clean_at_the_old_version) {
+  start();
+  init();
+  tensor_set old_set = named_set("old", 1), lost = named_set("lost", 2);
+  full_update(old_set, 1, "staged");
+  call(trainer_, "start_weight_update");
+  chunk(lost, "staged");
+  trainer_->close();  // the trainer dies between its chunk and finish_weight_update
+  auto* next = connect();
+  ASSERT_TRUE(run_until(io_, [&] { return !host_->session().active(); }, 5s)) << "the session stayed open";
+  json after = call(next, "weight_info");
+  EXPECT_EQ(after["state"], "clean") << after;
+  EXPECT_EQ(after["weight_version"], 1) << after;
+  EXPECT_TRUE(after["dirty_reason"].is_null()) << after;
+  ASSERT_TRUE(after["last_error"].is_string()) << after;
+  EXPECT_NE(after["last_error"].get<std::string>().find("closed its connection before finishing it"),
+            std::string::npos)
+      << after;
+  EXPECT_FALSE(loaded("lost0")) << "a staged chunk of an unfinished session reached the model";
+  EXPECT_EQ(host_->engine().staged_chunks(), 0u);
+  call(next, "start_weight_update");  // a new trainer's session starts
+}
+
 // ---- refusals reach the trainer at once
 
 TEST_F(hardening_test, an_update_the_worker_refuses_fails_the_trainer_at_once_with_the_reason) {
@@ -230,6 +384,38 @@ TEST_F(hardening_test, an_update_the_worker_refuses_fails_the_trainer_at_once_wi
   EXPECT_NE(sent->message().find("no tensor may be named 'forbidden'"), std::string::npos) << sent->message();
   json after = info();
   EXPECT_EQ(after["state"], "clean") << "nothing was received: " << after;
+}
+
+// A staged update larger than the worker may stage is refused at once by the
+// worker; the trainer learns it at once too (not at its 60 s deadline), with the
+// worker's rank and the reason, and nothing was received.
+TEST_F(hardening_test, a_staged_update_the_worker_cannot_stage_fails_the_trainer_at_once_with_the_reason) {
+  weight_transfer_config config = tcp_config(60s);
+  config.max_stage_bytes = 4096;
+  start(config);
+  init();
+  tensor_set set;
+  set.add("big", dtype::float32, {4096});  // 16 KiB
+  call(trainer_, "start_weight_update");
+  auto views = set.views();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
+  auto msg = call_error(trainer_, "update_weights", update_body(set, "staged"), errc::resource_exhausted);
+  EXPECT_NE(msg.find("more than max_stage_bytes 4096"), std::string::npos) << msg;
+  ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, 1s) << "the trainer waited for its deadline";
+  std::fprintf(stderr, "the trainer saw the staged refusal after %.1f ms\n",
+               std::chrono::duration<double, std::milli>(took).count());
+  ASSERT_TRUE(sent->error);
+  EXPECT_EQ(sent->kind(), static_cast<int>(errc::resource_exhausted)) << sent->message();
+  EXPECT_NE(sent->message().find("worker rank 1 refused the update"), std::string::npos) << sent->message();
+  EXPECT_NE(sent->message().find("the stage would hold 16384 bytes"), std::string::npos) << sent->message();
+  json after = info();
+  EXPECT_EQ(after["state"], "clean") << after;
+  EXPECT_NE(after["last_error"].get<std::string>().find("update_weights: resource_exhausted"), std::string::npos)
+      << after;
+  EXPECT_EQ(got_.calls(), 0u);
 }
 
 TEST_F(hardening_test, a_failed_init_is_in_last_error) {
