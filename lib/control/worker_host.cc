@@ -440,6 +440,7 @@ json worker_host::weight_info() const {
                {"accept_errors", accept_errors_}};
   info["session_owner"] = session_.active() && owner_ ? json(owner_name()) : json(nullptr);
   info["session_timeout_ms"] = limits_.session_timeout.count();
+  info["session_chunks"] = session_.active() ? json(session_.chunks()) : json(nullptr);
   info["session_idle_ms"] =
       session_.active() && owner_
           ? json(owner_busy() ? std::int64_t{0}

@@ -9,6 +9,7 @@
 //       -> {"weight_version", "state": "clean" | "updating" | "dirty", "dirty_reason",
 //           "session_active", "session_owner", "session_idle_ms" (how long its
 //           owner has been silent; null without a session), "session_timeout_ms",
+//           "session_chunks" (chunks received in the open session; null without),
 //           "receiving", "commit", "default_commit",
 //           "last_update": stats, "last_error", "last_hook_error",
 //           "last_refused_connection", "connections", "accept_errors",
