@@ -112,12 +112,14 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
     } catch (const std::exception&) {
     }
   } else {
+    finishing_ = true;
     try {
       co_await engine_.drain_pending();
       co_await engine_.commit_session();
     } catch (...) {
       failure = std::current_exception();
     }
+    finishing_ = false;
     if (failure && engine_.session_open()) engine_.discard_session();  // the drain failed: nothing is committed
   }
   engine_.session_finished();

@@ -68,6 +68,9 @@ class weight_update_session {
   bool active() const noexcept { return active_; }
   /// True while a chunk (update_weights) is being received.
   bool receiving() const noexcept { return updating_ || reading_; }
+  /// True while finish_weight_update drains and commits (the session is no longer
+  /// active, and the model is changing: a staged commit, in_place processing).
+  bool finishing() const noexcept { return finishing_; }
   /// The version recorded by the last successful finish, if any.
   std::optional<std::int64_t> weight_version() const noexcept { return version_; }
   /// Chunks received in the active (or last) session.
@@ -81,6 +84,7 @@ class weight_update_session {
   bool active_ = false;
   bool updating_ = false;
   bool reading_ = false;  // update_weights(json): its update_info is being read off the loop
+  bool finishing_ = false;  // finish_weight_update is draining or committing
   std::uint64_t chunks_ = 0;
   std::uint64_t applied_ = 0;  // in_place chunks of the active session (they reached the model)
   std::string failure_;        // a chunk of the active session failed: how

@@ -421,7 +421,8 @@ asio::awaitable<void> worker_host::abort_silent_session() {
 
 std::string worker_host::weight_state() const {
   if (engine_->weights_dirty()) return "dirty";
-  return session_.active() ? "updating" : "clean";
+  // A finish that is still committing is changing the model: not clean yet.
+  return session_.active() || session_.finishing() ? "updating" : "clean";
 }
 
 json worker_host::weight_info() const {

@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-
+#include <atomic>
 #include <fstream>
+#include <functional>
+#include <future>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
@@ -72,8 +74,12 @@ class hardening_test : public ::testing::Test {
  protected:
   void start(weight_transfer_config config = tcp_config(), control::host_limits limits = {}) {
     factory_.register_engine<tcp::engine, tcp::sender>("tcp");
+    load_weights_fn load = [this, copy = got_.fn()](std::span<const tensor_view> views) {
+      if (before_load_) before_load_();
+      copy(views);
+    };
     host_ = std::make_unique<control::worker_host>(config, engine_context{io_.get_executor(), {}, {}, &model_},
-                                                   got_.fn(), factory_, limits);
+                                                   std::move(load), factory_, limits);
     port_ = host_->listen("127.0.0.1", 0);
     spawn(io_, host_->serve());
     trainer_ = connect();
@@ -154,6 +160,7 @@ class hardening_test : public ::testing::Test {
   asio::io_context io_;
   engine_factory factory_;
   capture got_;
+  std::function<void()> before_load_;  // runs before every load_weights (on the processing executor)
   picky_model model_;
   std::unique_ptr<control::worker_host> host_;
   std::uint16_t port_ = 0;
@@ -335,6 +342,36 @@ TEST_F(hardening_test, an_owner_that_keeps_talking_keeps_its_session) {
   EXPECT_EQ(after["state"], "clean") << after;
   EXPECT_EQ(after["weight_version"], 4) << after;
   EXPECT_NO_THROW(got_.check_equals(set));
+}
+
+// While finish_weight_update commits a staged session the model is changing: the
+// session is no longer open, but weight_info must not say clean yet.
+TEST_F(hardening_test, weight_info_says_updating_while_a_staged_commit_runs) {
+  start();
+  init();
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::atomic<bool> loading{false};
+  before_load_ = [&loading, gate] {
+    loading = true;
+    gate.wait();
+  };
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set, "staged");
+  EXPECT_FALSE(loading.load()) << "a staged chunk was loaded before the finish";
+  json result;
+  auto finish = spawn(io_, call_into(trainer_, "finish_weight_update", {{"weight_version", 2}}, &result));
+  ASSERT_TRUE(run_until(io_, [&] { return loading.load(); }, 5s)) << "the commit never started";
+  json during = host_->weight_info();
+  EXPECT_FALSE(during["session_active"].get<bool>()) << during;
+  EXPECT_EQ(during["state"], "updating") << during;
+  release.set_value();
+  ASSERT_TRUE(run_until(io_, [&] { return finish->done; }, 5s));
+  EXPECT_FALSE(finish->error) << finish->message();
+  json after = info();
+  EXPECT_EQ(after["state"], "clean") << after;
+  EXPECT_EQ(after["weight_version"], 2) << after;
 }
 
 // A trainer killed (SIGKILL) after its staged chunk arrived: its connection closes,
