@@ -194,18 +194,6 @@ class weight_transfer_engine::stage_target final : public model_target {
   const staged_chunk& chunk_;
 };
 
-static std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return std::string(errc_name(x.kind())) + ": " + x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "a non-standard exception";
-  }
-}
-
 namespace {
 // Runs before any member uses the executor.
 engine_context checked(engine_context context) {
@@ -236,7 +224,7 @@ model_target* weight_transfer_engine::receive_target() noexcept {
 
 void weight_transfer_engine::note_failure(const std::string& what, std::exception_ptr error) {
   if (touched_) mark_weights_dirty(what + " failed after it had started changing the weights (" +
-                                   std::string(to_string(mode_)) + "): " + message_of(error));
+                                   std::string(to_string(mode_)) + "): " + describe_error(error));
 }
 
 asio::any_io_executor weight_transfer_engine::processing_executor() {
@@ -358,29 +346,6 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
   if (!defers_processing()) co_await drain_pending();
 }
 
-namespace {
-errc kind_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return x.kind();
-  } catch (...) {
-  }
-  return errc::io_error;
-}
-std::string plain_message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-  }
-  return "a non-standard exception";
-}
-}  // namespace
-
 asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& info, load_weights_fn load_weights) {
   // Outside a session a staged receive is a session of one chunk, committed here.
   const bool own_session = !session_open_;
@@ -438,7 +403,7 @@ asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& 
     failure = std::current_exception();
   }
   if (failure) {
-    refuse_update(kind_of(failure), plain_message_of(failure));
+    refuse_update(error_kind_of(failure), error_message_of(failure));
     fail();
     std::rethrow_exception(failure);
   }

@@ -2,20 +2,6 @@
 
 namespace refit {
 
-namespace {
-std::string describe(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return std::string(errc_name(x.kind())) + ": " + x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-  }
-  return "a non-standard exception";
-}
-}  // namespace
-
 void weight_update_session::start_weight_update() {
   if (active_)
     throw_error(errc::invalid_state,
@@ -59,7 +45,7 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
   }
   if (failure) {
     updating_ = false;
-    failure_ = "chunk " + std::to_string(chunks_ + 1) + " failed: " + describe(failure);
+    failure_ = "chunk " + std::to_string(chunks_ + 1) + " failed: " + describe_error(failure);
     // Earlier in_place chunks of this session already reached the model (staged
     // ones were discarded with the stage).
     if (applied_ > 0 && !engine_.weights_dirty())

@@ -54,28 +54,6 @@ json error_answer(const json& id, std::string_view kind, const std::string& mess
   return {{"id", id}, {"error", {{"kind", kind}, {"message", message}}}};
 }
 
-errc kind_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return x.kind();
-  } catch (...) {
-  }
-  return errc::io_error;
-}
-
-std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-  }
-  return "a non-standard exception";
-}
-
 // A hook's failure as the error a verb answers with: a refit::error keeps its kind,
 // anything else is processing_failed (the application's code threw).
 error hook_error(const std::string& verb, const char* hook, std::exception_ptr e) {
@@ -86,7 +64,7 @@ error hook_error(const std::string& verb, const char* hook, std::exception_ptr e
     if (x.kind() != errc{}) kind = x.kind();
   } catch (...) {
   }
-  return error(kind, verb + ": the application's " + hook + " hook failed: " + message_of(e));
+  return error(kind, verb + ": the application's " + hook + " hook failed: " + error_message_of(e));
 }
 
 // Frames this large leave many freed small blocks behind; give them back to the
@@ -218,7 +196,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       // A failed chunk ends the session: the next start_weight_update begins clean.
       note_error("update_weights", failure);
       const bool was_active = session_.active();
-      co_await session_.abort_weight_update("its chunk failed: " + message_of(failure));
+      co_await session_.abort_weight_update("its chunk failed: " + error_message_of(failure));
       owner_.reset();
       if (was_active && !session_.active()) update_failed(last_error_);
       std::rethrow_exception(failure);
@@ -289,14 +267,14 @@ void worker_host::add_method(const std::string& name, method m) {
 }
 
 void worker_host::note_error(const std::string& method, std::exception_ptr e) {
-  last_error_ = method + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
+  last_error_ = method + ": " + std::string(errc_name(error_kind_of(e))) + ": " + error_message_of(e);
 }
 
 void worker_host::set_hooks(update_hooks hooks) { hooks_ = std::move(hooks); }
 
 void worker_host::note_hook_error(const char* hook, std::exception_ptr e) noexcept {
   try {
-    last_hook_error_ = std::string(hook) + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
+    last_hook_error_ = std::string(hook) + ": " + std::string(errc_name(error_kind_of(e))) + ": " + error_message_of(e);
   } catch (...) {
   }
 }

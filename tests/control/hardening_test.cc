@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <stdexcept>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
@@ -466,6 +467,43 @@ TEST_F(hardening_test, a_failed_init_is_in_last_error) {
       << after;
 }
 
+// Uses up this process's descriptors under a lowered RLIMIT_NOFILE until it is
+// destroyed (which closes them and restores the limit, also when a test fails).
+class descriptors_used_up {
+ public:
+  descriptors_used_up() {
+    if (getrlimit(RLIMIT_NOFILE, &old_) != 0) throw std::runtime_error("getrlimit failed");
+    const int probe = dup(0);
+    if (probe < 0) throw std::runtime_error("dup failed");
+    close(probe);
+    rlimit low = old_;
+    low.rlim_cur = static_cast<rlim_t>(probe + 4);
+    if (setrlimit(RLIMIT_NOFILE, &low) != 0) throw std::runtime_error("setrlimit failed");
+    for (int fd; (fd = dup(0)) >= 0;) hogs_.push_back(fd);
+  }
+  ~descriptors_used_up() { release(); }
+  descriptors_used_up(const descriptors_used_up&) = delete;
+  descriptors_used_up& operator=(const descriptors_used_up&) = delete;
+  // Frees `n` descriptors (for connections a test makes itself).
+  void free(std::size_t n) {
+    for (; n > 0 && !hogs_.empty(); --n) {
+      close(hogs_.back());
+      hogs_.pop_back();
+    }
+  }
+  // Closes them all and restores the limit.
+  void release() {
+    free(hogs_.size());
+    if (!restored_) setrlimit(RLIMIT_NOFILE, &old_);
+    restored_ = true;
+  }
+
+ private:
+  rlimit old_{};
+  std::vector<int> hogs_;
+  bool restored_ = false;
+};
+
 // Out of descriptors at init: the worker's connect to the trainer fails at once
 // naming EMFILE, not "could not connect ... (last error: Operation aborted.)" at
 // the deadline.
@@ -474,16 +512,7 @@ TEST_F(hardening_test, init_out_of_descriptors_names_emfile_at_once) {
   json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
                {"buffer_bytes", 16384}, {"num_buffers", 2}};
   json params = {{"init_info", sender_->prepare(args)}};
-  rlimit old{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
-  int fd_probe = dup(0);
-  ASSERT_GE(fd_probe, 0);
-  close(fd_probe);
-  rlimit low = old;
-  low.rlim_cur = static_cast<rlim_t>(fd_probe + 4);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> hogs;
-  for (int fd; (fd = dup(0)) >= 0;) hogs.push_back(fd);
+  descriptors_used_up none_left;
   const auto t0 = std::chrono::steady_clock::now();
   std::string msg;
   try {
@@ -493,8 +522,7 @@ TEST_F(hardening_test, init_out_of_descriptors_names_emfile_at_once) {
     EXPECT_EQ(e.kind(), errc::resource_exhausted) << msg;
   }
   const auto took = std::chrono::steady_clock::now() - t0;
-  for (int fd : hogs) close(fd);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  none_left.release();
   EXPECT_NE(msg.find("EMFILE"), std::string::npos) << msg;
   EXPECT_NE(msg.find("Too many open files"), std::string::npos) << msg;
   EXPECT_NE(msg.find("connecting to the trainer"), std::string::npos) << msg;
@@ -826,25 +854,12 @@ TEST_F(hardening_test, a_silent_unauthenticated_connection_is_cut_at_the_handsha
 // and serves again once descriptors are free.
 TEST_F(hardening_test, out_of_descriptors_the_accept_loop_backs_off_and_recovers) {
   start();
-  rlimit old{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
-  // Use up what is left under a lowered limit.
-  int fd_probe = dup(0);
-  ASSERT_GE(fd_probe, 0);
-  close(fd_probe);
-  rlimit low = old;
-  low.rlim_cur = static_cast<rlim_t>(fd_probe + 4);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> hogs;
-  for (int fd; (fd = dup(0)) >= 0;) hogs.push_back(fd);
+  descriptors_used_up none_left;
   // Two connections wait in the listen backlog, made with the only two descriptors
   // freed for them: every accept the host tries fails with EMFILE.
   std::vector<int> pending;
   {
-    for (int i = 0; i < 2 && !hogs.empty(); ++i) {
-      close(hogs.back());
-      hogs.pop_back();
-    }
+    none_left.free(2);
     for (int i = 0; i < 2; ++i) {
       int s = socket(AF_INET, SOCK_STREAM, 0);
       ASSERT_GE(s, 0);
@@ -863,8 +878,7 @@ TEST_F(hardening_test, out_of_descriptors_the_accept_loop_backs_off_and_recovers
   getrusage(RUSAGE_SELF, &after);
   const double cpu = (after.ru_utime.tv_sec - before.ru_utime.tv_sec) + (after.ru_stime.tv_sec - before.ru_stime.tv_sec) +
                      ((after.ru_utime.tv_usec - before.ru_utime.tv_usec) + (after.ru_stime.tv_usec - before.ru_stime.tv_usec)) / 1e6;
-  for (int fd : hogs) close(fd);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  none_left.release();
   EXPECT_LT(cpu, 0.5) << "the accept loop spun: " << cpu << " s of CPU in 1 s";
   json now = info();
   EXPECT_GT(now["accept_errors"].get<int>(), 0) << now;

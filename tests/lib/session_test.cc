@@ -101,6 +101,17 @@ class session_test : public ::testing::Test {
     return {sent, recv};
   }
 
+  // A chunk the session refuses before the trainer would send anything: only the
+  // worker's side runs.
+  std::shared_ptr<outcome> refused_chunk(weight_update_session& s, const tensor_set& set, const char* commit,
+                                         load_weights_fn load) {
+    json info = metadata_json(set.meta);
+    if (commit) info["commit"] = commit;
+    auto r = spawn(io, update_json(s, info, std::move(load)));
+    EXPECT_TRUE(testing::run(io));
+    return r;
+  }
+
   std::shared_ptr<outcome> run_finish(weight_update_session& s, std::optional<std::int64_t> version) {
     auto r = spawn(io, finish(s, version));
     EXPECT_TRUE(testing::run(io));
@@ -438,10 +449,7 @@ TEST_F(session_test, an_aborted_or_failed_staged_session_changes_nothing_and_the
     // Another chunk is refused (before the trainer sends anything), and finish
     // closes the session without a version.
     capture more;
-    json again = metadata_json(a.meta);
-    again["commit"] = "staged";
-    auto r2 = spawn(io, update_json(session, again, more.fn()));
-    ASSERT_TRUE(testing::run(io));
+    auto r2 = refused_chunk(session, a, "staged", more.fn());
     ASSERT_TRUE(r2->error);
     EXPECT_EQ(r2->kind(), static_cast<int>(errc::invalid_state)) << r2->message();
     EXPECT_THAT(r2->message(), HasSubstr("chunk 1 failed: protocol_error"));
@@ -501,8 +509,7 @@ TEST_F(session_test, a_chunk_of_another_commit_mode_or_a_tensor_staged_twice_is_
     tensor_set a = chunk(0), b = chunk(1);
     capture got;
     transfer(session, a, got.fn(), "staged");
-    auto recv = spawn(io, update_json(session, metadata_json(b.meta), got.fn()));  // in_place (the default)
-    ASSERT_TRUE(testing::run(io));
+    auto recv = refused_chunk(session, b, nullptr, got.fn());  // in_place (the default)
     ASSERT_TRUE(recv->error);
     EXPECT_EQ(recv->kind(), static_cast<int>(errc::invalid_argument)) << recv->message();
     EXPECT_THAT(recv->message(), HasSubstr("a chunk with commit \"in_place\" in an update session whose earlier "
@@ -519,10 +526,7 @@ TEST_F(session_test, a_chunk_of_another_commit_mode_or_a_tensor_staged_twice_is_
     tensor_set a = chunk(0);
     capture got;
     transfer(session, a, got.fn(), "staged");
-    json info = metadata_json(a.meta);
-    info["commit"] = "staged";
-    auto recv = spawn(io, update_json(session, info, got.fn()));
-    ASSERT_TRUE(testing::run(io));
+    auto recv = refused_chunk(session, a, "staged", got.fn());
     ASSERT_TRUE(recv->error);
     EXPECT_EQ(recv->kind(), static_cast<int>(errc::invalid_argument)) << recv->message();
     EXPECT_THAT(recv->message(), HasSubstr("tensor 'layers.0.w0' is already staged by chunk 1 of this update session"));
