@@ -441,7 +441,8 @@ asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& 
   session_open_ = false;
   session_mode_.reset();
   try {
-    co_await commit_staged(std::exchange(staged_, {}));
+    auto chunks = std::exchange(staged_, {});
+    co_await commit_staged(std::move(chunks));
   } catch (...) {
     failure = std::current_exception();
   }
@@ -541,7 +542,8 @@ asio::awaitable<void> weight_transfer_engine::commit_session() {
   state_ = state::committing;
   std::exception_ptr failure;
   try {
-    co_await commit_staged(std::exchange(staged_, {}));
+    auto chunks = std::exchange(staged_, {});
+    co_await commit_staged(std::move(chunks));
   } catch (...) {
     failure = std::current_exception();
   }
