@@ -30,6 +30,7 @@ weight_transfer_config weight_transfer_config::from_json(const json& j) {
   c.socket_buffer_bytes = r.optional<std::size_t>("socket_buffer_bytes", c.socket_buffer_bytes);
   if (c.socket_buffer_bytes > (1u << 30))
     r.fail("member 'socket_buffer_bytes' must be at most 1 GiB, got " + std::to_string(c.socket_buffer_bytes));
+  c.max_stage_bytes = r.optional<std::uint64_t>("max_stage_bytes", c.max_stage_bytes);
   r.finish();
   return c;
 }
@@ -39,6 +40,7 @@ json weight_transfer_config::to_json() const {
           {"timeout_ms", timeout.count()},
           {"processing_threads", processing_threads},
           {"socket_buffer_bytes", socket_buffer_bytes},
+          {"max_stage_bytes", max_stage_bytes},
           {"commit", to_string(commit)}};
 }
 

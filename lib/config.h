@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -18,9 +19,11 @@ enum class commit_mode {
   /// succeeds.
   in_place,
   /// Every tensor is received (and checksum-verified, when checksums are on) into
-  /// host memory first; load_weights sees none of the update until all of it has
-  /// arrived. A failed transfer leaves the old weights intact and serving. Costs
-  /// host memory for the whole update (kept for later updates).
+  /// host memory first; load_weights sees none of the update until its session's
+  /// finish_weight_update (or, outside a session, until all of it has arrived). A
+  /// failed transfer or an aborted session leaves the old weights intact and
+  /// serving. Costs host memory for the whole session (kept for later updates);
+  /// see weight_transfer_engine::begin_session.
   staged,
 };
 
@@ -48,9 +51,16 @@ struct weight_transfer_config {
   /// Kernel send/receive buffer of each data connection (net::set_buffers); 0: the
   /// kernel's autotuning. Raise it to bandwidth x round-trip time on long links.
   std::size_t socket_buffer_bytes = 0;
+  /// Most host memory the stage of a staged update session may take (its chunks'
+  /// tensors, each 64-byte aligned); a staged chunk that would take it further is
+  /// refused before any of its bytes move, the trainer told at once
+  /// (resource_exhausted, naming the bytes), as one whose stage cannot be
+  /// allocated is. 0: no bound but the allocator's.
+  std::uint64_t max_stage_bytes = 0;
 
   /// Reads {"backend": str, "timeout_ms": int, "processing_threads": int,
-  /// "commit": "in_place" | "staged", "socket_buffer_bytes": int} strictly.
+  /// "commit": "in_place" | "staged", "socket_buffer_bytes": int,
+  /// "max_stage_bytes": int} strictly.
   static weight_transfer_config from_json(const json& j);
   json to_json() const;
 };

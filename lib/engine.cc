@@ -2,11 +2,13 @@
 
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
 #include <asio/co_spawn.hpp>
+#include <asio/post.hpp>
 
 #include <refit/async/offload.h>
 
@@ -40,53 +42,112 @@ class weight_transfer_engine::tracking_target final : public model_target {
   std::atomic<bool>& touched_;
 };
 
-// Host memory for staged commits: every tensor of an update at a 64-byte aligned
-// offset, in metadata order. Grown on demand, kept for later updates.
+// Host memory for staged commits: the tensors of an update session's chunks, one
+// after the other, each at a 64-byte aligned offset. Anonymous memory, grown with
+// mremap (the kernel moves page tables: earlier chunks are not copied, and the
+// peak is the new size, not old + new), kept for later sessions, unmapped by the
+// destructor. Grown and faulted in on the processing executor, never on the loop.
 class weight_transfer_engine::stage_area {
  public:
-  // Lays out `meta` (sizes checked) and resets what has arrived.
-  void prepare(const update_metadata& meta) {
-    offsets_.assign(meta.tensors.size(), 0);
-    sizes_.assign(meta.tensors.size(), 0);
-    arrived_.assign(meta.tensors.size(), 0);
-    index_.clear();
-    std::uint64_t at = 0;
+  stage_area() = default;
+  stage_area(const stage_area&) = delete;
+  stage_area& operator=(const stage_area&) = delete;
+  ~stage_area() {
+    if (memory_) ::munmap(memory_, capacity_);
+  }
+
+  // Makes room for `bytes` more after what the session holds and returns where
+  // they start; throws resource_exhausted (naming the bytes) when the stage would
+  // exceed `limit` (0: none) or cannot grow.
+  std::uint64_t take(std::uint64_t bytes, std::uint64_t limit, const std::string& who) {
+    const std::uint64_t at = used_;
+    const std::uint64_t needed = at + bytes;
+    if (limit != 0 && needed > limit)
+      throw_error(errc::resource_exhausted,
+                  who + ": staged commit: the stage would hold " + std::to_string(needed) + " bytes (" +
+                      std::to_string(at) + " of this session's earlier chunks + " + std::to_string(bytes) +
+                      " of this one), more than max_stage_bytes " + std::to_string(limit) +
+                      "; nothing of this chunk was received (use commit \"in_place\", or larger bounds)");
+    if (needed > capacity_) grow(needed, who);
+    used_ = needed;
+    return at;
+  }
+  // Back to `used` bytes (a failed chunk, the end of a session).
+  void release_to(std::uint64_t used) noexcept { used_ = std::min(used_, used); }
+  std::byte* base() const noexcept { return static_cast<std::byte*>(memory_); }
+  std::uint64_t used() const noexcept { return used_; }
+  std::uint64_t capacity() const noexcept { return capacity_; }
+
+ private:
+  void grow(std::uint64_t needed, const std::string& who) {
+    constexpr std::uint64_t huge_page = 2u << 20;
+    const std::uint64_t rounded = (needed + huge_page - 1) / huge_page * huge_page;
+    void* p = memory_ ? ::mremap(memory_, capacity_, rounded, MREMAP_MAYMOVE)
+                      : ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      const int e = errno;
+      throw_error(errc::resource_exhausted,
+                  who + ": staged commit: cannot allocate " + std::to_string(rounded) +
+                      " bytes of host memory for the stage (" + std::to_string(used_) +
+                      " held by this session's earlier chunks, " + std::to_string(needed - used_) +
+                      " for this one): " + std::strerror(e) +
+                      "; nothing of this chunk was received (use commit \"in_place\")");
+    }
+    // Faulted in now, in huge pages where the kernel allows: not during the
+    // transfer, not on the loop. Only the new part: the rest was faulted before.
+    auto* bytes = static_cast<std::byte*>(p);
+    (void)::madvise(bytes + capacity_, rounded - capacity_, MADV_HUGEPAGE);
+    auto* touch = static_cast<volatile std::byte*>(p);
+    for (std::uint64_t i = capacity_; i < rounded; i += 4096) touch[i] = std::byte{0};
+    memory_ = p;
+    capacity_ = rounded;
+  }
+
+  void* memory_ = nullptr;
+  std::uint64_t capacity_ = 0;
+  std::uint64_t used_ = 0;
+};
+
+// One staged chunk of a session: its metadata (a copy: the caller's update_info
+// lives only for the chunk), where each tensor sits in the stage, what has
+// arrived, and the load_weights its commit calls.
+struct weight_transfer_engine::staged_chunk {
+  update_metadata meta;
+  std::vector<std::uint64_t> offsets;  // from the stage's base (which may move as it grows)
+  std::vector<char> arrived;
+  std::unordered_map<std::string_view, std::size_t> index;  // names in `meta`: the chunk is never moved
+  std::uint64_t begin = 0, bytes = 0;                       // its span of the stage
+  load_weights_fn load;
+
+  // Lays out `m` at `at` (sizes from the specs, 64-byte aligned).
+  static std::uint64_t laid_out_bytes(const update_metadata& m) {
+    std::uint64_t n = 0;
+    for (const auto& t : m.tensors) n += (t.nbytes() + 63) / 64 * 64;
+    return n;
+  }
+  void lay_out(std::uint64_t at) {
+    begin = at;
+    offsets.resize(meta.tensors.size());
+    arrived.assign(meta.tensors.size(), 0);
+    index.reserve(meta.tensors.size());
     for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
-      offsets_[i] = at;
-      sizes_[i] = meta.tensors[i].nbytes();
-      index_.emplace(meta.tensors[i].name, i);  // views into `meta`, alive for the update
+      offsets[i] = at;
+      index.emplace(meta.tensors[i].name, i);
       at += (meta.tensors[i].nbytes() + 63) / 64 * 64;
     }
-    if (at > capacity_) {
-      memory_.reset();  // free first: peak is the new size, not old + new
-      capacity_ = 0;
-      const std::uint64_t rounded = (at + (2u << 20) - 1) / (2u << 20) * (2u << 20);
-      void* p = at == 0 ? nullptr : std::aligned_alloc(2u << 20, rounded);
-      if (at != 0 && !p)
-        throw_error(errc::io_error, "staged commit: cannot allocate " + std::to_string(at) +
-                                        " bytes of host memory for the update (use commit \"in_place\")");
-      memory_.reset(static_cast<std::byte*>(p));
-      if (p) {
-        // Faulted in now (this runs on the processing executor), in huge pages
-        // where the kernel allows: not during the transfer, not on the loop.
-        (void)::madvise(p, rounded, MADV_HUGEPAGE);
-        auto* bytes = static_cast<volatile std::byte*>(p);
-        for (std::uint64_t i = 0; i < rounded; i += 4096) bytes[i] = std::byte{0};
-      }
-      capacity_ = at;
-    }
+    bytes = at - begin;
   }
   // Where `spec` is staged: received there directly (no copy into the stage).
-  std::optional<tensor_view> destination(const tensor_spec& spec) const {
-    auto it = index_.find(spec.name);
-    if (it == index_.end() || !memory_ || spec.nbytes() != sizes_[it->second]) return std::nullopt;
-    return tensor_view(spec, memory_.get() + offsets_[it->second]);
+  std::optional<tensor_view> destination(const tensor_spec& spec, std::byte* base) const {
+    auto it = index.find(spec.name);
+    if (it == index.end() || !base || spec.nbytes() != meta.tensors[it->second].nbytes()) return std::nullopt;
+    return tensor_view(spec, base + offsets[it->second]);
   }
   // load_weights of the receive phase: copies each tensor into its place.
-  void stage(const update_metadata& meta, std::span<const tensor_view> views) {
+  void stage(std::span<const tensor_view> views, std::byte* base) {
     for (const auto& v : views) {
-      auto it = index_.find(v.name);  // no allocation per tensor
-      if (it == index_.end())
+      auto it = index.find(v.name);  // no allocation per tensor
+      if (it == index.end())
         throw_error(errc::protocol_error, "staged commit: tensor '" + std::string(v.name) + "' is not in the update");
       const auto& spec = meta.tensors[it->second];
       if (v.nbytes() != spec.nbytes())
@@ -97,61 +158,41 @@ class weight_transfer_engine::stage_area {
         throw_error(errc::unsupported, "staged commit: tensor '" + spec.name + "' arrived on " +
                                            to_string(v.device) +
                                            "; this engine stages on its device, use commit \"in_place\"");
-      std::byte* at = memory_.get() + offsets_[it->second];
+      std::byte* at = base + offsets[it->second];
       if (spec.nbytes() != 0 && v.data != at) std::memcpy(at, v.data, spec.nbytes());  // not received in place
-      arrived_[it->second] = 1;
+      arrived[it->second] = 1;
     }
   }
-  // Views of the whole update, once every tensor has arrived.
-  std::vector<tensor_view> views(const update_metadata& meta) const {
+  // Views of the whole chunk, once every tensor has arrived.
+  std::vector<tensor_view> views(std::byte* base) const {
     std::vector<tensor_view> out;
     out.reserve(meta.tensors.size());
     for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
-      if (!arrived_[i])
+      if (!arrived[i])
         throw_error(errc::protocol_error, "staged commit: tensor '" + meta.tensors[i].name +
                                               "' never arrived; the update is not committed");
-      out.emplace_back(meta.tensors[i], memory_.get() + offsets_[i]);
+      out.emplace_back(meta.tensors[i], base + offsets[i]);
     }
     return out;
   }
-  std::uint64_t capacity() const noexcept { return capacity_; }
-
- private:
-  struct free_deleter {
-    void operator()(std::byte* p) const noexcept { std::free(p); }
-  };
-  std::unique_ptr<std::byte[], free_deleter> memory_;
-  std::uint64_t capacity_ = 0;
-  std::vector<std::uint64_t> offsets_, sizes_;
-  std::vector<char> arrived_;
-  std::unordered_map<std::string_view, std::size_t> index_;
 };
 
-// A staged update's receive target: the stage offers each tensor's place in it, so
+// A staged chunk's receive target: the stage offers each tensor's place in it, so
 // the engine receives there directly; the model is not reached.
 class weight_transfer_engine::stage_target final : public model_target {
  public:
-  explicit stage_target(const stage_area& stage) : stage_(stage) {}
+  stage_target(const stage_area& stage, const staged_chunk& chunk) : stage_(stage), chunk_(chunk) {}
   void load_weights(std::span<const tensor_view>) override {
     throw_error(errc::invalid_state, "staged commit: the stage is not loaded through its target");
   }
-  std::optional<tensor_view> destination(const tensor_spec& spec) override { return stage_.destination(spec); }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    return chunk_.destination(spec, stage_.base());
+  }
 
  private:
   const stage_area& stage_;
+  const staged_chunk& chunk_;
 };
-
-static std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return std::string(errc_name(x.kind())) + ": " + x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "a non-standard exception";
-  }
-}
 
 namespace {
 // Runs before any member uses the executor.
@@ -183,7 +224,7 @@ model_target* weight_transfer_engine::receive_target() noexcept {
 
 void weight_transfer_engine::note_failure(const std::string& what, std::exception_ptr error) {
   if (touched_) mark_weights_dirty(what + " failed after it had started changing the weights (" +
-                                   std::string(to_string(mode_)) + "): " + message_of(error));
+                                   std::string(to_string(mode_)) + "): " + describe_error(error));
 }
 
 asio::any_io_executor weight_transfer_engine::processing_executor() {
@@ -231,19 +272,34 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
     case state::ready: break;
     case state::receiving:
       throw_error(errc::invalid_state, name + ": receive_weights while another update is being received");
+    case state::committing:
+      throw_error(errc::invalid_state, name + ": receive_weights while a staged update session is being committed");
     case state::shut_down:
       throw_error(errc::invalid_state, name + ": receive_weights after shutdown (call init_transfer_engine again)");
     default:
       throw_error(errc::invalid_state, name + ": receive_weights before init_transfer_engine");
   }
   if (!load_weights) throw_error(errc::invalid_argument, name + ": load_weights is empty");
-  if (info.commit.value_or(config_.commit) == commit_mode::staged) {
-    if (const std::string why = staged_commit_refusal(); !why.empty()) {
-      const std::string message = name + ": staged commits are not supported: " + why +
-                                  "; use \"commit\": \"in_place\" (a failed update then marks the weights dirty)";
-      refuse_update(errc::unsupported, message);
-      throw_error(errc::unsupported, message);
-    }
+  const commit_mode mode = info.commit.value_or(config_.commit);
+  // Refusals before any byte moves reach the trainer at once (refuse_update).
+  auto refuse = [&](errc kind, const std::string& message) {
+    refuse_update(kind, message);
+    throw_error(kind, message);
+  };
+  if (mode == commit_mode::staged) {
+    if (const std::string why = staged_commit_refusal(); !why.empty())
+      refuse(errc::unsupported, name + ": staged commits are not supported: " + why +
+                                    "; use \"commit\": \"in_place\" (a failed update then marks the weights dirty)");
+  }
+  if (session_open_) {
+    if (session_mode_ && *session_mode_ != mode)
+      refuse(errc::invalid_argument, name + ": a chunk with commit \"" + std::string(to_string(mode)) +
+                                         "\" in an update session whose earlier chunks are \"" +
+                                         std::string(to_string(*session_mode_)) +
+                                         "\"; one session commits one way");
+    if (session_failed_)
+      refuse(errc::invalid_state, name + ": an earlier chunk of this update session failed and the session's stage "
+                                         "was discarded; abort the session and start a new one");
   }
   // Deferred work of an earlier update must not overlap this one's staging slots.
   if (deferred_.pending() > 0)
@@ -264,8 +320,9 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
   }
   state_ = state::receiving;
   stats_ = {};
-  mode_ = info.commit.value_or(config_.commit);
+  mode_ = mode;
   touched_ = false;
+  if (session_open_) session_mode_ = mode;
   if (mode_ == commit_mode::staged) {
     co_await receive_staged(info, std::move(load_weights));
     co_return;
@@ -290,6 +347,13 @@ asio::awaitable<void> weight_transfer_engine::receive_weights(const update_info&
 }
 
 asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& info, load_weights_fn load_weights) {
+  // Outside a session a staged receive is a session of one chunk, committed here.
+  const bool own_session = !session_open_;
+  if (own_session) {
+    session_open_ = true;
+    session_failed_ = false;
+    session_mode_ = commit_mode::staged;
+  }
   if (!stage_) stage_ = std::make_unique<stage_area>();
   const auto start = std::chrono::steady_clock::now();
   auto finish_stats = [this, start] {
@@ -297,16 +361,58 @@ asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& 
                              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     stats_.finalize();
   };
+  // A failed chunk discards the whole stage: the session can no longer commit
+  // all of its update, so it commits none of it.
+  auto fail = [this, own_session, &finish_stats] {
+    clear_stage();
+    session_failed_ = true;
+    if (own_session) {
+      session_open_ = false;
+      session_failed_ = false;
+      session_mode_.reset();
+    }
+    if (state_ == state::receiving) state_ = state::ready;
+    finish_stats();
+  };
+  // Before any byte: the chunk's place at the end of the stage (grown and faulted
+  // in on the processing executor, not the loop; the metadata copied there too),
+  // or its refusal, which the trainer learns at once.
+  auto chunk = std::make_unique<staged_chunk>();
   std::exception_ptr failure;
   try {
-    // Allocating and faulting in a model-sized stage is not work for the loop.
+    staged_chunk* c = chunk.get();
     stage_area* stage = stage_.get();
-    const update_metadata* meta_for_prepare = &info.metadata;
-    co_await async::offload(processing_executor(), [stage, meta_for_prepare] { stage->prepare(*meta_for_prepare); });
-    if (!stage_target_) stage_target_ = std::make_unique<stage_target>(*stage_);
-    const update_metadata* meta = &info.metadata;
-    // Phase 1: every tensor into the stage; the model is not reached.
-    co_await do_receive(info, [stage, meta](std::span<const tensor_view> w) { stage->stage(*meta, w); });
+    const update_info* in = &info;
+    const auto* earlier = &staged_;
+    const std::uint64_t limit = config_.max_stage_bytes;
+    const std::string name(backend());
+    const std::string* who = &name;
+    co_await async::offload(processing_executor(), [c, stage, in, earlier, limit, who] {
+      // The stage holds each tensor once: with a model that knows its tensors, it
+      // stays within the model's size.
+      for (std::size_t k = 0; k < earlier->size(); ++k)
+        for (const auto& t : in->metadata.tensors)
+          if ((*earlier)[k]->index.count(t.name))
+            throw_error(errc::invalid_argument, *who + ": staged commit: tensor '" + t.name + "' is already staged by "
+                                                    "chunk " + std::to_string(k + 1) + " of this update session; a "
+                                                    "session stages each tensor once");
+      c->meta = in->metadata;
+      c->lay_out(stage->take(staged_chunk::laid_out_bytes(c->meta), limit, *who));
+    });
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    refuse_update(error_kind_of(failure), error_message_of(failure));
+    fail();
+    std::rethrow_exception(failure);
+  }
+  // The chunk, straight into its place in the stage; the model is not reached.
+  stage_target_ = std::make_unique<stage_target>(*stage_, *chunk);
+  try {
+    staged_chunk* c = chunk.get();
+    std::byte* base = stage_->base();  // the stage does not grow during a chunk
+    co_await do_receive(info, [c, base](std::span<const tensor_view> w) { c->stage(w, base); });
     co_await deferred_.join();
   } catch (...) {
     failure = std::current_exception();
@@ -318,38 +424,142 @@ asio::awaitable<void> weight_transfer_engine::receive_staged(const update_info& 
       co_await deferred_.join();
     } catch (...) {
     }
-    if (state_ == state::receiving) state_ = state::ready;
-    finish_stats();
+    stage_target_.reset();
+    chunk.reset();
+    fail();
     std::rethrow_exception(failure);
   }
-  // Phase 2: the commit. Everything arrived and was verified; load_weights now
-  // sees the whole update, in batches, on the processing executor.
-  std::vector<tensor_view> views;
+  stage_target_.reset();
+  chunk->load = std::move(load_weights);
+  staged_.push_back(std::move(chunk));
+  if (!own_session) {
+    if (state_ == state::receiving) state_ = state::ready;
+    finish_stats();
+    co_return;
+  }
+  // A session of one chunk: its commit is the end of this receive.
+  session_open_ = false;
+  session_mode_.reset();
   try {
-    views = stage_->views(info.metadata);
-    touched_ = true;
-    const auto t0 = std::chrono::steady_clock::now();
-    constexpr std::uint64_t batch_bytes = 64ull << 20;
-    std::size_t first = 0;
-    while (first < views.size()) {
-      std::size_t last = first;
-      std::uint64_t bytes = 0;
-      while (last < views.size() && (last == first || bytes + views[last].nbytes() <= batch_bytes))
-        bytes += views[last++].nbytes();
-      std::span<const tensor_view> batch(views.data() + first, last - first);
-      co_await async::offload(processing_executor(), [&load_weights, batch] { load_weights(batch); });
-      first = last;
-    }
-    stats_.process_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    auto chunks = std::exchange(staged_, {});
+    co_await commit_staged(std::move(chunks));
   } catch (...) {
     failure = std::current_exception();
   }
+  stage_->release_to(0);
   if (state_ == state::receiving) state_ = state::ready;
   finish_stats();
+  if (failure) std::rethrow_exception(failure);
+}
+
+asio::awaitable<void> weight_transfer_engine::commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks) {
+  // Everything arrived and was verified; each chunk's load_weights now sees its
+  // tensors, chunk by chunk in order, in batches, on the processing executor.
+  mode_ = commit_mode::staged;
+  touched_ = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::exception_ptr failure;
+  try {
+    for (auto& chunk : chunks) {
+      staged_chunk* c = chunk.get();
+      std::byte* base = stage_->base();
+      std::vector<tensor_view> views = co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
+      touched_ = true;
+      constexpr std::uint64_t batch_bytes = 64ull << 20;
+      std::size_t first = 0;
+      while (first < views.size()) {
+        std::size_t last = first;
+        std::uint64_t bytes = 0;
+        while (last < views.size() && (last == first || bytes + views[last].nbytes() <= batch_bytes))
+          bytes += views[last++].nbytes();
+        std::span<const tensor_view> batch(views.data() + first, last - first);
+        load_weights_fn* load = &c->load;
+        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
+        first = last;
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stats_.process_s += took;
+  stats_.wall_s += took;
+  dispose(std::move(chunks));
   if (failure) {
     note_failure("the commit of a staged update", failure);
     std::rethrow_exception(failure);
   }
+}
+
+void weight_transfer_engine::dispose(std::vector<std::unique_ptr<staged_chunk>> chunks) noexcept {
+  std::size_t tensors = 0;
+  for (const auto& c : chunks) tensors += c->meta.tensors.size();
+  // The metadata of 100k tensors takes milliseconds to free: not on the loop.
+  if (tensors > 4096) {
+    try {
+      auto owned = std::make_shared<std::vector<std::unique_ptr<staged_chunk>>>(std::move(chunks));
+      asio::post(processing_executor(), [owned]() mutable { owned.reset(); });
+      return;
+    } catch (...) {
+    }
+  }
+  chunks.clear();
+}
+
+void weight_transfer_engine::clear_stage() noexcept {
+  dispose(std::exchange(staged_, {}));
+  if (stage_) stage_->release_to(0);
+}
+
+void weight_transfer_engine::begin_session() {
+  if (state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, std::string(backend()) + ": begin_session while an update is being " +
+                                         (state_ == state::receiving ? "received" : "committed"));
+  clear_stage();
+  session_open_ = true;
+  session_failed_ = false;
+  session_mode_.reset();
+}
+
+asio::awaitable<void> weight_transfer_engine::commit_session() {
+  const std::string name(backend());
+  if (state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, name + ": commit_session while " +
+                                         (state_ == state::receiving ? "a chunk is being received"
+                                                                     : "the session is being committed"));
+  if (!session_open_) co_return;
+  const bool failed = session_failed_;
+  session_open_ = false;
+  session_failed_ = false;
+  session_mode_.reset();
+  if (failed) {
+    clear_stage();
+    throw_error(errc::invalid_state, name + ": a chunk of this update session failed and its stage was "
+                                            "discarded; nothing of the session is committed");
+  }
+  if (staged_.empty()) co_return;
+  const state before = state_;
+  state_ = state::committing;
+  std::exception_ptr failure;
+  try {
+    auto chunks = std::exchange(staged_, {});
+    co_await commit_staged(std::move(chunks));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (stage_) stage_->release_to(0);
+  if (state_ == state::committing) state_ = before;
+  if (failure) std::rethrow_exception(failure);
+}
+
+void weight_transfer_engine::discard_session() {
+  if (state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, std::string(backend()) + ": discard_session while an update is being " +
+                                         (state_ == state::receiving ? "received" : "committed"));
+  session_open_ = false;
+  session_failed_ = false;
+  session_mode_.reset();
+  clear_stage();
 }
 
 asio::awaitable<void> weight_transfer_engine::drain_pending() {
@@ -372,8 +582,17 @@ void weight_transfer_engine::shutdown() {
     throw_error(errc::invalid_state, std::string(backend()) + ": shutdown while " +
                                          std::to_string(deferred_.pending()) +
                                          " bucket(s) are still being processed; co_await drain_pending() first");
+  // So does a staged commit (its load_weights read the stage).
+  if (state_ == state::committing)
+    throw_error(errc::invalid_state, std::string(backend()) + ": shutdown while a staged update session is being "
+                                                              "committed; let commit_session complete first");
+  session_open_ = false;
+  session_failed_ = false;
+  session_mode_.reset();
+  clear_stage();
   if (state_ == state::shut_down || state_ == state::created) {
     state_ = state::shut_down;
+    stage_.reset();
     return;
   }
   state_ = state::shut_down;

@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
@@ -156,12 +157,61 @@ class weight_transfer_engine {
   /// The commit mode is info.commit, else config().commit. in_place: tensors are
   /// loaded as they arrive (or received straight into the model's memory); a
   /// failure after the first of them marks the weights dirty. staged: every tensor
-  /// is first received into a host buffer owned by the engine; load_weights sees
-  /// the update only once all of it has arrived and been verified, so a transfer
-  /// failure leaves the old weights untouched. A staged receive completes after its
-  /// commit (nothing stays deferred); if load_weights itself throws during the
-  /// commit, the weights are marked dirty.
+  /// is first received into the engine's stage (host memory it owns); load_weights
+  /// sees none of it until the commit, so a failed transfer leaves the old weights
+  /// untouched. Outside an update session (begin_session) a staged receive is a
+  /// session of one chunk: it commits at its end and completes after its commit
+  /// (nothing stays deferred). Inside one, it only stages the chunk (see "Staged
+  /// commits" below). If load_weights itself throws during a commit, the weights
+  /// are marked dirty.
   asio::awaitable<void> receive_weights(const update_info& info, load_weights_fn load_weights);
+
+  /// Staged commits are atomic per update session. weight_update_session (and so
+  /// control::worker_host and the Python Engine) calls these; with commit
+  /// staged, through it:
+  ///
+  ///  * begin_session() (start_weight_update) opens a session.
+  ///  * Each staged receive_weights(info, load_weights) (update_weights: one
+  ///    chunk) is checked against the model (model_target::begin_update) before
+  ///    any byte moves, then takes its place at the end of the stage and is
+  ///    received into it. load_weights is not called during the chunk; the engine
+  ///    keeps it, with the chunk's metadata, for the commit. A chunk is refused
+  ///    before its first byte (and the trainer told at once, refuse_update, naming
+  ///    the bytes) when the stage cannot grow to hold it (resource_exhausted: the
+  ///    allocation failed, or weight_transfer_config::max_stage_bytes would be
+  ///    exceeded), when it names a tensor an earlier chunk of the session staged
+  ///    (invalid_argument: the stage holds each tensor once, so it stays bounded
+  ///    by the model), or when its commit mode differs from the session's earlier
+  ///    chunks' (invalid_argument).
+  ///  * commit_session() (finish_weight_update) calls each chunk's own
+  ///    load_weights with views of that chunk's staged tensors (batches of at most
+  ///    64 MiB), chunk by chunk in order, on the processing executor; the session
+  ///    then records its version. Only then does the model see the update. A
+  ///    load_weights that throws during the commit marks the weights dirty with
+  ///    the reason (the model may hold part of the update) and commit_session
+  ///    rethrows.
+  ///  * A failed or refused chunk discards the whole stage at once, and so does
+  ///    discard_session() (an abort, the owner's silence or its connection
+  ///    closing: lib/control/worker_host.h): the model's bytes and version are
+  ///    exactly as before and the weights stay clean; commit_session() after a
+  ///    failed chunk throws invalid_state and commits nothing.
+  ///
+  /// in_place chunks keep their rules inside a session: loaded as they arrive,
+  /// dirty after a failure that had reached the model. The stage grows with the
+  /// session (mremap: earlier chunks are not copied), is kept for later sessions
+  /// (no allocation per update once it is large enough), and is freed by
+  /// shutdown(); staged_bytes() is its size.
+  void begin_session();
+  /// See begin_session. Refused (invalid_state) while a chunk is being received.
+  asio::awaitable<void> commit_session();
+  /// See begin_session: drops every staged chunk of the open session (if any); the
+  /// model is not touched. Refused (invalid_state) while a chunk is being received
+  /// or committed.
+  void discard_session();
+  /// A session is open (begin_session, not yet committed or discarded).
+  bool session_open() const noexcept { return session_open_; }
+  /// Chunks staged in the open session, waiting for commit_session.
+  std::size_t staged_chunks() const noexcept { return staged_.size(); }
 
   /// Completes when all deferred post-processing has finished; rethrows the first
   /// error it hit, once. Idempotent; a no-op for engines that do not defer.
@@ -176,7 +226,9 @@ class weight_transfer_engine {
   /// drain_pending()).
   const update_stats& last_update_stats() const noexcept { return stats_; }
 
-  bool initialized() const noexcept { return state_ == state::ready || state_ == state::receiving; }
+  bool initialized() const noexcept {
+    return state_ == state::ready || state_ == state::receiving || state_ == state::committing;
+  }
   /// Buckets whose deferred processing has not finished yet.
   std::size_t processing_pending() const noexcept { return deferred_.pending(); }
   bool receiving() const noexcept { return state_ == state::receiving; }
@@ -191,8 +243,8 @@ class weight_transfer_engine {
   void mark_weights_clean() noexcept { dirty_reason_.clear(); }
   /// Called by weight_update_session when a session ends (finished or aborted).
   void session_finished() { do_session_finished(); }
-  /// Host bytes held for staged commits (0 until the first staged update; freed
-  /// by shutdown()).
+  /// Host bytes held for staged commits: the stage's size (0 until the first
+  /// staged update; kept across sessions, freed by shutdown()).
   std::uint64_t staged_bytes() const noexcept;
   const weight_transfer_config& config() const noexcept { return config_; }
   const engine_context& context() const noexcept { return context_; }
@@ -242,12 +294,19 @@ class weight_transfer_engine {
   }
 
  private:
-  enum class state { created, initializing, ready, receiving, shut_down };
+  enum class state { created, initializing, ready, receiving, committing, shut_down };
   class tracking_target;
   class stage_area;
+  struct staged_chunk;
   class stage_target;
 
   asio::awaitable<void> receive_staged(const update_info& info, load_weights_fn load_weights);
+  // The staged chunks' load_weights over their views, in order (commit_session).
+  asio::awaitable<void> commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks);
+  // Drops the staged chunks and empties the stage (its memory is kept).
+  void clear_stage() noexcept;
+  // Frees staged chunks (their metadata off the loop when large).
+  void dispose(std::vector<std::unique_ptr<staged_chunk>> chunks) noexcept;
   void note_failure(const std::string& what, std::exception_ptr error);
 
   weight_transfer_config config_;
@@ -261,7 +320,12 @@ class weight_transfer_engine {
   std::atomic<bool> touched_{false};          // the model saw bytes of that update
   std::unique_ptr<tracking_target> tracker_;
   std::unique_ptr<stage_area> stage_;
-  std::unique_ptr<stage_target> stage_target_;  // receives a staged update into stage_
+  std::unique_ptr<stage_target> stage_target_;  // receives a staged chunk into stage_
+  // The update session (begin_session .. commit_session / discard_session).
+  bool session_open_ = false;
+  bool session_failed_ = false;                // a chunk of it failed: its stage was discarded
+  std::optional<commit_mode> session_mode_;    // of its first chunk
+  std::vector<std::unique_ptr<staged_chunk>> staged_;
   std::string dirty_reason_;
 };
 

@@ -75,4 +75,39 @@ errc parse_errc(std::string_view name) noexcept {
 
 void throw_error(errc code, const std::string& message) { throw error(code, message); }
 
+errc error_kind_of(std::exception_ptr e) noexcept {
+  if (!e) return errc{};
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return x.kind();
+  } catch (...) {
+  }
+  return errc::io_error;
+}
+
+std::string error_message_of(std::exception_ptr e) {
+  if (!e) return "no error";
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "a non-standard exception";
+}
+
+std::string describe_error(std::exception_ptr e) {
+  if (!e) return "no error";
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return std::string(errc_name(x.kind())) + ": " + x.message();
+  } catch (...) {
+  }
+  return error_message_of(e);
+}
+
 }  // namespace refit

@@ -4,6 +4,7 @@
 // what came.
 #pragma once
 
+#include <exception>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -61,6 +62,14 @@ errc parse_errc(std::string_view name) noexcept;
 
 /// Throws refit::error(code, message). Out of line to keep call sites small.
 [[noreturn]] void throw_error(errc code, const std::string& message);
+
+/// What a caught exception holds, for reports and answers: its refit kind
+/// (io_error for anything that is not a refit::error), its message (a
+/// refit::error's message(), else what()), and "<kind name>: <message>" for a
+/// refit::error (what() for anything else). A null pointer is "no error".
+errc error_kind_of(std::exception_ptr e) noexcept;
+std::string error_message_of(std::exception_ptr e);
+std::string describe_error(std::exception_ptr e);
 
 }  // namespace refit
 

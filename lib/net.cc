@@ -1,14 +1,40 @@
 #include <refit/net.h>
 
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <limits>
 
-#include <asio/connect.hpp>
 #include <asio/ip/address.hpp>
 #include <asio/steady_timer.hpp>
 #include <asio/this_coro.hpp>
 
 namespace refit::net {
+
+namespace {
+// An errno: asio reports them in a category of its own ("asio.system").
+bool is_errno(const std::error_code& ec, int value) noexcept {
+  return ec.value() == value &&
+         (ec.category() == asio::error::get_system_category() || ec.category() == std::system_category());
+}
+}  // namespace
+
+bool out_of_descriptors(const std::error_code& ec) noexcept { return is_errno(ec, EMFILE) || is_errno(ec, ENFILE); }
+
+std::string describe(const std::error_code& ec) {
+  if (is_errno(ec, EMFILE)) {
+    rlimit limit{};
+    std::string n = "its";
+    if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY)
+      n = "all " + std::to_string(limit.rlim_cur);
+    return ec.message() + " (EMFILE: this process has " + n +
+           " descriptors of its limit open; raise it, ulimit -n, or close some)";
+  }
+  if (is_errno(ec, ENFILE))
+    return ec.message() + " (ENFILE: the system-wide file table is full, fs.file-max)";
+  return ec.message();
+}
 
 void throw_io_error(const std::error_code& ec, const std::string& what) {
   if (ec == asio::error::eof || ec == asio::error::connection_reset ||
@@ -16,6 +42,7 @@ void throw_io_error(const std::error_code& ec, const std::string& what) {
     throw_error(errc::peer_lost, what + ": the peer closed the connection (" + ec.message() + ")");
   if (ec == asio::error::operation_aborted)
     throw_error(errc::cancelled, what + ": cancelled (" + ec.message() + ")");
+  if (out_of_descriptors(ec)) throw_error(errc::resource_exhausted, what + ": " + describe(ec));
   throw error(errc::io_error, what + ": " + ec.message());
 }
 
@@ -44,17 +71,30 @@ asio::awaitable<tcp::socket> connect_with_retry(const std::string& host, std::ui
     if (left.count() <= 0)
       throw_error(errc::timeout, where + ": could not connect within " +
                                      std::to_string(deadline.count()) + " ms (last error: " + last + ")");
-    tcp::socket socket(ex);
-    try {
-      co_await async::with_deadline(asio::async_connect(socket, endpoints, asio::use_awaitable), left, where);
-      tune(socket);
-      co_return socket;
-    } catch (const error& e) {
-      if (e.kind() == errc::timeout) throw;
-      last = e.message();
-    } catch (const std::system_error& e) {
-      // Refused or unreachable: the peer may not be listening yet.
-      last = e.code().message();
+    // One endpoint after the other, each socket opened here: asio's range connect
+    // opens them itself and, when it cannot (out of descriptors), reports only
+    // "Operation aborted".
+    for (const auto& endpoint : endpoints) {
+      tcp::socket socket(ex);
+      std::error_code opened;
+      socket.open(endpoint.protocol(), opened);
+      if (opened) {
+        if (out_of_descriptors(opened))
+          throw_error(errc::resource_exhausted, where + ": cannot open a socket: " + describe(opened));
+        last = describe(opened);
+        continue;
+      }
+      try {
+        co_await async::with_deadline(socket.async_connect(endpoint, asio::use_awaitable), left, where);
+        tune(socket);
+        co_return socket;
+      } catch (const error& e) {
+        if (e.kind() == errc::timeout) throw;
+        last = e.message();
+      } catch (const std::system_error& e) {
+        // Refused or unreachable: the peer may not be listening yet.
+        last = describe(e.code());
+      }
     }
     asio::steady_timer timer(ex, std::min(backoff, left));
     co_await timer.async_wait(asio::use_awaitable);

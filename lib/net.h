@@ -20,8 +20,20 @@ namespace refit::net {
 using tcp = asio::ip::tcp;
 
 /// Throws the refit error for socket error `ec` during `what`: end of stream,
-/// reset and broken pipe are peer_lost; cancellation is cancelled; the rest io_error.
+/// reset and broken pipe are peer_lost; cancellation is cancelled; running out of
+/// descriptors (EMFILE, ENFILE) is resource_exhausted; the rest io_error. The
+/// message is describe(ec).
 [[noreturn]] void throw_io_error(const std::error_code& ec, const std::string& what);
+
+/// `ec`'s message, naming the errno where an operator must act on it: EMFILE
+/// ("... (EMFILE: this process has all N descriptors of its limit open, ulimit
+/// -n)") and ENFILE (the system-wide table). Every connect and accept error refit
+/// reports goes through it.
+std::string describe(const std::error_code& ec);
+
+/// Whether `ec` is EMFILE or ENFILE: out of descriptors, for the process or the
+/// system.
+bool out_of_descriptors(const std::error_code& ec) noexcept;
 
 /// Bytes per system call on an event loop an inference server shares with refit:
 /// the kernel copies ~4 GB/s here, so one call of this size costs ~60 us of the
@@ -75,7 +87,10 @@ asio::awaitable<void> write_all(Stream& socket, const ConstBuffers& buffers,
 }
 
 /// Connects to host:port, retrying refused connections (the peer may not listen
-/// yet) until `deadline` passes; then timeout naming `what` and the address.
+/// yet) until `deadline` passes; then timeout naming `what`, the address and the
+/// last error. A socket that cannot be opened for want of descriptors (EMFILE,
+/// ENFILE) fails at once with resource_exhausted naming it: retrying does not free
+/// descriptors, and "could not connect" would hide why.
 asio::awaitable<tcp::socket> connect_with_retry(const std::string& host, std::uint16_t port,
                                                 std::chrono::milliseconds deadline,
                                                 std::string what);

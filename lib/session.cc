@@ -10,9 +10,11 @@ void weight_update_session::start_weight_update() {
     throw_error(errc::invalid_state,
                 "start_weight_update: the weight transfer engine is not initialised "
                 "(call init_weight_transfer_engine first)");
+  engine_.begin_session();
   active_ = true;
   chunks_ = 0;
-  failed_ = false;
+  applied_ = 0;
+  failure_.clear();
 }
 
 asio::awaitable<void> weight_update_session::update_weights(const update_info& info,
@@ -21,7 +23,15 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
     throw_error(errc::invalid_state, "update_weights: no active weight update (call start_weight_update first)");
   if (updating_)
     throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
+  if (!failure_.empty()) {
+    // The trainer is about to send this chunk: tell it at once.
+    const std::string message = "update_weights: " + failure_ + "; this session cannot complete: abort it and start "
+                                "again";
+    engine_.refuse_update(errc::invalid_state, message);
+    throw_error(errc::invalid_state, message);
+  }
   updating_ = true;
+  const bool staged = info.commit.value_or(engine_.config().commit) == commit_mode::staged;
   std::exception_ptr failure;
   try {
     // A chunk may come while the previous chunk's deferred processing still runs
@@ -35,15 +45,17 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
   }
   if (failure) {
     updating_ = false;
-    failed_ = true;
-    // Earlier chunks of this session already reached the model.
-    if (chunks_ > 0 && !engine_.weights_dirty())
+    failure_ = "chunk " + std::to_string(chunks_ + 1) + " failed: " + describe_error(failure);
+    // Earlier in_place chunks of this session already reached the model (staged
+    // ones were discarded with the stage).
+    if (applied_ > 0 && !engine_.weights_dirty())
       engine_.mark_weights_dirty("chunk " + std::to_string(chunks_ + 1) + " of a weight update failed after " +
-                                 std::to_string(chunks_) + " chunk(s) of it had been applied");
+                                 std::to_string(applied_) + " chunk(s) of it had been applied");
     std::rethrow_exception(failure);
   }
   updating_ = false;
   ++chunks_;
+  if (!staged) ++applied_;
 }
 
 asio::awaitable<void> weight_update_session::update_weights(const json& update_info_json,
@@ -74,15 +86,32 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
     throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
   active_ = false;
   std::exception_ptr failure;
-  try {
-    co_await engine_.drain_pending();
-  } catch (...) {
-    failure = std::current_exception();
+  if (!failure_.empty()) {
+    // Nothing may claim a version for an update that did not arrive whole.
+    failure = std::make_exception_ptr(
+        error(errc::invalid_state, "finish_weight_update: " + failure_ + "; the session is closed without a version" +
+                                       (applied_ > 0 ? std::string(" (its applied chunks leave the weights dirty)")
+                                                     : std::string(" (nothing of it was committed)"))));
+    engine_.discard_session();
+    try {
+      co_await engine_.drain_pending();
+    } catch (const std::exception&) {
+    }
+  } else {
+    finishing_ = true;
+    try {
+      co_await engine_.drain_pending();
+      co_await engine_.commit_session();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    finishing_ = false;
+    if (failure && engine_.session_open()) engine_.discard_session();  // the drain failed: nothing is committed
   }
   engine_.session_finished();
   if (failure) std::rethrow_exception(failure);
   if (weight_version) version_ = weight_version;
-  if (!failed_) engine_.mark_weights_clean();
+  engine_.mark_weights_clean();
 }
 
 asio::awaitable<void> weight_update_session::abort_weight_update(std::string why) {
@@ -90,9 +119,11 @@ asio::awaitable<void> weight_update_session::abort_weight_update(std::string why
   if (updating_)
     throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");
   active_ = false;
-  if (chunks_ > 0 && !engine_.weights_dirty())
-    engine_.mark_weights_dirty("a weight update was aborted after " + std::to_string(chunks_) +
+  if (applied_ > 0 && !engine_.weights_dirty())
+    engine_.mark_weights_dirty("a weight update was aborted after " + std::to_string(applied_) +
                                " chunk(s) of it had been applied" + (why.empty() ? "" : " (" + why + ")"));
+  // Staged chunks never reached the model: dropping the stage is all.
+  engine_.discard_session();
   // Errors of the aborted update were already reported to whoever failed; drain so
   // the next update starts clean.
   try {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include <asio/awaitable.hpp>
 
@@ -15,6 +16,25 @@ namespace refit {
 /// Orders the verbs of one weight update around an engine and records the weight
 /// version. Misuse (start twice, update or finish without start, concurrent
 /// update_weights) is refit::error(invalid_state). Use from the engine's executor.
+///
+/// Commit modes (the whole contract is at weight_transfer_engine::begin_session):
+///  * staged: a session is all or nothing. update_weights receives each chunk
+///    into the engine's stage (the model checks it first, begin_update, and sees
+///    none of its bytes); finish_weight_update commits every chunk, each through
+///    its own load_weights, in order, and only then records the version. A failed
+///    chunk or an abort discards the stage: the model's bytes, the version and the
+///    weights' state are exactly as before the session.
+///  * in_place: chunks are loaded as they arrive; a session that fails or is
+///    aborted after any of them reached the model leaves the weights dirty.
+/// One session commits one way: a chunk whose mode differs from its earlier
+/// chunks' is refused before any byte moves.
+///
+/// A failed chunk fails the session: later chunks are refused, and
+/// finish_weight_update closes it without recording a version and throws
+/// (invalid_state, naming the chunk and its error); abort it instead. (An
+/// update_info that cannot be read is not a failed chunk: nothing was received.)
+/// The session itself has no deadline here; control::worker_host gives it one
+/// (its owner's silence, lib/control/worker_host.h).
 class weight_update_session {
  public:
   explicit weight_update_session(weight_transfer_engine& engine) : engine_(engine) {}
@@ -22,39 +42,52 @@ class weight_update_session {
   /// Opens a session; throws invalid_state when one is already active.
   void start_weight_update();
 
-  /// Receives one chunk of the update into `load_weights`.
+  /// Receives one chunk of the update into `load_weights` (in_place), or into the
+  /// stage for load_weights to see at finish_weight_update (staged). Refused
+  /// (invalid_state) after a chunk of this session failed.
   asio::awaitable<void> update_weights(const update_info& info, load_weights_fn load_weights);
   /// Same, parsing `update_info_json` with the engine's parser first.
   asio::awaitable<void> update_weights(const json& update_info_json, load_weights_fn load_weights);
 
-  /// Drains deferred processing, records `weight_version` and closes the session.
-  /// If draining fails the session still closes (the error is rethrown) and the
-  /// version is not recorded. A session that finishes without any failure clears
-  /// the engine's dirty mark (the trainer sent a full update).
+  /// Drains deferred processing, commits the staged chunks (each through its own
+  /// load_weights, in order), records `weight_version` and closes the session. If
+  /// draining or the commit fails, or a chunk of the session had failed, the
+  /// session still closes (the error is rethrown) and the version is not
+  /// recorded. A session that finishes without any failure clears the engine's
+  /// dirty mark (the trainer sent a full update).
   asio::awaitable<void> finish_weight_update(std::optional<std::int64_t> weight_version = std::nullopt);
 
-  /// Closes an active session without recording a version (after a failure). If
-  /// chunks of it were already applied, the weights are a mix of two versions: the
-  /// engine is marked dirty, with `why` (when given) in the reason. Refused
-  /// (invalid_state) while a chunk is being received: its bytes may be reaching
-  /// the model, and only its end says how far they got.
+  /// Closes an active session without recording a version (after a failure, or
+  /// when its owner is gone). Staged chunks are discarded: the weights are as
+  /// before. If in_place chunks of it were already applied, the weights are a mix
+  /// of two versions: the engine is marked dirty, with `why` (when given) in the
+  /// reason. Refused (invalid_state) while a chunk is being received: its bytes
+  /// may be reaching the model, and only its end says how far they got.
   asio::awaitable<void> abort_weight_update(std::string why = {});
 
   bool active() const noexcept { return active_; }
   /// True while a chunk (update_weights) is being received.
   bool receiving() const noexcept { return updating_ || reading_; }
+  /// True while finish_weight_update drains and commits (the session is no longer
+  /// active, and the model is changing: a staged commit, in_place processing).
+  bool finishing() const noexcept { return finishing_; }
   /// The version recorded by the last successful finish, if any.
   std::optional<std::int64_t> weight_version() const noexcept { return version_; }
   /// Chunks received in the active (or last) session.
   std::uint64_t chunks() const noexcept { return chunks_; }
+  /// Why a chunk of the active (or last) session failed ("chunk 2: <kind>:
+  /// <message>"); empty when none did.
+  const std::string& failure() const noexcept { return failure_; }
 
  private:
   weight_transfer_engine& engine_;
   bool active_ = false;
   bool updating_ = false;
   bool reading_ = false;  // update_weights(json): its update_info is being read off the loop
+  bool finishing_ = false;  // finish_weight_update is draining or committing
   std::uint64_t chunks_ = 0;
-  bool failed_ = false;  // a chunk of the active session failed
+  std::uint64_t applied_ = 0;  // in_place chunks of the active session (they reached the model)
+  std::string failure_;        // a chunk of the active session failed: how
   std::optional<std::int64_t> version_;
 };
 

@@ -23,18 +23,40 @@ std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uin
   return len;
 }
 
-json parse_frame_body(std::string_view text, const std::string& what, std::size_t max_values) {
+namespace {
+// The top-level "id" of a well-formed frame, every value below the top level
+// discarded as it is parsed (nlohmann's parser is iterative and its callback parser
+// keeps one flag per level), so a frame refused for its depth or size costs no
+// more memory here than its text; null when there is none.
+json top_level_id(std::string_view text) {
+  const json::parser_callback_t top_level_only = [](int depth, json::parse_event_t event, json&) {
+    const bool opens = event == json::parse_event_t::object_start || event == json::parse_event_t::array_start;
+    return depth == 0 || (depth == 1 && !opens);
+  };
+  json top = json::parse(text, top_level_only, /*allow_exceptions=*/false);
+  if (top.is_object()) {
+    auto id = top.find("id");
+    if (id != top.end() && id->is_number_unsigned()) return *id;
+  }
+  return nullptr;
+}
+}  // namespace
+
+json parse_frame_body(std::string_view text, const std::string& what, std::size_t max_values, json* request_id) {
   // nlohmann's parser is iterative, but copying or dumping a value recurses once per
   // level: a small frame of nested brackets would otherwise overflow the stack. And
   // a parsed value costs tens of bytes however short its text: both are found
   // before anything is parsed.
   const json_shape shape = scan_json(text);
-  if (shape.depth > max_json_depth)
-    throw_error(errc::protocol_error, what + ": JSON frame nests deeper than " + std::to_string(max_json_depth) +
-                                          " levels");
-  if (shape.values > max_values)
+  if (shape.depth > max_json_depth || shape.values > max_values) {
+    if (request_id) *request_id = top_level_id(text);
+    if (shape.depth > max_json_depth)
+      throw_error(errc::protocol_error, what + ": JSON frame nests " + std::to_string(shape.depth) +
+                                            " levels deep, deeper than the limit of " +
+                                            std::to_string(max_json_depth) + " levels");
     throw_error(errc::protocol_error, what + ": JSON frame of about " + std::to_string(shape.values) +
                                           " values, limit " + std::to_string(max_values));
+  }
   try {
     return json::parse(text);
   } catch (const json::parse_error& e) {

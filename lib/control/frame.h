@@ -40,9 +40,14 @@ std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uin
 
 /// A frame's body as JSON; malformed JSON (a number out of range and nesting deeper
 /// than max_json_depth included) and a body of more than `max_values` values
-/// (scan_json) are protocol_error, the latter found before anything is parsed.
+/// (scan_json) are protocol_error, the latter two found before anything is parsed.
+/// When a frame is refused for its depth or its values but is well-formed JSON,
+/// `request_id` (when given) is set to its top-level "id" (a second parse that
+/// keeps nothing below the top level: bounded memory, no recursion), so that the
+/// answer can name the request and the caller's call fails with the reason
+/// instead of its connection closing; it stays null otherwise.
 json parse_frame_body(std::string_view text, const std::string& what,
-                      std::size_t max_values = default_max_frame_values);
+                      std::size_t max_values = default_max_frame_values, json* request_id = nullptr);
 
 /// A control request: {"id": uint64, "method": string, "params": any (default {})}.
 struct control_request {

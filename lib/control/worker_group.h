@@ -108,6 +108,8 @@ struct update_options {
   std::optional<fingerprint_list> expected;
   /// A pause between update_weights and finish_weight_update (fault tests: a
   /// window in which every worker holds the whole stream but has not committed).
+  /// The group sends nothing meanwhile: a pause longer than a worker's session
+  /// timeout (host_limits::session_timeout) loses the session there.
   std::chrono::milliseconds hold_before_finish{0};
   /// Members added to every worker's update_info besides the metadata and commit
   /// (backend-specific per-update info). Optional.

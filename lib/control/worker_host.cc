@@ -35,6 +35,14 @@ struct worker_host::connection {
   std::string name() const { return "connection #" + std::to_string(id) + " (" + peer + ")"; }
 };
 
+// The timer of one session's silence watch. Shared with its coroutine, which
+// touches the host only while `alive` (stop() and the destructor clear it).
+struct worker_host::session_watch {
+  explicit session_watch(const asio::any_io_executor& ex) : timer(ex) {}
+  asio::steady_timer timer;
+  bool alive = true;
+};
+
 namespace {
 
 // Method bodies are read strictly, like engine infos: unknown members are errors.
@@ -44,28 +52,6 @@ json_reader params_reader(const json& params, const std::string& method) {
 
 json error_answer(const json& id, std::string_view kind, const std::string& message) {
   return {{"id", id}, {"error", {{"kind", kind}, {"message", message}}}};
-}
-
-errc kind_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return x.kind();
-  } catch (...) {
-  }
-  return errc::io_error;
-}
-
-std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-  }
-  return "a non-standard exception";
 }
 
 // A hook's failure as the error a verb answers with: a refit::error keeps its kind,
@@ -78,7 +64,7 @@ error hook_error(const std::string& verb, const char* hook, std::exception_ptr e
     if (x.kind() != errc{}) kind = x.kind();
   } catch (...) {
   }
-  return error(kind, verb + ": the application's " + hook + " hook failed: " + message_of(e));
+  return error(kind, verb + ": the application's " + hook + " hook failed: " + error_message_of(e));
 }
 
 // Frames this large leave many freed small blocks behind; give them back to the
@@ -114,15 +100,21 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       engine_(factory.create_engine(config_, context_)),
       session_(*engine_) {
   limits_.handshake_timeout = std::min(limits_.handshake_timeout, config_.timeout);
+  if (limits_.session_timeout.count() <= 0) limits_.session_timeout = config_.timeout;
   add_verb("init_weight_transfer_engine", [this](connection& caller, json params) -> asio::awaitable<json> {
     auto r = params_reader(params, "init_weight_transfer_engine");
     json init_info = r.required<json>("init_info");
     r.finish();
     if (session_.active()) {
-      if (owner_ != caller.id)
-        throw_error(errc::invalid_state, "init_weight_transfer_engine: refused while the weight update session "
-                                         "started by " + owner_name() + " is open (finish it, or close that "
-                                         "connection)");
+      if (owner_ != caller.id) {
+        const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                                   owner_heard_);
+        throw_error(errc::invalid_state,
+                    "init_weight_transfer_engine: refused while the weight update session started by " +
+                        owner_name() + " is open (finish it, or close that connection; its owner has been silent for " +
+                        std::to_string(silent.count()) + " ms, and the session is aborted after " +
+                        std::to_string(limits_.session_timeout.count()) + " ms of silence)");
+      }
       if (session_.receiving())
         throw_error(errc::invalid_state, "init_weight_transfer_engine: a chunk of this connection's update is "
                                          "still being received");
@@ -158,6 +150,10 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     owner_ = caller.id;
     owner_peer_ = caller.peer;
     owner_left_ = false;
+    if (silenced_ == caller.id) silenced_.reset();
+    owner_heard_ = std::chrono::steady_clock::now();
+    ++session_generation_;
+    watch_session();
     if (std::exception_ptr refused = update_started()) {
       // The application refused the session: it closes again before anything of
       // it was received (the weights are untouched).
@@ -200,7 +196,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       // A failed chunk ends the session: the next start_weight_update begins clean.
       note_error("update_weights", failure);
       const bool was_active = session_.active();
-      co_await session_.abort_weight_update("its chunk failed: " + message_of(failure));
+      co_await session_.abort_weight_update("its chunk failed: " + error_message_of(failure));
       owner_.reset();
       if (was_active && !session_.active()) update_failed(last_error_);
       std::rethrow_exception(failure);
@@ -271,14 +267,14 @@ void worker_host::add_method(const std::string& name, method m) {
 }
 
 void worker_host::note_error(const std::string& method, std::exception_ptr e) {
-  last_error_ = method + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
+  last_error_ = method + ": " + std::string(errc_name(error_kind_of(e))) + ": " + error_message_of(e);
 }
 
 void worker_host::set_hooks(update_hooks hooks) { hooks_ = std::move(hooks); }
 
 void worker_host::note_hook_error(const char* hook, std::exception_ptr e) noexcept {
   try {
-    last_hook_error_ = std::string(hook) + ": " + std::string(errc_name(kind_of(e))) + ": " + message_of(e);
+    last_hook_error_ = std::string(hook) + ": " + std::string(errc_name(error_kind_of(e))) + ": " + error_message_of(e);
   } catch (...) {
   }
 }
@@ -323,16 +319,88 @@ std::string worker_host::owner_name() const {
 }
 
 void worker_host::require_owner(const connection& caller, const std::string& method) const {
+  // A trainer that froze and resumed learns why its session is gone.
+  const std::string silenced = silenced_ == caller.id ? " (this connection's weight update session was aborted: " +
+                                                            silenced_why_ + ")"
+                                                      : std::string();
   if (!session_.active())
-    throw_error(errc::invalid_state, method + ": no active weight update (call start_weight_update first)");
+    throw_error(errc::invalid_state,
+                method + ": no active weight update (call start_weight_update first)" + silenced);
   if (owner_ != caller.id)
     throw_error(errc::invalid_state, method + ": the weight update session belongs to " + owner_name() +
-                                         ", not to " + caller.name());
+                                         ", not to " + caller.name() + silenced);
+}
+
+void worker_host::heard_from(const connection& c) noexcept {
+  if (owner_ && *owner_ == c.id) owner_heard_ = std::chrono::steady_clock::now();
+}
+
+bool worker_host::owner_busy() const noexcept {
+  if (session_.receiving()) return true;
+  if (!owner_) return false;
+  auto it = connections_.find(*owner_);
+  return it != connections_.end() && it->second->in_flight > 0;
+}
+
+void worker_host::watch_session() {
+  end_watch();
+  watch_ = std::make_shared<session_watch>(context_.executor);
+  asio::co_spawn(context_.executor, watch(watch_, session_generation_), asio::detached);
+}
+
+void worker_host::end_watch() noexcept {
+  if (!watch_) return;
+  watch_->alive = false;
+  watch_->timer.cancel();
+  watch_.reset();
+}
+
+asio::awaitable<void> worker_host::watch(std::shared_ptr<session_watch> w, std::uint64_t generation) {
+  for (;;) {
+    // The host may be gone: nothing of it is touched unless the watch is alive.
+    if (!w->alive || !session_.active() || session_generation_ != generation) co_return;
+    const auto now = std::chrono::steady_clock::now();
+    // A chunk being received has its own deadlines, and a request of the owner's
+    // still running is not silence; the clock restarts when they end.
+    const bool busy = owner_busy();
+    const auto due = (busy ? now : owner_heard_) + limits_.session_timeout;
+    if (!busy && now >= due) {
+      co_await abort_silent_session();
+      co_return;
+    }
+    w->timer.expires_at(due);
+    std::error_code ignored;
+    co_await w->timer.async_wait(asio::redirect_error(asio::use_awaitable, ignored));
+  }
+}
+
+asio::awaitable<void> worker_host::abort_silent_session() {
+  const auto silent =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - owner_heard_);
+  const std::string why = "its owner, " + owner_name() + ", sent nothing for " + std::to_string(silent.count()) +
+                          " ms: no request, no data; the session timeout is " +
+                          std::to_string(limits_.session_timeout.count()) + " ms";
+  const std::optional<std::uint64_t> owner = owner_;
+  owner_.reset();
+  owner_left_ = false;
+  watch_.reset();  // this coroutine's own watch: it ends here
+  try {
+    co_await session_.abort_weight_update(why);
+  } catch (const error&) {
+    // a chunk started meanwhile (cannot happen: the owner was silent): its end decides
+    owner_ = owner;
+    co_return;
+  }
+  silenced_ = owner;
+  silenced_why_ = why;
+  last_error_ = "weight update session aborted: " + why;
+  update_failed("the weight update session was aborted: " + why);
 }
 
 std::string worker_host::weight_state() const {
   if (engine_->weights_dirty()) return "dirty";
-  return session_.active() ? "updating" : "clean";
+  // A finish that is still committing is changing the model: not clean yet.
+  return session_.active() || session_.finishing() ? "updating" : "clean";
 }
 
 json worker_host::weight_info() const {
@@ -350,6 +418,15 @@ json worker_host::weight_info() const {
                {"connections", connections_.size()},
                {"accept_errors", accept_errors_}};
   info["session_owner"] = session_.active() && owner_ ? json(owner_name()) : json(nullptr);
+  info["session_timeout_ms"] = limits_.session_timeout.count();
+  info["session_chunks"] = session_.active() ? json(session_.chunks()) : json(nullptr);
+  info["session_idle_ms"] =
+      session_.active() && owner_
+          ? json(owner_busy() ? std::int64_t{0}
+                              : static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                              std::chrono::steady_clock::now() - owner_heard_)
+                                                              .count()))
+          : json(nullptr);
   info["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
   info["dirty_reason"] = engine_->weights_dirty() ? json(engine_->dirty_reason()) : json(nullptr);
   info["last_error"] = last_error_.empty() ? json(nullptr) : json(last_error_);
@@ -377,7 +454,7 @@ asio::awaitable<void> worker_host::serve() {
       // Out of descriptors (EMFILE, ENFILE) or memory: serving goes on, but an
       // accept retried at once fails at once, forever. Back off (up to 1 s) and say so.
       ++accept_errors_;
-      last_accept_error_ = "control: accepting a connection failed: " + failed.message() + " (" +
+      last_accept_error_ = "control: accepting a connection failed: " + net::describe(failed) + " (" +
                            std::to_string(accept_errors_) + " failures so far)";
       backoff = std::clamp(backoff * 2, std::chrono::milliseconds(5), std::chrono::milliseconds(1000));
       pause.expires_after(backoff);
@@ -457,34 +534,40 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
     }
     json request;
     json refusal;
+    json refused_id;  // a refused frame's id, when it could be read
     bool framing_intact = false;
     try {
       std::string text = co_await c->stream->read_text(config_.timeout, /*idle_ok=*/true, "control request");
       // The whole body was read: whatever it holds, the next frame starts after it.
       framing_intact = true;
+      heard_from(*c);  // the session's owner is not silent
       // A large request (an update_info of thousands of tensors) is parsed on the
       // processing executor: about 10 ms of CPU per MB the event loop must not spend.
       if (text.size() < large_request_bytes) {
-        request = parse_frame_body(text, "control request", limits_.frames.max_values);
+        request = parse_frame_body(text, "control request", limits_.frames.max_values, &refused_id);
       } else {
         const std::string* body = &text;
+        json* id = &refused_id;
         const std::size_t max_values = limits_.frames.max_values;
-        request = co_await async::offload(engine_->processing_executor(), [body, max_values] {
-          return parse_frame_body(*body, "control request", max_values);
+        request = co_await async::offload(engine_->processing_executor(), [body, max_values, id] {
+          return parse_frame_body(*body, "control request", max_values, id);
         });
       }
     } catch (const error& e) {
-      // A peer that closed is the normal end; a malformed frame is answered (id
-      // null: it cannot be read). A body that is not JSON leaves the framing
-      // intact and the connection is served on; an oversized length ends it (its
-      // framing can no longer be trusted).
+      // A peer that closed is the normal end; a refused frame is answered. A body
+      // that is not JSON (id null: it cannot be read), nests too deep or holds too
+      // many values (with its id where the JSON is well-formed, so the caller's
+      // call fails with the reason rather than its client dropping an answer it
+      // cannot route) leaves the framing intact and the connection is served on;
+      // an oversized length ends it (its framing can no longer be trusted).
       if (e.kind() != errc::protocol_error || !c->stream->is_open()) {
         c->stream->close();
         co_return;
       }
-      refusal = error_answer(nullptr, errc_name(e.kind()),
-                             e.message() + (framing_intact ? " (the request's id cannot be read: this answer's is null)"
-                                                           : " (the connection is closed)"));
+      std::string message = e.message();
+      if (!framing_intact) message += " (the connection is closed)";
+      else if (refused_id.is_null()) message += " (the request's id cannot be read: this answer's is null)";
+      refusal = error_answer(refused_id, errc_name(e.kind()), message);
     }
     if (!refusal.is_null()) {
       bool written = true;
@@ -505,6 +588,7 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
 
 void worker_host::connection_closed(connection& c) {
   connections_.erase(c.id);
+  if (silenced_ == c.id) silenced_.reset();
   if (!session_.active() || owner_ != c.id) return;
   // The trainer that owns the open session is gone: nobody may finish it.
   if (session_.receiving()) {
@@ -519,7 +603,6 @@ asio::awaitable<void> worker_host::end_session_after_owner_left() {
   owner_.reset();
   owner_left_ = false;
   if (!session_.active()) co_return;
-  // No verb failed: dirty_reason (when any of it was applied) says what happened.
   const std::string why = "its owner, " + who + ", closed its connection before finishing it";
   bool ended = false;
   try {
@@ -528,7 +611,13 @@ asio::awaitable<void> worker_host::end_session_after_owner_left() {
   } catch (const error&) {
     // a chunk started meanwhile: its end decides
   }
-  if (ended) update_failed("the weight update session was aborted: " + why);
+  if (ended) {
+    end_watch();
+    // No verb failed: last_error says what happened (and dirty_reason, when an
+    // in_place chunk of it was applied; staged chunks were discarded).
+    last_error_ = "weight update session aborted: " + why;
+    update_failed("the weight update session was aborted: " + why);
+  }
 }
 
 asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json request, std::size_t frame_bytes) {
@@ -578,6 +667,8 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json re
   answer = json();
   --c->in_flight;
   c->request_done.set();
+  heard_from(*c);  // the silence clock restarts when the owner's request ends
+  if (!session_.active()) end_watch();
 #if defined(__GLIBC__)
   if (frame_bytes >= trim_after_bytes)
     asio::post(engine_->processing_executor(), [] { malloc_trim(0); });
@@ -586,6 +677,7 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json re
 
 void worker_host::stop() {
   stopped_ = true;
+  end_watch();
   if (acceptor_) {
     std::error_code ignored;
     acceptor_->close(ignored);

@@ -7,7 +7,10 @@
 //   finish_weight_update         {"weight_version": int}   (optional member)
 //   weight_info                  {}
 //       -> {"weight_version", "state": "clean" | "updating" | "dirty", "dirty_reason",
-//           "session_active", "session_owner", "receiving", "commit", "default_commit",
+//           "session_active", "session_owner", "session_idle_ms" (how long its
+//           owner has been silent; null without a session), "session_timeout_ms",
+//           "session_chunks" (chunks received in the open session; null without),
+//           "receiving", "commit", "default_commit",
 //           "last_update": stats, "last_error", "last_hook_error",
 //           "last_refused_connection", "connections", "accept_errors",
 //           "last_accept_error", ...}
@@ -22,14 +25,19 @@
 // A request is {"id": int, "method": str, "params": {...}}; the answer is
 // {"id": int, "result": {...}} or {"id": int, "error": {"kind": str, "message": str}}.
 // Every request runs in its own coroutine, so weight_info (or any other method)
-// is answered while an update is in flight. A frame whose body is not JSON (or
-// nests too deep, or would parse into too many values) is answered with
+// is answered while an update is in flight. A frame whose body is not JSON is
+// answered with
 //   {"id": null, "error": {"kind": "protocol_error", "message": "control request:
 //    malformed JSON frame of M bytes, at byte N: <what the parser expected> (the
 //    request's id cannot be read: this answer's is null)"}}
-// and the connection goes on serving: its length prefix was honoured, so the next
-// frame starts where it should. A length over host_limits.frames.max_bytes is
-// answered the same way, then the connection is closed (the framing is lost).
+// and one that nests deeper than max_json_depth (64) or would parse into more than
+// host_limits.frames.max_values values with protocol_error naming the limit ("JSON
+// frame nests 65 levels deep, deeper than the limit of 64 levels") and the
+// request's own id (read with everything below the top level discarded), so a
+// control::client's call fails with that reason; either way the connection goes
+// on serving: its length prefix was honoured, so the next frame starts where it
+// should. A length over host_limits.frames.max_bytes is answered with id null,
+// then the connection is closed (the framing is lost).
 //
 // The handshake. Every control connection starts with lib/auth.h's handshake,
 // with or without a secret, before any frame: the host writes a 48-byte challenge
@@ -54,9 +62,32 @@
 // stale trainer or a second client cannot finish, cut short or re-initialise
 // someone else's update. The owner's own init aborts its session first (refused
 // while a chunk is being received). When the owner's connection closes, its
-// session is aborted (at once, or when the chunk being received ends). An aborted
-// session that had applied anything leaves the weights dirty: weight_info reports
-// "clean" at version V only when the model holds exactly the weights of V's update.
+// session is aborted (at once, or when the chunk being received ends).
+//
+// A session has a deadline too: its owner's silence. When the owner sends
+// nothing for host_limits::session_timeout (default: the config's timeout), no
+// request on its connection and no chunk being received (a chunk's bytes have
+// their own deadlines, and a request of the owner's that is still running, such
+// as a long finish, counts as activity), the session is aborted: a trainer that
+// froze (SIGSTOP, a stuck collective, a debugger) between its chunks and its
+// finish no longer owns the worker forever. The reason names the owner and the
+// silence ("its owner, connection #1 (127.0.0.1:5301), sent nothing for 1502 ms:
+// no request, no data; the session timeout is 1500 ms"); it is last_error, and
+// on_update_failed's reason. The worker is then free for a new trainer's init.
+// The frozen trainer, when it resumes, finds its session gone: its
+// update_weights or finish_weight_update is refused (invalid_state, "this
+// connection's weight update session was aborted: <reason>") and changes
+// nothing. A trainer that computes for long between two chunks must keep its
+// session alive (weight_info is enough) or be given a longer session_timeout.
+//
+// What an ended session leaves: staged chunks (commit staged: the update lands at
+// finish_weight_update only, see weight_transfer_engine::begin_session) are
+// discarded, so a session aborted for any reason (a failed chunk, its owner's
+// silence, its connection closing, the owner's re-init) leaves the model's bytes
+// and version exactly as they were, "clean", with last_error naming what failed.
+// An in_place session aborted after any of its chunks was applied leaves the
+// weights dirty: weight_info reports "clean" at version V only when the model
+// holds exactly the weights of V's update.
 // An application (an inference server) wraps these verbs with update_hooks (below):
 // told when a session opens, finishes clean at a version, or ends otherwise, on
 // the host's event loop, before the verb answers.
@@ -68,6 +99,15 @@
 // was received (lib/control/frame.h), connections that do not authenticate within
 // the handshake deadline are cut, and accept failures (out of descriptors) back
 // off and are reported instead of spinning.
+//
+// Memory after large frames. A frame of 1 MiB or more is freed before its answer
+// and malloc_trim then runs off the loop, so RSS comes back to its level; the
+// bound it comes back to is glibc's: each thread arena that parsed or freed a
+// large frame may keep free memory at its top up to glibc's dynamic trim
+// threshold (twice the largest block it has unmapped, at most 64 MiB), which
+// malloc_trim does not return for arenas other than the main one. That residue is
+// reached by the first large frames and reused, not added to, by later ones: five
+// 8 MiB frames after two of them leave RSS within 2 MiB (hardening_test).
 #pragma once
 
 #include <chrono>
@@ -144,6 +184,10 @@ struct host_limits {
   double max_requests_per_second = 1000;
   /// The authentication handshake's deadline (at most the config's timeout).
   std::chrono::milliseconds handshake_timeout{10000};
+  /// How long a session's owner may send nothing (no request, no chunk being
+  /// received) before its session is aborted (see the top of this file); 0: the
+  /// config's timeout.
+  std::chrono::milliseconds session_timeout{0};
   frame_limits frames;
 };
 
@@ -193,6 +237,14 @@ class worker_host {
   void require_owner(const connection& caller, const std::string& method) const;
   std::string owner_name() const;
   asio::awaitable<void> end_session_after_owner_left();
+  // The owner's silence: one watch per session, ended by the session's end or stop().
+  struct session_watch;
+  void heard_from(const connection& c) noexcept;
+  bool owner_busy() const noexcept;
+  void watch_session();
+  void end_watch() noexcept;
+  asio::awaitable<void> watch(std::shared_ptr<session_watch> w, std::uint64_t generation);
+  asio::awaitable<void> abort_silent_session();
   std::string weight_state() const;
   void note_error(const std::string& method, std::exception_ptr e);
   // The hooks: what one throws is recorded (last_hook_error) and returned, never thrown.
@@ -216,6 +268,13 @@ class worker_host {
   std::optional<std::uint64_t> owner_;     // the connection whose session is open
   std::string owner_peer_;
   bool owner_left_ = false;  // the owner closed while its chunk was being received
+  std::chrono::steady_clock::time_point owner_heard_;  // the owner's last frame, request end or session start
+  std::uint64_t session_generation_ = 0;               // bumped by every start_weight_update
+  std::shared_ptr<session_watch> watch_;
+  // The connection whose session was aborted for its silence (until it starts
+  // another or closes), and why: its late verbs are told.
+  std::optional<std::uint64_t> silenced_;
+  std::string silenced_why_;
   bool stopped_ = false;
   std::string last_error_;
   update_hooks hooks_;

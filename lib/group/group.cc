@@ -187,7 +187,7 @@ asio::awaitable<void> accept_loop(std::shared_ptr<rendezvous> r, asio::ip::tcp::
       if (ec == asio::error::operation_aborted || ec == asio::error::bad_descriptor) break;
       // E.g. out of descriptors: keep accepting, but after a pause (an accept retried
       // at once fails at once, forever), and say why if the rendezvous times out.
-      r->last_refusal = "accepting a connection failed: " + ec.message();
+      r->last_refusal = "accepting a connection failed: " + net::describe(ec);
       backoff = std::clamp(backoff * 2, std::chrono::milliseconds(5), std::chrono::milliseconds(1000));
       asio::steady_timer pause(r->executor, backoff);
       std::error_code ignored;

@@ -122,8 +122,22 @@ class Engine:
 
     The session verbs of vLLM's RL API are here too: ``start_weight_update()``,
     ``update_weights(update_info, load_weights)`` (one or more chunks),
-    ``finish_weight_update(version)`` (drains deferred processing and records the
-    version), ``abort_weight_update(why)``.
+    ``finish_weight_update(version)`` (drains deferred processing, commits a staged
+    session and records the version), ``abort_weight_update(why)``.
+
+    ``commit="staged"`` (or ``"commit": "staged"`` in an update_info) makes a
+    session all or nothing: each chunk is checked against ``tensors`` (when given)
+    and received into refit's stage, and its ``load_weights`` is not called during
+    ``update_weights``; ``finish_weight_update`` calls each chunk's own
+    ``load_weights`` with that chunk's tensors, chunk by chunk in order, then
+    records the version. A failed chunk or ``abort_weight_update`` discards the
+    stage: nothing reached the model, its version is unchanged, and it is not
+    dirty. (A ``load_weights`` that raises during that commit leaves it dirty.) A
+    failed chunk fails the session: later chunks are refused and
+    ``finish_weight_update`` raises without recording a version; abort it.
+    ``max_stage_bytes`` (0: none) bounds the stage: a chunk beyond it is refused
+    before a byte moves (``ResourceExhaustedError``, the trainer told at once).
+    Outside a session, a staged ``receive`` lands whole at its end.
 
     ``check_update(update_info)``, when given, is called with every update's
     ``{"names", "dtype_names", "shapes"}`` before any byte of it moves (on refit's
@@ -135,10 +149,10 @@ class Engine:
 
     def __init__(self, backend="tcp", *, device="cpu", timeout_ms=60000, commit="in_place", auth_secret_file=None,
                  processing_threads=1, socket_buffer_bytes=0, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1,
-                 tensors=None, framework="auto", check_update=None):
+                 tensors=None, framework="auto", max_stage_bytes=0, check_update=None):
         self._impl = _refit._Engine(backend, str(device), int(timeout_ms), commit, auth_secret_file,
                                     processing_threads, socket_buffer_bytes, tp_rank, tp_size, dp_rank, dp_size,
-                                    tensors, framework, check_update)
+                                    tensors, framework, int(max_stage_bytes), check_update)
         self._tensors = tensors  # referenced for as long as the engine writes them
 
     @property
@@ -389,14 +403,23 @@ class WorkerHost:
     Updates land in ``tensors`` (received into directly, readers see whole versions)
     or go to ``load_weights``. The ``on_update_*`` hooks are called on refit's loop
     (keep them short): started(owner), finished(version, stats), failed(reason).
+
+    A session belongs to the connection that started it and ends, aborted, when
+    that connection closes or sends nothing (no request, no chunk being received)
+    for ``session_timeout_ms`` (default: ``timeout_ms``): a frozen trainer does not
+    keep the worker, and when it resumes its finish is refused. Staged sessions are
+    all or nothing (see :class:`Engine`); ``max_stage_bytes`` bounds their stage.
     """
 
     def __init__(self, backend="tcp", *, host="127.0.0.1", port=0, tensors=None, load_weights=None, timeout_ms=60000,
                  commit="in_place", auth_secret_file=None, processing_threads=1, framework="auto",
-                 on_update_started=None, on_update_finished=None, on_update_failed=None):
+                 on_update_started=None, on_update_finished=None, on_update_failed=None, session_timeout_ms=None,
+                 max_stage_bytes=0):
         self._impl = _refit._WorkerHost(backend, host, int(port), tensors, load_weights, int(timeout_ms), commit,
                                         auth_secret_file, processing_threads, framework, on_update_started,
-                                        on_update_finished, on_update_failed)
+                                        on_update_finished, on_update_failed,
+                                        None if session_timeout_ms is None else int(session_timeout_ms),
+                                        int(max_stage_bytes))
         self._tensors = tensors
 
     @property

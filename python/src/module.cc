@@ -42,7 +42,7 @@ using control::worker_host;
 
 weight_transfer_config make_config(const std::string& backend, std::int64_t timeout_ms, const std::string& commit,
                                    const std::optional<std::string>& secret_file, std::size_t processing_threads,
-                                   std::size_t socket_buffer_bytes) {
+                                   std::size_t socket_buffer_bytes, std::uint64_t max_stage_bytes = 0) {
   weight_transfer_config config;
   config.backend = backend;
   if (timeout_ms <= 0) throw_error(errc::invalid_argument, "timeout_ms: expected a positive number of milliseconds, got " +
@@ -58,6 +58,7 @@ weight_transfer_config make_config(const std::string& backend, std::int64_t time
   if (processing_threads == 0) throw_error(errc::invalid_argument, "processing_threads: expected at least 1");
   config.processing_threads = processing_threads;
   config.socket_buffer_bytes = socket_buffer_bytes;
+  config.max_stage_bytes = max_stage_bytes;
   return config;
 }
 
@@ -213,9 +214,10 @@ class py_engine {
   py_engine(const std::string& backend, const std::string& device, std::int64_t timeout_ms, const std::string& commit,
             const std::optional<std::string>& secret_file, std::size_t processing_threads,
             std::size_t socket_buffer_bytes, int tp_rank, int tp_size, int dp_rank, int dp_size, nb::handle tensors,
-            const std::string& fw, nb::handle check_update)
+            const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update)
       : fw_(parse_framework(fw)) {
-    auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes);
+    auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes,
+                              max_stage_bytes);
     engine_context ctx;
     ctx.executor = runtime::get().executor();
     ctx.device = parse_device(device);
@@ -560,9 +562,16 @@ class py_worker_host {
   py_worker_host(const std::string& backend, const std::string& host, int port, nb::handle tensors, nb::object load_weights,
                  std::int64_t timeout_ms, const std::string& commit, const std::optional<std::string>& secret_file,
                  std::size_t processing_threads, const std::string& fw, nb::object on_started, nb::object on_finished,
-                 nb::object on_failed) {
+                 nb::object on_failed, std::optional<std::int64_t> session_timeout_ms, std::uint64_t max_stage_bytes) {
     if (port < 0 || port > 65535) throw_error(errc::invalid_argument, "port: expected 0..65535");
-    auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, 0);
+    auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, 0, max_stage_bytes);
+    control::host_limits limits;
+    if (session_timeout_ms) {
+      if (*session_timeout_ms <= 0)
+        throw_error(errc::invalid_argument, "session_timeout_ms: expected a positive number of milliseconds, got " +
+                                                std::to_string(*session_timeout_ms));
+      limits.session_timeout = std::chrono::milliseconds(*session_timeout_ms);
+    }
     engine_context ctx;
     ctx.executor = runtime::get().executor();
     load_weights_fn fn;
@@ -597,7 +606,7 @@ class py_worker_host {
       nb::gil_scoped_acquire gil;
       call_hook("on_update_failed", [&] { nb::handle(failed.get())(reason); });
     };
-    host_ = std::make_unique<worker_host>(config, ctx, std::move(fn));
+    host_ = std::make_unique<worker_host>(config, ctx, std::move(fn), engine_factory::instance(), limits);
     host_->set_hooks(std::move(hooks));
     port_ = on_loop([&] { return host_->listen(host, static_cast<std::uint16_t>(port)); });
     asio::co_spawn(runtime::get().executor(), host_->serve(), [](std::exception_ptr) {});
@@ -738,11 +747,11 @@ NB_MODULE(_refit, m) {
   nb::class_<py_engine>(m, "_Engine")
       .def(nb::init<const std::string&, const std::string&, std::int64_t, const std::string&,
                     const std::optional<std::string>&, std::size_t, std::size_t, int, int, int, int, nb::handle,
-                    const std::string&, nb::handle>(),
+                    const std::string&, std::uint64_t, nb::handle>(),
            nb::arg("backend"), nb::arg("device"), nb::arg("timeout_ms"), nb::arg("commit"),
            nb::arg("auth_secret_file").none(), nb::arg("processing_threads"), nb::arg("socket_buffer_bytes"),
            nb::arg("tp_rank"), nb::arg("tp_size"), nb::arg("dp_rank"), nb::arg("dp_size"), nb::arg("tensors").none(),
-           nb::arg("framework"), nb::arg("check_update").none())
+           nb::arg("framework"), nb::arg("max_stage_bytes"), nb::arg("check_update").none())
       .def_prop_ro("backend", &py_engine::backend)
       .def_prop_ro("defers_processing", &py_engine::defers_processing)
       .def("state", &py_engine::state)
@@ -867,11 +876,12 @@ NB_MODULE(_refit, m) {
   nb::class_<py_worker_host>(m, "_WorkerHost")
       .def(nb::init<const std::string&, const std::string&, int, nb::handle, nb::object, std::int64_t, const std::string&,
                     const std::optional<std::string>&, std::size_t, const std::string&, nb::object, nb::object,
-                    nb::object>(),
+                    nb::object, std::optional<std::int64_t>, std::uint64_t>(),
            nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("tensors").none(),
            nb::arg("load_weights").none(), nb::arg("timeout_ms"), nb::arg("commit"), nb::arg("auth_secret_file").none(),
            nb::arg("processing_threads"), nb::arg("framework"), nb::arg("on_update_started").none(),
-           nb::arg("on_update_finished").none(), nb::arg("on_update_failed").none())
+           nb::arg("on_update_finished").none(), nb::arg("on_update_failed").none(),
+           nb::arg("session_timeout_ms").none(), nb::arg("max_stage_bytes"))
       .def_prop_ro("port", &py_worker_host::port)
       .def("stop", &py_worker_host::stop)
       .def("weight_info", &py_worker_host::weight_info)

@@ -13,6 +13,16 @@
 //                 between the live update's last chunk and its finish (the trainer
 //                 holds there): each must be refused, and the live update must
 //                 complete and verify
+//   frozen_trainer  SIGSTOP the trainer once every worker holds its chunk, before
+//                 its finish (it holds there): every worker must abort the session
+//                 within its session timeout ("sent nothing for"), keeping the old
+//                 weights; a replacement trainer then updates everyone; the frozen
+//                 trainer, resumed (SIGCONT), must fail, told its session was
+//                 aborted, and change nothing (its round is one no other trainer
+//                 uses, so a finish taken late would show)
+//   staged_kill_after_chunk  (always staged) SIGKILL the trainer at the same point:
+//                 every worker must end the session ("closed its connection") and
+//                 stay clean at the old version, with the old weights
 //   slow          (not a fault) throttle every stream, within the deadline: must succeed
 //   chain_kill_middle  (3+ workers, relay chain trainer -> 0 -> 1 -> 2 ...) SIGKILL
 //                 worker 1 when worker 0's stream reaches a random bucket: its
@@ -25,12 +35,14 @@
 // engine's default topology (a chain from 3 workers on).
 //
 // After each fault: every side that should see an error saw one within its
-// deadline (detected), every process finished or answered in time (no hang), and
-// no worker claims weights it does not hold: a worker reporting "clean" holds
-// exactly its reported version's weights, and a staged update never touched the
-// old weights (no lost update). Then a new trainer runs a full update, which every
-// worker must verify (recovery). Worker descriptors and threads are compared at the
-// start and the end (nothing leaks across failures).
+// deadline (detected), every process finished or answered in time and every
+// session ended (no hang), and every worker is exactly at the old or the new
+// version: it says "clean" at one of the two and holds exactly that version's
+// weights; a failed staged update left it at the old one; only an in_place worker
+// may instead say "dirty" (claiming no version). Anything else counts as a lost
+// update. Then a new trainer runs a full update, which every worker must verify
+// (recovery). Worker descriptors and threads are compared at the start and the
+// end (nothing leaks across failures).
 //
 //   bazel run //tests/fault:suite -- [--rounds N] [--seed S] [--short]
 //
@@ -308,8 +320,9 @@ class suite {
       w.fds = count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd");
       w.threads = count_entries("/proc/" + std::to_string(w.proc.pid) + "/task");
     }
-    std::vector<std::string> kinds = {"kill_trainer", "kill_worker", "corrupt", "stall",
-                                      "impostor",     "slow",        "stale_trainer"};
+    std::vector<std::string> kinds = {"kill_trainer", "kill_worker",    "corrupt",
+                                      "stall",        "impostor",       "slow",
+                                      "stale_trainer", "staged_kill_after_chunk", "frozen_trainer"};
     if (o_.workers >= 3) {
       kinds.push_back("chain_kill_middle");
       kinds.push_back("chain_corrupt");
@@ -317,9 +330,12 @@ class suite {
     for (int r = 0; r < o_.rounds; ++r)
       for (std::size_t k = 0; k < kinds.size(); ++k) {
         // Both commit modes for every kind over the rounds (alternating).
-        const char* commit = (r + k) % 2 == 0 ? "staged" : "in_place";
+        const char* commit = (r + k) % 2 == 0 || kinds[k] == "staged_kill_after_chunk" ? "staged" : "in_place";
         try {
-          scenario(kinds[k], commit);
+          if (kinds[k] == "frozen_trainer" || kinds[k] == "staged_kill_after_chunk")
+            session_scenario(kinds[k], commit);
+          else
+            scenario(kinds[k], commit);
         } catch (const std::exception& e) {
           ++r_.recoveries_failed;
           r_.problems.push_back(kinds[k] + ": the suite could not complete the scenario: " + e.what());
@@ -501,14 +517,19 @@ class suite {
     }
   }
 
-  // Starts a trainer and serves its proxies until it exits (or is found hung).
+  // A trainer process of the main job driving every worker, its stdout read on
+  // the suite's loop (while proxies forward its streams).
   struct trainer_result {
     bool exited = false;
     int status = 0;
     json last;  // its last stdout line, if JSON
   };
-  trainer_result run_trainer(const std::vector<std::string>& extra, std::vector<std::unique_ptr<proxy>>* proxies,
-                             const std::string& log, process* out_proc = nullptr) {
+  struct running_trainer {
+    process proc;
+    std::shared_ptr<std::string> text = std::make_shared<std::string>();
+    std::shared_ptr<bool> eof = std::make_shared<bool>(false);
+  };
+  running_trainer start_trainer(const std::vector<std::string>& extra, const std::string& log) {
     std::vector<std::string> args = {o_.binary,        "--quiet",        "--model-bytes", o_.model_bytes,
                                      "--layers",       "2",              "--vocab",       "4000",
                                      "--buffer-bytes", "1M",             "--num-buffers", "2",
@@ -518,11 +539,8 @@ class suite {
     args.push_back("--connect");
     args.push_back(ports);
     args.insert(args.end(), extra.begin(), extra.end());
-    process p = start(args, log);
-    if (out_proc) *out_proc = p;
-    // Its stdout, read on the loop while the proxies forward its streams.
-    auto text = std::make_shared<std::string>();
-    auto eof = std::make_shared<bool>(false);
+    running_trainer t;
+    t.proc = start(args, log);
     auto reader = [](asio::io_context& io, int fd, std::shared_ptr<std::string> text,
                      std::shared_ptr<bool> eof) -> asio::awaitable<void> {
       asio::posix::stream_descriptor d(io, ::dup(fd));
@@ -535,28 +553,42 @@ class suite {
       }
       *eof = true;
     };
-    asio::co_spawn(io_, reader(io_, p.out, text, eof), asio::detached);
-    // Generous: a trainer must end within a few deadlines of its last progress.
-    const auto limit = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 6) + 20s;
+    asio::co_spawn(io_, reader(io_, t.proc.out, t.text, t.eof), asio::detached);
+    return t;
+  }
+  // Serves the loop until the trainer's stdout ends or `limit` passes; a trainer
+  // that does not exit then is killed (a hang).
+  trainer_result wait_trainer(running_trainer& t, std::chrono::milliseconds limit,
+                              std::vector<std::unique_ptr<proxy>>* proxies = nullptr) {
+    const auto until = clock_type::now() + limit;
     io_.restart();
-    while (!*eof && clock_type::now() < limit) io_.run_for(20ms);
+    while (!*t.eof && clock_type::now() < until) io_.run_for(20ms);
     trainer_result r;
-    if (auto st = wait_exit(p.pid, *eof ? std::chrono::milliseconds(o_.timeout_ms * 2) : 0ms)) {
+    if (auto st = wait_exit(t.proc.pid, *t.eof ? std::chrono::milliseconds(o_.timeout_ms * 2) : 0ms)) {
       r.exited = true;
       r.status = *st;
     } else {
-      kill(p.pid, SIGKILL);
-      wait_exit(p.pid, 5s);
+      kill(t.proc.pid, SIGKILL);
+      wait_exit(t.proc.pid, 5s);
     }
     if (proxies)
       for (auto& px : *proxies) px->stop();
     io_.restart();
     io_.poll();
-    close(p.out);
-    auto nl = text->find_last_of('\n', text->size() >= 2 ? text->size() - 2 : 0);
-    std::string last = text->substr(nl == std::string::npos ? 0 : nl + 1);
+    close(t.proc.out);
+    const std::string& text = *t.text;
+    auto nl = text.find_last_of('\n', text.size() >= 2 ? text.size() - 2 : 0);
+    std::string last = text.substr(nl == std::string::npos ? 0 : nl + 1);
     r.last = json::parse(last, nullptr, false);
     return r;
+  }
+  // Starts a trainer and serves its proxies until it exits (or is found hung).
+  trainer_result run_trainer(const std::vector<std::string>& extra, std::vector<std::unique_ptr<proxy>>* proxies,
+                             const std::string& log, process* out_proc = nullptr) {
+    running_trainer t = start_trainer(extra, log);
+    if (out_proc) *out_proc = t.proc;
+    // Generous: a trainer must end within a few deadlines of its last progress.
+    return wait_trainer(t, std::chrono::milliseconds(o_.timeout_ms * 6) + 20s, proxies);
   }
 
   // A full update by a new trainer that every worker must verify.
@@ -582,21 +614,164 @@ class suite {
     return fingerprints_from_json(json{{"algorithm", a["algorithm"]}, {"tensors", a["tensors"]}});
   }
 
-  // Polls a worker until no update is being received there; nullopt if it stays
-  // busy (a hang) or stops answering. (A session may stay open: a trainer that died
-  // after the worker's last chunk never finishes it.)
+  // Polls a worker until no update is being received there and no session is open;
+  // nullopt if it stays busy (a hang) or stops answering. Every session ends once
+  // its trainer is gone: at once when its connection closes, else when its owner's
+  // silence reaches the worker's session timeout (the --timeout-ms here).
   std::optional<json> settled_info(worker& w) {
     const auto until = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 4);
     while (clock_type::now() < until) {
       try {
         json info = run_sync(call(*w.client, "weight_info"));
-        if (!info["receiving"].get<bool>()) return info;
+        if (!info["receiving"].get<bool>() && !info["session_active"].get<bool>()) return info;
       } catch (const error&) {
         return std::nullopt;
       }
       std::this_thread::sleep_for(20ms);
     }
     return std::nullopt;
+  }
+
+  // Polls until every worker has received its chunk and waits for the finish
+  // (session open, nothing being received); false if that is not seen in time.
+  bool every_chunk_received(std::chrono::milliseconds limit) {
+    const auto until = clock_type::now() + limit;
+    while (clock_type::now() < until) {
+      bool all = true;
+      for (auto& w : workers_) {
+        json info = run_sync(call(*w.client, "weight_info"));
+        all = all && info["session_active"].get<bool>() && !info["receiving"].get<bool>() &&
+              info["session_chunks"].is_number_integer() && info["session_chunks"].get<int>() > 0;
+        if (!all) break;
+      }
+      if (all) return true;
+      io_.restart();
+      io_.run_for(10ms);  // the trainer's stdout reader runs meanwhile
+    }
+    return false;
+  }
+
+  // Whether worker i's answer `info` holds exactly a version the scenario allows
+  // (`old_version`, or `new_version` when it may have landed) and says so; staged
+  // workers must, in_place ones may instead say dirty (they claim no version).
+  // Returns why not ("" when it does).
+  std::string not_at_a_version(std::size_t i, const json& info, int old_version, std::optional<int> new_version,
+                               const std::string& commit) {
+    const std::string state = info["state"];
+    const int v = info["weight_version"].is_number_integer() ? info["weight_version"].get<int>() : -1;
+    if (state == "updating") return "still says updating: a session outlived its trainer";
+    if (state == "dirty") {
+      if (commit == "staged") return "is dirty after a staged update (" + info["dirty_reason"].dump() + ")";
+      return {};
+    }
+    if (v != old_version && (!new_version || v != *new_version))
+      return "says clean at version " + std::to_string(v) + ", neither the old (" + std::to_string(old_version) +
+             ")" + (new_version ? " nor the new (" + std::to_string(*new_version) + ")" : std::string());
+    auto known = fingerprints_.find(v);
+    if (known == fingerprints_.end() || !compare_fingerprints(known->second, fingerprint_of(workers_[i])).empty())
+      return "says clean at version " + std::to_string(v) + " but holds other weights";
+    return {};
+  }
+
+  // frozen_trainer / staged_kill_after_chunk: the trainer stops (SIGSTOP) or dies
+  // (SIGKILL) once every worker has its chunk, before its finish.
+  void session_scenario(const std::string& kind, const std::string& commit) {
+    ++r_.scenarios;
+    ++r_.injected;
+    json& stats = r_.by_kind[kind];
+    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
+    stats["injected"] = stats["injected"].get<int>() + 1;
+    const bool frozen = kind == "frozen_trainer";
+    const int old_version = version_;
+    // The frozen trainer's round is one no other trainer uses: if its late finish
+    // were taken, the workers would say that version.
+    const int round = frozen ? version_ + 1000 : version_ + 1;
+    const std::string name = kind + "#" + std::to_string(r_.scenarios) + " (" + commit + ")";
+    std::vector<std::string> missed;
+    bool hang = false;
+    say(name + ": running");
+    // It holds between its chunk and its finish longer than the session timeout
+    // (the workers' --timeout-ms); frozen, it resumes after the hold, so its
+    // finish comes at once.
+    running_trainer t = start_trainer({"--first-round", std::to_string(round), "--updates", "1", "--commit", commit,
+                                       "--auth-secret-file", secret_file_, "--hold-before-finish-ms",
+                                       std::to_string(o_.timeout_ms * 3)},
+                                      dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + kind + ".log");
+    if (!every_chunk_received(std::chrono::milliseconds(o_.timeout_ms * 6) + 20s)) {
+      missed.push_back("the workers never all held their chunk");
+    }
+    const auto stopped_at = clock_type::now();
+    kill(t.proc.pid, frozen ? SIGSTOP : SIGKILL);
+    // Every session ends (owner silent for the session timeout, or its connection
+    // closed) and leaves the old weights: clean at the old version when staged.
+    std::vector<std::optional<json>> after(workers_.size());
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      after[i] = settled_info(workers_[i]);
+      if (!after[i]) {
+        hang = true;
+        missed.push_back("worker " + std::to_string(i) + " kept the session of a " +
+                         (frozen ? "frozen" : "dead") + " trainer, or stopped answering");
+        continue;
+      }
+      const std::string e = (*after[i])["last_error"].is_string() ? (*after[i])["last_error"].get<std::string>() : "";
+      const char* says = frozen ? "sent nothing for" : "closed its connection";
+      if (e.find(says) == std::string::npos)
+        missed.push_back("worker " + std::to_string(i) + " did not say its session was aborted (" + says + "): '" + e +
+                         "'");
+      if (std::string why = not_at_a_version(i, *after[i], old_version, std::nullopt, commit); !why.empty()) {
+        ++r_.lost;
+        r_.problems.push_back(name + ": worker " + std::to_string(i) + " " + why);
+      }
+    }
+    const double aborted_after = std::chrono::duration<double>(clock_type::now() - stopped_at).count();
+    if (frozen) {
+      // A replacement trainer takes over; then the frozen one resumes, and its
+      // finish must be refused and change nothing.
+      const bool recovered = recover(name);
+      if (recovered) ++r_.recoveries;
+      else ++r_.recoveries_failed;
+      kill(t.proc.pid, SIGCONT);
+      trainer_result late = wait_trainer(t, std::chrono::milliseconds(o_.timeout_ms * 6) + 20s);
+      if (!late.exited) {
+        hang = true;
+        missed.push_back("the resumed trainer did not exit");
+      } else if (WIFEXITED(late.status) && WEXITSTATUS(late.status) == 0) {
+        missed.push_back("the resumed trainer's update succeeded");
+      } else {
+        const std::string e = late.last.is_object() && late.last.contains("error") ? late.last["error"].dump() : "";
+        if (e.find("was aborted") == std::string::npos)
+          missed.push_back("the resumed trainer was not told its session was aborted: " + e);
+      }
+      for (std::size_t i = 0; i < workers_.size(); ++i) {
+        auto info = settled_info(workers_[i]);
+        if (!info) {
+          hang = true;
+          continue;
+        }
+        if (std::string why = not_at_a_version(i, *info, version_, std::nullopt, commit); !why.empty()) {
+          ++r_.lost;
+          r_.problems.push_back(name + ": after the frozen trainer resumed, worker " + std::to_string(i) + " " + why);
+        }
+      }
+    } else {
+      wait_trainer(t, 5s);
+      if (recover(name)) ++r_.recoveries;
+      else ++r_.recoveries_failed;
+    }
+    if (hang) ++r_.hangs;
+    if (missed.empty()) {
+      ++r_.detected;
+      stats["detected"] = stats["detected"].get<int>() + 1;
+    } else {
+      for (auto& m : missed) r_.problems.push_back(name + ": " + m);
+    }
+    char took[64];
+    std::snprintf(took, sizeof took, "%.2f s", aborted_after);
+    say(name + ": " + (missed.empty() ? std::string("every session aborted within ") + took +
+                                            (commit == "staged" ? ", the old weights clean at the old version"
+                                                                : ", the weights dirty (in_place)") +
+                                            (frozen ? "; the resumed trainer was refused" : "")
+                                      : "MISSED: " + missed.front()));
   }
 
   void scenario(const std::string& kind, const std::string& commit) {
@@ -843,21 +1018,13 @@ class suite {
     // finishing, the worker says "updating": new weights, not yet claimed.)
     for (std::size_t i = 0; i < workers_.size(); ++i) {
       if (!after[i]) continue;
+      // Exactly at the old version or the new one (not the new one where its
+      // staged update failed), or, in_place only, dirty: claiming no version.
       const bool failed_here = !worker_error(i).empty();
-      const json& info = *after[i];
-      const std::string state = info["state"];
-      const auto fp = fingerprint_of(workers_[i]);
-      const bool has_version = info["weight_version"].is_number_integer();
-      const int v = has_version ? info["weight_version"].get<int>() : -1;
-      auto known = fingerprints_.find(v);
-      const bool matches = known != fingerprints_.end() && compare_fingerprints(known->second, fp).empty();
-      std::string lost;
-      if (state == "clean" && !matches)
-        lost = "says clean at version " + std::to_string(v) + " but holds other weights";
-      else if (failed_here && commit == "staged" && (state != "clean" || v != version_ || !matches))
-        lost = "a failed staged update changed the weights (state " + state + ", version " + std::to_string(v) + ")";
-      else if (failed_here && state == "updating")
-        lost = "its update failed but it still says updating";
+      const bool staged_failure = failed_here && commit == "staged";
+      std::string lost = not_at_a_version(i, *after[i], version_,
+                                          staged_failure ? std::nullopt : std::optional<int>(round), commit);
+      if (staged_failure && !lost.empty()) lost = "a failed staged update changed the weights: " + lost;
       if (!lost.empty()) {
         ++r_.lost;
         r_.problems.push_back(name + ": worker " + std::to_string(i) + " " + lost);

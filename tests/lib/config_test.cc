@@ -24,15 +24,16 @@ TEST(weight_transfer_config, empty_object_gives_defaults) {
 TEST(weight_transfer_config, reads_every_member_and_round_trips) {
   auto c = weight_transfer_config::from_json(
       json::parse(R"({"backend": "nccl", "timeout_ms": 250, "processing_threads": 256, "commit": "staged",
-                      "socket_buffer_bytes": 8388608})"));
+                      "socket_buffer_bytes": 8388608, "max_stage_bytes": 1073741824})"));
   EXPECT_EQ(c.backend, "nccl");
+  EXPECT_EQ(c.max_stage_bytes, 1u << 30);
   EXPECT_EQ(c.socket_buffer_bytes, 8u << 20);
   EXPECT_EQ(c.commit, commit_mode::staged);
   EXPECT_EQ(c.timeout, std::chrono::milliseconds(250));
   EXPECT_EQ(c.processing_threads, 256u);
   json j = c.to_json();
   EXPECT_EQ(j, json::parse(R"({"backend": "nccl", "timeout_ms": 250, "processing_threads": 256, "commit": "staged",
-                                "socket_buffer_bytes": 8388608})"));
+                                "socket_buffer_bytes": 8388608, "max_stage_bytes": 1073741824})"));
   auto again = weight_transfer_config::from_json(j);
   EXPECT_EQ(again.backend, c.backend);
   EXPECT_EQ(again.timeout, c.timeout);
@@ -72,7 +73,7 @@ TEST(weight_transfer_config, unknown_member_lists_accepted_members) {
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   EXPECT_EQ(e.message(),
             "weight_transfer_config: unknown member 'timeout' (accepted: backend, timeout_ms, "
-            "processing_threads, commit, socket_buffer_bytes)");
+            "processing_threads, commit, socket_buffer_bytes, max_stage_bytes)");
 }
 
 TEST(weight_transfer_config, non_object_is_rejected) {

@@ -89,6 +89,7 @@ class probe_engine final : public typed_engine<probe_init, probe_update> {
   std::vector<const std::byte*> landed;  // where direct receives wrote
   async::event transport_gate;  // blocks receive() of updates with "block"
   async::event process_gate;    // holds processing (open by default)
+  std::vector<std::string> refusals;  // refuse_update calls: "<kind>: <reason>"
 
  protected:
   asio::awaitable<void> init(const probe_init& info) override {
@@ -125,6 +126,9 @@ class probe_engine final : public typed_engine<probe_init, probe_update> {
     deferred().spawn(process(b, std::move(load), process_gate, process_fails));
   }
   void do_shutdown() override { ++shutdowns; }
+  void do_refuse_update(errc kind, const std::string& reason) noexcept override {
+    refusals.push_back(std::string(errc_name(kind)) + ": " + reason);
+  }
 
  private:
   bool defers_;
@@ -139,12 +143,14 @@ json update_json(bool block = false, bool fail = false) {
 
 class engine_test : public ::testing::Test {
  protected:
-  std::unique_ptr<probe_engine> make(bool defers = false, model_target* model = nullptr) {
+  std::unique_ptr<probe_engine> make(bool defers = false, model_target* model = nullptr,
+                                     std::uint64_t max_stage_bytes = 0) {
     engine_context ctx;
     ctx.executor = io.get_executor();
     ctx.model = model;
     weight_transfer_config config;
     config.backend = "probe";
+    config.max_stage_bytes = max_stage_bytes;
     return std::make_unique<probe_engine>(config, ctx, defers);
   }
   void init(probe_engine& e, json j = json::object()) {
@@ -683,6 +689,68 @@ TEST_F(engine_test, a_staged_update_is_received_into_the_stage_itself) {
   auto again = spawn(io, engine->receive_weights(*info, [](std::span<const tensor_view>) {}));
   ASSERT_TRUE(testing::run(io));
   EXPECT_EQ(again->kind(), static_cast<int>(errc::invalid_state)) << again->message();
+}
+
+// A staged chunk whose stage cannot be allocated is refused before any byte moves,
+// naming the bytes, and the trainer is told at once (refuse_update) instead of
+// finding out at its deadline; the engine stays ready, the weights untouched.
+TEST_F(engine_test, a_staged_update_the_stage_cannot_allocate_is_refused_at_once_naming_the_bytes) {
+  announced_model model;
+  auto engine = make(/*defers=*/false, &model);
+  init(*engine);
+  // 2^47 bytes: more than a process's address space on x86-64, so the stage's
+  // mmap fails whatever the machine's memory and overcommit policy.
+  json huge = {{"names", {"huge"}}, {"dtype_names", {"float32"}}, {"shapes", {{std::int64_t(1) << 45}}}};
+  auto info = engine->parse_update_info(huge);
+  info->commit = commit_mode::staged;
+  auto r = receive(*engine, *info);
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_EQ(r->kind(), static_cast<int>(errc::resource_exhausted)) << r->message();
+  EXPECT_THAT(r->message(), HasSubstr("probe: staged commit: cannot allocate 140737488355328 bytes of host memory"));
+  EXPECT_EQ(engine->receives, 0) << "nothing may be received for a refused update";
+  ASSERT_EQ(engine->refusals.size(), 1u);
+  EXPECT_EQ(engine->refusals[0], "resource_exhausted: " + r->message());
+  EXPECT_EQ(model.events, (std::vector<std::string>{"begin huge"})) << "the model saw no byte";
+  EXPECT_FALSE(engine->weights_dirty());
+  EXPECT_FALSE(engine->receiving());
+  auto ok = engine->parse_update_info(update_json());
+  ok->commit = commit_mode::staged;
+  auto again = spawn(io, engine->receive_weights(*ok, model.as_load_weights()));
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_FALSE(again->error) << again->message();
+  EXPECT_EQ(model.events.back(), "load b");
+}
+
+// max_stage_bytes bounds what a staged session holds: a chunk beyond it is refused
+// at once, naming the bytes, and the session's earlier chunks are discarded with
+// it (the session can no longer commit whole, so it commits nothing).
+TEST_F(engine_test, max_stage_bytes_refuses_a_chunk_beyond_it_and_the_session_commits_nothing) {
+  auto engine = make(/*defers=*/false, nullptr, /*max_stage_bytes=*/128);
+  init(*engine);
+  engine->begin_session();
+  auto first = engine->parse_update_info(update_json());  // w: 16 bytes, b: 6, each 64-byte aligned
+  first->commit = commit_mode::staged;
+  auto r1 = receive(*engine, *first);
+  ASSERT_TRUE(testing::run(io));
+  ASSERT_FALSE(r1->error) << r1->message();
+  EXPECT_EQ(loaded, 0u) << "a staged chunk is not loaded before the commit";
+  EXPECT_EQ(engine->staged_chunks(), 1u);
+  json more = {{"names", {"c"}}, {"dtype_names", {"float32"}}, {"shapes", {{4}}}};
+  auto second = engine->parse_update_info(more);
+  second->commit = commit_mode::staged;
+  auto r2 = receive(*engine, *second);
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_EQ(r2->kind(), static_cast<int>(errc::resource_exhausted)) << r2->message();
+  EXPECT_THAT(r2->message(), HasSubstr("the stage would hold 192 bytes (128 of this session's earlier chunks + 64 of "
+                                       "this one), more than max_stage_bytes 128"));
+  ASSERT_EQ(engine->refusals.size(), 1u);
+  EXPECT_EQ(engine->receives, 1) << "the refused chunk received nothing";
+  EXPECT_EQ(engine->staged_chunks(), 0u) << "the failed chunk discarded the stage";
+  auto commit = spawn(io, engine->commit_session());
+  ASSERT_TRUE(testing::run(io));
+  EXPECT_EQ(commit->kind(), static_cast<int>(errc::invalid_state)) << commit->message();
+  EXPECT_EQ(loaded, 0u);
+  EXPECT_FALSE(engine->weights_dirty());
 }
 
 TEST(model_target, as_load_weights_forwards_to_the_target) {

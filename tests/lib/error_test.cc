@@ -1,6 +1,7 @@
 #include <refit/error.h>
 
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 
@@ -96,6 +97,20 @@ TEST(error, throw_error_throws_a_system_error_with_the_kind) {
     ASSERT_NE(re, nullptr);
     EXPECT_EQ(re->message(), "receive before init");
   }
+}
+
+TEST(error, a_caught_exception_reads_as_kind_message_and_description) {
+  auto refit_error = std::make_exception_ptr(error(errc::peer_lost, "tcp: the trainer closed the connection"));
+  EXPECT_EQ(error_kind_of(refit_error), errc::peer_lost);
+  EXPECT_EQ(error_message_of(refit_error), "tcp: the trainer closed the connection");
+  EXPECT_EQ(describe_error(refit_error), "peer_lost: tcp: the trainer closed the connection");
+  auto other = std::make_exception_ptr(std::runtime_error("device full"));
+  EXPECT_EQ(error_kind_of(other), errc::io_error);
+  EXPECT_EQ(error_message_of(other), "device full");
+  EXPECT_EQ(describe_error(other), "device full");
+  EXPECT_EQ(describe_error(std::make_exception_ptr(42)), "a non-standard exception");
+  EXPECT_EQ(error_kind_of(nullptr), errc{});
+  EXPECT_EQ(describe_error(nullptr), "no error");
 }
 
 }  // namespace

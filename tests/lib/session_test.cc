@@ -85,13 +85,31 @@ class session_test : public ::testing::Test {
     testing::run_to_completion(io, engine->init_transfer_engine(*info));
   }
 
-  // One chunk: the trainer sends `set` while the session receives it.
+  // One chunk: the trainer sends `set` (or `sent_set`, when the trainer sends
+  // something else) while the session receives it, with `commit` in its update_info
+  // when given.
   std::pair<std::shared_ptr<outcome>, std::shared_ptr<outcome>> transfer(weight_update_session& s, tensor_set& set,
-                                                                         load_weights_fn load) {
-    auto recv = spawn(io, update_json(s, metadata_json(set.meta), std::move(load)));
-    auto sent = spawn(io, send(*sender, set.meta, set.views()));
+                                                                         load_weights_fn load,
+                                                                         const char* commit = nullptr,
+                                                                         tensor_set* sent_set = nullptr) {
+    json info = metadata_json(set.meta);
+    if (commit) info["commit"] = commit;
+    auto recv = spawn(io, update_json(s, info, std::move(load)));
+    tensor_set& out = sent_set ? *sent_set : set;
+    auto sent = spawn(io, send(*sender, out.meta, out.views()));
     EXPECT_TRUE(testing::run(io)) << "chunk did not finish";
     return {sent, recv};
+  }
+
+  // A chunk the session refuses before the trainer would send anything: only the
+  // worker's side runs.
+  std::shared_ptr<outcome> refused_chunk(weight_update_session& s, const tensor_set& set, const char* commit,
+                                         load_weights_fn load) {
+    json info = metadata_json(set.meta);
+    if (commit) info["commit"] = commit;
+    auto r = spawn(io, update_json(s, info, std::move(load)));
+    EXPECT_TRUE(testing::run(io));
+    return r;
   }
 
   std::shared_ptr<outcome> run_finish(weight_update_session& s, std::optional<std::int64_t> version) {
@@ -340,6 +358,180 @@ TEST_F(session_test, abort_closes_without_recording_and_swallows_the_drain_error
   auto f = run_finish(session, 5);
   EXPECT_FALSE(f->error) << f->message();
   EXPECT_EQ(session.weight_version(), 5);
+}
+
+// ---- staged sessions: all or nothing
+
+// A load_weights that records which chunk it was given (`tag`), where each view
+// points, and passes the views on to a capture.
+load_weights_fn recording(std::vector<std::string>& order, std::vector<const std::byte*>& where, capture& into,
+                          std::string tag) {
+  auto inner = into.fn();
+  return [&order, &where, inner, tag](std::span<const tensor_view> views) {
+    order.push_back(tag);
+    for (const auto& v : views) where.push_back(v.data);
+    inner(views);
+  };
+}
+
+// The model sees nothing of a staged session until finish_weight_update, which
+// calls each chunk's own load_weights with that chunk's tensors, chunk by chunk in
+// order, and records the version in the same step.
+TEST_F(session_test, a_staged_session_is_committed_whole_at_finish_chunk_by_chunk_in_order) {
+  connect();
+  weight_update_session session(*engine);
+  session.start_weight_update();
+  tensor_set a = chunk(0), b = chunk(1);
+  capture got_a, got_b;
+  std::vector<std::string> order;
+  std::vector<const std::byte*> where;
+  auto [sa, ra] = transfer(session, a, recording(order, where, got_a, "a"), "staged");
+  ASSERT_FALSE(ra->error) << ra->message();
+  EXPECT_FALSE(sa->error) << sa->message();
+  auto [sb, rb] = transfer(session, b, recording(order, where, got_b, "b"), "staged");
+  ASSERT_FALSE(rb->error) << rb->message();
+  EXPECT_TRUE(order.empty()) << "load_weights ran before finish_weight_update";
+  EXPECT_EQ(engine->staged_chunks(), 2u);
+  EXPECT_GE(engine->staged_bytes(), a.meta.total_bytes() + b.meta.total_bytes());
+  EXPECT_EQ(session.weight_version(), std::nullopt);
+  auto f = run_finish(session, 5);
+  ASSERT_FALSE(f->error) << f->message();
+  EXPECT_EQ(order, (std::vector<std::string>{"a", "b"}));
+  EXPECT_NO_THROW(got_a.check_equals(a));
+  EXPECT_NO_THROW(got_b.check_equals(b));
+  EXPECT_EQ(session.weight_version(), 5);
+  EXPECT_EQ(engine->staged_chunks(), 0u);
+  EXPECT_FALSE(engine->weights_dirty());
+}
+
+// An aborted staged session, and one whose chunk failed, leave everything as it
+// was: nothing loaded, the version and the clean state unchanged. The stage is
+// the same memory for every session of the same size (not allocated again).
+TEST_F(session_test, an_aborted_or_failed_staged_session_changes_nothing_and_the_stage_is_reused) {
+  connect();
+  weight_update_session session(*engine);
+  tensor_set a = chunk(0), b = chunk(1), other;
+  other.add("elsewhere", dtype::float32, {7});
+  std::vector<std::string> order;
+  std::vector<const std::byte*> first_where, last_where;
+  {
+    session.start_weight_update();
+    capture got;
+    auto [s, r] = transfer(session, a, recording(order, first_where, got, "v1"), "staged");
+    ASSERT_FALSE(r->error) << r->message();
+    ASSERT_FALSE(run_finish(session, 1)->error);
+  }
+  const std::uint64_t stage = engine->staged_bytes();
+  ASSERT_GT(stage, 0u);
+  order.clear();
+  std::vector<const std::byte*> ignored;
+  {
+    // Aborted after its chunk arrived.
+    session.start_weight_update();
+    capture got;
+    auto [s, r] = transfer(session, b, recording(order, ignored, got, "aborted"), "staged");
+    ASSERT_FALSE(r->error) << r->message();
+    auto ab = spawn(io, session.abort_weight_update("the trainer went away"));
+    ASSERT_TRUE(testing::run(io));
+    EXPECT_FALSE(ab->error) << ab->message();
+  }
+  EXPECT_TRUE(order.empty()) << "an aborted staged session reached the model";
+  EXPECT_FALSE(engine->weights_dirty()) << engine->dirty_reason();
+  EXPECT_EQ(session.weight_version(), 1);
+  EXPECT_EQ(engine->staged_chunks(), 0u);
+  {
+    // Its chunk fails (the trainer sends other tensors than the update_info says).
+    session.start_weight_update();
+    capture got;
+    auto [s, r] = transfer(session, b, recording(order, ignored, got, "failed"), "staged", &other);
+    ASSERT_TRUE(r->error);
+    EXPECT_EQ(r->kind(), static_cast<int>(errc::protocol_error)) << r->message();
+    // Another chunk is refused (before the trainer sends anything), and finish
+    // closes the session without a version.
+    capture more;
+    auto r2 = refused_chunk(session, a, "staged", more.fn());
+    ASSERT_TRUE(r2->error);
+    EXPECT_EQ(r2->kind(), static_cast<int>(errc::invalid_state)) << r2->message();
+    EXPECT_THAT(r2->message(), HasSubstr("chunk 1 failed: protocol_error"));
+    EXPECT_EQ(more.calls(), 0u);
+    auto f = run_finish(session, 3);
+    ASSERT_TRUE(f->error);
+    EXPECT_EQ(f->kind(), static_cast<int>(errc::invalid_state)) << f->message();
+    EXPECT_THAT(f->message(), HasSubstr("finish_weight_update: chunk 1 failed: protocol_error"));
+    EXPECT_THAT(f->message(), HasSubstr("closed without a version (nothing of it was committed)"));
+    EXPECT_FALSE(session.active());
+  }
+  EXPECT_TRUE(order.empty()) << "a failed staged session reached the model";
+  EXPECT_FALSE(engine->weights_dirty()) << engine->dirty_reason();
+  EXPECT_EQ(session.weight_version(), 1);
+  {
+    session.start_weight_update();
+    capture got;
+    auto [s, r] = transfer(session, a, recording(order, last_where, got, "v2"), "staged");
+    ASSERT_FALSE(r->error) << r->message();
+    ASSERT_FALSE(run_finish(session, 2)->error);
+    EXPECT_NO_THROW(got.check_equals(a));
+  }
+  EXPECT_EQ(session.weight_version(), 2);
+  EXPECT_EQ(engine->staged_bytes(), stage) << "the stage was reallocated";
+  EXPECT_EQ(last_where, first_where) << "a session of the same size uses the same stage memory";
+}
+
+// A load_weights that throws during the commit leaves the weights dirty (the
+// model may hold part of the update), and no version is recorded.
+TEST_F(session_test, a_load_weights_that_throws_during_a_staged_commit_leaves_the_weights_dirty) {
+  connect();
+  weight_update_session session(*engine);
+  session.start_weight_update();
+  tensor_set a = chunk(0), b = chunk(1);
+  capture got_a;
+  transfer(session, a, got_a.fn(), "staged");
+  auto failing = [](std::span<const tensor_view>) { throw std::runtime_error("device full"); };
+  auto [s, r] = transfer(session, b, failing, "staged");
+  ASSERT_FALSE(r->error) << r->message();
+  auto f = run_finish(session, 4);
+  ASSERT_TRUE(f->error);
+  EXPECT_THAT(f->message(), HasSubstr("device full"));
+  EXPECT_NO_THROW(got_a.check_equals(a)) << "the first chunk was committed before the second failed";
+  EXPECT_TRUE(engine->weights_dirty());
+  EXPECT_THAT(engine->dirty_reason(), HasSubstr("commit of a staged update"));
+  EXPECT_EQ(session.weight_version(), std::nullopt);
+  EXPECT_FALSE(session.active());
+}
+
+// One session commits one way, and stages each tensor once: either is refused
+// before any byte of the chunk moves.
+TEST_F(session_test, a_chunk_of_another_commit_mode_or_a_tensor_staged_twice_is_refused) {
+  connect();
+  {
+    weight_update_session session(*engine);
+    session.start_weight_update();
+    tensor_set a = chunk(0), b = chunk(1);
+    capture got;
+    transfer(session, a, got.fn(), "staged");
+    auto recv = refused_chunk(session, b, nullptr, got.fn());  // in_place (the default)
+    ASSERT_TRUE(recv->error);
+    EXPECT_EQ(recv->kind(), static_cast<int>(errc::invalid_argument)) << recv->message();
+    EXPECT_THAT(recv->message(), HasSubstr("a chunk with commit \"in_place\" in an update session whose earlier "
+                                           "chunks are \"staged\""));
+    EXPECT_EQ(got.calls(), 0u);
+    auto a2 = spawn(io, session.abort_weight_update());
+    ASSERT_TRUE(testing::run(io));
+    EXPECT_FALSE(engine->weights_dirty());
+  }
+  connect();
+  {
+    weight_update_session session(*engine);
+    session.start_weight_update();
+    tensor_set a = chunk(0);
+    capture got;
+    transfer(session, a, got.fn(), "staged");
+    auto recv = refused_chunk(session, a, "staged", got.fn());
+    ASSERT_TRUE(recv->error);
+    EXPECT_EQ(recv->kind(), static_cast<int>(errc::invalid_argument)) << recv->message();
+    EXPECT_THAT(recv->message(), HasSubstr("tensor 'layers.0.w0' is already staged by chunk 1 of this update session"));
+    EXPECT_EQ(got.calls(), 0u);
+  }
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 """refit's control plane from Python: WorkerHost workers driven by a WorkerGroup."""
 
+import threading
+
 import numpy as np
 import pytest
 
 import refit
+from conftest import Background
 
 
 def model(seed):
@@ -83,5 +86,40 @@ def test_a_python_load_weights_worker_host_and_its_errors():
         with pytest.raises(refit.ProcessingFailedError, match="head is out of range"):
             group.update(sender, bad, 2, verify=False)
         assert host.weight_info()["state"] == "dirty"
+    sender.shutdown()
+    host.stop()
+
+
+def test_a_worker_host_aborts_the_session_of_a_silent_trainer():
+    """A trainer that stops talking after its chunk (frozen) loses its session after
+    session_timeout_ms; staged, the worker keeps its old weights and version."""
+    failed = []
+    aborted = threading.Event()
+
+    def on_failed(reason):
+        failed.append(reason)
+        aborted.set()
+
+    host = refit.WorkerHost("tcp", load_weights=lambda batch: None, framework="numpy", timeout_ms=10000,
+                            commit="staged", session_timeout_ms=300, on_update_failed=on_failed)
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        group.update(sender, model(1), 1, verify=False)
+        group.call_all("start_weight_update")
+        src = model(2)
+        send = Background(sender.send_weights, src)
+        group.call_all("update_weights", {"update_info": dict(refit.describe(src), commit="staged")})
+        send.join()
+        assert aborted.wait(timeout=5), "the silent trainer kept its session"
+        info = host.weight_info()
+        assert not info["session_active"], info
+        assert info["state"] == "clean" and info["weight_version"] == 1, info
+        assert "sent nothing for" in info["last_error"], info
+        assert failed and "sent nothing for" in failed[-1]
+        with pytest.raises(refit.InvalidStateError, match="was aborted"):
+            group.call_all("finish_weight_update", {"weight_version": 2})
+        assert host.weight_info()["weight_version"] == 1
     sender.shutdown()
     host.stop()

@@ -151,6 +151,81 @@ def test_session_verbs_record_the_version():
             engine.finish_weight_update(8)
 
 
+def test_a_staged_session_lands_whole_at_finish_and_an_aborted_one_not_at_all():
+    """commit="staged": no load_weights runs during update_weights; finish calls each
+    chunk's own load_weights, in order, then records the version; an aborted session
+    (or one whose chunk failed) leaves the weights and the version as they were."""
+    src = numpy_model()
+    names = sorted(src)
+    first = {k: src[k] for k in names[: len(names) // 2]}
+    second = {k: src[k] for k in names[len(names) // 2:]}
+    calls = []
+
+    def loader(tag, into):
+        def load(batch):
+            calls.append(tag)
+            for name, t in batch:
+                into[name] = t.copy()
+        return load
+
+    got = {}
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, commit="staged", framework="numpy")
+        connect(sender, [engine])
+        engine.start_weight_update()
+        for tag, chunk in (("first", first), ("second", second)):
+            send = Background(sender.send_weights, chunk)
+            engine.update_weights(refit.describe(chunk), loader(tag, got))
+            send.join()
+            assert calls == [], "a staged chunk reached load_weights before finish_weight_update"
+        assert engine.weight_version is None
+        engine.finish_weight_update(3)
+        assert calls == ["first", "second"]
+        assert all(got[k].tobytes() == src[k].tobytes() for k in src)
+        assert engine.weight_version == 3 and not engine.weights_dirty
+
+        # Aborted after its chunk arrived: nothing reaches load_weights.
+        calls.clear()
+        engine.start_weight_update()
+        send = Background(sender.send_weights, first)
+        engine.update_weights(refit.describe(first), loader("aborted", {}))
+        send.join()
+        engine.abort_weight_update("the trainer went away")
+        assert calls == []
+        assert engine.weight_version == 3 and not engine.weights_dirty
+
+        # A chunk that fails (the trainer sends other tensors) fails the session:
+        # finish raises, records nothing, and nothing was loaded.
+        engine.start_weight_update()
+        other = {"elsewhere": np.zeros(7, dtype=np.float32)}
+        send = Background(sender.send_weights, other)
+        with pytest.raises(refit.Error):
+            engine.update_weights(refit.describe(first), loader("failed", {}))
+        with pytest.raises(refit.Error):
+            send.join()
+        with pytest.raises(refit.InvalidStateError, match="chunk 1 failed"):
+            engine.finish_weight_update(4)
+        assert calls == []
+        assert engine.weight_version == 3 and not engine.weights_dirty
+
+
+def test_a_staged_chunk_beyond_max_stage_bytes_is_refused_and_the_trainer_told_at_once():
+    src = {"big": np.ones(4096, dtype=np.float32)}  # 16 KiB
+    with refit.Sender("tcp", timeout_ms=30000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=30000, commit="staged", max_stage_bytes=4096, framework="numpy")
+        connect(sender, [engine])
+        engine.start_weight_update()
+        t0 = time.monotonic()
+        send = Background(sender.send_weights, src)
+        with pytest.raises(refit.ResourceExhaustedError, match="max_stage_bytes 4096"):
+            engine.update_weights(refit.describe(src), lambda batch: None)
+        with pytest.raises(refit.ResourceExhaustedError, match="worker rank 1 refused the update"):
+            send.join()
+        assert time.monotonic() - t0 < 5, "the trainer waited for its deadline"
+        engine.abort_weight_update()
+        assert not engine.weights_dirty
+
+
 def test_errors_are_exceptions_of_refits_kinds():
     with pytest.raises(refit.NotRegisteredError, match="available backends") as e:
         refit.Engine("no_such_backend")
