@@ -20,7 +20,7 @@ Reported per round and as medians over rounds with their spread: server / refit
 (the server-side cost as a ratio), and completion latency p50 / max idle vs
 during an update.
 
-usage: tests/bench/vllm_serve_bench.py [--rounds 3] [--hidden 1024] [--layers 8] [--json FILE]
+usage: tests/bench/vllm_serve_bench.py [--rounds 5] [--hidden 1024] [--layers 8] [--json FILE]
 Run with the venv of tests/vllm_serve (refit's wheel installed): tests/vllm_serve/run.sh
 makes it; then $HOME/.cache/refit/venv-vllm_serve-311/bin/python tests/bench/vllm_serve_bench.py
 """
@@ -110,7 +110,7 @@ def med(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json")
@@ -130,12 +130,13 @@ def main() -> None:
     rows = []
     with Server(model, os.path.join(root, "vllm_serve.log"), env={"REFIT_AUTH_SECRET_FILE": secret}) as server:
         server_update(server, tensors[1], "warm-up", secret)
+        refit_alone(tensors[1])
         for r in range(args.rounds):
             idle: list[float] = []
             stop = threading.Event()
             t = threading.Thread(target=latencies, args=(server, stop, idle))
             t.start()
-            time.sleep(3)
+            time.sleep(3)  # the idle latencies: a few seconds of requests with no update
             stop.set()
             t.join()
             busy: list[float] = []
