@@ -34,9 +34,16 @@ class HoldingProxy:
         self._release.set()
 
     def close(self) -> None:
+        """Closes every connection now, as the kernel does for a killed process. A
+        socket another thread is blocked in recv on would send its FIN only once
+        that recv returned: shut each down first (that wakes the recv)."""
         self._closed = True
         self._release.set()
         for s in [self._listener, *self._sockets]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:
