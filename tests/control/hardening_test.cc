@@ -266,7 +266,11 @@ TEST_P(session_deadline_test, a_silent_owner_loses_its_session_and_a_replacement
   call(trainer_, "start_weight_update");
   chunk(frozen_set, commit);
   const auto frozen_at = std::chrono::steady_clock::now();
-  EXPECT_EQ(loaded("frozen0"), !staged) << "a staged chunk reached the model before its finish";
+  // (tcp defers processing: update_weights answers once the bytes are in, and
+  // in_place loads run after.)
+  ASSERT_TRUE(run_until(io_, [&] { return host_->engine().processing_pending() == 0; }, 5s));
+  EXPECT_EQ(loaded("frozen0"), !staged) << (staged ? "a staged chunk reached the model before its finish"
+                                                   : "the in_place chunk was not loaded");
   // A replacement trainer is refused while the session is open, and told when it
   // will not be any more.
   auto* next = connect();
