@@ -1,5 +1,7 @@
 #include <refit/config.h>
 
+#include <refit/backend/infos.h>
+
 namespace refit {
 
 std::string_view to_string(commit_mode mode) noexcept {

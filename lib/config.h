@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include <refit/json_reader.h>
+#include <refit/json.h>
 
 namespace refit {
 
@@ -29,12 +29,11 @@ enum class commit_mode {
 
 /// "in_place" or "staged".
 std::string_view to_string(commit_mode mode) noexcept;
-/// Reads the optional member `name` ("in_place" or "staged").
-std::optional<commit_mode> read_commit_mode(json_reader& r, const std::string& name = "commit");
 
 /// Which backend to use and the settings every backend honours.
 struct weight_transfer_config {
-  /// Registered backend name ("tcp", "shm", "nccl", ...).
+  /// Registered backend name ("tcp", "tcp_sharded", "loopback"; "nccl", "cuda_ipc",
+  /// "torch_ipc" in CUDA builds: engine_factory::available()).
   std::string backend = "tcp";
   /// Default deadline for every wait on a peer (connect, each bucket, each control
   /// call) unless an engine's init info sets its own.

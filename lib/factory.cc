@@ -2,7 +2,9 @@
 
 #include <dlfcn.h>
 
-#include <refit/plugin.h>
+#include <cstring>
+
+#include <refit/backend/plugin.h>
 
 namespace refit {
 
@@ -11,8 +13,8 @@ engine_factory& engine_factory::instance() {
   return factory;
 }
 
-void engine_factory::register_backend(const std::string& name, engine_creator create_engine,
-                                      sender_creator create_sender) {
+void engine_factory::register_backend(const std::string& name, const engine_capabilities& capabilities,
+                                      engine_creator create_engine, sender_creator create_sender) {
   if (name.empty()) throw_error(errc::invalid_argument, "register_backend: empty backend name");
   if (!create_engine)
     throw_error(errc::invalid_argument, "register_backend('" + name + "'): no engine creator");
@@ -20,7 +22,7 @@ void engine_factory::register_backend(const std::string& name, engine_creator cr
   if (entries_.contains(name))
     throw_error(errc::already_registered,
                 "weight transfer backend '" + name + "' is already registered");
-  entries_.emplace(name, entry{std::move(create_engine), std::move(create_sender), {}, {}});
+  entries_.emplace(name, entry{capabilities, std::move(create_engine), std::move(create_sender), {}, {}});
 }
 
 void engine_factory::register_lazy(const std::string& name, std::string library_path,
@@ -33,7 +35,7 @@ void engine_factory::register_lazy(const std::string& name, std::string library_
   if (entries_.contains(name))
     throw_error(errc::already_registered,
                 "weight transfer backend '" + name + "' is already registered");
-  entries_.emplace(name, entry{{}, {}, std::move(library_path), std::move(entry_symbol)});
+  entries_.emplace(name, entry{std::nullopt, {}, {}, std::move(library_path), std::move(entry_symbol)});
 }
 
 bool engine_factory::contains(std::string_view name) const {
@@ -56,6 +58,14 @@ std::string join(const std::vector<std::string>& names) {
   return out.empty() ? "(none)" : out;
 }
 
+// What config asks of a backend that its capabilities say it cannot do.
+void check_config(const std::string& name, const engine_capabilities& caps, const weight_transfer_config& config) {
+  if (config.commit == commit_mode::staged && !caps.staged_commit)
+    throw_error(errc::unsupported, "backend '" + name + "' does not commit staged updates "
+                                   "(engine_capabilities::staged_commit is false: its buckets land in device "
+                                   "memory); use commit in_place");
+}
+
 // Turns a plugin creator's status into an exception on this side of the boundary.
 void check_plugin_status(int status, const char* err, const std::string& what) {
   if (status == 0) return;
@@ -66,15 +76,24 @@ void check_plugin_status(int status, const char* err, const std::string& what) {
 
 }  // namespace
 
-engine_factory::entry& engine_factory::resolve(const std::string& name) {
+const engine_factory::entry& engine_factory::find(std::string_view name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) {
     std::vector<std::string> names;
     for (const auto& [n, e] : entries_) names.push_back(n);
-    throw_error(errc::not_registered, "invalid weight transfer backend '" + name +
+    throw_error(errc::not_registered, "invalid weight transfer backend '" + std::string(name) +
                                           "'; available backends: " + join(names));
   }
-  entry& e = it->second;
+  return it->second;
+}
+
+std::optional<engine_capabilities> engine_factory::capabilities(std::string_view name) const {
+  std::lock_guard lock(mutex_);
+  return find(name).capabilities;
+}
+
+engine_factory::entry& engine_factory::resolve(const std::string& name) {
+  entry& e = const_cast<entry&>(find(name));
   if (e.create_engine) return e;
 
   // Lazy entry: load the library once. RTLD_NODELETE keeps code and vtables mapped
@@ -85,15 +104,19 @@ engine_factory::entry& engine_factory::resolve(const std::string& name) {
   auto entry_fn = reinterpret_cast<refit_plugin_entry_fn>(::dlsym(handle, e.symbol.c_str()));
   if (!entry_fn)
     throw_error(errc::load_failed, where + ": entry symbol '" + e.symbol + "' not found");
-  refit_plugin_v1 plugin{};
+  refit_plugin_v2 plugin{};
   char err[512] = {};
-  check_plugin_status(entry_fn(REFIT_PLUGIN_ABI_VERSION, &plugin, err, sizeof err), err, where);
-  auto host = plugin_detail::host_layout();
-  if (plugin.abi_version != REFIT_PLUGIN_ABI_VERSION ||
-      std::memcmp(&plugin.layout, &host, sizeof host) != 0 || !plugin.create_engine)
-    throw_error(errc::load_failed, where + ": plugin ABI " + std::to_string(plugin.abi_version) +
-                                       " or struct layout differs from this build of refit (ABI " +
-                                       std::to_string(REFIT_PLUGIN_ABI_VERSION) + ")");
+  const char* host = refit_build_stamp();
+  const int status = entry_fn(host, &plugin, err, sizeof err);
+  if (!plugin.build || std::strcmp(plugin.build, host) != 0)
+    throw_error(errc::load_failed, where + ": the plugin was built as [" +
+                                       (plugin.build ? plugin.build : "no build stamp") +
+                                       "], this program as [" + host +
+                                       "]; a plugin shares C++ objects with refit, so both must be built with the "
+                                       "same compiler, standard library and refit plugin ABI");
+  check_plugin_status(status, err, where);
+  if (!plugin.create_engine) throw_error(errc::load_failed, where + ": the plugin offers no engine");
+  e.capabilities = plugin.capabilities;
   e.create_engine = [create = plugin.create_engine, where](const weight_transfer_config& c,
                                                            const engine_context& x) {
     weight_transfer_engine* out = nullptr;
@@ -117,7 +140,9 @@ std::unique_ptr<weight_transfer_engine> engine_factory::create_engine(
   engine_creator create;
   {
     std::lock_guard lock(mutex_);
-    create = resolve(config.backend).create_engine;
+    const entry& e = resolve(config.backend);
+    check_config(config.backend, *e.capabilities, config);
+    create = e.create_engine;
   }
   return create(config, context);
 }
@@ -134,9 +159,9 @@ std::unique_ptr<weight_sender> engine_factory::create_sender(const weight_transf
   return create(config, context);
 }
 
-backend_registration::backend_registration(const std::string& name, engine_creator create_engine,
-                                           sender_creator create_sender) {
-  engine_factory::instance().register_backend(name, std::move(create_engine), std::move(create_sender));
+backend_registration::backend_registration(const std::string& name, const engine_capabilities& capabilities,
+                                           engine_creator create_engine, sender_creator create_sender) {
+  engine_factory::instance().register_backend(name, capabilities, std::move(create_engine), std::move(create_sender));
 }
 
 }  // namespace refit

@@ -1,13 +1,15 @@
 // The backend registry: refit's WeightTransferEngineFactory. A backend registers its
-// worker engine and its trainer sender under one name, either directly (engines
-// built into the binary register themselves from a static initialiser in their own
-// folder) or lazily as a shared library loaded with dlopen on first use.
+// worker engine, its trainer sender and its capabilities under one name, either
+// directly (engines built into the binary register themselves from a static
+// initialiser in their own folder) or lazily as a shared library loaded with dlopen
+// on first use (backend/plugin.h).
 #pragma once
 
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,12 +31,14 @@ class engine_factory {
   /// The process-wide registry that self-registering engines join.
   static engine_factory& instance();
 
-  /// Registers a backend by its creators. `create_sender` may be empty for a
-  /// receive-only backend. Throws already_registered for a duplicate name.
-  void register_backend(const std::string& name, engine_creator create_engine,
-                        sender_creator create_sender = {});
+  /// Registers a backend by its capabilities and creators. `create_sender` may be
+  /// empty for a receive-only backend. Throws already_registered for a duplicate
+  /// name.
+  void register_backend(const std::string& name, const engine_capabilities& capabilities,
+                        engine_creator create_engine, sender_creator create_sender = {});
 
-  /// Registers types constructible from (config, context).
+  /// Registers types constructible from (config, context); the capabilities are
+  /// Engine::capabilities_of() (backend/engine.h).
   template <class Engine, class Sender = void>
   void register_engine(const std::string& name) {
     sender_creator sc;
@@ -43,7 +47,7 @@ class engine_factory {
         return std::unique_ptr<weight_sender>(new Sender(c, t));
       };
     register_backend(
-        name,
+        name, Engine::capabilities_of(),
         [](const weight_transfer_config& c, const engine_context& e) {
           return std::unique_ptr<weight_transfer_engine>(new Engine(c, e));
         },
@@ -52,12 +56,15 @@ class engine_factory {
 
   /// Registers a backend implemented in a shared library, loaded on first create
   /// with dlopen(RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE). `entry_symbol` names a
-  /// function defined with REFIT_DEFINE_PLUGIN (see plugin.h). Nothing is loaded
-  /// now; a missing library or symbol is a load_failed error at create time.
+  /// function defined with REFIT_DEFINE_PLUGIN (backend/plugin.h). Nothing is
+  /// loaded now; a missing library or symbol, or a plugin built by another
+  /// compiler, standard library or refit, is a load_failed error at create time.
   void register_lazy(const std::string& name, std::string library_path, std::string entry_symbol);
 
   /// Creates the worker engine for config.backend; throws not_registered listing the
-  /// available backends, or load_failed for a lazy backend that cannot load.
+  /// available backends, load_failed for a lazy backend that cannot load, or
+  /// unsupported when config asks for what the backend cannot do (commit staged
+  /// without engine_capabilities::staged_commit), naming the capability.
   std::unique_ptr<weight_transfer_engine> create_engine(const weight_transfer_config& config,
                                                         const engine_context& context);
   /// Creates the trainer sender for config.backend (same errors; unsupported when
@@ -68,13 +75,18 @@ class engine_factory {
   bool contains(std::string_view name) const;
   /// Registered names, sorted.
   std::vector<std::string> available() const;
+  /// What backend `name` can do; nullopt for a lazy backend not loaded yet. Throws
+  /// not_registered listing the available backends.
+  std::optional<engine_capabilities> capabilities(std::string_view name) const;
 
  private:
   struct entry {
+    std::optional<engine_capabilities> capabilities;  // empty for lazy entries until loaded
     engine_creator create_engine;
     sender_creator create_sender;
     std::string library, symbol;  // set for lazy entries until loaded
   };
+  const entry& find(std::string_view name) const;  // called with mutex_ held
   entry& resolve(const std::string& name);  // called with mutex_ held
 
   mutable std::mutex mutex_;
@@ -82,11 +94,11 @@ class engine_factory {
 };
 
 /// Registers a backend with the process-wide factory from a static initialiser:
-///   static refit::backend_registration reg{"tcp", &make_engine, &make_sender};
+///   static refit::backend_registration reg{"nccl", nccl::engine::capabilities_of(), make_engine, make_sender};
 /// The library holding it must be linked with alwayslink so the initialiser runs.
 struct backend_registration {
-  backend_registration(const std::string& name, engine_creator create_engine,
-                       sender_creator create_sender = {});
+  backend_registration(const std::string& name, const engine_capabilities& capabilities,
+                       engine_creator create_engine, sender_creator create_sender = {});
 };
 
 /// The same for engine and sender types constructible from (config, context):

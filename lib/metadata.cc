@@ -1,5 +1,7 @@
 #include <refit/metadata.h>
 
+#include <refit/backend/infos.h>
+
 #include <limits>
 #include <string>
 #include <unordered_set>

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include <refit/json_reader.h>
+#include <refit/json.h>
 #include <refit/tensor.h>
 
 namespace refit {
@@ -26,11 +26,8 @@ struct update_metadata {
 /// a hang or garbage.
 std::uint64_t metadata_digest(const update_metadata& meta);
 
-/// Reads vLLM's metadata members `names`, `dtype_names` and `shapes` (parallel
-/// arrays) from `reader`, validating lengths, dtypes, shapes and duplicates.
-update_metadata read_update_metadata(json_reader& reader);
-
-/// Writes the same three members into `out`.
+/// Writes vLLM's metadata members `names`, `dtype_names` and `shapes` (parallel
+/// arrays) into `out` (backend/infos.h reads them).
 void write_update_metadata(const update_metadata& meta, json& out);
 
 }  // namespace refit

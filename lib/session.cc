@@ -1,5 +1,7 @@
 #include <refit/session.h>
 
+#include <refit/internal/engine_access.h>
+
 namespace refit {
 
 void weight_update_session::start_weight_update() {
@@ -10,7 +12,7 @@ void weight_update_session::start_weight_update() {
     throw_error(errc::invalid_state,
                 "start_weight_update: the weight transfer engine is not initialised "
                 "(call init_weight_transfer_engine first)");
-  engine_.begin_session();
+  internal::engine_access::begin_session(engine_);
   active_ = true;
   chunks_ = 0;
   applied_ = 0;
@@ -27,7 +29,7 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
     // The trainer is about to send this chunk: tell it at once.
     const std::string message = "update_weights: " + failure_ + "; this session cannot complete: abort it and start "
                                 "again";
-    engine_.refuse_update(errc::invalid_state, message);
+    internal::engine_access::refuse_update(engine_, errc::invalid_state, message);
     throw_error(errc::invalid_state, message);
   }
   updating_ = true;
@@ -49,7 +51,7 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
     // Earlier in_place chunks of this session already reached the model (staged
     // ones were discarded with the stage).
     if (applied_ > 0 && !engine_.weights_dirty())
-      engine_.mark_weights_dirty("chunk " + std::to_string(chunks_ + 1) + " of a weight update failed after " +
+      internal::engine_access::mark_weights_dirty(engine_, "chunk " + std::to_string(chunks_ + 1) + " of a weight update failed after " +
                                  std::to_string(applied_) + " chunk(s) of it had been applied");
     std::rethrow_exception(failure);
   }
@@ -92,7 +94,7 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
         error(errc::invalid_state, "finish_weight_update: " + failure_ + "; the session is closed without a version" +
                                        (applied_ > 0 ? std::string(" (its applied chunks leave the weights dirty)")
                                                      : std::string(" (nothing of it was committed)"))));
-    engine_.discard_session();
+    internal::engine_access::discard_session(engine_);
     try {
       co_await engine_.drain_pending();
     } catch (const std::exception&) {
@@ -101,14 +103,14 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
     finishing_ = true;
     try {
       co_await engine_.drain_pending();
-      co_await engine_.commit_session();
+      co_await internal::engine_access::commit_session(engine_);
     } catch (...) {
       failure = std::current_exception();
     }
     finishing_ = false;
-    if (failure && engine_.session_open()) engine_.discard_session();  // the drain failed: nothing is committed
+    if (failure && internal::engine_access::session_open(engine_)) internal::engine_access::discard_session(engine_);  // the drain failed: nothing is committed
   }
-  engine_.session_finished();
+  internal::engine_access::session_finished(engine_);
   if (failure) std::rethrow_exception(failure);
   if (weight_version) version_ = weight_version;
   engine_.mark_weights_clean();
@@ -120,17 +122,17 @@ asio::awaitable<void> weight_update_session::abort_weight_update(std::string why
     throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");
   active_ = false;
   if (applied_ > 0 && !engine_.weights_dirty())
-    engine_.mark_weights_dirty("a weight update was aborted after " + std::to_string(applied_) +
+    internal::engine_access::mark_weights_dirty(engine_, "a weight update was aborted after " + std::to_string(applied_) +
                                " chunk(s) of it had been applied" + (why.empty() ? "" : " (" + why + ")"));
   // Staged chunks never reached the model: dropping the stage is all.
-  engine_.discard_session();
+  internal::engine_access::discard_session(engine_);
   // Errors of the aborted update were already reported to whoever failed; drain so
   // the next update starts clean.
   try {
     co_await engine_.drain_pending();
   } catch (const std::exception&) {
   }
-  engine_.session_finished();
+  internal::engine_access::session_finished(engine_);
 }
 
 }  // namespace refit

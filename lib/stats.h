@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include <refit/json_reader.h>
+#include <refit/json.h>
 
 namespace refit {
 

@@ -13,7 +13,7 @@
 #include <asio/awaitable.hpp>
 
 #include <refit/config.h>
-#include <refit/json_reader.h>
+#include <refit/json.h>
 #include <refit/metadata.h>
 #include <refit/stats.h>
 #include <refit/tensor.h>

@@ -19,7 +19,8 @@
 #include <map>
 #include <memory>
 
-#include <refit/group/engine_base.h>
+#include <refit/backend/links/engine_base.h>
+#include <refit/backend/engine.h>
 
 namespace refit::cuda_ipc {
 
@@ -110,17 +111,22 @@ class handle_cache {
   std::uint64_t session_ = 1;
 };
 
-/// Worker init info: group::join_info (checksums refused: the bytes never leave
+/// Worker init info: links::join_info (checksums refused: the bytes never leave
 /// the GPU's memory).
-using init_info = group::stream_free_init_info;
+using init_info = links::stream_free_init_info;
 using update_info = metadata_update_info;
 
 /// Worker side: each bucket is copied out of the trainer's exported buffer.
-class engine final : public group::worker_engine {
+class engine final : public links::worker_engine {
  public:
   engine(const weight_transfer_config& config, const engine_context& context, std::shared_ptr<ipc_provider> provider);
   ~engine() override { close(); }
   std::string_view backend() const noexcept override { return "cuda_ipc"; }
+  /// The trainer's device buffers mapped by IPC and copied from (no direct
+  /// receive, no staged commit); processing deferred; needs a GPU.
+  static engine_capabilities capabilities_of() {
+    return {.device_memory = true, .defers_processing = true, .needs_gpu = true};
+  }
   /// Mappings currently open (for tests and weight_info).
   const handle_cache& handles() const noexcept { return *handles_; }
 
@@ -138,12 +144,17 @@ class engine final : public group::worker_engine {
   std::unique_ptr<handle_cache> handles_;
 };
 
-/// Trainer side; trainer_args as group::trainer_args (checksums refused).
-class sender final : public group::sender_base {
+/// Trainer side; trainer_args as links::trainer_args (checksums refused).
+class sender final : public links::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context, std::shared_ptr<ipc_provider> provider);
   ~sender() override { shutdown(); }
   std::string_view backend() const noexcept override { return "cuda_ipc"; }
+  /// The trainer's device buffers mapped by IPC and copied from (no direct
+  /// receive, no staged commit); processing deferred; needs a GPU.
+  static engine_capabilities capabilities_of() {
+    return {.device_memory = true, .defers_processing = true, .needs_gpu = true};
+  }
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
 
  protected:

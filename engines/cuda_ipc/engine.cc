@@ -1,12 +1,12 @@
 // The CUDA IPC worker: per bucket, read which exported buffer holds it, map that
 // buffer once (cached), copy the bucket into a staging slot and tell the trainer
 // the buffer is consumed; processing overlaps the next hand-over (the rest is
-// group::worker_engine).
+// links::worker_engine).
 #include <refit/engines/cuda_ipc/cuda_ipc.h>
 #include "wire.h"  // private to this engine
-#include <refit/async/offload.h>
-#include <refit/group/status_io.h>
-#include <refit/net.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/net.h>
 
 namespace refit::cuda_ipc {
 
@@ -78,7 +78,7 @@ class transport final : public bucket_transport {
     }
     co_await provider_.copy_batch(pieces);
     // Consumed: the trainer may overwrite that buffer now.
-    co_await group::send_status(socket_, 0, b.index, {}, timeout_, what + ": consumed");
+    co_await links::send_status(socket_, 0, b.index, {}, timeout_, what + ": consumed");
   }
 
  private:
@@ -95,7 +95,7 @@ class transport final : public bucket_transport {
 
 engine::engine(const weight_transfer_config& config, const engine_context& context,
                std::shared_ptr<ipc_provider> provider)
-    : worker_engine(config, context), provider_(std::move(provider)) {
+    : worker_engine(config, context, capabilities_of()), provider_(std::move(provider)) {
   if (!provider_) throw_error(errc::invalid_argument, "cuda_ipc engine: an ipc provider is required");
   handles_ = std::make_unique<handle_cache>(provider_);
 }

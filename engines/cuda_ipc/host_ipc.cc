@@ -7,7 +7,7 @@
 #include <random>
 
 #include <refit/engines/cuda_ipc/cuda_ipc.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/send_cursor.h>
 
 namespace refit::cuda_ipc {
 namespace {

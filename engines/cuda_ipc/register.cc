@@ -14,7 +14,7 @@ using refit::cuda_ipc::cuda_ipcs;
 
 const bool registered = [] {
   refit::engine_factory::instance().register_backend(
-      "cuda_ipc",
+      "cuda_ipc", refit::cuda_ipc::engine::capabilities_of(),
       [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
         return std::unique_ptr<refit::weight_transfer_engine>(
             new refit::cuda_ipc::engine(c, ctx, cuda_ipcs(device_index(ctx.device))));
@@ -25,7 +25,7 @@ const bool registered = [] {
       });
   // PyTorch trainers: no refit sender, the trainer is Python (examples/torch_ipc).
   refit::engine_factory::instance().register_backend(
-      "torch_ipc", [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
+      "torch_ipc", refit::cuda_ipc::torch_engine::capabilities_of(), [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
         return std::unique_ptr<refit::weight_transfer_engine>(
             new refit::cuda_ipc::torch_engine(c, ctx, cuda_ipcs(device_index(ctx.device))));
       });

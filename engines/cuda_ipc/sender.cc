@@ -5,10 +5,10 @@
 
 #include <refit/engines/cuda_ipc/cuda_ipc.h>
 #include "wire.h"  // private to this engine
-#include <refit/async/all_of.h>
-#include <refit/group/status_io.h>
-#include <refit/net.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/net.h>
+#include <refit/backend/send_cursor.h>
 
 namespace refit::cuda_ipc {
 
@@ -19,9 +19,9 @@ asio::awaitable<void> hand_over(std::shared_ptr<asio::ip::tcp::socket> s, std::a
 }
 asio::awaitable<void> consumed(std::shared_ptr<asio::ip::tcp::socket> s, std::chrono::milliseconds timeout,
                                std::string who, std::uint64_t index) {
-  auto st = co_await group::read_status(*s, timeout, who + ": waiting for bucket " + std::to_string(index) +
+  auto st = co_await links::read_status(*s, timeout, who + ": waiting for bucket " + std::to_string(index) +
                                                          " to be consumed");
-  group::throw_if_failed(st, who);
+  links::throw_if_failed(st, who);
   if (st.seq != index)
     throw_error(errc::protocol_error, who + ": consumed bucket " + std::to_string(st.seq) + ", expected " +
                                           std::to_string(index));
@@ -45,7 +45,7 @@ void sender::prepared() {
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
-  const std::vector<group::member> peers = peers_;
+  const std::vector<links::member> peers = peers_;
   const std::size_t n = buffers_->slot_count();
   // Each buffer's handle (the same allocation always has the same handle).
   std::vector<std::pair<handle_bytes, gpu_uuid>> handles;
@@ -56,7 +56,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     return async::all_of(std::move(ops));
   };
   try {
-    co_await announce_all(peers, group::update_header(seq, declared, plan));
+    co_await announce_all(peers, links::update_header(seq, declared, plan));
     send_cursor cursor(declared, plan, source, provider_->device_sources());
     provider_->order_after(context_.native_stream);
     for (const bucket& b : plan.buckets) {
@@ -64,7 +64,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       // The buffer held bucket b - n: every worker must have consumed it.
       if (b.index >= n) {
         const std::uint64_t old = b.index - n;
-        co_await each([&](const group::member& p) { return consumed(p.socket, args_.timeout, rank_name(p.rank), old); });
+        co_await each([&](const links::member& p) { return consumed(p.socket, args_.timeout, rank_name(p.rank), old); });
       }
       co_await provider_->pack(cursor.gather(b), buffers_->slot(slot).data());
       wire::chunk c;
@@ -75,12 +75,12 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       c.gpu = handles[slot].second;
       std::array<std::byte, sizeof(wire::chunk)> raw;
       std::memcpy(raw.data(), &c, sizeof c);
-      co_await each([&](const group::member& p) { return hand_over(p.socket, raw, args_.timeout, rank_name(p.rank), b.index); });
+      co_await each([&](const links::member& p) { return hand_over(p.socket, raw, args_.timeout, rank_name(p.rank), b.index); });
     }
     cursor.finish();
     const std::uint64_t count = plan.buckets.size();
     for (std::uint64_t i = count > n ? count - n : 0; i < count; ++i)
-      co_await each([&](const group::member& p) { return consumed(p.socket, args_.timeout, rank_name(p.rank), i); });
+      co_await each([&](const links::member& p) { return consumed(p.socket, args_.timeout, rank_name(p.rank), i); });
     co_await confirm_all(peers, seq);
   } catch (...) {
     close();

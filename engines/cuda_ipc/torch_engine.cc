@@ -1,8 +1,9 @@
 // The "torch_ipc" worker: tensors of a PyTorch trainer, copied out of its memory
 // through the handles its update_info carries (torch_ipc.h).
 #include <refit/engines/cuda_ipc/torch_ipc.h>
-#include <refit/async/offload.h>
-#include <refit/pipeline.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/pipeline.h>
+#include <refit/backend/infos.h>
 
 namespace refit::cuda_ipc {
 
@@ -69,7 +70,7 @@ class torch_transport final : public bucket_transport {
 
 torch_engine::torch_engine(const weight_transfer_config& config, const engine_context& context,
                            std::shared_ptr<ipc_provider> provider)
-    : typed_engine(config, context), provider_(std::move(provider)) {
+    : typed_engine(config, context, capabilities_of()), provider_(std::move(provider)) {
   if (!provider_) throw_error(errc::invalid_argument, "torch_ipc engine: an ipc provider is required");
   handles_ = std::make_unique<handle_cache>(provider_);
 }

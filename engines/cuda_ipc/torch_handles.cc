@@ -5,7 +5,7 @@
 #include <limits>
 #include <span>
 
-#include <refit/hex.h>
+#include <refit/internal/hex.h>
 
 namespace refit::cuda_ipc {
 namespace {

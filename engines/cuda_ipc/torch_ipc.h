@@ -26,7 +26,7 @@
 #include <vector>
 
 #include <refit/engines/cuda_ipc/cuda_ipc.h>
-#include <refit/json_reader.h>
+#include <refit/backend/json_reader.h>
 #include <refit/metadata.h>
 
 namespace refit::cuda_ipc {
@@ -90,12 +90,16 @@ struct torch_update_info final : refit::update_info {
 /// call returns. Mappings stay open across sessions while the trainer keeps
 /// offering the same allocations (handle_cache): a trainer whose storages live
 /// pays for its opens once, not per update.
-class torch_engine final : public typed_engine<torch_init_info, torch_update_info> {
+class torch_engine final : public backend::typed_engine<torch_init_info, torch_update_info> {
  public:
   torch_engine(const weight_transfer_config& config, const engine_context& context,
                std::shared_ptr<ipc_provider> provider);
   std::string_view backend() const noexcept override { return "torch_ipc"; }
-  bool defers_processing() const noexcept override { return true; }
+  /// Direct receive into device memory (the trainer's IPC buffers are copied
+  /// into the model's tensors on the device); processing deferred; needs a GPU.
+  static engine_capabilities capabilities_of() {
+    return {.direct_receive = true, .device_memory = true, .defers_processing = true, .needs_gpu = true};
+  }
   const handle_cache& handles() const noexcept { return *handles_; }
   std::string staged_commit_refusal() const override {
     return pipeline_ && pipeline_->staging_device().is_cuda()

@@ -7,8 +7,8 @@
 #include <asio/experimental/concurrent_channel.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/async/deadline.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/async/deadline.h>
+#include <refit/backend/send_cursor.h>
 
 namespace refit::loopback {
 
@@ -81,7 +81,7 @@ class transport final : public bucket_transport {
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
-    : typed_engine(config, context) {}
+    : typed_engine(config, context, capabilities_of()) {}
 
 engine::~engine() { do_shutdown(); }
 

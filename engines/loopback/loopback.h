@@ -6,10 +6,11 @@
 #include <memory>
 #include <string>
 
-#include <refit/bucket_plan.h>
+#include <refit/backend/bucket_plan.h>
 #include <refit/engine.h>
-#include <refit/pipeline.h>
+#include <refit/backend/pipeline.h>
 #include <refit/trainer.h>
+#include <refit/backend/engine.h>
 
 namespace refit::loopback {
 
@@ -28,12 +29,15 @@ struct init_info final : refit::init_info {
 using update_info = metadata_update_info;
 
 /// Worker side.
-class engine final : public typed_engine<init_info, update_info> {
+class engine final : public backend::typed_engine<init_info, update_info> {
  public:
   engine(const weight_transfer_config& config, const engine_context& context);
   ~engine() override;
   std::string_view backend() const noexcept override { return "loopback"; }
-  bool defers_processing() const noexcept override { return true; }
+  /// Direct receive and staged commits; processing deferred.
+  static engine_capabilities capabilities_of() {
+    return {.direct_receive = true, .staged_commit = true, .defers_processing = true};
+  }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;

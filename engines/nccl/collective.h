@@ -15,7 +15,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/buffer.hpp>
 
-#include <refit/pipeline.h>
+#include <refit/backend/pipeline.h>
 
 namespace refit::nccl {
 

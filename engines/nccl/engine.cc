@@ -1,5 +1,5 @@
 // The NCCL worker: the side channel's welcome brings the communicator id; each
-// bucket is one broadcast into a staging slot (the rest is group::worker_engine).
+// bucket is one broadcast into a staging slot (the rest is links::worker_engine).
 #include <refit/engines/nccl/nccl.h>
 
 namespace refit::nccl {
@@ -33,7 +33,7 @@ class transport final : public bucket_transport {
 
 engine::engine(const weight_transfer_config& config, const engine_context& context,
                std::shared_ptr<collective_provider> provider)
-    : worker_engine(config, context), provider_(std::move(provider)) {
+    : worker_engine(config, context, capabilities_of()), provider_(std::move(provider)) {
   if (!provider_) throw_error(errc::invalid_argument, "nccl engine: a collective provider is required");
 }
 

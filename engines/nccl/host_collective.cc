@@ -12,8 +12,8 @@
 #include <asio/use_awaitable.hpp>
 
 #include <refit/engines/nccl/collective.h>
-#include <refit/async/deadline.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/async/deadline.h>
+#include <refit/backend/send_cursor.h>
 
 namespace refit::nccl {
 namespace {

@@ -13,22 +13,28 @@
 #include <memory>
 
 #include <refit/engines/nccl/collective.h>
-#include <refit/group/engine_base.h>
+#include <refit/backend/links/engine_base.h>
+#include <refit/backend/engine.h>
 
 namespace refit::nccl {
 
 /// Worker init info, as vLLM's NCCL engine's plus the trainer's wire parameters
-/// (group::join_info; checksums refused: a collective has no byte stream).
-using init_info = group::stream_free_init_info;
+/// (links::join_info; checksums refused: a collective has no byte stream).
+using init_info = links::stream_free_init_info;
 using update_info = metadata_update_info;
 
 /// Worker side: each bucket is one broadcast into a staging slot.
-class engine final : public group::worker_engine {
+class engine final : public links::worker_engine {
  public:
   engine(const weight_transfer_config& config, const engine_context& context,
          std::shared_ptr<collective_provider> provider);
   ~engine() override { close(); }
   std::string_view backend() const noexcept override { return "nccl"; }
+  /// A broadcast into device staging (one buffer per bucket, then copied: no
+  /// direct receive, no staged commit); processing deferred; needs a GPU.
+  static engine_capabilities capabilities_of() {
+    return {.device_memory = true, .defers_processing = true, .needs_gpu = true};
+  }
 
  protected:
   asio::awaitable<void> joined(const init_info& info, const std::string& welcome) override;
@@ -44,16 +50,21 @@ class engine final : public group::worker_engine {
   std::shared_ptr<collective> aborting_;  // closed, its abort maybe still running
 };
 
-/// Trainer side. trainer_args as group::trainer_args ("checksums" refused). With
+/// Trainer side. trainer_args as links::trainer_args ("checksums" refused). With
 /// num_buffers >= 2, bucket k+1 is packed into the next buffer while bucket k is
 /// broadcast; the trainer's tensors are read only after the work queued on
 /// trainer_context::native_stream when the send starts.
-class sender final : public group::sender_base {
+class sender final : public links::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context,
          std::shared_ptr<collective_provider> provider);
   ~sender() override { shutdown(); }
   std::string_view backend() const noexcept override { return "nccl"; }
+  /// A broadcast into device staging (one buffer per bucket, then copied: no
+  /// direct receive, no staged commit); processing deferred; needs a GPU.
+  static engine_capabilities capabilities_of() {
+    return {.device_memory = true, .defers_processing = true, .needs_gpu = true};
+  }
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
 
  protected:

@@ -21,14 +21,14 @@
 
 #include <refit/engines/nccl/collective.h>
 #include <refit/engines/nccl/nccl_collective.h>
-#include <refit/async/offload.h>
+#include <refit/backend/async/offload.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/nccl_error.h>
 #include <refit/cuda/staging.h>
 #include <refit/cuda/stream.h>
-#include <refit/hex.h>
+#include <refit/internal/hex.h>
 
 namespace refit::nccl {
 namespace {

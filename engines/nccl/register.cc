@@ -12,7 +12,7 @@ using refit::nccl::nccl_collectives;
 
 const bool registered = [] {
   refit::engine_factory::instance().register_backend(
-      "nccl",
+      "nccl", refit::nccl::engine::capabilities_of(),
       [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
         return std::unique_ptr<refit::weight_transfer_engine>(
             new refit::nccl::engine(c, ctx, nccl_collectives(device_index(ctx.device))));

@@ -2,8 +2,8 @@
 // the communicator id), then per update: announce the header to every worker, pack
 // each bucket into a rotating buffer and broadcast it, and collect confirmations.
 #include <refit/engines/nccl/nccl.h>
-#include <refit/async/all_of.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/send_cursor.h>
 
 namespace refit::nccl {
 
@@ -51,11 +51,11 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   // Kept for the whole send: shutdown() may abort it meanwhile (then every
   // broadcast fails), but never frees it under us.
   const std::shared_ptr<collective> comm = comm_;
-  const std::vector<group::member> peers = peers_;
+  const std::vector<links::member> peers = peers_;
   std::exception_ptr failure;
   try {
     if (!comm) throw_error(errc::invalid_state, "nccl trainer: no communicator; call init again");
-    co_await announce_all(peers, group::update_header(seq, declared, plan));
+    co_await announce_all(peers, links::update_header(seq, declared, plan));
     // Buckets go out in plan order, each packed into the next rotating buffer. A
     // divergent tensor fails the update while packing; the abort below makes every
     // worker fail too rather than wait for a broadcast that never comes.

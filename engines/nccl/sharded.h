@@ -14,8 +14,8 @@
 #include <asio/awaitable.hpp>
 
 #include <refit/engines/nccl/collective.h>
-#include <refit/shard_io.h>
-#include <refit/transfer_plan.h>
+#include <refit/backend/shard_io.h>
+#include <refit/layout/transfer_plan.h>
 
 namespace refit::nccl {
 

@@ -10,19 +10,19 @@
 #include <asio/use_awaitable.hpp>
 
 #include <refit/engines/tcp/tcp.h>
-#include <refit/async/all_of.h>
-#include <refit/async/deadline.h>
-#include <refit/async/event.h>
-#include <refit/async/offload.h>
-#include <refit/checksum.h>
-#include <refit/group/status_io.h>
-#include <refit/group/wire.h>
-#include <refit/hex.h>
-#include <refit/net.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/async/deadline.h>
+#include <refit/backend/async/event.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/checksum.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/links/wire.h>
+#include <refit/internal/hex.h>
+#include <refit/backend/net.h>
 
 namespace refit::tcp {
 
-namespace wire = group::wire;
+namespace wire = links::wire;
 
 namespace {
 
@@ -38,7 +38,7 @@ asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer>
   } catch (...) {
     failure = std::current_exception();
   }
-  if (failure) co_await group::rethrow_with_peer_reason(*child, failure, what);
+  if (failure) co_await links::rethrow_with_peer_reason(*child, failure, what);
 }
 
 // The same bytes to every child at once; the first error wins, naming the child.
@@ -199,23 +199,23 @@ void close_socket(asio::ip::tcp::socket& s) {
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
-    : typed_engine(config, context) {}
+    : typed_engine(config, context, capabilities_of()) {}
 
 engine::~engine() { do_shutdown(); }
 
 asio::awaitable<void> engine::init(const init_info& info) {
   do_shutdown();
   timeout_ = info.timeout.value_or(config().timeout);
-  rank_ = group::worker_rank(info, context().ranks, "tcp");
+  rank_ = links::worker_rank(info, context().ranks, "tcp");
   position_ = {};
   // In a relay topology the hello says where this worker's children may connect.
-  group::relay_listener relay;
+  links::relay_listener relay;
   if (!info.topology.star())
     relay = [this](const asio::ip::address& local) {
       relay_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context().executor, local.to_string(), 0));
       return relay_->local_endpoint().port();
     };
-  auto joined = co_await group::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
+  auto joined = co_await links::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret,
                                      timeout_, who(), relay);
   auto socket = std::make_shared<asio::ip::tcp::socket>(std::move(joined.socket));
   net::set_buffers(*socket, config().socket_buffer_bytes);
@@ -245,10 +245,10 @@ asio::awaitable<void> engine::init(const init_info& info) {
 }
 
 namespace {
-asio::awaitable<void> connect_upstream(std::shared_ptr<asio::ip::tcp::socket>* out, group::relay_position p, int rank,
+asio::awaitable<void> connect_upstream(std::shared_ptr<asio::ip::tcp::socket>* out, links::relay_position p, int rank,
                                        wire_params wire, std::string secret, std::chrono::milliseconds timeout,
                                        std::string who, std::size_t buffer_bytes) {
-  auto j = co_await group::join(p.upstream_address, p.upstream_port, rank, wire, std::move(secret), timeout,
+  auto j = co_await links::join(p.upstream_address, p.upstream_port, rank, wire, std::move(secret), timeout,
                                 who + ": upstream worker rank " + std::to_string(p.upstream));
   *out = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
   net::set_buffers(**out, buffer_bytes);
@@ -258,7 +258,7 @@ asio::awaitable<void> accept_children(std::vector<socket_ptr>* out, asio::ip::tc
                                       asio::any_io_executor ex, std::vector<int> ranks, wire_params wire,
                                       std::string secret, std::chrono::milliseconds timeout, std::string who,
                                       std::size_t buffer_bytes) {
-  auto members = co_await group::accept_members(relay, ex, std::move(secret), timeout, wire, ranks, who + " (relay)");
+  auto members = co_await links::accept_members(relay, ex, std::move(secret), timeout, wire, ranks, who + " (relay)");
   // In the order of `ranks` (accept_members sorts by rank, as are they).
   for (auto& m : members) {
     net::set_buffers(*m.socket, buffer_bytes);
@@ -269,10 +269,10 @@ asio::awaitable<void> accept_children(std::vector<socket_ptr>* out, asio::ip::tc
 
 asio::awaitable<void> engine::join_relay(const init_info& info) {
   // The trainer says where this worker sits once every worker has joined.
-  auto st = co_await group::read_status(*socket_, timeout_, who() + ": waiting for its place in the " +
+  auto st = co_await links::read_status(*socket_, timeout_, who() + ": waiting for its place in the " +
                                                                info.topology.to_string());
-  group::throw_if_failed(st, who() + ": the trainer");
-  position_ = group::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
+  links::throw_if_failed(st, who() + ": the trainer");
+  position_ = links::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
                                                who() + ": relay position");
   std::sort(position_.children.begin(), position_.children.end());
   // Connect upstream and accept the children at once: a chain forms in one step.
@@ -304,7 +304,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     // so its error names this worker's reason (say, which child was lost), not a
     // reset connection. Then, as the stream position is unknown, the connections
     // close: the children fail at once rather than wait for bytes that never come.
-    co_await group::tell_failure(*from, failure, last_seq_);
+    co_await links::tell_failure(*from, failure, last_seq_);
     do_shutdown();
     std::rethrow_exception(failure);
   }
@@ -319,7 +319,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
       position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
   if (children.empty()) {
-    last_seq_ = co_await group::accept_update(socket, last_seq_, info.metadata, plan, timeout_, source);
+    last_seq_ = co_await links::accept_update(socket, last_seq_, info.metadata, plan, timeout_, source);
   } else {
     // The header goes down the tree; this worker accepts only once its children did.
     std::array<std::byte, sizeof(wire::update)> raw;
@@ -334,7 +334,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
       std::vector<asio::const_buffer> header{asio::buffer(raw)};
       co_await to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
       for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
-        auto st = co_await group::read_status(*children[i], timeout_,
+        auto st = co_await links::read_status(*children[i], timeout_,
                                               me + ": waiting for downstream worker rank " +
                                                   std::to_string(child_ranks[i]) + " to accept");
         if (st.code != 0) {
@@ -345,11 +345,11 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
       }
     }
     if (!refusal.empty()) {
-      co_await group::send_status(socket, static_cast<std::uint32_t>(code), u.seq, me + ": " + refusal, timeout_,
+      co_await links::send_status(socket, static_cast<std::uint32_t>(code), u.seq, me + ": " + refusal, timeout_,
                                   me + ": refusing the update");
       throw_error(code, me + ": " + refusal);
     }
-    co_await group::send_status(socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
+    co_await links::send_status(socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
     last_seq_ = u.seq;
   }
 
@@ -363,7 +363,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
     errc kind = errc::peer_lost;
     std::string message;
     try {
-      co_await group::await_confirmation(*children[i], last_seq_, timeout_,
+      co_await links::await_confirmation(*children[i], last_seq_, timeout_,
                                          me + ": downstream worker rank " + std::to_string(child_ranks[i]));
     } catch (const error& e) {
       failure = std::current_exception();
@@ -373,14 +373,14 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
     if (failure) {
       // The upstream learns which worker failed, and why.
       try {
-        co_await group::send_status(socket, static_cast<std::uint32_t>(kind), last_seq_, message, timeout_,
+        co_await links::send_status(socket, static_cast<std::uint32_t>(kind), last_seq_, message, timeout_,
                                     me + ": failing the update");
       } catch (const error&) {
       }
       std::rethrow_exception(failure);
     }
   }
-  co_await group::confirm_update(socket, last_seq_, timeout_, me);
+  co_await links::confirm_update(socket, last_seq_, timeout_, me);
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
@@ -389,7 +389,7 @@ void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
     // The refusal goes upstream; children (whose header never comes) are closed.
     std::shared_ptr<asio::ip::tcp::socket> s = upstream_ ? std::exchange(upstream_, nullptr) : std::exchange(socket_, nullptr);
     asio::co_spawn(context().executor,
-                   group::refuse_update(s, last_seq_ + 1, kind, reason,
+                   links::refuse_update(s, last_seq_ + 1, kind, reason,
                                         std::min(timeout_, std::chrono::milliseconds(2000)), who()),
                    asio::detached);
   } catch (...) {  // could not start the refusal: the trainer fails at its deadline

@@ -8,21 +8,21 @@
 #include <asio/use_awaitable.hpp>
 
 #include <refit/engines/tcp/tcp.h>
-#include <refit/group/status_io.h>
-#include <refit/group/wire.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/links/wire.h>
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/concurrent_channel.hpp>
 
-#include <refit/async/all_of.h>
-#include <refit/async/deadline.h>
-#include <refit/async/offload.h>
-#include <refit/checksum.h>
-#include <refit/net.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/async/deadline.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/checksum.h>
+#include <refit/backend/net.h>
+#include <refit/backend/send_cursor.h>
 
 namespace refit::tcp {
 
-namespace wire = group::wire;
+namespace wire = links::wire;
 
 namespace {
 using clock_type = std::chrono::steady_clock;
@@ -43,10 +43,10 @@ sender::~sender() {
 
 json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp trainer_args");
-  const auto args = group::trainer_args::read(r, config_.timeout);
+  const auto args = links::trainer_args::read(r, config_.timeout);
   const auto topology = r.maybe<std::string>("topology");
-  topology_ = topology ? group::topology::parse(*topology, "tcp trainer_args: member 'topology'")
-                       : group::topology::default_for(args.world_size - 1);
+  topology_ = topology ? links::topology::parse(*topology, "tcp trainer_args: member 'topology'")
+                       : links::topology::default_for(args.world_size - 1);
   r.finish();
   args_ = args;
   world_size_ = args.world_size;
@@ -63,7 +63,7 @@ json sender::prepare(const json& trainer_args) {
 
 json sender::worker_init_info() const {
   if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
-  json info = group::worker_init_info(args_, acceptor_->local_endpoint().port());
+  json info = links::worker_init_info(args_, acceptor_->local_endpoint().port());
   if (!topology_.star()) info["topology"] = topology_.to_string();
   return info;
 }
@@ -71,7 +71,7 @@ json sender::worker_init_info() const {
 asio::awaitable<void> sender::connect_workers() {
   if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
   fail_all();
-  auto members = co_await group::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
+  auto members = co_await links::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
                                                 world_size_, "tcp trainer");
   const int workers = world_size_ - 1;
   if (!topology_.star()) {
@@ -82,7 +82,7 @@ asio::awaitable<void> sender::connect_workers() {
     std::vector<std::string> texts(members.size()), whats(members.size());
     for (std::size_t i = 0; i < members.size(); ++i) {
       const auto& m = members[i];
-      group::relay_position p;
+      links::relay_position p;
       p.upstream = topology_.parent(m.rank);
       p.children = topology_.children(m.rank, workers);
       if (p.upstream != 0) {
@@ -94,7 +94,7 @@ asio::awaitable<void> sender::connect_workers() {
       }
       texts[i] = p.to_json().dump();
       whats[i] = rank_name(m.rank) + ": telling it its place in the " + topology_.to_string();
-      tell.push_back(group::send_status(*m.socket, 0, 0, texts[i], timeout_, whats[i]));
+      tell.push_back(links::send_status(*m.socket, 0, 0, texts[i], timeout_, whats[i]));
     }
     co_await async::all_of(std::move(tell));
   }
@@ -181,7 +181,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     // Walk (and check) every tensor the source yields before any byte leaves: a
     // divergent or extra tensor fails the update while workers have nothing of it.
     stream s;
-    s.update = group::update_header(seq, declared, plan);
+    s.update = links::update_header(seq, declared, plan);
     s.seq = seq;
     s.payloads.resize(plan.buckets.size());
     send_cursor cursor(declared, plan, source);
@@ -264,12 +264,12 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
   }
   // A worker that fails says why before it closes (its own error, or which worker
   // below it was lost): that reason, not "connection reset", is the error.
-  if (failure) co_await group::rethrow_with_peer_reason(p.socket, failure, who);
+  if (failure) co_await links::rethrow_with_peer_reason(p.socket, failure, who);
 }
 
 asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
                                           const std::string& who) {
-  co_await group::announce_update(p.socket, s.update, timeout_, who);
+  co_await links::announce_update(p.socket, s.update, timeout_, who);
   std::vector<asio::const_buffer> buffers;
   for (std::size_t i = 0; i < s.payloads.size(); ++i) {
     const std::string what = who + ": bucket " + std::to_string(i);
@@ -289,7 +289,7 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
     buffers.insert(buffers.end(), s.payloads[i].begin(), s.payloads[i].end());
     co_await net::write_all(p.socket, buffers, timeout_, what);
   }
-  co_await group::await_confirmation(p.socket, s.seq, timeout_, who);
+  co_await links::await_confirmation(p.socket, s.seq, timeout_, who);
 }
 
 std::string sender::unconfirmed_ranks() const {

@@ -11,19 +11,20 @@
 #include <asio/use_awaitable.hpp>
 #include <xxhash.h>
 
-#include <refit/async/all_of.h>
-#include <refit/async/offload.h>
-#include <refit/checksum.h>
-#include <refit/group/group.h>
-#include <refit/group/status_io.h>
-#include <refit/group/wire.h>
-#include <refit/hex.h>
-#include <refit/net.h>
-#include <refit/shard_io.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/checksum.h>
+#include <refit/backend/links/links.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/links/wire.h>
+#include <refit/internal/hex.h>
+#include <refit/backend/net.h>
+#include <refit/backend/shard_io.h>
+#include <refit/backend/infos.h>
 
 namespace refit::tcp {
 
-namespace wire = group::wire;
+namespace wire = links::wire;
 
 namespace {
 
@@ -117,7 +118,7 @@ sharded_init_info sharded_init_info::read(json_reader& r) {
 // ---------------------------------------------------------------- worker
 
 sharded_engine::sharded_engine(const weight_transfer_config& config, const engine_context& context)
-    : weight_transfer_engine(config, context) {}
+    : engine(config, context, capabilities_of()) {}
 
 sharded_engine::~sharded_engine() { do_shutdown(); }
 
@@ -170,7 +171,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   for (std::size_t r = 0; r < info.trainers.size(); ++r)
     joins.push_back([](socket_ptr* out, sharded_init_info::endpoint e, int rank, wire_params wire, std::string secret,
                        std::chrono::milliseconds timeout, std::string who, std::size_t buffers) -> asio::awaitable<void> {
-      auto j = co_await group::join(e.address, e.port, rank, wire, std::move(secret), timeout, who);
+      auto j = co_await links::join(e.address, e.port, rank, wire, std::move(secret), timeout, who);
       *out = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
       net::set_buffers(**out, buffers);
     }(&sockets[r], info.trainers[r], worker_ + 1, wire_, config().auth_secret, timeout_,
@@ -288,7 +289,7 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
     // Every trainer rank learns why (not just a reset), then the connections close.
     for (std::size_t r = 0; r < s->sockets.size(); ++r) {
       try {
-        co_await group::tell_failure(*s->sockets[r], failure, last_seq_[r]);
+        co_await links::tell_failure(*s->sockets[r], failure, last_seq_[r]);
       } catch (...) {
       }
     }
@@ -356,11 +357,11 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
                 std::to_string(pair.items.size()) + ", " + std::to_string(pair.bytes) + " in " +
                 std::to_string(frames.size()) + " (are both on the same refit version?)";
     if (!refusal.empty()) {
-      co_await group::send_status(*socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, refusal, timeout_,
+      co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, refusal, timeout_,
                                   me + ": refusing the update");
       throw_error(errc::protocol_error, me + ": " + refusal);
     }
-    co_await group::send_status(*socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
+    co_await links::send_status(*socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
     last_seq_[rank] = u.seq;
   }
   if (auto* t = std::exchange(direct_target_, nullptr)) t->direct_write_begins();
@@ -383,7 +384,7 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
                                                to_hex(h.checksum));
     }
   }
-  co_await group::confirm_update(*socket, last_seq_[rank], timeout_, me);
+  co_await links::confirm_update(*socket, last_seq_[rank], timeout_, me);
 }
 
 void sharded_engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
@@ -391,7 +392,7 @@ void sharded_engine::do_refuse_update(errc kind, const std::string& reason) noex
   try {
     for (std::size_t r = 0; r < sockets_.size(); ++r)
       asio::co_spawn(context().executor,
-                     group::refuse_update(sockets_[r], last_seq_[r] + 1, kind, reason,
+                     links::refuse_update(sockets_[r], last_seq_[r] + 1, kind, reason,
                                           std::min(timeout_, std::chrono::milliseconds(2000)), who()),
                      asio::detached);
   } catch (...) {
@@ -467,7 +468,7 @@ asio::awaitable<void> sharded_sender::connect_workers() {
     throw_error(errc::invalid_state, "tcp_sharded trainer: connect_workers before prepare");
   fail_all();
   const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_);
-  auto members = co_await group::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
+  auto members = co_await links::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
                                                 workers_ + 1, who);
   peers_.clear();
   for (auto& m : members) {
@@ -550,7 +551,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       return tensor_place{bases[it.source], spec.shape, element_size(spec.dtype)};
     });
     auto frames = std::make_shared<const std::vector<stream_frame>>(cut_frames(runs, wire_.buffer_bytes));
-    const auto header = group::update_header(seq, pair.items.size(), pair_digest(plan.digest, rank_, w),
+    const auto header = links::update_header(seq, pair.items.size(), pair_digest(plan.digest, rank_, w),
                                              frames->size(), pair.bytes);
     sent_[w] = pair.bytes;
     auto p = peers_.at(w);
@@ -579,7 +580,7 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
   const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_) + ": worker " + std::to_string(p->worker);
   std::exception_ptr failure;
   try {
-    co_await group::announce_update(p->socket, header, timeout_, who);
+    co_await links::announce_update(p->socket, header, timeout_, who);
     std::vector<asio::const_buffer> buffers;
     for (std::size_t k = 0; k < frames->size(); ++k) {
       const auto& f = (*frames)[k];
@@ -596,12 +597,12 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
       buffers.insert(buffers.begin(), asio::buffer(raw));
       co_await net::write_all(p->socket, buffers, timeout_, who + ": frame " + std::to_string(k));
     }
-    co_await group::await_confirmation(p->socket, seq, timeout_, who);
+    co_await links::await_confirmation(p->socket, seq, timeout_, who);
   } catch (...) {
     failure = std::current_exception();
   }
   // A worker that fails says why before it closes: that reason is the error.
-  if (failure) co_await group::rethrow_with_peer_reason(p->socket, failure, who);
+  if (failure) co_await links::rethrow_with_peer_reason(p->socket, failure, who);
 }
 
 }  // namespace refit::tcp

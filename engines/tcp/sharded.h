@@ -25,12 +25,13 @@
 #include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
 
-#include <refit/bucket_plan.h>
+#include <refit/backend/engine.h>
+#include <refit/backend/bucket_plan.h>
 #include <refit/engine.h>
-#include <refit/layout.h>
-#include <refit/shard_io.h>
+#include <refit/layout/layout.h>
+#include <refit/backend/shard_io.h>
 #include <refit/trainer.h>
-#include <refit/transfer_plan.h>
+#include <refit/layout/transfer_plan.h>
 
 namespace refit::tcp {
 
@@ -81,11 +82,16 @@ struct sharded_update_info final : refit::update_info {
 };
 
 /// Worker side.
-class sharded_engine final : public weight_transfer_engine {
+class sharded_engine final : public backend::engine {
  public:
   sharded_engine(const weight_transfer_config& config, const engine_context& context);
   ~sharded_engine() override;
   std::string_view backend() const noexcept override { return "tcp_sharded"; }
+  /// Sharded (M:N) plans received straight into the worker's tensors (direct
+  /// receive), staged commits, checksummed frames.
+  static engine_capabilities capabilities_of() {
+    return {.direct_receive = true, .staged_commit = true, .checksums = true, .sharded = true};
+  }
   std::unique_ptr<refit::init_info> parse_init_info(const json& j) const override;
   /// Needs the worker's number, so only after init_transfer_engine.
   std::unique_ptr<refit::update_info> parse_update_info(const json& j) const override;
@@ -132,6 +138,11 @@ class sharded_sender final : public weight_sender {
   sharded_sender(const weight_transfer_config& config, const trainer_context& context);
   ~sharded_sender() override;
   std::string_view backend() const noexcept override { return "tcp_sharded"; }
+  /// Sharded (M:N) plans received straight into the worker's tensors (direct
+  /// receive), staged commits, checksummed frames.
+  static engine_capabilities capabilities_of() {
+    return {.direct_receive = true, .staged_commit = true, .checksums = true, .sharded = true};
+  }
   json prepare(const json& trainer_args) override;
   asio::awaitable<void> connect_workers() override;
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;

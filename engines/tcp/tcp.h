@@ -16,12 +16,13 @@
 #include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
 
-#include <refit/bucket_plan.h>
+#include <refit/backend/bucket_plan.h>
 #include <refit/engine.h>
-#include <refit/group/group.h>
-#include <refit/group/relay.h>
-#include <refit/pipeline.h>
+#include <refit/backend/links/links.h>
+#include <refit/backend/links/relay.h>
+#include <refit/backend/pipeline.h>
 #include <refit/trainer.h>
+#include <refit/backend/engine.h>
 
 namespace refit::tcp {
 
@@ -31,12 +32,12 @@ namespace refit::tcp {
 ///  "topology": "star" | "chain" | "tree:K" (optional, star by default)}.
 /// The worker's rank is rank_offset + its local rank (from the engine context's
 /// parallel ranks); the trainer is rank 0.
-struct init_info final : refit::init_info, group::join_info {
-  group::topology topology;
+struct init_info final : refit::init_info, links::join_info {
+  links::topology topology;
   static init_info read(json_reader& r) {
     init_info info;
-    static_cast<group::join_info&>(info) = group::join_info::read(r);
-    info.topology = group::topology::parse(r.optional<std::string>("topology", "star"),
+    static_cast<links::join_info&>(info) = links::join_info::read(r);
+    info.topology = links::topology::parse(r.optional<std::string>("topology", "star"),
                                            r.context() + ": member '" + r.member_path("topology") + "'");
     return info;
   }
@@ -46,12 +47,17 @@ struct init_info final : refit::init_info, group::join_info {
 using update_info = metadata_update_info;
 
 /// Worker side: connects to the trainer, receives straight into staging slots.
-class engine final : public typed_engine<init_info, update_info> {
+class engine final : public backend::typed_engine<init_info, update_info> {
  public:
   engine(const weight_transfer_config& config, const engine_context& context);
   ~engine() override;
   std::string_view backend() const noexcept override { return "tcp"; }
-  bool defers_processing() const noexcept override { return true; }
+  /// Direct receive, staged commits, checksums, relays (chain, tree:K); processing
+  /// deferred.
+  static engine_capabilities capabilities_of() {
+    return {.direct_receive = true, .staged_commit = true, .checksums = true, .relay = true,
+            .defers_processing = true};
+  }
   /// This worker's rank once initialised.
   int rank() const noexcept { return rank_; }
   /// Closes every connection now (to the trainer, upstream, children): an update
@@ -84,7 +90,7 @@ class engine final : public typed_engine<init_info, update_info> {
   std::shared_ptr<asio::ip::tcp::socket> upstream_;  // to the upstream worker (relay topologies)
   std::vector<std::shared_ptr<asio::ip::tcp::socket>> children_;  // in position_.children order
   std::unique_ptr<asio::ip::tcp::acceptor> relay_;   // where children connect
-  group::relay_position position_;
+  links::relay_position position_;
   std::unique_ptr<receive_pipeline> pipeline_;
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
@@ -138,13 +144,13 @@ class sender final : public weight_sender {
   std::unique_ptr<asio::thread_pool> io_pool_;    // threads that copy bytes into sockets
   std::unique_ptr<asio::thread_pool> hash_pool_;  // the checksums, ahead of the streams
   std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
-  group::trainer_args args_;
+  links::trainer_args args_;
   int world_size_ = 0;
   wire_params wire_;
   std::chrono::milliseconds timeout_{0};
   std::vector<std::shared_ptr<peer>> peers_;  // the trainer's children: shared with in-flight streams and closes
   std::vector<std::shared_ptr<peer>> relayed_;  // the other workers' side channels, kept open
-  group::topology topology_;
+  links::topology topology_;
   std::uint64_t seq_ = 0;
   update_stats stats_;
 };

@@ -27,7 +27,7 @@
 #include <asio/write.hpp>
 #include <asio/experimental/as_tuple.hpp>
 
-#include <refit/async/lag_probe.h>
+#include <refit/internal/lag_probe.h>
 #include <refit/refit.h>
 
 #include "examples/async_server/flags.h"

@@ -9,7 +9,7 @@
 #include <refit/cuda/error.h>
 #include <refit/cuda/kernels.h>
 #include <refit/cuda/processing.h>
-#include <refit/fingerprint.h>
+#include <refit/integrity/fingerprint.h>
 
 namespace refit::example {
 

@@ -22,7 +22,7 @@
 
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/device_model.h"
-#include <refit/auth.h>
+#include <refit/integrity/auth.h>
 #include <refit/control/worker_host.h>
 #include <refit/cuda/error.h>
 

@@ -58,7 +58,7 @@
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
-#include <refit/json_reader.h>
+#include <refit/backend/json_reader.h>
 #include <refit/torch/source.h>
 #include <refit/torch/target.h>
 

@@ -28,14 +28,15 @@
 
 #include "examples/common/worker_process.h"
 #include "examples/weight_sync/model.h"
-#include <refit/async/lag_probe.h>
-#include <refit/auth.h>
+#include <refit/internal/lag_probe.h>
+#include <refit/integrity/auth.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
-#include <refit/fingerprint.h>
-#include <refit/layout.h>
-#include <refit/transfer_plan.h>
+#include <refit/integrity/fingerprint.h>
+#include <refit/layout/layout.h>
+#include <refit/layout/transfer_plan.h>
+#include <refit/backend/infos.h>
 
 namespace refit::example {
 namespace {

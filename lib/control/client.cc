@@ -5,9 +5,9 @@
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/async/deadline.h>
-#include <refit/auth.h>
-#include <refit/net.h>
+#include <refit/backend/async/deadline.h>
+#include <refit/backend/handshake.h>
+#include <refit/backend/net.h>
 
 namespace refit::control {
 

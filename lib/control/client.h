@@ -27,7 +27,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/experimental/channel.hpp>
 
-#include <refit/control/frame.h>
+#include <refit/control/internal/frame.h>
 
 namespace refit::control {
 

@@ -35,10 +35,10 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 
-#include <refit/async/all_of.h>
+#include <refit/backend/async/all_of.h>
 #include <refit/config.h>
 #include <refit/control/client.h>
-#include <refit/fingerprint.h>
+#include <refit/integrity/fingerprint.h>
 #include <refit/metadata.h>
 #include <refit/tensor.h>
 #include <refit/trainer.h>

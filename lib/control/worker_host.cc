@@ -13,11 +13,12 @@
 #include <malloc.h>
 #endif
 
-#include <refit/async/event.h>
-#include <refit/async/offload.h>
-#include <refit/auth.h>
-#include <refit/fingerprint.h>
-#include <refit/net.h>
+#include <refit/backend/async/event.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/handshake.h>
+#include <refit/integrity/fingerprint.h>
+#include <refit/backend/net.h>
+#include <refit/internal/engine_access.h>
 
 namespace refit::control {
 
@@ -181,7 +182,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       } catch (const error& e) {
         // The trainer is about to send this update: tell it at once why it is
         // refused rather than let it wait for a worker that reads nothing.
-        engine_->refuse_update(e.kind(), "update_weights: " + e.message());
+        internal::engine_access::refuse_update(*engine_, e.kind(), "update_weights: " + e.message());
         throw;
       }
       params = json();  // the typed info is all that is needed now: free the parsed frame
@@ -243,7 +244,7 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     // (Captures by pointer and reference only: GCC 12 may destroy a lambda that owns
     // memory twice when it is a temporary of a co_await expression.)
     // (Its JSON is built there too: a map of every tensor.)
-    json answer = co_await async::offload(engine_->processing_executor(),
+    json answer = co_await async::offload(internal::engine_access::processing_executor(*engine_),
                                           [model, &names] { return fingerprints_to_json(model->fingerprint(names)); });
     answer["weight_version"] = session_.weight_version() ? json(*session_.weight_version()) : json(nullptr);
     answer["state"] = weight_state();
@@ -549,7 +550,7 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
         const std::string* body = &text;
         json* id = &refused_id;
         const std::size_t max_values = limits_.frames.max_values;
-        request = co_await async::offload(engine_->processing_executor(), [body, max_values, id] {
+        request = co_await async::offload(internal::engine_access::processing_executor(*engine_), [body, max_values, id] {
           return parse_frame_body(*body, "control request", max_values, id);
         });
       }
@@ -654,7 +655,7 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json re
       // A large answer (the fingerprints of a whole model) is serialized and freed
       // on the processing executor: milliseconds per thousand tensors.
       json* a = &answer;
-      std::string text = co_await async::offload(engine_->processing_executor(), [a] {
+      std::string text = co_await async::offload(internal::engine_access::processing_executor(*engine_), [a] {
         std::string t = a->dump();
         *a = json();
         return t;
@@ -671,7 +672,7 @@ asio::awaitable<void> worker_host::handle(std::shared_ptr<connection> c, json re
   if (!session_.active()) end_watch();
 #if defined(__GLIBC__)
   if (frame_bytes >= trim_after_bytes)
-    asio::post(engine_->processing_executor(), [] { malloc_trim(0); });
+    asio::post(internal::engine_access::processing_executor(*engine_), [] { malloc_trim(0); });
 #endif
 }
 

@@ -121,7 +121,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
 
-#include <refit/control/frame.h>
+#include <refit/control/internal/frame.h>
 #include <refit/engine.h>
 #include <refit/factory.h>
 #include <refit/session.h>

@@ -13,7 +13,7 @@
 #include <refit/cuda/stream.h>
 #include <refit/cuda/unpack.h>
 #include <refit/engine.h>
-#include <refit/pipeline.h>
+#include <refit/backend/pipeline.h>
 
 namespace refit::cuda {
 

@@ -16,7 +16,7 @@
 
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
-#include <refit/tensor_memory.h>
+#include <refit/model/tensor_memory.h>
 
 namespace refit::cuda {
 

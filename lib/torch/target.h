@@ -37,7 +37,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <refit/engine.h>
-#include <refit/layout.h>
+#include <refit/layout/layout.h>
 #include <refit/metadata.h>
 #include <refit/torch/module.h>
 #include <refit/torch/tensor.h>

@@ -26,7 +26,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <refit/json_reader.h>
+#include <refit/backend/json_reader.h>
 
 namespace refit::py {
 

@@ -14,15 +14,16 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <refit/auth.h>
+#include <refit/backend/infos.h>
+#include <refit/integrity/auth.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/engine.h>
 #include <refit/error.h>
 #include <refit/factory.h>
-#include <refit/fingerprint.h>
+#include <refit/integrity/fingerprint.h>
 #include <refit/session.h>
-#include <refit/tensor_map_target.h>
+#include <refit/model/tensor_map_target.h>
 #include <refit/trainer.h>
 
 #ifdef REFIT_PY_CUDA

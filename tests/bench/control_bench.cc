@@ -33,11 +33,11 @@
 #include <asio/write.hpp>
 
 #include <refit/engines/tcp/tcp.h>
-#include <refit/async/all_of.h>
-#include <refit/auth.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/handshake.h>
 #include <refit/control/client.h>
 #include <refit/control/worker_group.h>
-#include <refit/net.h>
+#include <refit/backend/net.h>
 
 namespace refit::bench {
 namespace {

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include <refit/layout.h>
-#include <refit/transfer_plan.h>
+#include <refit/layout/layout.h>
+#include <refit/layout/transfer_plan.h>
 
 using namespace refit;
 using clock_type = std::chrono::steady_clock;

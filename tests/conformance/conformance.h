@@ -13,7 +13,7 @@
 #include <asio/io_context.hpp>
 #include <gtest/gtest.h>
 
-#include <refit/bucket_plan.h>
+#include <refit/backend/bucket_plan.h>
 #include <refit/engine.h>
 #include <refit/trainer.h>
 #include "tests/support/run.h"

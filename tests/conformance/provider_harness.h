@@ -1,5 +1,5 @@
-// A conformance harness for engines built on group::worker_engine and
-// group::sender_base with a provider of their transport (nccl, cuda_ipc): both
+// A conformance harness for engines built on links::worker_engine and
+// links::sender_base with a provider of their transport (nccl, cuda_ipc): both
 // sides in this process, on one io_context, sharing the provider.
 #pragma once
 

@@ -7,8 +7,8 @@
 #include <refit/engines/tcp/tcp.h>
 #include <refit/control/client.h>
 #include <refit/control/worker_host.h>
-#include <refit/auth.h>
-#include <refit/net.h>
+#include <refit/backend/handshake.h>
+#include <refit/backend/net.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

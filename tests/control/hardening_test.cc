@@ -24,10 +24,11 @@
 #include <asio/write.hpp>
 
 #include <refit/engines/tcp/tcp.h>
-#include <refit/auth.h>
+#include <refit/backend/handshake.h>
 #include <refit/control/client.h>
 #include <refit/control/worker_host.h>
-#include <refit/net.h>
+#include <refit/internal/engine_access.h>
+#include <refit/backend/net.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 
@@ -401,7 +402,7 @@ TEST_F(hardening_test, a_trainer_gone_after_its_staged_chunk_leaves_the_old_weig
             std::string::npos)
       << after;
   EXPECT_FALSE(loaded("lost0")) << "a staged chunk of an unfinished session reached the model";
-  EXPECT_EQ(host_->engine().staged_chunks(), 0u);
+  EXPECT_EQ(internal::engine_access::staged_chunks(host_->engine()), 0u);
   call(next, "start_weight_update");  // a new trainer's session starts
 }
 

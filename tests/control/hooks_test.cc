@@ -11,12 +11,12 @@
 #include <asio/read.hpp>
 #include <asio/write.hpp>
 
-#include <refit/auth.h>
+#include <refit/backend/handshake.h>
 #include <refit/control/client.h>
 #include <refit/control/worker_host.h>
 #include <refit/engines/tcp/tcp.h>
-#include <refit/fingerprint.h>
-#include <refit/net.h>
+#include <refit/integrity/fingerprint.h>
+#include <refit/backend/net.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

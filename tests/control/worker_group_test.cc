@@ -7,12 +7,12 @@
 #include <map>
 #include <mutex>
 
-#include <refit/async/all_of.h>
+#include <refit/backend/async/all_of.h>
 #include <refit/control/client.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/engines/tcp/tcp.h>
-#include <refit/fingerprint.h>
+#include <refit/integrity/fingerprint.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 
@@ -64,9 +64,11 @@ class test_model final : public model_target {
 };
 
 // An engine that refuses every init (registered as "tcp" for one worker).
-class refusing_engine final : public weight_transfer_engine {
+class refusing_engine final : public backend::engine {
  public:
-  using weight_transfer_engine::weight_transfer_engine;
+  refusing_engine(const weight_transfer_config& config, const engine_context& context)
+      : engine(config, context, capabilities_of()) {}
+  static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "tcp"; }
   std::unique_ptr<init_info> parse_init_info(const json&) const override { return std::make_unique<init_info>(); }
   std::unique_ptr<update_info> parse_update_info(const json&) const override {

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include <refit/convert.h>
+#include "tests/support/convert.h"
 #include <refit/cuda/convert_bits.h>
 #include "tests/cuda/convert_samples.h"
 

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <vector>
 
-#include <refit/convert.h>
+#include "tests/support/convert.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/kernels.h>

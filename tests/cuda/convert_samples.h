@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include <refit/convert.h>
+#include "tests/support/convert.h"
 #include <refit/dtype.h>
 #include <refit/tensor.h>
 

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "examples/torch_ipc/digest.h"
-#include <refit/convert.h>
+#include "tests/support/convert.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/memory.h>

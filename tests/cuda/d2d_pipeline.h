@@ -8,13 +8,13 @@
 #include <cstring>
 #include <vector>
 
-#include <refit/bucket_plan.h>
+#include <refit/backend/bucket_plan.h>
 #include <refit/cuda/await.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
-#include <refit/pipeline.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/pipeline.h>
+#include <refit/backend/send_cursor.h>
 #include <refit/trainer.h>
 #include "tests/cuda/test_kernels.h"
 

@@ -13,7 +13,7 @@
 #include <random>
 
 #include "examples/torch_ipc/digest.h"
-#include <refit/convert.h>
+#include "tests/support/convert.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/fill.h>

@@ -6,9 +6,10 @@
 #include <chrono>
 #include <cstdio>
 
+#include <asio/thread_pool.hpp>
 #include <asio/io_context.hpp>
 
-#include <refit/async/drain_scope.h>
+#include <refit/backend/async/drain_scope.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/processing.h>
 #include <refit/cuda/staging.h>

@@ -4,9 +4,10 @@
 // land in the model. Needs a GPU; skips itself, with the reason, where there is none.
 #include <gtest/gtest.h>
 
+#include <asio/thread_pool.hpp>
 #include <asio/io_context.hpp>
 
-#include <refit/async/drain_scope.h>
+#include <refit/backend/async/drain_scope.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/processing.h>
 #include <refit/cuda/staging.h>

@@ -23,8 +23,8 @@
 #include <refit/cuda/tensor_memory.h>
 #include <refit/engines/loopback/loopback.h>
 #include <refit/error.h>
-#include <refit/fingerprint.h>
-#include <refit/tensor_map_target.h>
+#include <refit/integrity/fingerprint.h>
+#include <refit/model/tensor_map_target.h>
 #include "tests/support/run.h"
 
 namespace refit {

@@ -82,10 +82,10 @@
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
 
-#include <refit/auth.h>
+#include <refit/integrity/auth.h>
 #include <refit/control/client.h>
-#include <refit/fingerprint.h>
-#include <refit/net.h>
+#include <refit/integrity/fingerprint.h>
+#include <refit/backend/net.h>
 
 extern char** environ;
 

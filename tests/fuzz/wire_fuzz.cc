@@ -12,15 +12,15 @@
 #include <string>
 #include <vector>
 
-#include <refit/group/wire.h>
-#include <refit/bucket_plan.h>
+#include <refit/backend/links/wire.h>
+#include <refit/backend/bucket_plan.h>
 #include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 
 namespace refit::fuzz {
 namespace {
 
-namespace wire = group::wire;
+namespace wire = links::wire;
 
 class reader {
  public:

@@ -17,13 +17,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <refit/async/all_of.h>
-#include <refit/async/deadline.h>
-#include <refit/async/drain_scope.h>
-#include <refit/async/event.h>
-#include <refit/async/lag_probe.h>
-#include <refit/async/offload.h>
-#include <refit/async/slot_ring.h>
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/async/deadline.h>
+#include <refit/backend/async/drain_scope.h>
+#include <refit/backend/async/event.h>
+#include <refit/internal/lag_probe.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/async/slot_ring.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 

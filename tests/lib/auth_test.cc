@@ -1,7 +1,7 @@
 // Shared-secret authentication: both real sides over loopback sockets, hand-written
 // peers that speak (or break) the wire protocol, HMAC known answers and the secret
 // file checks. Everything runs on an io_context with a watchdog; nothing sleeps.
-#include <refit/auth.h>
+#include <refit/backend/handshake.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -23,8 +23,8 @@
 #include <gtest/gtest.h>
 
 #include <refit/error.h>
-#include <refit/hex.h>
-#include <refit/net.h>
+#include <refit/internal/hex.h>
+#include <refit/backend/net.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 

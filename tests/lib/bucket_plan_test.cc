@@ -1,4 +1,4 @@
-#include <refit/bucket_plan.h>
+#include <refit/backend/bucket_plan.h>
 
 #include <cstdint>
 #include <random>

@@ -2,7 +2,7 @@
 // runs (the AVX2 one where the CPU has it): it must equal libxxhash's one-shot
 // XXH3_64bits of the same bytes, for any split into buffers, or trainer and worker
 // on different CPUs would disagree.
-#include <refit/checksum.h>
+#include <refit/backend/checksum.h>
 
 #include <cstdint>
 #include <random>
@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
-#include <refit/checksum_avx2.h>
+#include <refit/internal/checksum_avx2.h>
 
 namespace refit {
 namespace {

@@ -3,7 +3,7 @@
 // definition with brute-force nearest-value search (ties to even) for bf16 and fp8.
 // 16-bit and 8-bit decoding is checked exhaustively; encoding over large strided
 // samples of all 2^32 floats plus every halfway point between neighbours.
-#include <refit/convert.h>
+#include "tests/support/convert.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

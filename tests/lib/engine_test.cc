@@ -1,6 +1,8 @@
 // The engine base (weight_transfer_engine / typed_engine): call order, misuse
 // errors, deferred processing and the typed info parsers, driven through a small
 // probe engine whose transport the test controls.
+#include <refit/backend/engine.h>
+#include <refit/internal/engine_access.h>
 #include <refit/engine.h>
 
 #include <chrono>
@@ -16,7 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <refit/engines/loopback/loopback.h>
-#include <refit/async/event.h>
+#include <refit/backend/async/event.h>
 #include "tests/support/tensors.h"
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
@@ -73,15 +75,15 @@ asio::awaitable<void> process(std::shared_ptr<batch> b, load_weights_fn load, as
   load(views);
 }
 
-class probe_engine final : public typed_engine<probe_init, probe_update> {
+class probe_engine final : public backend::typed_engine<probe_init, probe_update> {
  public:
   probe_engine(const weight_transfer_config& config, const engine_context& context, bool defers)
-      : typed_engine(config, context), transport_gate(context.executor), process_gate(context.executor),
+      : typed_engine(config, context, {.direct_receive = true, .staged_commit = true, .defers_processing = defers}),
+        transport_gate(context.executor), process_gate(context.executor),
         defers_(defers) {
     process_gate.set();
   }
   std::string_view backend() const noexcept override { return "probe"; }
-  bool defers_processing() const noexcept override { return defers_; }
 
   int inits = 0, receives = 0, shutdowns = 0;
   bool process_fails = false;
@@ -170,9 +172,11 @@ class engine_test : public ::testing::Test {
 };
 
 // An engine with nothing of its own, so only the base class sees the context.
-class minimal_engine final : public typed_engine<probe_init, probe_update> {
+class minimal_engine final : public backend::typed_engine<probe_init, probe_update> {
  public:
-  using typed_engine::typed_engine;
+  minimal_engine(const weight_transfer_config& config, const engine_context& context)
+      : typed_engine(config, context, capabilities_of()) {}
+  static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "minimal"; }
 
  protected:
@@ -339,9 +343,11 @@ TEST_F(engine_test, concurrent_receive_and_init_during_receive_are_refused) {
 
 // An engine whose parse_update_info says on which thread it runs and waits for the
 // test before it returns (to look at the engine while a read_update_info runs).
-class reading_engine final : public typed_engine<probe_init, probe_update> {
+class reading_engine final : public backend::typed_engine<probe_init, probe_update> {
  public:
-  using typed_engine::typed_engine;
+  reading_engine(const weight_transfer_config& config, const engine_context& context)
+      : typed_engine(config, context, capabilities_of()) {}
+  static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "reading"; }
   std::unique_ptr<update_info> parse_update_info(const json& j) const override {
     parse_thread = std::this_thread::get_id();
@@ -727,14 +733,14 @@ TEST_F(engine_test, a_staged_update_the_stage_cannot_allocate_is_refused_at_once
 TEST_F(engine_test, max_stage_bytes_refuses_a_chunk_beyond_it_and_the_session_commits_nothing) {
   auto engine = make(/*defers=*/false, nullptr, /*max_stage_bytes=*/128);
   init(*engine);
-  engine->begin_session();
+  internal::engine_access::begin_session(*engine);
   auto first = engine->parse_update_info(update_json());  // w: 16 bytes, b: 6, each 64-byte aligned
   first->commit = commit_mode::staged;
   auto r1 = receive(*engine, *first);
   ASSERT_TRUE(testing::run(io));
   ASSERT_FALSE(r1->error) << r1->message();
   EXPECT_EQ(loaded, 0u) << "a staged chunk is not loaded before the commit";
-  EXPECT_EQ(engine->staged_chunks(), 1u);
+  EXPECT_EQ(internal::engine_access::staged_chunks(*engine), 1u);
   json more = {{"names", {"c"}}, {"dtype_names", {"float32"}}, {"shapes", {{4}}}};
   auto second = engine->parse_update_info(more);
   second->commit = commit_mode::staged;
@@ -745,8 +751,8 @@ TEST_F(engine_test, max_stage_bytes_refuses_a_chunk_beyond_it_and_the_session_co
                                        "this one), more than max_stage_bytes 128"));
   ASSERT_EQ(engine->refusals.size(), 1u);
   EXPECT_EQ(engine->receives, 1) << "the refused chunk received nothing";
-  EXPECT_EQ(engine->staged_chunks(), 0u) << "the failed chunk discarded the stage";
-  auto commit = spawn(io, engine->commit_session());
+  EXPECT_EQ(internal::engine_access::staged_chunks(*engine), 0u) << "the failed chunk discarded the stage";
+  auto commit = spawn(io, internal::engine_access::commit_session(*engine));
   ASSERT_TRUE(testing::run(io));
   EXPECT_EQ(commit->kind(), static_cast<int>(errc::invalid_state)) << commit->message();
   EXPECT_EQ(loaded, 0u);

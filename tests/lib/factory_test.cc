@@ -1,6 +1,7 @@
 // engine_factory: registration by type and by creator, lookup errors, and lazy
 // backends in a real shared library (//tests/lib/plugin:libtest_plugin.so, found in
 // the test's runfiles) loaded with dlopen on first create.
+#include <refit/backend/engine.h>
 #include <refit/factory.h>
 
 #include <dlfcn.h>
@@ -17,7 +18,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <refit/plugin.h>
+#include <refit/backend/plugin.h>
+#include <refit/backend/json_reader.h>
+#include <refit/backend/infos.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 
@@ -41,9 +44,11 @@ struct null_update final : update_info {
   }
 };
 
-class null_engine final : public typed_engine<null_init, null_update> {
+class null_engine final : public backend::typed_engine<null_init, null_update> {
  public:
-  using typed_engine::typed_engine;
+  null_engine(const weight_transfer_config& config, const engine_context& context)
+      : typed_engine(config, context, capabilities_of()) {}
+  static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "null"; }
 
  protected:
@@ -65,7 +70,7 @@ class null_sender final : public weight_sender {
 
 // Registered with the process-wide factory before main(), as engines do.
 const backend_registration static_registration{
-    "factory_test.static",
+    "factory_test.static", null_engine::capabilities_of(),
     [](const weight_transfer_config& c, const engine_context& x) {
       return std::unique_ptr<weight_transfer_engine>(new null_engine(c, x));
     }};
@@ -166,7 +171,7 @@ TEST_F(factory_test, register_engine_creates_the_types_with_config_and_context) 
 TEST_F(factory_test, register_backend_passes_arguments_to_the_creators) {
   int engines = 0, senders = 0;
   factory.register_backend(
-      "counted",
+      "counted", null_engine::capabilities_of(),
       [&](const weight_transfer_config& c, const engine_context& x) {
         ++engines;
         EXPECT_EQ(c.backend, "counted");
@@ -187,10 +192,10 @@ TEST_F(factory_test, invalid_registrations_are_refused) {
   auto make = [](const weight_transfer_config& c, const engine_context& x) {
     return std::unique_ptr<weight_transfer_engine>(new null_engine(c, x));
   };
-  auto e = REFIT_THROWN(factory.register_backend("", make));
+  auto e = REFIT_THROWN(factory.register_backend("", {}, make));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   EXPECT_EQ(e.message(), "register_backend: empty backend name");
-  e = REFIT_THROWN(factory.register_backend("x", engine_creator{}));
+  e = REFIT_THROWN(factory.register_backend("x", {}, engine_creator{}));
   EXPECT_EQ(e.message(), "register_backend('x'): no engine creator");
   e = REFIT_THROWN(factory.register_lazy("", "/lib.so", "entry"));
   EXPECT_EQ(e.message(), "register_lazy: empty backend name");
@@ -397,16 +402,31 @@ TEST_F(factory_test, plugin_that_refuses_to_load_passes_its_kind_and_message) {
   EXPECT_EQ(e.message(), "backend 'refusing' from " + plugin() + ": test_plugin: no widget driver on this machine");
 }
 
-TEST_F(factory_test, plugin_for_another_abi_or_layout_is_load_failed) {
-  factory.register_lazy("other_abi", plugin(), "refit_test_plugin_other_abi_entry");
-  auto e = REFIT_THROWN(factory.create_engine(config("other_abi"), engine_ctx()));
+TEST_F(factory_test, plugin_of_another_build_is_load_failed_naming_both_builds) {
+  factory.register_lazy("other_build", plugin(), "refit_test_plugin_other_build_entry");
+  auto e = REFIT_THROWN(factory.create_engine(config("other_build"), engine_ctx()));
   EXPECT_EQ(e.kind(), errc::load_failed);
-  EXPECT_EQ(e.message(), "backend 'other_abi' from " + plugin() +
-                             ": plugin ABI 2 or struct layout differs from this build of refit (ABI 1)");
-  factory.register_lazy("other_layout", plugin(), "refit_test_plugin_other_layout_entry");
-  e = REFIT_THROWN(factory.create_engine(config("other_layout"), engine_ctx()));
+  EXPECT_THAT(e.message(), HasSubstr("the plugin was built as [refit plugin ABI 1; gcc 9.9.9; libstdc++ 9"));
+  EXPECT_THAT(e.message(), HasSubstr(std::string("this program as [") + refit_build_stamp() + "]"));
+  EXPECT_THAT(e.message(), HasSubstr("same compiler, standard library and refit plugin ABI"));
+  factory.register_lazy("unstamped", plugin(), "refit_test_plugin_unstamped_entry");
+  e = REFIT_THROWN(factory.create_engine(config("unstamped"), engine_ctx()));
   EXPECT_EQ(e.kind(), errc::load_failed);
-  EXPECT_THAT(e.message(), HasSubstr("plugin ABI 1 or struct layout differs from this build of refit"));
+  EXPECT_THAT(e.message(), HasSubstr("the plugin was built as [no build stamp]"));
+  // The stamp names what it must: refit's plugin ABI, the compiler, the library.
+  const std::string stamp = refit_build_stamp();
+  EXPECT_THAT(stamp, HasSubstr("refit plugin ABI 2; gcc "));
+  EXPECT_THAT(stamp, HasSubstr("; libstdc++ 12 cxx11-abi 1; C++ 202002"));
+}
+
+TEST_F(factory_test, a_loaded_plugin_reports_its_capabilities) {
+  factory.register_lazy("good", plugin(), "refit_test_plugin_entry");
+  EXPECT_EQ(factory.capabilities("good"), std::nullopt) << "not loaded yet";
+  EXPECT_NE(factory.create_engine(config("good"), engine_ctx()), nullptr);
+  ASSERT_TRUE(factory.capabilities("good").has_value());
+  EXPECT_TRUE(factory.capabilities("good")->staged_commit);
+  auto e = REFIT_THROWN(factory.capabilities("nothing"));
+  EXPECT_EQ(e.kind(), errc::not_registered);
 }
 
 TEST_F(factory_test, exceptions_in_plugin_constructors_cross_as_error_codes) {

@@ -1,4 +1,4 @@
-#include <refit/hex.h>
+#include <refit/internal/hex.h>
 
 #include <gtest/gtest.h>
 

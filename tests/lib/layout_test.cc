@@ -1,7 +1,7 @@
 // Unit and property tests of lib/layout.h: torch.chunk's split, placements, boxes,
 // the trainer's mesh layouts (DTensor semantics), vLLM's tensor-parallel
 // destination layouts, destination validation, and the byte-run walkers.
-#include <refit/layout.h>
+#include <refit/layout/layout.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -19,6 +19,8 @@
 #include <gtest/gtest.h>
 
 #include <refit/error.h>
+#include <refit/backend/json_reader.h>
+#include <refit/backend/infos.h>
 
 #include "tests/lib/expect.h"
 

@@ -1,4 +1,6 @@
 #include <refit/metadata.h>
+#include <refit/backend/json_reader.h>
+#include <refit/backend/infos.h>
 
 #include <limits>
 #include <string>

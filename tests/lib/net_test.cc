@@ -1,12 +1,12 @@
 // The socket helpers every refit transfer goes through: large transfers per system
 // call (asio's default asks for at most 64 KiB a call), deadlines, peer loss.
-#include <refit/net.h>
+#include <refit/backend/net.h>
 
 #include <gtest/gtest.h>
 
 #include <asio/io_context.hpp>
 
-#include <refit/async/all_of.h>
+#include <refit/backend/async/all_of.h>
 #include "tests/support/run.h"
 
 namespace refit::testing {

@@ -1,6 +1,6 @@
 // The shared receive pipeline and host staging, driven by an in-process transport
 // that fills each bucket from a send_cursor (the trainer's side of the same plan).
-#include <refit/pipeline.h>
+#include <refit/backend/pipeline.h>
 
 #include <atomic>
 #include <future>
@@ -19,8 +19,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <refit/async/event.h>
-#include <refit/send_cursor.h>
+#include <refit/backend/async/event.h>
+#include <refit/backend/send_cursor.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"

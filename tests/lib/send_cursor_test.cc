@@ -1,4 +1,4 @@
-#include <refit/send_cursor.h>
+#include <refit/backend/send_cursor.h>
 
 #include <cstring>
 #include <optional>

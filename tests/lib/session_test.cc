@@ -1,5 +1,6 @@
 // weight_update_session: vLLM's start -> update (chunks) -> finish(version) verbs
 // around a real engine (loopback, which defers processing) fed by its sender.
+#include <refit/internal/engine_access.h>
 #include <refit/session.h>
 
 #include <atomic>
@@ -391,7 +392,7 @@ TEST_F(session_test, a_staged_session_is_committed_whole_at_finish_chunk_by_chun
   auto [sb, rb] = transfer(session, b, recording(order, where, got_b, "b"), "staged");
   ASSERT_FALSE(rb->error) << rb->message();
   EXPECT_TRUE(order.empty()) << "load_weights ran before finish_weight_update";
-  EXPECT_EQ(engine->staged_chunks(), 2u);
+  EXPECT_EQ(internal::engine_access::staged_chunks(*engine), 2u);
   EXPECT_GE(engine->staged_bytes(), a.meta.total_bytes() + b.meta.total_bytes());
   EXPECT_EQ(session.weight_version(), std::nullopt);
   auto f = run_finish(session, 5);
@@ -400,7 +401,7 @@ TEST_F(session_test, a_staged_session_is_committed_whole_at_finish_chunk_by_chun
   EXPECT_NO_THROW(got_a.check_equals(a));
   EXPECT_NO_THROW(got_b.check_equals(b));
   EXPECT_EQ(session.weight_version(), 5);
-  EXPECT_EQ(engine->staged_chunks(), 0u);
+  EXPECT_EQ(internal::engine_access::staged_chunks(*engine), 0u);
   EXPECT_FALSE(engine->weights_dirty());
 }
 
@@ -438,7 +439,7 @@ TEST_F(session_test, an_aborted_or_failed_staged_session_changes_nothing_and_the
   EXPECT_TRUE(order.empty()) << "an aborted staged session reached the model";
   EXPECT_FALSE(engine->weights_dirty()) << engine->dirty_reason();
   EXPECT_EQ(session.weight_version(), 1);
-  EXPECT_EQ(engine->staged_chunks(), 0u);
+  EXPECT_EQ(internal::engine_access::staged_chunks(*engine), 0u);
   {
     // Its chunk fails (the trainer sends other tensors than the update_info says).
     session.start_weight_update();

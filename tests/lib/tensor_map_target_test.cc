@@ -5,7 +5,7 @@
 // updates run repeatedly on another thread. And a target on "device" memory (a
 // tensor_memory that is host memory claiming to be cuda:0) going through the
 // interface for allocation, loads and fingerprints.
-#include <refit/tensor_map_target.h>
+#include <refit/model/tensor_map_target.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,8 +20,8 @@
 #include <gtest/gtest.h>
 
 #include <refit/engines/loopback/loopback.h>
-#include <refit/fingerprint.h>
-#include <refit/tensor_memory.h>
+#include <refit/integrity/fingerprint.h>
+#include <refit/model/tensor_memory.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"

@@ -3,7 +3,7 @@
 // scattered into every worker's destination tensors) against the reference
 // slicing of the global tensors, over many random layouts; plus the balancing of
 // replicated sources, vLLM's preset, determinism, the digest and the cache.
-#include <refit/transfer_plan.h>
+#include <refit/layout/transfer_plan.h>
 
 #include <algorithm>
 #include <chrono>
@@ -25,7 +25,7 @@
 #include <gtest/gtest.h>
 
 #include <refit/error.h>
-#include <refit/layout.h>
+#include <refit/layout/layout.h>
 
 #include "tests/lib/expect.h"
 

@@ -13,10 +13,10 @@
 #include <refit/engines/cuda_ipc/torch_ipc.h>
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/digest.h"
-#include <refit/auth.h>
+#include <refit/integrity/auth.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
-#include <refit/hex.h>
+#include <refit/internal/hex.h>
 
 namespace refit::testing {
 namespace {
@@ -60,7 +60,8 @@ int run(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2)
     if (std::string(argv[i]) == "--auth-secret-file") config.auth_secret = auth::read_secret_file(argv[i + 1]);
   engine_factory factory;
-  factory.register_backend("torch_ipc", [](const weight_transfer_config& c, const engine_context& ctx) {
+  factory.register_backend("torch_ipc", cuda_ipc::torch_engine::capabilities_of(),
+                           [](const weight_transfer_config& c, const engine_context& ctx) {
     return std::unique_ptr<weight_transfer_engine>(new cuda_ipc::torch_engine(c, ctx, cuda_ipc::host_ipc()));
   });
   asio::io_context io;

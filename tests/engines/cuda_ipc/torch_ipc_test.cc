@@ -9,7 +9,7 @@
 
 #include <cstring>
 
-#include <refit/hex.h>
+#include <refit/internal/hex.h>
 #include <refit/session.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"

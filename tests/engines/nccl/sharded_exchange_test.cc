@@ -4,10 +4,10 @@
 // a reference slicing of the whole model.
 #include <gtest/gtest.h>
 
-#include <refit/async/all_of.h>
+#include <refit/backend/async/all_of.h>
 #include <refit/engines/nccl/sharded.h>
 #include <refit/error.h>
-#include <refit/pipeline.h>
+#include <refit/backend/pipeline.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

@@ -6,7 +6,7 @@
 #include <refit/engines/tcp/tcp.h>
 #include <asio/post.hpp>
 
-#include <refit/async/all_of.h>
+#include <refit/backend/async/all_of.h>
 #include "tests/conformance/conformance.h"
 
 namespace refit::testing {
@@ -110,7 +110,7 @@ void every_worker_gets_every_byte(int n, const std::string& topology, bool check
   // Who receives from whom.
   for (std::size_t i = 0; i < g.workers.size(); ++i) {
     const int rank = static_cast<int>(i) + 1;
-    const auto expected = group::topology::parse(topology, "test");
+    const auto expected = links::topology::parse(topology, "test");
     EXPECT_EQ(g.workers[i]->upstream_rank(), expected.parent(rank)) << "rank " << rank;
     EXPECT_EQ(g.workers[i]->children(), expected.children(rank, n)) << "rank " << rank;
   }
@@ -131,13 +131,13 @@ TEST(tcp_relay, a_chain_verifies_checksums_at_every_hop) { every_worker_gets_eve
 TEST(tcp_relay, a_tree_of_fanout_two_gets_every_byte) { every_worker_gets_every_byte(6, "tree:2", true); }
 
 TEST(tcp_relay, the_default_is_a_star_for_two_and_a_chain_beyond) {
-  EXPECT_TRUE(group::topology::default_for(1).star());
-  EXPECT_TRUE(group::topology::default_for(2).star());
-  EXPECT_EQ(group::topology::default_for(3).to_string(), "chain");
-  EXPECT_THROW(group::topology::parse("ring", "t"), error);
-  EXPECT_THROW(group::topology::parse("tree:0", "t"), error);
-  EXPECT_EQ(group::topology::parse("tree:4", "t").children(1, 30), (std::vector<int>{5, 6, 7, 8}));
-  EXPECT_EQ(group::topology::parse("tree:4", "t").parent(8), 1);
+  EXPECT_TRUE(links::topology::default_for(1).star());
+  EXPECT_TRUE(links::topology::default_for(2).star());
+  EXPECT_EQ(links::topology::default_for(3).to_string(), "chain");
+  EXPECT_THROW(links::topology::parse("ring", "t"), error);
+  EXPECT_THROW(links::topology::parse("tree:0", "t"), error);
+  EXPECT_EQ(links::topology::parse("tree:4", "t").children(1, 30), (std::vector<int>{5, 6, 7, 8}));
+  EXPECT_EQ(links::topology::parse("tree:4", "t").parent(8), 1);
 }
 
 // Worker 2 (the middle of 1 -> 2 -> 3) goes away mid-update: worker 3 fails at once

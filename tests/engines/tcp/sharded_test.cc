@@ -6,7 +6,7 @@
 
 #include <cstring>
 
-#include <refit/async/all_of.h>
+#include <refit/backend/async/all_of.h>
 #include <refit/engines/tcp/sharded.h>
 #include <refit/error.h>
 #include "tests/support/run.h"

@@ -7,7 +7,7 @@
 #include <asio/redirect_error.hpp>
 #include <asio/write.hpp>
 
-#include <refit/net.h>
+#include <refit/backend/net.h>
 
 #include "tests/conformance/conformance.h"
 

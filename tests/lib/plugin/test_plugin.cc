@@ -8,9 +8,11 @@
 #include <stdexcept>
 #include <string>
 
-#include <refit/json_reader.h>
+#include <refit/backend/engine.h>
+#include <refit/backend/json_reader.h>
 #include <refit/metadata.h>
-#include <refit/plugin.h>
+#include <refit/backend/plugin.h>
+#include <refit/backend/infos.h>
 
 namespace refit_test_plugin {
 
@@ -34,9 +36,11 @@ struct plugin_update_info final : refit::update_info {
 };
 
 // Worker side: "receives" the fixed tensor plugin.weight = [1, 2, 3, 4] * scale.
-class engine final : public typed_engine<plugin_init_info, plugin_update_info> {
+class engine final : public backend::typed_engine<plugin_init_info, plugin_update_info> {
  public:
-  engine(const weight_transfer_config& config, const engine_context& context) : typed_engine(config, context) {}
+  engine(const weight_transfer_config& config, const engine_context& context)
+      : typed_engine(config, context, capabilities_of()) {}
+  static engine_capabilities capabilities_of() { return {.staged_commit = true}; }
   std::string_view backend() const noexcept override { return "test_plugin"; }
 
  protected:
@@ -93,13 +97,14 @@ class sender final : public weight_sender {
 
 // Constructors that fail: a refit::error must cross as its kind and message, any
 // other exception as load_failed with its what().
-class throwing_engine final : public typed_engine<plugin_init_info, plugin_update_info> {
+class throwing_engine final : public backend::typed_engine<plugin_init_info, plugin_update_info> {
  public:
   throwing_engine(const weight_transfer_config& config, const engine_context& context)
-      : typed_engine(config, context) {
+      : typed_engine(config, context, capabilities_of()) {
     throw_error(errc::unsupported, "test_plugin: this engine needs " +
                                        std::to_string(config.processing_threads + 100) + " widgets");
   }
+  static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "test_plugin_throwing"; }
 
  protected:
@@ -113,6 +118,7 @@ class throwing_sender final : public weight_sender {
   throwing_sender(const weight_transfer_config&, const trainer_context&) {
     throw std::runtime_error("test_plugin: no trainer on this host");
   }
+  static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "test_plugin_throwing"; }
   json prepare(const json&) override { return {}; }
   asio::awaitable<void> connect_workers() override { co_return; }
@@ -136,28 +142,25 @@ int never_create(const refit::weight_transfer_config*, const refit::engine_conte
 
 // Refuses to load, as a plugin whose hardware is missing would.
 extern "C" __attribute__((visibility("default"))) int refit_test_plugin_refusing_entry(
-    std::uint32_t, refit_plugin_v1*, char* err, std::size_t err_len) {
+    const char*, refit_plugin_v2* out, char* err, std::size_t err_len) {
+  out->build = refit_build_stamp();
   refit::plugin_detail::write_message(err, err_len, "test_plugin: no widget driver on this machine");
   return static_cast<int>(refit::errc::unsupported);
 }
 
-// Claims success but describes a plugin built against another ABI version.
-extern "C" __attribute__((visibility("default"))) int refit_test_plugin_other_abi_entry(
-    std::uint32_t, refit_plugin_v1* out, char*, std::size_t) {
-  out->abi_version = REFIT_PLUGIN_ABI_VERSION + 1;
-  out->layout = refit::plugin_detail::host_layout();
+// Claims success but was built by another compiler: its build stamp differs.
+extern "C" __attribute__((visibility("default"))) int refit_test_plugin_other_build_entry(
+    const char*, refit_plugin_v2* out, char*, std::size_t) {
+  out->build = "refit plugin ABI 1; gcc 9.9.9; libstdc++ 9 cxx11-abi 0; C++ 201703L; asio 101800; json 3.7";
   out->create_engine = &never_create;
   out->create_sender = nullptr;
   return 0;
 }
 
-// Claims the right version but was built with a different struct layout.
-extern "C" __attribute__((visibility("default"))) int refit_test_plugin_other_layout_entry(
-    std::uint32_t, refit_plugin_v1* out, char*, std::size_t) {
-  out->abi_version = REFIT_PLUGIN_ABI_VERSION;
-  out->layout = refit::plugin_detail::host_layout();
-  out->layout.engine_context_size += 8;
+// Says nothing of how it was built.
+extern "C" __attribute__((visibility("default"))) int refit_test_plugin_unstamped_entry(
+    const char*, refit_plugin_v2* out, char*, std::size_t) {
+  out->build = nullptr;
   out->create_engine = &never_create;
-  out->create_sender = nullptr;
   return 0;
 }

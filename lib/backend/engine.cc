@@ -1,0 +1,602 @@
+#include <refit/backend/engine.h>
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+
+#include <asio/co_spawn.hpp>
+#include <asio/post.hpp>
+
+#include <refit/backend/async/offload.h>
+
+namespace refit::backend {
+
+// Forwards to the context's model and records that the update being received
+// reached it (a direct destination was handed out or load_weights was called).
+class engine::tracking_target final : public model_target {
+ public:
+  tracking_target(model_target& inner, std::atomic<bool>& touched) : inner_(inner), touched_(touched) {}
+  void load_weights(std::span<const tensor_view> weights) override {
+    touched_ = true;
+    inner_.load_weights(weights);
+  }
+  void begin_update(const update_metadata& meta) override { inner_.begin_update(meta); }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override { return inner_.destination(spec); }
+  void direct_write_begins() override {
+    touched_ = true;  // bytes land in the model's memory from now on
+    inner_.direct_write_begins();
+  }
+  std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names) override {
+    return inner_.fingerprint(names);
+  }
+
+ private:
+  model_target& inner_;
+  std::atomic<bool>& touched_;
+};
+
+// Host memory for staged commits: the tensors of an update session's chunks, one
+// after the other, each at a 64-byte aligned offset. Anonymous memory, grown with
+// mremap (the kernel moves page tables: earlier chunks are not copied, and the
+// peak is the new size, not old + new), kept for later sessions, unmapped by the
+// destructor. Grown and faulted in on the processing executor, never on the loop.
+class engine::stage_area {
+ public:
+  stage_area() = default;
+  stage_area(const stage_area&) = delete;
+  stage_area& operator=(const stage_area&) = delete;
+  ~stage_area() {
+    if (memory_) ::munmap(memory_, capacity_);
+  }
+
+  // Makes room for `bytes` more after what the session holds and returns where
+  // they start; throws resource_exhausted (naming the bytes) when the stage would
+  // exceed `limit` (0: none) or cannot grow.
+  std::uint64_t take(std::uint64_t bytes, std::uint64_t limit, const std::string& who) {
+    const std::uint64_t at = used_;
+    const std::uint64_t needed = at + bytes;
+    if (limit != 0 && needed > limit)
+      throw_error(errc::resource_exhausted,
+                  who + ": staged commit: the stage would hold " + std::to_string(needed) + " bytes (" +
+                      std::to_string(at) + " of this session's earlier chunks + " + std::to_string(bytes) +
+                      " of this one), more than max_stage_bytes " + std::to_string(limit) +
+                      "; nothing of this chunk was received (use commit \"in_place\", or larger bounds)");
+    if (needed > capacity_) grow(needed, who);
+    used_ = needed;
+    return at;
+  }
+  // Back to `used` bytes (a failed chunk, the end of a session).
+  void release_to(std::uint64_t used) noexcept { used_ = std::min(used_, used); }
+  std::byte* base() const noexcept { return static_cast<std::byte*>(memory_); }
+  std::uint64_t used() const noexcept { return used_; }
+  std::uint64_t capacity() const noexcept { return capacity_; }
+
+ private:
+  void grow(std::uint64_t needed, const std::string& who) {
+    constexpr std::uint64_t huge_page = 2u << 20;
+    const std::uint64_t rounded = (needed + huge_page - 1) / huge_page * huge_page;
+    void* p = memory_ ? ::mremap(memory_, capacity_, rounded, MREMAP_MAYMOVE)
+                      : ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      const int e = errno;
+      throw_error(errc::resource_exhausted,
+                  who + ": staged commit: cannot allocate " + std::to_string(rounded) +
+                      " bytes of host memory for the stage (" + std::to_string(used_) +
+                      " held by this session's earlier chunks, " + std::to_string(needed - used_) +
+                      " for this one): " + std::strerror(e) +
+                      "; nothing of this chunk was received (use commit \"in_place\")");
+    }
+    // Faulted in now, in huge pages where the kernel allows: not during the
+    // transfer, not on the loop. Only the new part: the rest was faulted before.
+    auto* bytes = static_cast<std::byte*>(p);
+    (void)::madvise(bytes + capacity_, rounded - capacity_, MADV_HUGEPAGE);
+    auto* touch = static_cast<volatile std::byte*>(p);
+    for (std::uint64_t i = capacity_; i < rounded; i += 4096) touch[i] = std::byte{0};
+    memory_ = p;
+    capacity_ = rounded;
+  }
+
+  void* memory_ = nullptr;
+  std::uint64_t capacity_ = 0;
+  std::uint64_t used_ = 0;
+};
+
+// One staged chunk of a session: its metadata (a copy: the caller's update_info
+// lives only for the chunk), where each tensor sits in the stage, what has
+// arrived, and the load_weights its commit calls.
+struct engine::staged_chunk {
+  update_metadata meta;
+  std::vector<std::uint64_t> offsets;  // from the stage's base (which may move as it grows)
+  std::vector<char> arrived;
+  std::unordered_map<std::string_view, std::size_t> index;  // names in `meta`: the chunk is never moved
+  std::uint64_t begin = 0, bytes = 0;                       // its span of the stage
+  load_weights_fn load;
+
+  // Lays out `m` at `at` (sizes from the specs, 64-byte aligned).
+  static std::uint64_t laid_out_bytes(const update_metadata& m) {
+    std::uint64_t n = 0;
+    for (const auto& t : m.tensors) n += (t.nbytes() + 63) / 64 * 64;
+    return n;
+  }
+  void lay_out(std::uint64_t at) {
+    begin = at;
+    offsets.resize(meta.tensors.size());
+    arrived.assign(meta.tensors.size(), 0);
+    index.reserve(meta.tensors.size());
+    for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+      offsets[i] = at;
+      index.emplace(meta.tensors[i].name, i);
+      at += (meta.tensors[i].nbytes() + 63) / 64 * 64;
+    }
+    bytes = at - begin;
+  }
+  // Where `spec` is staged: received there directly (no copy into the stage).
+  std::optional<tensor_view> destination(const tensor_spec& spec, std::byte* base) const {
+    auto it = index.find(spec.name);
+    if (it == index.end() || !base || spec.nbytes() != meta.tensors[it->second].nbytes()) return std::nullopt;
+    return tensor_view(spec, base + offsets[it->second]);
+  }
+  // load_weights of the receive phase: copies each tensor into its place.
+  void stage(std::span<const tensor_view> views, std::byte* base) {
+    for (const auto& v : views) {
+      auto it = index.find(v.name);  // no allocation per tensor
+      if (it == index.end())
+        throw_error(errc::protocol_error, "staged commit: tensor '" + std::string(v.name) + "' is not in the update");
+      const auto& spec = meta.tensors[it->second];
+      if (v.nbytes() != spec.nbytes())
+        throw_error(errc::protocol_error, "staged commit: tensor '" + spec.name + "' arrived with " +
+                                              std::to_string(v.nbytes()) + " bytes, expected " +
+                                              std::to_string(spec.nbytes()));
+      if (!(v.device == device::cpu()))
+        throw_error(errc::unsupported, "staged commit: tensor '" + spec.name + "' arrived on " +
+                                           to_string(v.device) +
+                                           "; this engine stages on its device, use commit \"in_place\"");
+      std::byte* at = base + offsets[it->second];
+      if (spec.nbytes() != 0 && v.data != at) std::memcpy(at, v.data, spec.nbytes());  // not received in place
+      arrived[it->second] = 1;
+    }
+  }
+  // Views of the whole chunk, once every tensor has arrived.
+  std::vector<tensor_view> views(std::byte* base) const {
+    std::vector<tensor_view> out;
+    out.reserve(meta.tensors.size());
+    for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+      if (!arrived[i])
+        throw_error(errc::protocol_error, "staged commit: tensor '" + meta.tensors[i].name +
+                                              "' never arrived; the update is not committed");
+      out.emplace_back(meta.tensors[i], base + offsets[i]);
+    }
+    return out;
+  }
+};
+
+// A staged chunk's receive target: the stage offers each tensor's place in it, so
+// the engine receives there directly; the model is not reached.
+class engine::stage_target final : public model_target {
+ public:
+  stage_target(const stage_area& stage, const staged_chunk& chunk) : stage_(stage), chunk_(chunk) {}
+  void load_weights(std::span<const tensor_view>) override {
+    throw_error(errc::invalid_state, "staged commit: the stage is not loaded through its target");
+  }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    return chunk_.destination(spec, stage_.base());
+  }
+
+ private:
+  const stage_area& stage_;
+  const staged_chunk& chunk_;
+};
+
+namespace {
+// Runs before any member uses the executor.
+engine_context checked(engine_context context) {
+  if (!context.executor) throw_error(errc::invalid_argument, "engine_context: an executor is required");
+  return context;
+}
+}  // namespace
+
+engine::engine(weight_transfer_config config, engine_context context, engine_capabilities capabilities)
+    : config_(std::move(config)),
+      context_(checked(std::move(context))),
+      capabilities_(capabilities),
+      deferred_(context_.executor) {}
+
+engine::~engine() = default;
+
+void engine::mark_weights_dirty(std::string reason) {
+  if (reason.empty()) reason = "marked dirty";
+  dirty_reason_ = std::move(reason);
+}
+
+std::uint64_t engine::staged_bytes() const noexcept { return stage_ ? stage_->capacity() : 0; }
+
+model_target* engine::receive_target() noexcept {
+  if (mode_ == commit_mode::staged) return stage_target_.get();
+  if (!context_.model) return nullptr;
+  if (!tracker_) tracker_ = std::make_unique<tracking_target>(*context_.model, touched_);
+  return tracker_.get();
+}
+
+void engine::note_failure(const std::string& what, std::exception_ptr error) {
+  if (touched_) mark_weights_dirty(what + " failed after it had started changing the weights (" +
+                                   std::string(to_string(mode_)) + "): " + describe_error(error));
+}
+
+asio::any_io_executor engine::processing_executor() {
+  if (context_.processing_executor) return context_.processing_executor;
+  if (!own_pool_) own_pool_ = std::make_unique<asio::thread_pool>(config_.processing_threads);
+  return own_pool_->get_executor();
+}
+
+asio::awaitable<void> engine::init_transfer_engine(const init_info& info) {
+  const std::string name(backend());
+  if (state_ == state::initializing || state_ == state::receiving)
+    throw_error(errc::invalid_state, name + ": init_transfer_engine while " +
+                                         (state_ == state::receiving ? "an update is being received"
+                                                                     : "another init is running"));
+  if (reading_ > 0)
+    throw_error(errc::invalid_state, name + ": init_transfer_engine while an update_info is being read "
+                                            "(read_update_info)");
+  if (state_ == state::ready) do_shutdown();  // re-init replaces the old connection
+  state_ = state::initializing;
+  try {
+    co_await do_init(info);
+  } catch (...) {
+    state_ = state::created;
+    do_shutdown();
+    throw;
+  }
+  state_ = state::ready;
+}
+
+asio::awaitable<std::unique_ptr<update_info>> engine::read_update_info(const json& j) {
+  ++reading_;
+  struct done {
+    int& n;
+    ~done() { --n; }
+  } guard{reading_};
+  const json* p = &j;
+  const weight_transfer_engine* self = this;
+  co_return co_await async::offload(processing_executor(), [self, p] { return self->parse_update_info(*p); });
+}
+
+asio::awaitable<void> engine::receive_weights(const update_info& info,
+                                                              load_weights_fn load_weights) {
+  const std::string name(backend());
+  switch (state_) {
+    case state::ready: break;
+    case state::receiving:
+      throw_error(errc::invalid_state, name + ": receive_weights while another update is being received");
+    case state::committing:
+      throw_error(errc::invalid_state, name + ": receive_weights while a staged update session is being committed");
+    case state::shut_down:
+      throw_error(errc::invalid_state, name + ": receive_weights after shutdown (call init_transfer_engine again)");
+    default:
+      throw_error(errc::invalid_state, name + ": receive_weights before init_transfer_engine");
+  }
+  if (!load_weights) throw_error(errc::invalid_argument, name + ": load_weights is empty");
+  const commit_mode mode = info.commit.value_or(config_.commit);
+  // Refusals before any byte moves reach the trainer at once (refuse_update).
+  auto refuse = [&](errc kind, const std::string& message) {
+    refuse_update(kind, message);
+    throw_error(kind, message);
+  };
+  if (mode == commit_mode::staged) {
+    if (const std::string why = staged_commit_refusal(); !why.empty())
+      refuse(errc::unsupported, name + ": staged commits are not supported: " + why +
+                                    "; use \"commit\": \"in_place\" (a failed update then marks the weights dirty)");
+  }
+  if (session_open_) {
+    if (session_mode_ && *session_mode_ != mode)
+      refuse(errc::invalid_argument, name + ": a chunk with commit \"" + std::string(to_string(mode)) +
+                                         "\" in an update session whose earlier chunks are \"" +
+                                         std::string(to_string(*session_mode_)) +
+                                         "\"; one session commits one way");
+    if (session_failed_)
+      refuse(errc::invalid_state, name + ": an earlier chunk of this update session failed and the session's stage "
+                                         "was discarded; abort the session and start a new one");
+  }
+  // Deferred work of an earlier update must not overlap this one's staging slots.
+  if (deferred_.pending() > 0)
+    throw_error(errc::invalid_state, name + ": receive_weights while the previous update's "
+                                            "processing is pending (call drain_pending first)");
+  // The model checks the whole update before any byte of it moves; a refusal
+  // leaves the engine ready and the weights untouched.
+  if (context_.model) {
+    try {
+      context_.model->begin_update(info.metadata);
+    } catch (const error& e) {
+      refuse_update(e.kind(), name + ": the model refused the update: " + e.message());
+      throw;
+    } catch (const std::exception& e) {
+      refuse_update(errc::invalid_argument, name + ": the model refused the update: " + e.what());
+      throw;
+    }
+  }
+  state_ = state::receiving;
+  stats_ = {};
+  mode_ = mode;
+  touched_ = false;
+  if (session_open_) session_mode_ = mode;
+  if (mode_ == commit_mode::staged) {
+    co_await receive_staged(info, std::move(load_weights));
+    co_return;
+  }
+  // in_place: the user's load_weights marks the model as reached.
+  load_weights_fn tracked = [this, load = std::move(load_weights)](std::span<const tensor_view> w) {
+    touched_ = true;
+    load(w);
+  };
+  std::exception_ptr failure;
+  try {
+    co_await do_receive(info, std::move(tracked));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (state_ == state::receiving) state_ = state::ready;
+  if (failure) {
+    note_failure("an update", failure);
+    std::rethrow_exception(failure);
+  }
+  if (!defers_processing()) co_await drain_pending();
+}
+
+asio::awaitable<void> engine::receive_staged(const update_info& info, load_weights_fn load_weights) {
+  // Outside a session a staged receive is a session of one chunk, committed here.
+  const bool own_session = !session_open_;
+  if (own_session) {
+    session_open_ = true;
+    session_failed_ = false;
+    session_mode_ = commit_mode::staged;
+  }
+  if (!stage_) stage_ = std::make_unique<stage_area>();
+  const auto start = std::chrono::steady_clock::now();
+  auto finish_stats = [this, start] {
+    stats_.wall_s = std::max(stats_.wall_s,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    stats_.finalize();
+  };
+  // A failed chunk discards the whole stage: the session can no longer commit
+  // all of its update, so it commits none of it.
+  auto fail = [this, own_session, &finish_stats] {
+    clear_stage();
+    session_failed_ = true;
+    if (own_session) {
+      session_open_ = false;
+      session_failed_ = false;
+      session_mode_.reset();
+    }
+    if (state_ == state::receiving) state_ = state::ready;
+    finish_stats();
+  };
+  // Before any byte: the chunk's place at the end of the stage (grown and faulted
+  // in on the processing executor, not the loop; the metadata copied there too),
+  // or its refusal, which the trainer learns at once.
+  auto chunk = std::make_unique<staged_chunk>();
+  std::exception_ptr failure;
+  try {
+    staged_chunk* c = chunk.get();
+    stage_area* stage = stage_.get();
+    const update_info* in = &info;
+    const auto* earlier = &staged_;
+    const std::uint64_t limit = config_.max_stage_bytes;
+    const std::string name(backend());
+    const std::string* who = &name;
+    co_await async::offload(processing_executor(), [c, stage, in, earlier, limit, who] {
+      // The stage holds each tensor once: with a model that knows its tensors, it
+      // stays within the model's size.
+      for (std::size_t k = 0; k < earlier->size(); ++k)
+        for (const auto& t : in->metadata.tensors)
+          if ((*earlier)[k]->index.count(t.name))
+            throw_error(errc::invalid_argument, *who + ": staged commit: tensor '" + t.name + "' is already staged by "
+                                                    "chunk " + std::to_string(k + 1) + " of this update session; a "
+                                                    "session stages each tensor once");
+      c->meta = in->metadata;
+      c->lay_out(stage->take(staged_chunk::laid_out_bytes(c->meta), limit, *who));
+    });
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    refuse_update(error_kind_of(failure), error_message_of(failure));
+    fail();
+    std::rethrow_exception(failure);
+  }
+  // The chunk, straight into its place in the stage; the model is not reached.
+  stage_target_ = std::make_unique<stage_target>(*stage_, *chunk);
+  try {
+    staged_chunk* c = chunk.get();
+    std::byte* base = stage_->base();  // the stage does not grow during a chunk
+    co_await do_receive(info, [c, base](std::span<const tensor_view> w) { c->stage(w, base); });
+    co_await deferred_.join();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // Nothing of this update may still use the stage (engines join their
+    // in-flight processing before reporting a transport error; this is a no-op then).
+    try {
+      co_await deferred_.join();
+    } catch (...) {
+    }
+    stage_target_.reset();
+    chunk.reset();
+    fail();
+    std::rethrow_exception(failure);
+  }
+  stage_target_.reset();
+  chunk->load = std::move(load_weights);
+  staged_.push_back(std::move(chunk));
+  if (!own_session) {
+    if (state_ == state::receiving) state_ = state::ready;
+    finish_stats();
+    co_return;
+  }
+  // A session of one chunk: its commit is the end of this receive.
+  session_open_ = false;
+  session_mode_.reset();
+  try {
+    auto chunks = std::exchange(staged_, {});
+    co_await commit_staged(std::move(chunks));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  stage_->release_to(0);
+  if (state_ == state::receiving) state_ = state::ready;
+  finish_stats();
+  if (failure) std::rethrow_exception(failure);
+}
+
+asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks) {
+  // Everything arrived and was verified; each chunk's load_weights now sees its
+  // tensors, chunk by chunk in order, in batches, on the processing executor.
+  mode_ = commit_mode::staged;
+  touched_ = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::exception_ptr failure;
+  try {
+    for (auto& chunk : chunks) {
+      staged_chunk* c = chunk.get();
+      std::byte* base = stage_->base();
+      std::vector<tensor_view> views = co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
+      touched_ = true;
+      constexpr std::uint64_t batch_bytes = 64ull << 20;
+      std::size_t first = 0;
+      while (first < views.size()) {
+        std::size_t last = first;
+        std::uint64_t bytes = 0;
+        while (last < views.size() && (last == first || bytes + views[last].nbytes() <= batch_bytes))
+          bytes += views[last++].nbytes();
+        std::span<const tensor_view> batch(views.data() + first, last - first);
+        load_weights_fn* load = &c->load;
+        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
+        first = last;
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stats_.process_s += took;
+  stats_.wall_s += took;
+  dispose(std::move(chunks));
+  if (failure) {
+    note_failure("the commit of a staged update", failure);
+    std::rethrow_exception(failure);
+  }
+}
+
+void engine::dispose(std::vector<std::unique_ptr<staged_chunk>> chunks) noexcept {
+  std::size_t tensors = 0;
+  for (const auto& c : chunks) tensors += c->meta.tensors.size();
+  // The metadata of 100k tensors takes milliseconds to free: not on the loop.
+  if (tensors > 4096) {
+    try {
+      auto owned = std::make_shared<std::vector<std::unique_ptr<staged_chunk>>>(std::move(chunks));
+      asio::post(processing_executor(), [owned]() mutable { owned.reset(); });
+      return;
+    } catch (...) {
+    }
+  }
+  chunks.clear();
+}
+
+void engine::clear_stage() noexcept {
+  dispose(std::exchange(staged_, {}));
+  if (stage_) stage_->release_to(0);
+}
+
+void engine::begin_session() {
+  if (state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, std::string(backend()) + ": begin_session while an update is being " +
+                                         (state_ == state::receiving ? "received" : "committed"));
+  clear_stage();
+  session_open_ = true;
+  session_failed_ = false;
+  session_mode_.reset();
+}
+
+asio::awaitable<void> engine::commit_session() {
+  const std::string name(backend());
+  if (state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, name + ": commit_session while " +
+                                         (state_ == state::receiving ? "a chunk is being received"
+                                                                     : "the session is being committed"));
+  if (!session_open_) co_return;
+  const bool failed = session_failed_;
+  session_open_ = false;
+  session_failed_ = false;
+  session_mode_.reset();
+  if (failed) {
+    clear_stage();
+    throw_error(errc::invalid_state, name + ": a chunk of this update session failed and its stage was "
+                                            "discarded; nothing of the session is committed");
+  }
+  if (staged_.empty()) co_return;
+  const state before = state_;
+  state_ = state::committing;
+  std::exception_ptr failure;
+  try {
+    auto chunks = std::exchange(staged_, {});
+    co_await commit_staged(std::move(chunks));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (stage_) stage_->release_to(0);
+  if (state_ == state::committing) state_ = before;
+  if (failure) std::rethrow_exception(failure);
+}
+
+void engine::discard_session() {
+  if (state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, std::string(backend()) + ": discard_session while an update is being " +
+                                         (state_ == state::receiving ? "received" : "committed"));
+  session_open_ = false;
+  session_failed_ = false;
+  session_mode_.reset();
+  clear_stage();
+}
+
+asio::awaitable<void> engine::drain_pending() {
+  std::exception_ptr error;
+  try {
+    co_await deferred_.join();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  stats_.finalize();
+  if (error) {
+    note_failure("processing of an update", error);
+    std::rethrow_exception(error);
+  }
+}
+
+void engine::shutdown() {
+  // Deferred processing still reads staging memory that shutdown may free.
+  if (deferred_.pending() > 0)
+    throw_error(errc::invalid_state, std::string(backend()) + ": shutdown while " +
+                                         std::to_string(deferred_.pending()) +
+                                         " bucket(s) are still being processed; co_await drain_pending() first");
+  // So does a staged commit (its load_weights read the stage).
+  if (state_ == state::committing)
+    throw_error(errc::invalid_state, std::string(backend()) + ": shutdown while a staged update session is being "
+                                                              "committed; let commit_session complete first");
+  session_open_ = false;
+  session_failed_ = false;
+  session_mode_.reset();
+  clear_stage();
+  if (state_ == state::shut_down || state_ == state::created) {
+    state_ = state::shut_down;
+    stage_.reset();
+    return;
+  }
+  state_ = state::shut_down;
+  do_shutdown();
+  stage_target_.reset();
+  stage_.reset();
+}
+
+}  // namespace refit::backend

@@ -1,0 +1,206 @@
+#include <refit/backend/links/engine_base.h>
+
+#include <algorithm>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/async/offload.h>
+#include <refit/backend/net.h>
+#include <refit/backend/engine.h>
+
+namespace refit::links {
+
+stream_free_init_info stream_free_init_info::read(json_reader& r) {
+  stream_free_init_info info;
+  static_cast<join_info&>(info) = join_info::read(r);
+  if (info.wire.checksums)
+    r.fail("member 'checksums' is not supported by this engine (its bytes cross no byte stream to checksum)");
+  return info;
+}
+
+asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
+  timeout_ = info.timeout.value_or(config().timeout);
+  rank_ = worker_rank(info, context().ranks, std::string(backend()));
+  auto j = co_await join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_, who());
+  auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(j.socket));
+  co_await transport_closed();  // an earlier communicator's abort, before its staging is reused
+  co_await joined(info, j.welcome);
+  // Staging is allocated once here and reused by every update, on the processing
+  // executor (allocating and faulting it in, or a cudaMalloc, is no work for the
+  // event loop).
+  if (!pipeline_ || !(pipeline_->params() == info.wire)) {
+    pipeline_.reset();  // the old staging goes first: peak memory is one set
+    const wire_params wire = info.wire;
+    std::unique_ptr<staging_memory> staging =
+        co_await async::offload(processing_executor(), [this, wire] { return make_staging(wire); });
+    pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
+                                                   std::move(staging));
+  }
+  socket_ = std::move(socket);
+  last_seq_ = 0;
+}
+
+std::string worker_engine::staged_commit_refusal() const {
+  if (pipeline_ && pipeline_->staging_device().is_cuda())
+    return "its buckets arrive in device memory (" + to_string(pipeline_->staging_device()) +
+           ") and a staged commit holds the whole update in host memory";
+  return {};
+}
+
+asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, load_weights_fn load_weights) {
+  if (!socket_)
+    throw_error(errc::invalid_state, who() + ": the connection to the trainer was closed by an earlier failure; "
+                                             "call init_transfer_engine again");
+  std::exception_ptr failure;
+  try {
+    bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
+    last_seq_ = co_await accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who());
+    auto transport = make_transport();
+    // No direct receive: the bytes arrive in one staging buffer per bucket.
+    co_await pipeline_->receive(info.metadata, std::move(plan), *transport, wrap(std::move(load_weights)),
+                                deferred(), mutable_stats(), nullptr);
+    co_await confirm_update(*socket_, last_seq_, timeout_, who());
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // The transport's position is unknown after a failure: close it (the trainer
+    // and the other workers fail too instead of waiting) and re-init.
+    close();
+    co_await transport_closed();
+    std::rethrow_exception(failure);
+  }
+}
+
+void worker_engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
+  if (!socket_) return;
+  try {
+    close_transport();
+    std::shared_ptr<asio::ip::tcp::socket> s(socket_.release());
+    asio::co_spawn(context().executor,
+                   links::refuse_update(s, last_seq_ + 1, kind, reason, std::min(timeout_, std::chrono::milliseconds(2000)),
+                                 who()),
+                   asio::detached);
+  } catch (...) {  // could not start the refusal: the trainer fails at its deadline
+  }
+}
+
+void worker_engine::close() noexcept {
+  close_transport();
+  if (socket_) {
+    std::error_code ignored;
+    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+    socket_->close(ignored);
+    socket_.reset();
+  }
+}
+
+sender_base::sender_base(const weight_transfer_config& config, const trainer_context& context)
+    : config_(config), context_(context) {
+  if (!context_.executor) throw_error(errc::invalid_argument, "trainer_context: an executor is required");
+}
+
+json sender_base::prepare(const json& trainer_args) {
+  const std::string name(backend());
+  json_reader r(trainer_args, name + " trainer_args");
+  auto args = trainer_args::read(r, config_.timeout);
+  r.finish();
+  if (args.wire.checksums)
+    throw_error(errc::invalid_argument, name + " trainer_args: member 'checksums' is not supported by " + name +
+                                            " (its bytes cross no byte stream to checksum)");
+  shutdown();
+  args_ = args;
+  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, args_.address, args_.port));
+  prepared();
+  return worker_init_info(args_, acceptor_->local_endpoint().port());
+}
+
+asio::awaitable<void> sender_base::connect_workers() {
+  const std::string name(backend());
+  if (!acceptor_ || !acceptor_->is_open())
+    throw_error(errc::invalid_state, name + " trainer: connect_workers before prepare");
+  close();
+  peers_ = co_await accept_workers(*acceptor_, context_.executor, config_.auth_secret, args_.timeout, args_.wire,
+                                   args_.world_size, name + " trainer", welcome());
+  std::exception_ptr failure;
+  try {
+    co_await transport_closed();  // an earlier communicator's abort
+    co_await connected();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    co_await close_after_failure();
+    std::rethrow_exception(failure);
+  }
+  seq_ = 0;
+}
+
+void sender_base::close() noexcept {
+  close_transport();
+  std::error_code ignored;
+  for (auto& p : peers_) {
+    p.socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+    p.socket->close(ignored);
+  }
+  peers_.clear();
+}
+
+asio::awaitable<void> sender_base::close_after_failure() {
+  close();
+  co_await transport_closed();
+}
+
+void sender_base::shutdown() {
+  close();
+  if (acceptor_) {
+    std::error_code ignored;
+    acceptor_->close(ignored);
+  }
+}
+
+namespace {
+asio::awaitable<void> announce_one(std::shared_ptr<asio::ip::tcp::socket> s, std::array<std::byte, 48> header,
+                                   std::chrono::milliseconds timeout, std::string who) {
+  co_await announce_update(*s, header, timeout, who);
+}
+asio::awaitable<void> confirm_one(std::shared_ptr<asio::ip::tcp::socket> s, std::uint64_t seq,
+                                  std::chrono::milliseconds timeout, std::string who) {
+  co_await await_confirmation(*s, seq, timeout, who);
+}
+}  // namespace
+
+asio::awaitable<void> sender_base::announce_all(const std::vector<member>& peers, std::array<std::byte, 48> header) {
+  std::vector<asio::awaitable<void>> ops;
+  for (const auto& p : peers) ops.push_back(announce_one(p.socket, header, args_.timeout, rank_name(p.rank)));
+  co_await async::all_of(std::move(ops));
+}
+
+asio::awaitable<void> sender_base::confirm_all(const std::vector<member>& peers, std::uint64_t seq) {
+  std::vector<asio::awaitable<void>> ops;
+  for (const auto& p : peers) ops.push_back(confirm_one(p.socket, seq, args_.timeout, rank_name(p.rank)));
+  co_await async::all_of(std::move(ops));
+}
+
+std::pair<bucket_plan, std::uint64_t> sender_base::begin_update(const update_metadata& declared) {
+  if (peers_.empty())
+    throw_error(errc::invalid_state, std::string(backend()) + " trainer: send_weights before init (or after a failed "
+                                                               "update; call init again)");
+  declared.validate();
+  stats_ = {};
+  return {plan_buckets(declared, args_.wire), ++seq_};
+}
+
+void sender_base::end_update(const update_metadata& declared, const bucket_plan& plan,
+                             std::chrono::steady_clock::time_point start) {
+  stats_.bytes = plan.tensor_bytes;
+  stats_.buckets = plan.buckets.size();
+  stats_.tensors = declared.tensors.size();
+  stats_.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.receive_s = stats_.wall_s;
+  stats_.finalize();
+}
+
+}  // namespace refit::links

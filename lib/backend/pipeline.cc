@@ -1,0 +1,384 @@
+#include <refit/backend/pipeline.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include <asio/bind_executor.hpp>
+#include <asio/strand.hpp>
+
+#include <refit/backend/async/offload.h>
+
+namespace refit {
+
+using clock_type = std::chrono::steady_clock;
+
+static double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+// load_weights threw: keep the user's words, add where it happened.
+static std::exception_ptr processing_error(std::exception_ptr cause, std::uint64_t bucket,
+                                           const std::vector<tensor_view>& views) {
+  std::string what;
+  try {
+    std::rethrow_exception(cause);
+  } catch (const error& e) {
+    what = e.message();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "a non-standard exception";
+  }
+  std::string where = "bucket " + std::to_string(bucket) + " (";
+  for (std::size_t i = 0; i < views.size() && i < 4; ++i)
+    where += (i ? ", '" : "'") + std::string(views[i].name) + "'";
+  where += views.size() > 4 ? ", ... " + std::to_string(views.size()) + " tensors)" : ")";
+  return std::make_exception_ptr(
+      error(errc::processing_failed, "load_weights failed on " + where + ": " + what));
+}
+
+void host_staging::free_deleter::operator()(std::byte* p) const noexcept { std::free(p); }
+
+host_staging::buffer host_staging::allocate(std::uint64_t bytes) {
+  constexpr std::uint64_t page = 4096;
+  std::uint64_t rounded = (bytes + page - 1) / page * page;
+  void* p = std::aligned_alloc(page, rounded == 0 ? page : rounded);
+  if (!p)
+    throw_error(errc::io_error, "host staging: cannot allocate " + std::to_string(bytes) + " bytes");
+  return buffer(static_cast<std::byte*>(p));
+}
+
+host_staging::host_staging(std::size_t count, std::uint64_t bytes) : slot_bytes_(bytes) {
+  slots_.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    slots_.push_back(allocate(bytes));
+    // Fault the pages in now, at init, not during the first update.
+    std::memset(slots_.back().get(), 0, static_cast<std::size_t>(bytes));
+  }
+}
+
+std::span<std::byte> host_staging::slot(std::size_t index) {
+  return {slots_.at(index).get(), static_cast<std::size_t>(slot_bytes_)};
+}
+
+std::span<std::byte> host_staging::assembly(std::uint64_t bytes) {
+  if (bytes > assembly_bytes_) {
+    assembly_.reset();  // free first: peak memory is the new size, not old + new
+    assembly_bytes_ = 0;
+    assembly_ = allocate(bytes);
+    // Faulted in now (the pipeline grows it on the processing executor before the
+    // update's first byte), not page by page while bytes arrive.
+    std::memset(assembly_.get(), 0, static_cast<std::size_t>(bytes));
+    assembly_bytes_ = bytes;
+  }
+  return {assembly_.get(), static_cast<std::size_t>(bytes)};
+}
+
+std::uint64_t host_staging::allocated_bytes() const noexcept {
+  return slot_bytes_ * slots_.size() + assembly_bytes_;
+}
+
+// What in-flight processing needs after receive() returns (the caller's metadata
+// and callback may be gone by then).
+struct receive_pipeline::update_state {
+  update_state(update_metadata meta, load_weights_fn load, asio::strand<asio::any_io_executor> strand,
+               clock_type::time_point start, asio::any_io_executor loop)
+      : meta(std::move(meta)), load(std::move(load)), strand(std::move(strand)), start(start), loop(loop),
+        checks_done(loop), turn(loop) {}
+  update_metadata meta;
+  load_weights_fn load;
+  asio::strand<asio::any_io_executor> strand;
+  clock_type::time_point start;
+  asio::any_io_executor loop;
+  // The first processing step not to be loaded: a failed check's own step, or the
+  // one after a failed load (buckets before a failure are loaded as usual). Set on
+  // the event loop or the strand, read on both.
+  std::atomic<std::uint64_t> failed_from{std::numeric_limits<std::uint64_t>::max()};
+  void fail_from(std::uint64_t step) {
+    std::uint64_t seen = failed_from.load();
+    while (step < seen && !failed_from.compare_exchange_weak(seen, step)) {
+    }
+  }
+  bool skips(std::uint64_t step) const { return step >= failed_from.load(); }
+  // Transport checks (event loop): how many are still to run, and the first failure.
+  std::size_t checks_left = 0;
+  std::exception_ptr check_failure;
+  async::event checks_done;
+  // Loads are handed to the strand in bucket order, whatever order the checks
+  // (which run concurrently) finish in (event loop).
+  std::uint64_t spawned = 0;    // processing steps started
+  std::uint64_t next_turn = 0;  // the step whose load goes to the strand next
+  async::event turn;
+};
+
+receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
+                                   wire_params params, std::unique_ptr<staging_memory> staging)
+    : executor_(executor),
+      processing_(processing),
+      params_((params.validate(), params)),
+      staging_(std::move(staging)),
+      slots_(executor, params.num_buffers),
+      assembly_(executor, 1) {
+  if (!staging_ || staging_->slot_count() != params_.num_buffers)
+    throw_error(errc::invalid_argument, "receive_pipeline: staging must have num_buffers slots");
+}
+
+void receive_pipeline::process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
+                               std::optional<std::size_t> slot, bool assembly,
+                               std::uint64_t bucket_index, std::function<void()> check,
+                               async::drain_scope& scope, update_stats& stats) {
+  if (check) ++state->checks_left;
+  scope.spawn(process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, std::move(check),
+                             stats));
+}
+
+asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_state> state,
+                                                       std::vector<tensor_view> views,
+                                                       std::optional<std::size_t> slot, bool assembly,
+                                                       std::uint64_t bucket_index, std::function<void()> check,
+                                                       update_stats& stats) {
+  const std::uint64_t step = state->spawned++;
+  std::exception_ptr error;
+  // 1. The transport's check (a checksum), on the processing executor, concurrently
+  //    with other buckets' checks and loads: a load never waits behind it.
+  if (check) {
+    std::exception_ptr check_error;
+    try {
+      if (!state->skips(step)) co_await async::offload(processing_, [&check] { check(); });
+    } catch (...) {
+      check_error = std::current_exception();
+      state->fail_from(step);
+    }
+    if (check_error && !state->check_failure) state->check_failure = check_error;
+    if (--state->checks_left == 0) state->checks_done.set();
+  }
+  // 2. The load, on the strand, in bucket order: each step hands its load over
+  //    only after the step before it did.
+  while (state->next_turn != step) {
+    state->turn.reset();
+    co_await state->turn.wait();
+  }
+  const bool skip = views.empty() || state->skips(step);  // a check-only chunk, or after a failure
+  double busy = -1;
+  bool loaded = false;
+  if (!skip) {
+    async::event done(state->loop);
+    std::exception_ptr load_error;
+    async::offload(
+        state->strand,
+        [&state, &views, step] {
+          if (state->skips(step)) return -1.0;  // a failure reported after this load was handed over
+          auto t0 = clock_type::now();
+          try {
+            state->load(std::span<const tensor_view>(views));
+          } catch (...) {
+            state->fail_from(step + 1);
+            throw;
+          }
+          return seconds_since(t0);
+        },
+        asio::bind_executor(state->loop, [&](std::exception_ptr e, double seconds) {
+          load_error = e;
+          busy = seconds;
+          done.set();
+        }));
+    ++state->next_turn;
+    state->turn.set();
+    co_await done.wait();
+    loaded = true;
+    if (load_error) error = processing_error(load_error, bucket_index, views);
+  } else {
+    ++state->next_turn;
+    state->turn.set();
+  }
+  if (loaded && !error && busy >= 0) {
+    stats.process_s += busy;
+    stats.tensors += views.size();
+  }
+  stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
+  if (slot) slots_.release(*slot);
+  if (assembly) assembly_.release(0);
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace refit
+
+namespace refit {
+
+namespace {
+
+// Where each tensor's bytes go when its owner offers them directly; nullptr means
+// staging. Checked once per update, before any byte moves.
+std::vector<std::byte*> direct_destinations(const update_metadata& meta, model_target* target, device dev) {
+  std::vector<std::byte*> out(meta.tensors.size(), nullptr);
+  if (!target) return out;
+  for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+    const auto& spec = meta.tensors[i];
+    auto d = target->destination(spec);
+    if (!d) continue;
+    if (d->nbytes() != spec.nbytes() || !(d->device == dev) || (d->data == nullptr && spec.nbytes() != 0))
+      throw_error(errc::invalid_argument,
+                  "model target: destination of '" + spec.name + "' is " + std::to_string(d->nbytes()) +
+                      " bytes on " + to_string(d->device) + ", expected " + std::to_string(spec.nbytes()) +
+                      " bytes on " + to_string(dev));
+    out[i] = d->data;
+  }
+  return out;
+}
+
+// Appends [data, data + n) to a scatter list, merging with the previous range when
+// they touch (a staged bucket stays one buffer).
+void append(std::vector<asio::mutable_buffer>& list, std::byte* data, std::uint64_t n) {
+  if (n == 0) return;
+  if (!list.empty()) {
+    auto& last = list.back();
+    if (static_cast<std::byte*>(last.data()) + last.size() == data) {
+      last = asio::mutable_buffer(last.data(), last.size() + static_cast<std::size_t>(n));
+      return;
+    }
+  }
+  list.emplace_back(data, static_cast<std::size_t>(n));
+}
+
+}  // namespace
+
+asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta,
+                                                bucket_transport& transport,
+                                                load_weights_fn load_weights,
+                                                async::drain_scope& scope, update_stats& stats,
+                                                model_target* target) {
+  co_await receive(meta, plan_buckets(meta, params_), transport, std::move(load_weights), scope, stats, target);
+}
+
+asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, bucket_plan plan,
+                                                bucket_transport& transport,
+                                                load_weights_fn load_weights,
+                                                async::drain_scope& scope, update_stats& stats,
+                                                model_target* target) {
+  auto state = std::make_shared<update_state>(meta, std::move(load_weights), asio::make_strand(processing_),
+                                              clock_type::now(), executor_);
+  const device dev = staging_->device();
+  const std::vector<std::byte*> direct = direct_destinations(state->meta, target, dev);
+  std::vector<asio::mutable_buffer> scatter;
+  // The target learns when bytes start landing in its memory (a header refused
+  // before that leaves the model untouched).
+  bool direct_started = false;
+  auto before_direct_bytes = [&] {
+    if (direct_started || !target) return;
+    direct_started = true;
+    target->direct_write_begins();
+  };
+
+  // The assembly buffer for this update's largest split tensor (one with no direct
+  // destination) is grown now, on the processing executor: allocating and faulting
+  // in hundreds of MiB (or a cudaMalloc, which synchronises the device) is not work
+  // for the event loop. It is taken first, so processing of an earlier update that
+  // still reads it finishes before it moves.
+  std::uint64_t largest_split = 0;
+  for (const bucket& b : plan.buckets) {
+    const auto t = plan.pieces[b.first_piece].tensor;
+    if (b.split && !direct[t]) largest_split = std::max(largest_split, state->meta.tensors[t].nbytes());
+  }
+  if (largest_split > 0) {
+    co_await assembly_.acquire();
+    std::exception_ptr grow_error;
+    try {
+      co_await async::offload(processing_, [this, largest_split] { staging_->assembly(largest_split); });
+    } catch (...) {
+      grow_error = std::current_exception();
+    }
+    assembly_.release(0);
+    if (grow_error) std::rethrow_exception(grow_error);
+  }
+
+  std::exception_ptr failure;
+  try {
+    for (const bucket& b : plan.buckets) {
+      const bucket_piece& first = plan.pieces[b.first_piece];
+      scatter.clear();
+      if (b.split) {
+        // Chunks of one large tensor land at their offsets in its destination or in
+        // the assembly buffer; the tensor is handed over whole after its last chunk.
+        const auto& spec = state->meta.tensors[first.tensor];
+        std::byte* base = direct[first.tensor];
+        const bool assembled = base == nullptr;
+        if (assembled) {
+          if (first.tensor_offset == 0) co_await assembly_.acquire();
+          base = staging_->assembly(spec.nbytes()).data();
+        }
+        append(scatter, base + first.tensor_offset, b.payload_bytes);
+        auto t0 = clock_type::now();
+        co_await transport.begin(b);
+        if (!assembled) before_direct_bytes();
+        co_await transport.receive(b, scatter);
+        stats.receive_s += seconds_since(t0);
+        stats.bytes += b.payload_bytes;
+        ++stats.buckets;
+        auto check = transport.check(b, scatter);
+        if (b.last_chunk)
+          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, std::move(check), scope,
+                  stats);
+        else if (check)  // an earlier chunk is only checked; the tensor is loaded after its last
+          process(state, {}, std::nullopt, false, b.index, std::move(check), scope, stats);
+        continue;
+      }
+      std::size_t slot = co_await slots_.acquire();
+      std::byte* mem = staging_->slot(slot).data();
+      // Staged pieces (and all padding) land at their offsets in the slot; direct
+      // pieces in their owners' memory.
+      std::vector<tensor_view> views;
+      views.reserve(b.piece_count);
+      std::uint64_t at = 0;
+      bool direct_piece = false;
+      for (const auto& p : plan.pieces_of(b)) {
+        const auto& spec = state->meta.tensors[p.tensor];
+        if (std::byte* d = direct[p.tensor]) {
+          append(scatter, mem + at, p.bucket_offset - at);
+          append(scatter, d, p.bytes);
+          direct_piece |= p.bytes != 0;
+          views.emplace_back(spec, d, dev);
+        } else {
+          append(scatter, mem + at, p.bucket_offset + p.bytes - at);
+          views.emplace_back(spec, mem + p.bucket_offset, dev);
+        }
+        at = p.bucket_offset + p.bytes;
+        stats.bytes += p.bytes;
+      }
+      auto t0 = clock_type::now();
+      try {
+        co_await transport.begin(b);
+        if (direct_piece) before_direct_bytes();
+        co_await transport.receive(b, scatter);
+      } catch (...) {
+        slots_.release(slot);
+        throw;
+      }
+      stats.receive_s += seconds_since(t0);
+      ++stats.buckets;
+      process(state, std::move(views), slot, false, b.index, transport.check(b, scatter), scope, stats);
+    }
+    // Every byte is here; the update is received once every check has passed.
+    if (state->checks_left > 0) {
+      state->checks_done.reset();
+      co_await state->checks_done.wait();
+    }
+    if (state->check_failure) std::rethrow_exception(state->check_failure);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    try {
+      co_await scope.join();  // in-flight processing still uses staging
+    } catch (...) {
+    }
+    // Only a split tensor cut short can still hold the assembly buffer now.
+    if (assembly_.available() == 0) assembly_.release(0);
+    std::rethrow_exception(failure);
+  }
+  stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
+}
+
+}  // namespace refit

@@ -1,0 +1,138 @@
+// The receive pipeline every engine shares:
+//
+//   for bucket k:
+//     slot = co_await ring.acquire()        // waits for processing of bucket k-N
+//     co_await transport.receive(k, slot)
+//     spawn process(k, slot)                // load_weights on the processing executor;
+//                                           // its completion releases the slot
+//
+// so bucket k+1 is received while bucket k is processed, and staging memory stays
+// at num_buffers x buffer_bytes (plus one assembly buffer for tensors larger than a
+// buffer) however large the model is.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
+#include <asio/buffer.hpp>
+
+#include <refit/backend/async/drain_scope.h>
+#include <refit/backend/async/slot_ring.h>
+#include <refit/backend/bucket_plan.h>
+#include <refit/engine.h>
+
+namespace refit {
+
+/// Where received bytes land. Host memory here; lib/cuda provides device memory.
+class staging_memory {
+ public:
+  virtual ~staging_memory() = default;
+  virtual refit::device device() const noexcept = 0;
+  virtual std::size_t slot_count() const noexcept = 0;
+  virtual std::span<std::byte> slot(std::size_t index) = 0;
+  /// A buffer of at least `bytes` for assembling a split tensor, grown on demand
+  /// and kept for later updates.
+  virtual std::span<std::byte> assembly(std::uint64_t bytes) = 0;
+  /// Bytes currently allocated (slots plus assembly).
+  virtual std::uint64_t allocated_bytes() const noexcept = 0;
+};
+
+/// Page-aligned host staging: `count` slots of `bytes`, allocated up front.
+class host_staging final : public staging_memory {
+ public:
+  host_staging(std::size_t count, std::uint64_t bytes);
+  refit::device device() const noexcept override { return device::cpu(); }
+  std::size_t slot_count() const noexcept override { return slots_.size(); }
+  std::span<std::byte> slot(std::size_t index) override;
+  std::span<std::byte> assembly(std::uint64_t bytes) override;
+  std::uint64_t allocated_bytes() const noexcept override;
+
+ private:
+  struct free_deleter {
+    void operator()(std::byte* p) const noexcept;
+  };
+  using buffer = std::unique_ptr<std::byte[], free_deleter>;
+  static buffer allocate(std::uint64_t bytes);
+
+  std::uint64_t slot_bytes_;
+  std::vector<buffer> slots_;
+  buffer assembly_;
+  std::uint64_t assembly_bytes_ = 0;
+};
+
+/// The engine-specific part: moving one bucket's payload into memory.
+class bucket_transport {
+ public:
+  virtual ~bucket_transport() = default;
+  /// Called before receive(b, ...): reads and checks whatever precedes bucket b's
+  /// payload (a header). A failure here has written nothing anywhere, so the model
+  /// is still untouched. Default: nothing.
+  virtual asio::awaitable<void> begin(const bucket& /*b*/) { co_return; }
+  /// Receives exactly b.payload_bytes bytes of bucket `b`, scattered over `dest`
+  /// in order (staging, or a model's own memory). Throws on peer loss, timeout or a
+  /// protocol violation.
+  virtual asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) = 0;
+  /// After receive(b, dest): work that verifies what arrived (a checksum over
+  /// `dest`), or an empty function. The pipeline runs it on the processing
+  /// executor, in bucket order before the bucket is loaded, while the next buckets
+  /// are received; receive() completes only once every check has passed, and a
+  /// check that throws fails the update with its error (nothing after that bucket
+  /// is loaded). `dest` stays valid until the check has run.
+  virtual std::function<void()> check(const bucket& /*b*/, std::span<const asio::mutable_buffer> /*dest*/) {
+    return {};
+  }
+};
+
+/// Runs updates through staging memory that lives as long as the pipeline.
+class receive_pipeline {
+ public:
+  /// `processing` runs load_weights; calls for one update are serialised on a
+  /// strand of it, in bucket order.
+  receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
+                   wire_params params, std::unique_ptr<staging_memory> staging);
+
+  /// Receives the update described by `meta` through `transport`. Processing runs
+  /// in `scope`: when this completes every bucket has arrived, and scope.join()
+  /// completes when every tensor has been loaded. `stats` is filled in as work
+  /// completes (final after the join). On a transport error, processing already in
+  /// flight is awaited before the error propagates, so staging is never in use
+  /// after a failed receive returns. When `target` gives a destination for a
+  /// tensor, its bytes are received there directly.
+  asio::awaitable<void> receive(const update_metadata& meta, bucket_transport& transport,
+                                load_weights_fn load_weights, async::drain_scope& scope,
+                                update_stats& stats, model_target* target = nullptr);
+  /// The same with the plan the engine already made (plan_buckets(meta, params())),
+  /// for engines that check it against the trainer before receiving.
+  asio::awaitable<void> receive(const update_metadata& meta, bucket_plan plan, bucket_transport& transport,
+                                load_weights_fn load_weights, async::drain_scope& scope,
+                                update_stats& stats, model_target* target = nullptr);
+
+  const wire_params& params() const noexcept { return params_; }
+  staging_memory& staging() noexcept { return *staging_; }
+  refit::device staging_device() const noexcept { return staging_->device(); }
+
+ private:
+  struct update_state;
+  void process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
+               std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
+               std::function<void()> check, async::drain_scope& scope, update_stats& stats);
+  asio::awaitable<void> process_bucket(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
+                                       std::optional<std::size_t> slot, bool assembly,
+                                       std::uint64_t bucket_index, std::function<void()> check,
+                                       update_stats& stats);
+
+  asio::any_io_executor executor_;
+  asio::any_io_executor processing_;
+  wire_params params_;
+  std::unique_ptr<staging_memory> staging_;
+  async::slot_ring slots_;
+  async::slot_ring assembly_;  // one assembly buffer: a split tensor waits for the last one's processing
+};
+
+}  // namespace refit
