@@ -1,5 +1,7 @@
 #include <refit/control/client.h>
 
+#include <refit/control/internal/frame.h>
+
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 #include <asio/experimental/as_tuple.hpp>
@@ -10,6 +12,9 @@
 #include <refit/backend/net.h>
 
 namespace refit::control {
+
+bool client::connected() const { return state_ && state_->stream->is_open(); }
+
 
 client::client(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret)
     : executor_(std::move(executor)), timeout_(timeout), secret_(std::move(secret)) {}

@@ -27,9 +27,11 @@
 #include <asio/awaitable.hpp>
 #include <asio/experimental/channel.hpp>
 
-#include <refit/control/internal/frame.h>
+#include <refit/json.h>
 
 namespace refit::control {
+
+class frame_stream;
 
 namespace detail {
 inline void add_params(json&) {}
@@ -69,7 +71,7 @@ class client {
   asio::awaitable<json> call(std::string method, json params = json::object(),
                              std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   void close();
-  bool connected() const { return state_ && state_->stream->is_open(); }
+  bool connected() const;
 
  private:
   using reply_channel = asio::experimental::channel<void(std::error_code, json)>;

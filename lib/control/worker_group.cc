@@ -1,5 +1,7 @@
 #include <refit/control/worker_group.h>
 
+#include <refit/backend/async/all_of.h>
+
 #include <exception>
 #include <utility>
 
@@ -9,6 +11,14 @@
 #include <refit/error.h>
 
 namespace refit::control {
+
+asio::awaitable<void> both_void(asio::awaitable<void> a, asio::awaitable<void> b) {
+  std::vector<asio::awaitable<void>> ops;
+  ops.push_back(std::move(a));
+  ops.push_back(std::move(b));
+  co_await async::all_of(std::move(ops));
+}
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;

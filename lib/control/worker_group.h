@@ -35,7 +35,6 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 
-#include <refit/backend/async/all_of.h>
 #include <refit/config.h>
 #include <refit/control/client.h>
 #include <refit/integrity/fingerprint.h>
@@ -45,21 +44,22 @@
 
 namespace refit::control {
 
-/// Awaits `op` and drops its result (e.g. to put a call into async::all_of).
+/// Awaits `op` and drops its result.
 template <class T>
 asio::awaitable<void> discard(asio::awaitable<T> op) {
   co_await std::move(op);
 }
 
 /// Both at once; waits for both, then rethrows the first error (asio's && would
-/// report two as "multiple exceptions"). Typical: the sender's connect_workers()
-/// alongside a worker's init, or update_weights alongside the send.
+/// report two as "multiple exceptions").
+asio::awaitable<void> both_void(asio::awaitable<void> a, asio::awaitable<void> b);
+
+/// The same for awaitables of any result (dropped). Typical: the sender's
+/// connect_workers() alongside a worker's init, or update_weights alongside the
+/// send.
 template <class A, class B>
 asio::awaitable<void> both(asio::awaitable<A> a, asio::awaitable<B> b) {
-  std::vector<asio::awaitable<void>> ops;
-  ops.push_back(discard(std::move(a)));
-  ops.push_back(discard(std::move(b)));
-  co_await async::all_of(std::move(ops));
+  co_await both_void(discard(std::move(a)), discard(std::move(b)));
 }
 
 /// A worker's control address.

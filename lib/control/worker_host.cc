@@ -1,5 +1,7 @@
 #include <refit/control/worker_host.h>
 
+#include <refit/control/internal/frame.h>
+
 #include <algorithm>
 
 #include <asio/co_spawn.hpp>
@@ -693,5 +695,7 @@ void worker_host::stop() {
     }
   }
 }
+
+asio::awaitable<void> worker_host::drain_pending() { co_await engine_->drain_pending(); }
 
 }  // namespace refit::control

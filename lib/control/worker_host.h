@@ -121,7 +121,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
 
-#include <refit/control/internal/frame.h>
+#include <refit/control/limits.h>
 #include <refit/engine.h>
 #include <refit/factory.h>
 #include <refit/session.h>
@@ -221,8 +221,13 @@ class worker_host {
   /// application that runs this host. Call it on the host's event loop.
   json weight_info() const;
 
-  weight_transfer_engine& engine() { return *engine_; }
-  weight_update_session& session() { return session_; }
+  /// The engine and its session, to look at (their state is also weight_info()'s);
+  /// only the verbs change them, so that the session's ownership rules hold.
+  const weight_transfer_engine& engine() const { return *engine_; }
+  const weight_update_session& session() const { return session_; }
+  /// Completes when the engine's deferred processing has finished (before a
+  /// process that embeds the host stops); rethrows what it hit, once.
+  asio::awaitable<void> drain_pending();
   /// Connections being served now (accepted and not yet closed).
   std::size_t connection_count() const noexcept { return connections_.size(); }
 

@@ -626,7 +626,7 @@ class py_worker_host {
     co_await t.async_wait(asio::use_awaitable);
     if (host && host->engine().processing_pending() > 0) {
       try {
-        co_await host->engine().drain_pending();
+        co_await host->drain_pending();
       } catch (...) {
       }
     }

@@ -38,6 +38,7 @@
 #include <refit/control/client.h>
 #include <refit/control/worker_group.h>
 #include <refit/backend/net.h>
+#include <refit/control/internal/frame.h>
 
 namespace refit::bench {
 namespace {

@@ -9,6 +9,7 @@
 #include <refit/control/worker_host.h>
 #include <refit/backend/handshake.h>
 #include <refit/backend/net.h>
+#include <refit/control/internal/frame.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

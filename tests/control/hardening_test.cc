@@ -29,6 +29,7 @@
 #include <refit/control/worker_host.h>
 #include <refit/internal/engine_access.h>
 #include <refit/backend/net.h>
+#include <refit/control/internal/frame.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

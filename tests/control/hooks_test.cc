@@ -17,6 +17,7 @@
 #include <refit/engines/tcp/tcp.h>
 #include <refit/integrity/fingerprint.h>
 #include <refit/backend/net.h>
+#include <refit/control/internal/frame.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 

@@ -18,20 +18,9 @@
 
 #include <refit/backend/async/event.h>
 #include <refit/backend/json_reader.h>
+#include <refit/control/limits.h>
 
 namespace refit::control {
-
-/// Default largest frame: metadata of ~1M tensors fits.
-inline constexpr std::uint32_t default_max_frame = 256u << 20;
-/// Default most values a frame may parse into (json_shape::values): update
-/// metadata of ~600k tensors (names, dtypes, shapes), a few hundred MiB parsed.
-inline constexpr std::size_t default_max_frame_values = 4u << 20;
-
-/// What a frame_stream accepts from its peer.
-struct frame_limits {
-  std::uint32_t max_bytes = default_max_frame;
-  std::size_t max_values = default_max_frame_values;
-};
 
 /// A frame's length from its 4-byte big-endian prefix; above `max_frame` is
 /// protocol_error (before anything is allocated for the body).
