@@ -1,7 +1,7 @@
 // Scalar float conversions as bit manipulation, compiled for both host and device.
 //
 // The GPU conversion kernels (kernels.cu) must match the CPU reference
-// (lib/convert.h, refit::convert) bit for bit, NaN patterns included. CUDA's own
+// (tests/support/convert.h, refit::convert) bit for bit, NaN patterns included. CUDA's own
 // intrinsics (__float2bfloat16, cuda_fp8.h) differ from it in places that matter
 // here: fp8 e4m3fn casts give NaN rather than saturating, and device float arithmetic
 // returns the canonical NaN 0x7fffffff instead of propagating the operand's payload

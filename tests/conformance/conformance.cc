@@ -6,6 +6,7 @@
 #include <future>
 #include <map>
 
+#include <refit/factory.h>
 #include <refit/metadata.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -222,8 +223,8 @@ TEST_P(engine_conformance, direct_receive_into_model_memory) {
   };
   expect_ok(transfer(set, load));
   EXPECT_NO_THROW(got.check_equals(set));
-  if (!harness_->direct_receive()) {
-    // Everything through staging, still correct.
+  if (!harness_->engine().capabilities().direct_receive) {
+    // Not claimed: everything through staging, still correct.
     EXPECT_TRUE(direct_views.empty());
     EXPECT_EQ(staged_views.size(), set.meta.tensors.size());
     return;
@@ -239,7 +240,30 @@ json with_commit(json info, const char* mode) {
   return info;
 }
 
+// The engine's capabilities (engine_capabilities) decide which of the tests below
+// apply: a claimed capability is tested; one not claimed is skipped, saying so.
+#define REFIT_REQUIRE_CAPABILITY(engine, what)                                                  \
+  if (!(engine).capabilities().what)                                                            \
+  GTEST_SKIP() << (engine).backend() << " does not claim engine_capabilities::" #what         \
+               << " (its capabilities: " << (engine).capabilities().to_json().dump() << ")"
+
+TEST_P(engine_conformance, capabilities_are_what_the_factory_registered) {
+  connect(small_wire(16 << 10, 2));
+  auto& engine = harness_->engine();
+  EXPECT_EQ(engine.defers_processing(), engine.capabilities().defers_processing);
+  if (!engine_factory::instance().contains(engine.backend()))
+    GTEST_SKIP() << engine.backend() << " is not registered in this binary (a GPU engine on the host provider)";
+  const auto registered = engine_factory::instance().capabilities(engine.backend());
+  ASSERT_TRUE(registered.has_value());
+  EXPECT_EQ(*registered, engine.capabilities()) << "registered " << registered->to_json().dump() << ", engine says "
+                                                << engine.capabilities().to_json().dump();
+}
+
 TEST_P(engine_conformance, staged_commit_loads_the_whole_update_at_once_after_it_arrived) {
+  {
+    connect(small_wire(16 << 10, 2));
+    REFIT_REQUIRE_CAPABILITY(harness_->engine(), staged_commit);
+  }
   tensor_set set;
   for (int i = 0; i < 12; ++i) set.add("t" + std::to_string(i), dtype::float32, {3000});  // 12 KiB each
   set.add("big", dtype::bfloat16, {30000});  // split over 16 KiB buffers
@@ -274,6 +298,7 @@ TEST_P(engine_conformance, staged_commit_loads_the_whole_update_at_once_after_it
 
 TEST_P(engine_conformance, failing_staged_commit_marks_weights_dirty) {
   connect(small_wire(16 << 10, 2));
+  REFIT_REQUIRE_CAPABILITY(harness_->engine(), staged_commit);
   tensor_set set;
   for (int i = 0; i < 4; ++i) set.add("t" + std::to_string(i), dtype::float32, {5000});
   auto& engine = harness_->engine();

@@ -32,9 +32,6 @@ class engine_harness {
   /// The update info JSON the trainer would send for `meta` (backends with extra
   /// members override).
   virtual json update_info_json(const update_metadata& meta);
-  /// Whether the engine receives into a model_target's own memory (a broadcast
-  /// lands in one staging buffer per bucket, so nccl does not).
-  virtual bool direct_receive() const { return true; }
 };
 
 struct harness_factory {

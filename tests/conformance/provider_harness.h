@@ -35,7 +35,6 @@ class provider_harness : public engine_harness {
   weight_transfer_engine& engine() override { return *engine_; }
   weight_sender& sender() override { return *sender_; }
   /// The bytes arrive in one staging buffer per bucket.
-  bool direct_receive() const override { return false; }
   Engine& typed_engine() { return *engine_; }
 
  private:

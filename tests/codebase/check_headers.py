@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The three kinds of header stay apart (docs/architecture.md, "Headers").
 
-    python3 tests/layering/check_headers.py [--installed DIR] [--backend-installed DIR]
+    python3 tests/codebase/check_headers.py [--installed DIR] [--backend-installed DIR]
 
 The tree says which kind a header of lib/ is:
   public     lib/*.h, lib/model/, lib/integrity/, lib/layout/, lib/control/*.h
