@@ -24,13 +24,14 @@
 #include <string>
 #include <vector>
 
-#include "examples/torch_ipc/digest.h"
-#include "tests/support/convert.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/memory.h>
+#include <refit/error.h>
+#include "examples/torch_ipc/digest.h"
 #include "tests/cuda/cuda_ipc_bench.h"
 #include "tests/cuda/engine_pair.h"
+#include "tests/support/convert.h"
 #include "tests/support/run.h"
 
 namespace refit::cuda::testing {
@@ -85,7 +86,8 @@ model make_model(const options& o) {
 
 std::vector<tensor_view> views_of(const model& m) {
   std::vector<tensor_view> v;
-  for (std::size_t i = 0; i < m.device.size(); ++i) v.emplace_back(m.meta.tensors[i], m.device[i].data(), device::cuda(0));
+  for (std::size_t i = 0; i < m.device.size(); ++i)
+    v.emplace_back(m.meta.tensors[i], m.device[i].data(), device::cuda(0));
   return v;
 }
 
@@ -148,12 +150,13 @@ asio::awaitable<void> run_all(engine_pair& pair, const options& o, model& m, std
                 escape([] {
                   cudaDeviceProp p{};
                   return cudaGetDeviceProperties(&p, 0) == cudaSuccess ? std::string(p.name) : std::string("?");
-                }()).c_str(),
-                static_cast<unsigned long long>(bytes), o.tensors,
-                static_cast<unsigned long long>(o.buffer_mib << 20), o.buffers, o.reps);
+                }())
+                    .c_str(),
+                static_cast<unsigned long long>(bytes), o.tensors, static_cast<unsigned long long>(o.buffer_mib << 20),
+                o.buffers, o.reps);
   char tail[256];
-  std::snprintf(tail, sizeof tail, R"("overlap":%.3f,"target":"<= 1.15","receive_gbps":%.1f,"verified":true})",
-                overlap, bytes / receive.median / 1e9);
+  std::snprintf(tail, sizeof tail, R"("overlap":%.3f,"target":"<= 1.15","receive_gbps":%.1f,"verified":true})", overlap,
+                bytes / receive.median / 1e9);
   *out = std::string(head) + "\"receive\":" + to_json(receive) + ",\"process\":" + to_json(process) +
          ",\"total\":" + to_json(total) + "," + tail;
 }
@@ -161,7 +164,8 @@ asio::awaitable<void> run_all(engine_pair& pair, const options& o, model& m, std
 int bench(const options& o) {
   auto devices = device_count_or_reason();
   if (!devices) {
-    std::printf("{\"bench\":\"cuda_ipc_overlap\",\"skipped\":true,\"reason\":\"%s\"}\n", escape(devices.reason).c_str());
+    std::printf("{\"bench\":\"cuda_ipc_overlap\",\"skipped\":true,\"reason\":\"%s\"}\n",
+                escape(devices.reason).c_str());
     return 0;
   }
   REFIT_CUDA_CHECK(cudaSetDevice(0));
@@ -181,11 +185,16 @@ int refit::cuda::testing::cuda_ipc_bench_main(int argc, char** argv) {
   refit::cuda::testing::options o;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--gib") o.gib = std::stod(v);
-    else if (a == "--tensors") o.tensors = std::stoi(v);
-    else if (a == "--buffer-mib") o.buffer_mib = std::stoull(v);
-    else if (a == "--buffers") o.buffers = std::stoi(v);
-    else if (a == "--reps") o.reps = std::stoi(v);
+    if (a == "--gib")
+      o.gib = std::stod(v);
+    else if (a == "--tensors")
+      o.tensors = std::stoi(v);
+    else if (a == "--buffer-mib")
+      o.buffer_mib = std::stoull(v);
+    else if (a == "--buffers")
+      o.buffers = std::stoi(v);
+    else if (a == "--reps")
+      o.reps = std::stoi(v);
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
