@@ -4,9 +4,7 @@
 
 namespace refit {
 
-std::string_view to_string(commit_mode mode) noexcept {
-  return mode == commit_mode::staged ? "staged" : "in_place";
-}
+std::string_view to_string(commit_mode mode) noexcept { return mode == commit_mode::staged ? "staged" : "in_place"; }
 
 std::optional<commit_mode> read_commit_mode(json_reader& r, const std::string& name) {
   auto text = r.maybe<std::string>(name);
@@ -26,8 +24,7 @@ weight_transfer_config weight_transfer_config::from_json(const json& j) {
   c.timeout = std::chrono::milliseconds(ms);
   c.processing_threads = r.optional<std::size_t>("processing_threads", c.processing_threads);
   if (c.processing_threads == 0 || c.processing_threads > 256)
-    r.fail("member 'processing_threads' must be in [1, 256], got " +
-           std::to_string(c.processing_threads));
+    r.fail("member 'processing_threads' must be in [1, 256], got " + std::to_string(c.processing_threads));
   c.commit = read_commit_mode(r).value_or(c.commit);
   c.socket_buffer_bytes = r.optional<std::size_t>("socket_buffer_bytes", c.socket_buffer_bytes);
   if (c.socket_buffer_bytes > (1u << 30))

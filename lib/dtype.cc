@@ -45,13 +45,9 @@ constexpr std::array<alias, 6> aliases{{
 
 }  // namespace
 
-std::size_t element_size(dtype t) noexcept {
-  return entries[static_cast<std::size_t>(t)].size;
-}
+std::size_t element_size(dtype t) noexcept { return entries[static_cast<std::size_t>(t)].size; }
 
-std::string_view to_string(dtype t) noexcept {
-  return entries[static_cast<std::size_t>(t)].name;
-}
+std::string_view to_string(dtype t) noexcept { return entries[static_cast<std::size_t>(t)].name; }
 
 dtype parse_dtype(std::string_view text) {
   std::string_view name = text;
@@ -65,8 +61,7 @@ dtype parse_dtype(std::string_view text) {
     if (!accepted.empty()) accepted += ", ";
     accepted += e.name;
   }
-  throw_error(errc::invalid_argument, "unknown dtype '" + std::string(text) +
-                                          "': expected one of " + accepted +
+  throw_error(errc::invalid_argument, "unknown dtype '" + std::string(text) + "': expected one of " + accepted +
                                           " (optionally prefixed with 'torch.')");
 }
 

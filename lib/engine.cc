@@ -9,9 +9,14 @@ std::vector<std::pair<std::string, std::uint64_t>> model_target::fingerprint(con
 }
 
 json engine_capabilities::to_json() const {
-  return {{"direct_receive", direct_receive}, {"staged_commit", staged_commit}, {"checksums", checksums},
-          {"device_memory", device_memory},   {"relay", relay},                 {"sharded", sharded},
-          {"defers_processing", defers_processing}, {"needs_gpu", needs_gpu}};
+  return {{"direct_receive", direct_receive},
+          {"staged_commit", staged_commit},
+          {"checksums", checksums},
+          {"device_memory", device_memory},
+          {"relay", relay},
+          {"sharded", sharded},
+          {"defers_processing", defers_processing},
+          {"needs_gpu", needs_gpu}};
 }
 
 weight_transfer_engine::~weight_transfer_engine() = default;

@@ -79,8 +79,8 @@ class model_target {
 
 /// What an engine is created with, besides its config.
 struct engine_context {
-  asio::any_io_executor executor;   ///< where the engine's coroutines run
-  refit::device device;             ///< the device the model lives on
+  asio::any_io_executor executor;  ///< where the engine's coroutines run
+  refit::device device;            ///< the device the model lives on
   parallel_ranks ranks;
   /// Optional. Told of every update before it is received (begin_update) and
   /// asked for direct destinations; receives still load through the

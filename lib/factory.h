@@ -34,8 +34,8 @@ class engine_factory {
   /// Registers a backend by its capabilities and creators. `create_sender` may be
   /// empty for a receive-only backend. Throws already_registered for a duplicate
   /// name.
-  void register_backend(const std::string& name, const engine_capabilities& capabilities,
-                        engine_creator create_engine, sender_creator create_sender = {});
+  void register_backend(const std::string& name, const engine_capabilities& capabilities, engine_creator create_engine,
+                        sender_creator create_sender = {});
 
   /// Registers types constructible from (config, context); the capabilities are
   /// Engine::capabilities_of() (backend/engine.h).
@@ -69,8 +69,7 @@ class engine_factory {
                                                         const engine_context& context);
   /// Creates the trainer sender for config.backend (same errors; unsupported when
   /// the backend has no sender).
-  std::unique_ptr<weight_sender> create_sender(const weight_transfer_config& config,
-                                               const trainer_context& context);
+  std::unique_ptr<weight_sender> create_sender(const weight_transfer_config& config, const trainer_context& context);
 
   bool contains(std::string_view name) const;
   /// Registered names, sorted.
@@ -87,7 +86,7 @@ class engine_factory {
     std::string library, symbol;  // set for lazy entries until loaded
   };
   const entry& find(std::string_view name) const;  // called with mutex_ held
-  entry& resolve(const std::string& name);  // called with mutex_ held
+  entry& resolve(const std::string& name);         // called with mutex_ held
 
   mutable std::mutex mutex_;
   std::map<std::string, entry, std::less<>> entries_;
@@ -97,8 +96,8 @@ class engine_factory {
 ///   static refit::backend_registration reg{"nccl", nccl::engine::capabilities_of(), make_engine, make_sender};
 /// The library holding it must be linked with alwayslink so the initialiser runs.
 struct backend_registration {
-  backend_registration(const std::string& name, const engine_capabilities& capabilities,
-                       engine_creator create_engine, sender_creator create_sender = {});
+  backend_registration(const std::string& name, const engine_capabilities& capabilities, engine_creator create_engine,
+                       sender_creator create_sender = {});
 };
 
 /// The same for engine and sender types constructible from (config, context):

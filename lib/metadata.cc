@@ -25,11 +25,10 @@ void update_metadata::validate() const {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (t.name.empty())
-      throw_error(errc::invalid_argument,
-                  "update metadata: tensor #" + std::to_string(i) + " has an empty name");
+      throw_error(errc::invalid_argument, "update metadata: tensor #" + std::to_string(i) + " has an empty name");
     if (!seen.insert(t.name).second)
-      throw_error(errc::invalid_argument, "update metadata: duplicate tensor name '" +
-                                              t.name + "' (at #" + std::to_string(i) + ")");
+      throw_error(errc::invalid_argument,
+                  "update metadata: duplicate tensor name '" + t.name + "' (at #" + std::to_string(i) + ")");
     (void)t.nbytes();
   }
   (void)total_bytes();
@@ -54,9 +53,8 @@ update_metadata read_update_metadata(json_reader& reader) {
   auto dtype_names = reader.required<std::vector<std::string>>("dtype_names");
   auto shapes = reader.required<std::vector<std::vector<std::int64_t>>>("shapes");
   if (dtype_names.size() != names.size() || shapes.size() != names.size())
-    reader.fail("'names', 'dtype_names' and 'shapes' must have the same length, got " +
-                std::to_string(names.size()) + ", " + std::to_string(dtype_names.size()) +
-                " and " + std::to_string(shapes.size()));
+    reader.fail("'names', 'dtype_names' and 'shapes' must have the same length, got " + std::to_string(names.size()) +
+                ", " + std::to_string(dtype_names.size()) + " and " + std::to_string(shapes.size()));
   update_metadata meta;
   meta.tensors.reserve(names.size());
   for (std::size_t i = 0; i < names.size(); ++i) {
@@ -64,8 +62,7 @@ update_metadata read_update_metadata(json_reader& reader) {
     try {
       type = parse_dtype(dtype_names[i]);
     } catch (const error& e) {
-      reader.fail("member '" + reader.member_path("dtype_names") + "[" + std::to_string(i) +
-                  "]': " + e.message());
+      reader.fail("member '" + reader.member_path("dtype_names") + "[" + std::to_string(i) + "]': " + e.message());
     }
     meta.tensors.push_back({std::move(names[i]), type, std::move(shapes[i])});
   }

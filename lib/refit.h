@@ -10,7 +10,6 @@
 // (<refit/engine.h>, <refit/control/worker_host.h>, ...) can be included instead.
 #pragma once
 
-#include <refit/integrity/auth.h>
 #include <refit/config.h>
 #include <refit/control/client.h>
 #include <refit/control/worker_group.h>
@@ -19,10 +18,11 @@
 #include <refit/engine.h>
 #include <refit/error.h>
 #include <refit/factory.h>
+#include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
 #include <refit/metadata.h>
-#include <refit/session.h>
-#include <refit/tensor.h>
 #include <refit/model/tensor_map_target.h>
 #include <refit/model/tensor_memory.h>
+#include <refit/session.h>
+#include <refit/tensor.h>
 #include <refit/trainer.h>

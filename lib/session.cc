@@ -6,8 +6,7 @@ namespace refit {
 
 void weight_update_session::start_weight_update() {
   if (active_)
-    throw_error(errc::invalid_state,
-                "start_weight_update: a weight update is already active (finish it first)");
+    throw_error(errc::invalid_state, "start_weight_update: a weight update is already active (finish it first)");
   if (!engine_.initialized())
     throw_error(errc::invalid_state,
                 "start_weight_update: the weight transfer engine is not initialised "
@@ -19,15 +18,15 @@ void weight_update_session::start_weight_update() {
   failure_.clear();
 }
 
-asio::awaitable<void> weight_update_session::update_weights(const update_info& info,
-                                                            load_weights_fn load_weights) {
+asio::awaitable<void> weight_update_session::update_weights(const update_info& info, load_weights_fn load_weights) {
   if (!active_)
     throw_error(errc::invalid_state, "update_weights: no active weight update (call start_weight_update first)");
   if (updating_)
     throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
   if (!failure_.empty()) {
     // The trainer is about to send this chunk: tell it at once.
-    const std::string message = "update_weights: " + failure_ + "; this session cannot complete: abort it and start "
+    const std::string message = "update_weights: " + failure_ +
+                                "; this session cannot complete: abort it and start "
                                 "again";
     internal::engine_access::refuse_update(engine_, errc::invalid_state, message);
     throw_error(errc::invalid_state, message);
@@ -51,8 +50,9 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
     // Earlier in_place chunks of this session already reached the model (staged
     // ones were discarded with the stage).
     if (applied_ > 0 && !engine_.weights_dirty())
-      internal::engine_access::mark_weights_dirty(engine_, "chunk " + std::to_string(chunks_ + 1) + " of a weight update failed after " +
-                                 std::to_string(applied_) + " chunk(s) of it had been applied");
+      internal::engine_access::mark_weights_dirty(
+          engine_, "chunk " + std::to_string(chunks_ + 1) + " of a weight update failed after " +
+                       std::to_string(applied_) + " chunk(s) of it had been applied");
     std::rethrow_exception(failure);
   }
   updating_ = false;
@@ -84,8 +84,7 @@ asio::awaitable<void> weight_update_session::update_weights(const json& update_i
 asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<std::int64_t> weight_version) {
   if (!active_)
     throw_error(errc::invalid_state, "finish_weight_update: no active weight update (call start_weight_update first)");
-  if (updating_ || reading_)
-    throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
+  if (updating_ || reading_) throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
   active_ = false;
   std::exception_ptr failure;
   if (!failure_.empty()) {
@@ -108,7 +107,8 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
       failure = std::current_exception();
     }
     finishing_ = false;
-    if (failure && internal::engine_access::session_open(engine_)) internal::engine_access::discard_session(engine_);  // the drain failed: nothing is committed
+    if (failure && internal::engine_access::session_open(engine_))
+      internal::engine_access::discard_session(engine_);  // the drain failed: nothing is committed
   }
   internal::engine_access::session_finished(engine_);
   if (failure) std::rethrow_exception(failure);
@@ -118,12 +118,12 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
 
 asio::awaitable<void> weight_update_session::abort_weight_update(std::string why) {
   if (!active_) co_return;
-  if (updating_)
-    throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");
+  if (updating_) throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");
   active_ = false;
   if (applied_ > 0 && !engine_.weights_dirty())
-    internal::engine_access::mark_weights_dirty(engine_, "a weight update was aborted after " + std::to_string(applied_) +
-                               " chunk(s) of it had been applied" + (why.empty() ? "" : " (" + why + ")"));
+    internal::engine_access::mark_weights_dirty(
+        engine_, "a weight update was aborted after " + std::to_string(applied_) + " chunk(s) of it had been applied" +
+                     (why.empty() ? "" : " (" + why + ")"));
   // Staged chunks never reached the model: dropping the stage is all.
   internal::engine_access::discard_session(engine_);
   // Errors of the aborted update were already reported to whoever failed; drain so

@@ -83,7 +83,7 @@ class weight_update_session {
   weight_transfer_engine& engine_;
   bool active_ = false;
   bool updating_ = false;
-  bool reading_ = false;  // update_weights(json): its update_info is being read off the loop
+  bool reading_ = false;    // update_weights(json): its update_info is being read off the loop
   bool finishing_ = false;  // finish_weight_update is draining or committing
   std::uint64_t chunks_ = 0;
   std::uint64_t applied_ = 0;  // in_place chunks of the active session (they reached the model)

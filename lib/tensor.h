@@ -37,8 +37,7 @@ device parse_device(std::string_view text);
 std::int64_t checked_numel(std::span<const std::int64_t> shape);
 /// Byte size of a shape of `type`; throws invalid_argument on negative dimensions or
 /// any overflow, naming `what` (usually the tensor name) in the message.
-std::uint64_t checked_nbytes(dtype type, std::span<const std::int64_t> shape,
-                             std::string_view what = {});
+std::uint64_t checked_nbytes(dtype type, std::span<const std::int64_t> shape, std::string_view what = {});
 /// "[2, 3]".
 std::string shape_to_string(std::span<const std::int64_t> shape);
 
@@ -63,10 +62,9 @@ struct tensor_view {
   refit::device device;
 
   tensor_view() = default;
-  tensor_view(std::string_view name, refit::dtype type, std::span<const std::int64_t> shape,
-              void* data, refit::device dev = {})
-      : name(name), dtype(type), shape(shape), data(static_cast<std::byte*>(data)),
-        device(dev) {}
+  tensor_view(std::string_view name, refit::dtype type, std::span<const std::int64_t> shape, void* data,
+              refit::device dev = {})
+      : name(name), dtype(type), shape(shape), data(static_cast<std::byte*>(data)), device(dev) {}
   /// A view of `spec` at `data`; `spec` must outlive the view.
   tensor_view(const tensor_spec& spec, void* data, refit::device dev = {})
       : tensor_view(spec.name, spec.dtype, spec.shape, data, dev) {}
@@ -76,15 +74,12 @@ struct tensor_view {
   /// The bytes, for host views.
   std::span<std::byte> bytes() const { return {data, static_cast<std::size_t>(nbytes())}; }
   /// An owning copy of the metadata.
-  tensor_spec spec() const {
-    return {std::string(name), dtype, std::vector<std::int64_t>(shape.begin(), shape.end())};
-  }
+  tensor_spec spec() const { return {std::string(name), dtype, std::vector<std::int64_t>(shape.begin(), shape.end())}; }
 };
 
 /// Checks that `got` (what a trainer iterates) matches `declared` (what it announced
 /// as parameter number `index`); throws invalid_argument naming the first divergent
 /// parameter and what differs.
-void check_matches_declared(const tensor_spec& declared, const tensor_view& got,
-                            std::size_t index);
+void check_matches_declared(const tensor_spec& declared, const tensor_view& got, std::size_t index);
 
 }  // namespace refit

@@ -32,7 +32,7 @@ class tensor_source {
 /// Adapts any input range of tensor_view (a vector, a ranges pipeline over a model's
 /// parameters, ...) to a tensor_source. The range must outlive the adapter.
 template <std::ranges::input_range R>
-  requires std::convertible_to<std::ranges::range_reference_t<R>, tensor_view>
+requires std::convertible_to<std::ranges::range_reference_t<R>, tensor_view>
 class range_source final : public tensor_source {
  public:
   explicit range_source(R& range) : it_(std::ranges::begin(range)), end_(std::ranges::end(range)) {}
@@ -98,8 +98,7 @@ class weight_sender {
 
 /// Sends a range of tensor views through `sender` (the C++ trainer_send_weights).
 template <std::ranges::input_range R>
-asio::awaitable<void> trainer_send_weights(weight_sender& sender, const update_metadata& declared,
-                                           R&& tensors) {
+asio::awaitable<void> trainer_send_weights(weight_sender& sender, const update_metadata& declared, R&& tensors) {
   range_source<std::remove_reference_t<R>> source(tensors);
   co_await sender.send_weights(declared, source);
 }

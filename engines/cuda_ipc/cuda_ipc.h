@@ -19,8 +19,8 @@
 #include <map>
 #include <memory>
 
-#include <refit/backend/links/engine_base.h>
 #include <refit/backend/engine.h>
+#include <refit/backend/links/engine_base.h>
 
 namespace refit::cuda_ipc {
 

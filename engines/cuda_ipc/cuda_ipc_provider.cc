@@ -56,8 +56,9 @@ class cuda_provider final : public ipc_provider {
     for (int d = 0; d < count && device < 0; ++d)
       if (uuid_of_device(d) == gpu) device = d;
     if (device < 0)
-      throw_error(errc::invalid_argument, "cuda ipc: the trainer's buffer is on a GPU this process cannot see "
-                                          "(no device with its UUID; check CUDA_VISIBLE_DEVICES)");
+      throw_error(errc::invalid_argument,
+                  "cuda ipc: the trainer's buffer is on a GPU this process cannot see "
+                  "(no device with its UUID; check CUDA_VISIBLE_DEVICES)");
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof h);
     void* p = nullptr;

@@ -2,11 +2,11 @@
 // buffer once (cached), copy the bucket into a staging slot and tell the trainer
 // the buffer is consumed; processing overlaps the next hand-over (the rest is
 // links::worker_engine).
-#include <refit/engines/cuda_ipc/cuda_ipc.h>
-#include "wire.h"  // private to this engine
 #include <refit/backend/async/offload.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/net.h>
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include "wire.h"  // private to this engine
 
 namespace refit::cuda_ipc {
 
@@ -66,7 +66,8 @@ class transport final : public bucket_transport {
       // milliseconds the event loop has no time for.
       if (!src) src = co_await async::offload(pool_, [this, &c] { return handles_.get(c.handle, c.gpu); });
     } catch (const error& e) {
-      throw error(e.code(), what + ": cannot map the trainer's buffer " + std::to_string(c.buffer) + ": " + e.message());
+      throw error(e.code(),
+                  what + ": cannot map the trainer's buffer " + std::to_string(c.buffer) + ": " + e.message());
     }
     // The bucket is contiguous in the trainer's buffer; the pipeline may scatter it
     // (into the model's own memory).

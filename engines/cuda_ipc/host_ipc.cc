@@ -6,8 +6,8 @@
 #include <mutex>
 #include <random>
 
-#include <refit/engines/cuda_ipc/cuda_ipc.h>
 #include <refit/backend/send_cursor.h>
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
 
 namespace refit::cuda_ipc {
 namespace {
@@ -38,7 +38,8 @@ class host_provider final : public ipc_provider {
       throw_error(errc::invalid_argument, "host ipc: not a host ipc handle");
     auto it = exported_.find(handle);
     if (it == exported_.end())
-      throw_error(errc::invalid_argument, "host ipc: no exported buffer has this handle (stale or from another trainer)");
+      throw_error(errc::invalid_argument,
+                  "host ipc: no exported buffer has this handle (stale or from another trainer)");
     ++open_count_[it->second];
     return it->second;
   }

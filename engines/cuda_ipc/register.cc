@@ -2,10 +2,10 @@
 // process-wide factory (CUDA builds; linked in through //engines:all). Each engine
 // uses the provider of its context's device (the current one when the context
 // names no CUDA device).
+#include <refit/cuda/staging.h>
 #include <refit/engines/cuda_ipc/cuda_ipc.h>
 #include <refit/engines/cuda_ipc/cuda_ipc_provider.h>
 #include <refit/engines/cuda_ipc/torch_ipc.h>
-#include <refit/cuda/staging.h>
 #include <refit/factory.h>
 
 namespace {
@@ -25,7 +25,8 @@ const bool registered = [] {
       });
   // PyTorch trainers: no refit sender, the trainer is Python (examples/torch_ipc).
   refit::engine_factory::instance().register_backend(
-      "torch_ipc", refit::cuda_ipc::torch_engine::capabilities_of(), [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
+      "torch_ipc", refit::cuda_ipc::torch_engine::capabilities_of(),
+      [](const refit::weight_transfer_config& c, const refit::engine_context& ctx) {
         return std::unique_ptr<refit::weight_transfer_engine>(
             new refit::cuda_ipc::torch_engine(c, ctx, cuda_ipcs(device_index(ctx.device))));
       });

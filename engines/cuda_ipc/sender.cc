@@ -3,28 +3,29 @@
 // consumed what it last held.
 #include <cstring>
 
-#include <refit/engines/cuda_ipc/cuda_ipc.h>
-#include "wire.h"  // private to this engine
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include "wire.h"  // private to this engine
 
 namespace refit::cuda_ipc {
 
 namespace {
-asio::awaitable<void> hand_over(std::shared_ptr<asio::ip::tcp::socket> s, std::array<std::byte, sizeof(wire::chunk)> raw,
-                                std::chrono::milliseconds timeout, std::string who, std::uint64_t index) {
+asio::awaitable<void> hand_over(std::shared_ptr<asio::ip::tcp::socket> s,
+                                std::array<std::byte, sizeof(wire::chunk)> raw, std::chrono::milliseconds timeout,
+                                std::string who, std::uint64_t index) {
   co_await net::write_all(*s, asio::buffer(raw), timeout, who + ": bucket " + std::to_string(index));
 }
 asio::awaitable<void> consumed(std::shared_ptr<asio::ip::tcp::socket> s, std::chrono::milliseconds timeout,
                                std::string who, std::uint64_t index) {
-  auto st = co_await links::read_status(*s, timeout, who + ": waiting for bucket " + std::to_string(index) +
-                                                         " to be consumed");
+  auto st = co_await links::read_status(*s, timeout,
+                                        who + ": waiting for bucket " + std::to_string(index) + " to be consumed");
   links::throw_if_failed(st, who);
   if (st.seq != index)
-    throw_error(errc::protocol_error, who + ": consumed bucket " + std::to_string(st.seq) + ", expected " +
-                                          std::to_string(index));
+    throw_error(errc::protocol_error,
+                who + ": consumed bucket " + std::to_string(st.seq) + ", expected " + std::to_string(index));
 }
 }  // namespace
 
@@ -64,7 +65,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       // The buffer held bucket b - n: every worker must have consumed it.
       if (b.index >= n) {
         const std::uint64_t old = b.index - n;
-        co_await each([&](const links::member& p) { return consumed(p.socket, args_.timeout, rank_name(p.rank), old); });
+        co_await each(
+            [&](const links::member& p) { return consumed(p.socket, args_.timeout, rank_name(p.rank), old); });
       }
       co_await provider_->pack(cursor.gather(b), buffers_->slot(slot).data());
       wire::chunk c;
@@ -75,7 +77,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       c.gpu = handles[slot].second;
       std::array<std::byte, sizeof(wire::chunk)> raw;
       std::memcpy(raw.data(), &c, sizeof c);
-      co_await each([&](const links::member& p) { return hand_over(p.socket, raw, args_.timeout, rank_name(p.rank), b.index); });
+      co_await each(
+          [&](const links::member& p) { return hand_over(p.socket, raw, args_.timeout, rank_name(p.rank), b.index); });
     }
     cursor.finish();
     const std::uint64_t count = plan.buckets.size();

@@ -1,9 +1,9 @@
 // The "torch_ipc" worker: tensors of a PyTorch trainer, copied out of its memory
 // through the handles its update_info carries (torch_ipc.h).
-#include <refit/engines/cuda_ipc/torch_ipc.h>
 #include <refit/backend/async/offload.h>
-#include <refit/backend/pipeline.h>
 #include <refit/backend/infos.h>
+#include <refit/backend/pipeline.h>
+#include <refit/engines/cuda_ipc/torch_ipc.h>
 
 namespace refit::cuda_ipc {
 
@@ -35,8 +35,8 @@ class torch_transport final : public bucket_transport {
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     batch_.clear();
-    std::size_t d = 0;           // current destination buffer
-    std::uint64_t d_start = 0;   // payload offset where dest[d] starts
+    std::size_t d = 0;          // current destination buffer
+    std::uint64_t d_start = 0;  // payload offset where dest[d] starts
     for (const bucket_piece& p : plan_.pieces_of(b)) {
       // A split bucket's payload is one chunk of its tensor, at payload offset 0.
       std::uint64_t at = b.split ? 0 : p.bucket_offset;
@@ -46,8 +46,8 @@ class torch_transport final : public bucket_transport {
       while (left > 0) {
         while (d < dest.size() && d_start + dest[d].size() <= at) d_start += dest[d++].size();
         if (d == dest.size())
-          throw_error(errc::protocol_error, "torch_ipc: bucket " + std::to_string(b.index) +
-                                          " has more bytes than its destination");
+          throw_error(errc::protocol_error,
+                      "torch_ipc: bucket " + std::to_string(b.index) + " has more bytes than its destination");
         const std::uint64_t inside = at - d_start;
         const std::uint64_t n = std::min<std::uint64_t>(left, dest[d].size() - inside);
         batch_.push_back({src, static_cast<std::byte*>(dest[d].data()) + inside, n});
@@ -84,10 +84,11 @@ asio::awaitable<void> torch_engine::init(const torch_init_info& info) {
     pipeline_.reset();
     const wire_params wire = info.wire;
     ipc_provider* provider = provider_.get();  // the engine owns it while this runs
-    std::unique_ptr<staging_memory> staging = co_await async::offload(
-        processing_executor(), [provider, wire] { return provider->make_staging(wire.num_buffers, wire.buffer_bytes); });
-    pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   std::move(staging));
+    std::unique_ptr<staging_memory> staging = co_await async::offload(processing_executor(), [provider, wire] {
+      return provider->make_staging(wire.num_buffers, wire.buffer_bytes);
+    });
+    pipeline_ =
+        std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
   }
 }
 
@@ -103,8 +104,10 @@ asio::awaitable<void> torch_engine::receive(const torch_update_info& info, load_
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].nbytes() == 0) continue;
     const torch_tensor_handle& h = pick_handle(info.handles[i], gpu_, tensors[i]);
-    if (std::byte* p = handles_->find(h.handle, h.gpu)) sources[i] = p + h.byte_offset();
-    else missing.push_back(i);
+    if (std::byte* p = handles_->find(h.handle, h.gpu))
+      sources[i] = p + h.byte_offset();
+    else
+      missing.push_back(i);
   }
   if (!missing.empty())
     co_await async::offload(processing_executor(), [&] {

@@ -31,8 +31,7 @@ bool contiguous(std::span<const std::int64_t> shape, std::span<const std::int64_
 // Both carry the storage's offset in the allocation in storage_offset_bytes.
 void read_handle(const std::string& hex, handle_bytes& out, json_reader& e, const tensor_spec& spec) {
   const std::string where = "member '" + e.member_path("handle") + "' of tensor '" + spec.name + "'";
-  if (!is_hex(hex))
-    e.fail(where + " must be hex digits (a CUDA IPC handle), got " + describe_json(json(hex)));
+  if (!is_hex(hex)) e.fail(where + " must be hex digits (a CUDA IPC handle), got " + describe_json(json(hex)));
   std::vector<std::byte> bytes(hex.size() / 2);
   from_hex(hex, bytes);
   constexpr std::size_t raw = sizeof(handle_bytes);
@@ -42,10 +41,12 @@ void read_handle(const std::string& hex, handle_bytes& out, json_reader& e, cons
   }
   const char type = bytes.size() >= 2 ? static_cast<char>(bytes[1]) : '\0';
   if (type == 'e')
-    e.fail(where + " is an expandable-segment handle (PyTorch's expandable_segments allocator), which refit "
-                   "does not open: run the trainer without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
+    e.fail(where +
+           " is an expandable-segment handle (PyTorch's expandable_segments allocator), which refit "
+           "does not open: run the trainer without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
   if (bytes.size() != raw + 2 || type != 'c')
-    e.fail(where + " is " + std::to_string(bytes.size()) + " bytes: expected a 64-byte cudaIpcMemHandle_t, or "
+    e.fail(where + " is " + std::to_string(bytes.size()) +
+           " bytes: expected a 64-byte cudaIpcMemHandle_t, or "
            "PyTorch's shareable handle (a version byte, 'c', then the 64-byte cudaIpcMemHandle_t)");
   std::memcpy(out.data(), bytes.data() + 2, raw);
 }
@@ -53,8 +54,8 @@ void read_handle(const std::string& hex, handle_bytes& out, json_reader& e, cons
 torch_tensor_handle read_entry(const json& value, const tensor_spec& spec, const std::string& context,
                                const std::string& path) {
   if (!value.is_object())
-    throw_error(errc::invalid_argument, context + ": member '" + path + "' must be an object, got " +
-                                            describe_json(value));
+    throw_error(errc::invalid_argument,
+                context + ": member '" + path + "' must be an object, got " + describe_json(value));
   json_reader e(value, context, path);
   torch_tensor_handle h;
   const auto hex = e.required<std::string>("handle");
@@ -126,8 +127,8 @@ torch_handle_table read_torch_handles(json_reader& r, const update_metadata& met
     const std::string at = path + "[" + std::to_string(i) + "]";
     const json& by_gpu = all[i];
     if (!by_gpu.is_object() || by_gpu.empty())
-      r.fail("member '" + at + "' (tensor '" + spec.name +
-             "') must be a non-empty object keyed by GPU UUID, got " + describe_json(by_gpu));
+      r.fail("member '" + at + "' (tensor '" + spec.name + "') must be a non-empty object keyed by GPU UUID, got " +
+             describe_json(by_gpu));
     for (const auto& [key, value] : by_gpu.items()) {
       auto h = read_entry(value, spec, r.context(), at + "." + key);
       h.gpu = parse_gpu_uuid(key, r.context() + ": member '" + at + "' (tensor '" + spec.name + "')");

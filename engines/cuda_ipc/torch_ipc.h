@@ -25,8 +25,8 @@
 #include <string_view>
 #include <vector>
 
-#include <refit/engines/cuda_ipc/cuda_ipc.h>
 #include <refit/backend/json_reader.h>
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
 #include <refit/metadata.h>
 
 namespace refit::cuda_ipc {
@@ -41,10 +41,10 @@ gpu_uuid parse_gpu_uuid(std::string_view text, const std::string& what);
 /// One tensor's place in a PyTorch trainer's memory.
 struct torch_tensor_handle {
   gpu_uuid gpu{};
-  handle_bytes handle{};                 ///< of the allocation holding the storage
+  handle_bytes handle{};  ///< of the allocation holding the storage
   std::uint64_t storage_offset_bytes = 0;
   std::uint64_t storage_bytes = 0;
-  std::uint64_t offset_bytes = 0;        ///< tensor start inside the storage
+  std::uint64_t offset_bytes = 0;  ///< tensor start inside the storage
   /// Where the tensor's first byte is, given where the allocation is mapped.
   std::uint64_t byte_offset() const noexcept { return storage_offset_bytes + offset_bytes; }
 };

@@ -59,16 +59,14 @@ class transport final : public bucket_transport {
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = "loopback: bucket " + std::to_string(b.index);
     co_await async::with_deadline(
-        link_.requests.async_send(std::error_code{}, request{b.index, b.payload_bytes, dest},
-                                  asio::use_awaitable),
+        link_.requests.async_send(std::error_code{}, request{b.index, b.payload_bytes, dest}, asio::use_awaitable),
         timeout_, what + " (waiting for the trainer to take the request)");
-    auto [ec, index] = co_await async::with_deadline(
-        link_.replies.async_receive(asio::experimental::as_tuple(asio::use_awaitable)), timeout_,
-        what + " (waiting for the trainer's bytes)");
+    auto [ec, index] =
+        co_await async::with_deadline(link_.replies.async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
+                                      timeout_, what + " (waiting for the trainer's bytes)");
     if (ec == errc::protocol_error)
       throw_error(errc::protocol_error, what + ": the trainer's metadata differ from this update's");
-    if (ec == errc::cancelled)
-      throw_error(errc::peer_lost, what + ": the trainer aborted the update");
+    if (ec == errc::cancelled) throw_error(errc::peer_lost, what + ": the trainer aborted the update");
     if (ec) throw_error(errc::peer_lost, what + ": the trainer closed the channel (" + ec.message() + ")");
     if (index != b.index)
       throw_error(errc::protocol_error, what + ": the trainer answered bucket " + std::to_string(index));
@@ -92,21 +90,19 @@ asio::awaitable<void> engine::init(const init_info& info) {
     auto it = hub.find(info.channel);
     if (it != hub.end()) l = it->second.lock();
   }
-  if (!l)
-    throw_error(errc::peer_lost, "loopback: no trainer has opened channel '" + info.channel + "'");
+  if (!l) throw_error(errc::peer_lost, "loopback: no trainer has opened channel '" + info.channel + "'");
   if (!(l->wire == info.wire))
     throw_error(errc::invalid_argument, "loopback: init_info wire parameters differ from the trainer's");
-  pipeline_ = std::make_unique<receive_pipeline>(
-      context().executor, processing_executor(), info.wire,
-      std::make_unique<host_staging>(info.wire.num_buffers, info.wire.buffer_bytes));
+  pipeline_ =
+      std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
+                                         std::make_unique<host_staging>(info.wire.num_buffers, info.wire.buffer_bytes));
   link_ = std::move(l);
   co_return;
 }
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
   transport t(*link_, config().timeout);
-  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(),
-                              receive_target());
+  co_await pipeline_->receive(info.metadata, t, std::move(load_weights), deferred(), mutable_stats(), receive_target());
 }
 
 void engine::do_shutdown() {
@@ -130,8 +126,7 @@ json sender::prepare(const json& trainer_args) {
   {
     std::lock_guard lock(hub_mutex);
     auto& slot = hub[channel];
-    if (slot.lock())
-      throw_error(errc::already_registered, "loopback: channel '" + channel + "' is already open");
+    if (slot.lock()) throw_error(errc::already_registered, "loopback: channel '" + channel + "' is already open");
     slot = l;
   }
   link_ = std::move(l);
@@ -149,25 +144,22 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     for (const bucket& b : plan.buckets) {
       const std::string what = "loopback trainer: bucket " + std::to_string(b.index);
       const auto& buffers = cursor.gather(b);
-      request req = co_await async::with_deadline(link_->requests.async_receive(asio::use_awaitable),
-                                                  config_.timeout, what + " (waiting for the worker)");
+      request req = co_await async::with_deadline(link_->requests.async_receive(asio::use_awaitable), config_.timeout,
+                                                  what + " (waiting for the worker)");
       if (req.index != b.index || req.bytes != b.payload_bytes)
-        throw_error(errc::protocol_error,
-                    what + ": worker expects bucket " + std::to_string(req.index) + " of " +
-                        std::to_string(req.bytes) + " bytes, trainer has " +
-                        std::to_string(b.payload_bytes) + " bytes (metadata differ)");
+        throw_error(errc::protocol_error, what + ": worker expects bucket " + std::to_string(req.index) + " of " +
+                                              std::to_string(req.bytes) + " bytes, trainer has " +
+                                              std::to_string(b.payload_bytes) + " bytes (metadata differ)");
       asio::buffer_copy(req.dest, buffers);
-      co_await async::with_deadline(
-          link_->replies.async_send(std::error_code{}, b.index, asio::use_awaitable), config_.timeout,
-          what + " (handing the bytes over)");
+      co_await async::with_deadline(link_->replies.async_send(std::error_code{}, b.index, asio::use_awaitable),
+                                    config_.timeout, what + " (handing the bytes over)");
     }
     cursor.finish();
   } catch (const error& e) {
     // Tell a worker that waits for this update, instead of leaving it to its
     // deadline: drop its pending request and answer with the kind of failure.
     link_->requests.try_receive([](std::error_code, request) {});
-    link_->replies.try_send(make_error_code(e.kind() == errc::protocol_error ? errc::protocol_error
-                                                                               : errc::cancelled),
+    link_->replies.try_send(make_error_code(e.kind() == errc::protocol_error ? errc::protocol_error : errc::cancelled),
                             std::uint64_t{0});
     throw;
   }

@@ -7,10 +7,10 @@
 #include <string>
 
 #include <refit/backend/bucket_plan.h>
-#include <refit/engine.h>
-#include <refit/backend/pipeline.h>
-#include <refit/trainer.h>
 #include <refit/backend/engine.h>
+#include <refit/backend/pipeline.h>
+#include <refit/engine.h>
+#include <refit/trainer.h>
 
 namespace refit::loopback {
 

@@ -11,9 +11,9 @@
 #include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/engines/nccl/collective.h>
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/send_cursor.h>
+#include <refit/engines/nccl/collective.h>
 
 namespace refit::nccl {
 namespace {
@@ -82,7 +82,8 @@ class host_collective final : public collective {
         throw_error(errc::invalid_argument, who + ": no peer rank " + std::to_string(op.peer));
       auto copy = std::make_shared<const std::vector<std::byte>>(op.data, op.data + op.bytes);
       auto [ec] = co_await async::with_deadline(
-          group_->pair(rank_, op.peer)->async_send(std::error_code{}, copy, asio::experimental::as_tuple(asio::use_awaitable)),
+          group_->pair(rank_, op.peer)
+              ->async_send(std::error_code{}, copy, asio::experimental::as_tuple(asio::use_awaitable)),
           deadline, who + ": send to rank " + std::to_string(op.peer));
       if (ec) throw_error(errc::peer_lost, who + ": rank " + std::to_string(op.peer) + " left the communicator");
     }
@@ -92,8 +93,9 @@ class host_collective final : public collective {
         throw_error(errc::invalid_argument, who + ": no peer rank " + std::to_string(op.peer));
       if (group_->aborted) throw_error(errc::peer_lost, who + ": the communicator was aborted");
       auto box = group_->pair(op.peer, rank_);
-      auto [ec, got] = co_await async::with_deadline(box->async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
-                                                     deadline, who + ": receive from rank " + std::to_string(op.peer));
+      auto [ec, got] =
+          co_await async::with_deadline(box->async_receive(asio::experimental::as_tuple(asio::use_awaitable)), deadline,
+                                        who + ": receive from rank " + std::to_string(op.peer));
       if (ec || !got) throw_error(errc::peer_lost, who + ": the communicator was aborted");
       if (got->size() != op.bytes)
         throw_error(errc::protocol_error, who + ": rank " + std::to_string(op.peer) + " sent " +
@@ -140,8 +142,8 @@ class host_provider final : public collective_provider {
         throw_error(errc::invalid_argument, "host collective " + id + ": world size " + std::to_string(world_size) +
                                                 ", the group has " + std::to_string(g->world_size));
       if (g->ranks.count(rank))
-        throw_error(errc::invalid_argument, "host collective " + id + ": rank " + std::to_string(rank) +
-                                                " joined twice");
+        throw_error(errc::invalid_argument,
+                    "host collective " + id + ": rank " + std::to_string(rank) + " joined twice");
       g->ranks[rank] = std::make_shared<inbox>(executor, 64);
     }
     // Like ncclCommInitRank: complete when every rank has joined.

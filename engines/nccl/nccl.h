@@ -12,9 +12,9 @@
 
 #include <memory>
 
-#include <refit/engines/nccl/collective.h>
-#include <refit/backend/links/engine_base.h>
 #include <refit/backend/engine.h>
+#include <refit/backend/links/engine_base.h>
+#include <refit/engines/nccl/collective.h>
 
 namespace refit::nccl {
 

@@ -19,8 +19,6 @@
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/engines/nccl/collective.h>
-#include <refit/engines/nccl/nccl_collective.h>
 #include <refit/backend/async/offload.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
@@ -28,6 +26,8 @@
 #include <refit/cuda/nccl_error.h>
 #include <refit/cuda/staging.h>
 #include <refit/cuda/stream.h>
+#include <refit/engines/nccl/collective.h>
+#include <refit/engines/nccl/nccl_collective.h>
 #include <refit/internal/hex.h>
 
 namespace refit::nccl {
@@ -77,8 +77,9 @@ class abort_thread {
         while ((q = cudaStreamQuery(stream->get())) == cudaErrorNotReady && clock_type::now() < give_up)
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         if (q == cudaErrorNotReady)
-          std::fprintf(stderr, "refit nccl: the communication stream of an aborted communicator is still busy "
-                               "after 30 s\n");
+          std::fprintf(stderr,
+                       "refit nccl: the communication stream of an aborted communicator is still busy "
+                       "after 30 s\n");
         (void)cudaGetLastError();
       } catch (...) {  // device_scope on a broken context: nothing more to do
       }
@@ -150,8 +151,10 @@ class nccl_collective final : public collective {
       r = ncclGroupEnd();
       if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, who + ": ncclGroupEnd");
     }
-    co_await until_done(who, "grouped exchange of " + std::to_string(ops.size()) + " sends and receives (" +
-                                 std::to_string(bytes) + " bytes)", until, deadline);
+    co_await until_done(who,
+                        "grouped exchange of " + std::to_string(ops.size()) + " sends and receives (" +
+                            std::to_string(bytes) + " bytes)",
+                        until, deadline);
   }
 
   // Polls the communicator and its stream until the work queued last is done, the
@@ -167,8 +170,7 @@ class nccl_collective final : public collective {
         if (!c_->comm) throw_error(errc::peer_lost, who + ": the communicator was aborted");
         const ncclResult_t r = ncclCommGetAsyncError(c_->comm, &state);
         if (r != ncclSuccess) fail_locked(r, who + ": ncclCommGetAsyncError");
-        if (state != ncclSuccess && state != ncclInProgress)
-          fail_locked(state, who + ": " + what);
+        if (state != ncclSuccess && state != ncclInProgress) fail_locked(state, who + ": " + what);
       }
       if (state == ncclSuccess) {
         const cudaError_t q = cudaStreamQuery(c_->stream->get());
@@ -180,8 +182,8 @@ class nccl_collective final : public collective {
       }
       if (clock_type::now() >= until) {
         abort();
-        throw_error(errc::timeout, who + ": " + what + ": no progress within " +
-                                       std::to_string(deadline.count()) + " ms (a peer is gone or stalled; "
+        throw_error(errc::timeout, who + ": " + what + ": no progress within " + std::to_string(deadline.count()) +
+                                       " ms (a peer is gone or stalled; "
                                        "communicator aborted)");
       }
       co_await b.wait(timer);
@@ -265,8 +267,8 @@ class nccl_provider final : public collective_provider {
         if (state == ncclSuccess) break;
         if (state != ncclInProgress) {
           kind = errc::peer_lost;
-          failure = who + ": joining the communicator of " + std::to_string(world_size) + " ranks failed: " +
-                    ncclGetErrorString(state);
+          failure = who + ": joining the communicator of " + std::to_string(world_size) +
+                    " ranks failed: " + ncclGetErrorString(state);
           break;
         }
         if (clock_type::now() >= until) {
@@ -303,7 +305,9 @@ class nccl_provider final : public collective_provider {
   bool device_sources() const noexcept override { return true; }
 
   // One processing stream for the provider, created once (not per update).
-  load_weights_fn processing(load_weights_fn load) override { return cuda::on_stream(std::move(load), processing_stream_); }
+  load_weights_fn processing(load_weights_fn load) override {
+    return cuda::on_stream(std::move(load), processing_stream_);
+  }
 
  private:
   int device_;

@@ -1,9 +1,9 @@
 // Registers "nccl" with the process-wide factory (CUDA builds; linked in through
 // //engines:all). Each engine and sender uses the provider of its context's device
 // (the current one when the context names no CUDA device).
+#include <refit/cuda/staging.h>
 #include <refit/engines/nccl/nccl.h>
 #include <refit/engines/nccl/nccl_collective.h>
-#include <refit/cuda/staging.h>
 #include <refit/factory.h>
 
 namespace {

@@ -1,9 +1,9 @@
 // The NCCL trainer: rendezvous over the side channel (welcoming every worker with
 // the communicator id), then per update: announce the header to every worker, pack
 // each bucket into a rotating buffer and broadcast it, and collect confirmations.
-#include <refit/engines/nccl/nccl.h>
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/send_cursor.h>
+#include <refit/engines/nccl/nccl.h>
 
 namespace refit::nccl {
 

@@ -13,9 +13,8 @@ namespace {
 std::vector<stream_frame> frames_of(const transfer_plan& plan, int rank, int worker, item_side side,
                                     std::span<const tensor_place> places, std::uint64_t frame_bytes) {
   const auto& items = plan.pair(rank, worker).items;
-  const auto runs = pair_runs(items, side, [&](const transfer_item& it) {
-    return places[side == item_side::source ? it.source : it.dest];
-  });
+  const auto runs = pair_runs(
+      items, side, [&](const transfer_item& it) { return places[side == item_side::source ? it.source : it.dest]; });
   return cut_frames(runs, frame_bytes);
 }
 
@@ -58,15 +57,17 @@ asio::awaitable<void> send_sharded(collective& comm, collective_provider& provid
   }
 }
 
-asio::awaitable<void> receive_sharded(collective& comm, staging_memory& staging, const transfer_plan& plan,
-                                      int worker, std::span<const tensor_place> dest, std::uint64_t frame_bytes,
+asio::awaitable<void> receive_sharded(collective& comm, staging_memory& staging, const transfer_plan& plan, int worker,
+                                      std::span<const tensor_place> dest, std::uint64_t frame_bytes,
                                       std::chrono::milliseconds deadline) {
   check_staging(staging, plan.ranks, frame_bytes, "nccl sharded receive");
   if (staging.device() != device::cpu())
-    throw_error(errc::unsupported, "nccl sharded receive: the scatter into the worker's tensors is a host copy; "
-                                   "device staging is not supported yet");
+    throw_error(errc::unsupported,
+                "nccl sharded receive: the scatter into the worker's tensors is a host copy; "
+                "device staging is not supported yet");
   std::vector<std::vector<stream_frame>> frames(plan.ranks);
-  for (int r = 0; r < plan.ranks; ++r) frames[r] = frames_of(plan, r, worker, item_side::destination, dest, frame_bytes);
+  for (int r = 0; r < plan.ranks; ++r)
+    frames[r] = frames_of(plan, r, worker, item_side::destination, dest, frame_bytes);
   const auto rounds = exchange_rounds(plan, frame_bytes);
   std::vector<p2p_op> ops;
   for (std::uint64_t k = 0; k < rounds; ++k) {

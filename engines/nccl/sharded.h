@@ -13,8 +13,8 @@
 
 #include <asio/awaitable.hpp>
 
-#include <refit/engines/nccl/collective.h>
 #include <refit/backend/shard_io.h>
+#include <refit/engines/nccl/collective.h>
 #include <refit/layout/transfer_plan.h>
 
 namespace refit::nccl {
@@ -35,8 +35,8 @@ asio::awaitable<void> send_sharded(collective& comm, collective_provider& provid
 
 /// Worker `worker`'s part. `dest[t]` is its destination tensor t (host memory: the
 /// scatter is a host copy here); `staging` has at least plan.ranks slots.
-asio::awaitable<void> receive_sharded(collective& comm, staging_memory& staging, const transfer_plan& plan,
-                                      int worker, std::span<const tensor_place> dest, std::uint64_t frame_bytes,
+asio::awaitable<void> receive_sharded(collective& comm, staging_memory& staging, const transfer_plan& plan, int worker,
+                                      std::span<const tensor_place> dest, std::uint64_t frame_bytes,
                                       std::chrono::milliseconds deadline);
 
 }  // namespace refit::nccl

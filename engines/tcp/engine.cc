@@ -9,7 +9,6 @@
 #include <asio/detached.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/engines/tcp/tcp.h>
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/event.h>
@@ -17,8 +16,9 @@
 #include <refit/backend/checksum.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
-#include <refit/internal/hex.h>
 #include <refit/backend/net.h>
+#include <refit/engines/tcp/tcp.h>
+#include <refit/internal/hex.h>
 
 namespace refit::tcp {
 
@@ -30,8 +30,8 @@ using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
 
 // Bytes to one child; if it fails, the child's own reason (it says why before it
 // closes) is the error where it gave one.
-asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer> bytes, std::chrono::milliseconds timeout,
-                               std::string what) {
+asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer> bytes,
+                               std::chrono::milliseconds timeout, std::string what) {
   std::exception_ptr failure;
   try {
     co_await net::write_all(*child, bytes, timeout, what, net::loop_bytes_per_call);
@@ -48,7 +48,8 @@ asio::awaitable<void> to_children(std::vector<socket_ptr> children, std::vector<
                                   std::string what) {
   std::vector<asio::awaitable<void>> writes;
   for (std::size_t i = 0; i < children.size(); ++i)
-    writes.push_back(to_child(children[i], bytes, timeout, what + " to downstream worker rank " + std::to_string(ranks[i])));
+    writes.push_back(
+        to_child(children[i], bytes, timeout, what + " to downstream worker rank " + std::to_string(ranks[i])));
   co_await async::all_of(std::move(writes));
 }
 
@@ -170,8 +171,7 @@ class transport final : public bucket_transport {
 
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     if (!checksums_) return {};
-    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_,
-            what = what(b)] {
+    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_, what = what(b)] {
       const std::uint64_t got = checksum(dest);
       if (got != expected)
         throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
@@ -229,8 +229,8 @@ asio::awaitable<void> engine::init(const init_info& info) {
     std::unique_ptr<staging_memory> staging = co_await async::offload(processing_executor(), [wire] {
       return std::unique_ptr<staging_memory>(std::make_unique<host_staging>(wire.num_buffers, wire.buffer_bytes));
     });
-    pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   std::move(staging));
+    pipeline_ =
+        std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
   }
   socket_ = std::move(socket);
   last_seq_ = 0;
@@ -269,8 +269,8 @@ asio::awaitable<void> accept_children(std::vector<socket_ptr>* out, asio::ip::tc
 
 asio::awaitable<void> engine::join_relay(const init_info& info) {
   // The trainer says where this worker sits once every worker has joined.
-  auto st = co_await links::read_status(*socket_, timeout_, who() + ": waiting for its place in the " +
-                                                               info.topology.to_string());
+  auto st = co_await links::read_status(*socket_, timeout_,
+                                        who() + ": waiting for its place in the " + info.topology.to_string());
   links::throw_if_failed(st, who() + ": the trainer");
   position_ = links::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
                                                who() + ": relay position");
@@ -289,8 +289,9 @@ asio::awaitable<void> engine::join_relay(const init_info& info) {
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
   if (!socket_)
-    throw_error(errc::invalid_state, who() + ": the connection to the trainer was closed by an earlier "
-                                             "failure; call init_transfer_engine again");
+    throw_error(errc::invalid_state, who() +
+                                         ": the connection to the trainer was closed by an earlier "
+                                         "failure; call init_transfer_engine again");
   const auto from = upstream();  // held: a disconnect closes it, never frees it under the read
   const auto children = children_;
   std::exception_ptr failure;
@@ -334,13 +335,12 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
       std::vector<asio::const_buffer> header{asio::buffer(raw)};
       co_await to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
       for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
-        auto st = co_await links::read_status(*children[i], timeout_,
-                                              me + ": waiting for downstream worker rank " +
-                                                  std::to_string(child_ranks[i]) + " to accept");
+        auto st = co_await links::read_status(
+            *children[i], timeout_,
+            me + ": waiting for downstream worker rank " + std::to_string(child_ranks[i]) + " to accept");
         if (st.code != 0) {
           code = st.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(st.code) : errc::protocol_error;
-          refusal = "downstream worker rank " + std::to_string(child_ranks[i]) + " refused the update: " +
-                    st.message;
+          refusal = "downstream worker rank " + std::to_string(child_ranks[i]) + " refused the update: " + st.message;
         }
       }
     }
@@ -355,8 +355,8 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
 
   transport t(socket, timeout_, source, pipeline_->params().checksums, children, child_ranks);
   // The plan just checked against the trainer's header is the one received with.
-  co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(),
-                              mutable_stats(), receive_target());
+  co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
+                              receive_target());
   // Every child confirms (its subtree has every byte, verified) before this one does.
   for (std::size_t i = 0; i < children.size(); ++i) {
     std::exception_ptr failure;
@@ -387,7 +387,8 @@ void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
   if (!upstream()) return;
   try {
     // The refusal goes upstream; children (whose header never comes) are closed.
-    std::shared_ptr<asio::ip::tcp::socket> s = upstream_ ? std::exchange(upstream_, nullptr) : std::exchange(socket_, nullptr);
+    std::shared_ptr<asio::ip::tcp::socket> s =
+        upstream_ ? std::exchange(upstream_, nullptr) : std::exchange(socket_, nullptr);
     asio::co_spawn(context().executor,
                    links::refuse_update(s, last_seq_ + 1, kind, reason,
                                         std::min(timeout_, std::chrono::milliseconds(2000)), who()),

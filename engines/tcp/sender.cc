@@ -7,9 +7,9 @@
 #include <asio/co_spawn.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/engines/tcp/tcp.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
+#include <refit/engines/tcp/tcp.h>
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/concurrent_channel.hpp>
 
@@ -62,14 +62,16 @@ json sender::prepare(const json& trainer_args) {
 }
 
 json sender::worker_init_info() const {
-  if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
+  if (!acceptor_ || !acceptor_->is_open())
+    throw_error(errc::invalid_state, "tcp trainer: worker_init_info before listen");
   json info = links::worker_init_info(args_, acceptor_->local_endpoint().port());
   if (!topology_.star()) info["topology"] = topology_.to_string();
   return info;
 }
 
 asio::awaitable<void> sender::connect_workers() {
-  if (!acceptor_ || !acceptor_->is_open()) throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
+  if (!acceptor_ || !acceptor_->is_open())
+    throw_error(errc::invalid_state, "tcp trainer: connect_workers before prepare");
   fail_all();
   auto members = co_await links::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
                                                 world_size_, "tcp trainer");
@@ -109,8 +111,10 @@ asio::awaitable<void> sender::connect_workers() {
     moved.assign(protocol, m.socket->release());
     net::set_buffers(moved, config_.socket_buffer_bytes);
     auto p = std::make_shared<peer>(peer{m.rank, strand, std::move(moved)});
-    if (std::find(direct.begin(), direct.end(), m.rank) != direct.end()) peers_.push_back(std::move(p));
-    else relayed_.push_back(std::move(p));
+    if (std::find(direct.begin(), direct.end(), m.rank) != direct.end())
+      peers_.push_back(std::move(p));
+    else
+      relayed_.push_back(std::move(p));
   }
   seq_ = 0;
 }
@@ -167,8 +171,9 @@ class checksum_feed {
 
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
   if (peers_.empty())
-    throw_error(errc::invalid_state, "tcp trainer: send_weights before init (or after a failed update; "
-                                     "call init again)");
+    throw_error(errc::invalid_state,
+                "tcp trainer: send_weights before init (or after a failed update; "
+                "call init again)");
   declared.validate();
   const auto start = clock_type::now();
   stats_ = {};
@@ -208,8 +213,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       const auto* payloads = &s.payloads;
       streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads] { feed->run(*payloads); }));
       // A stream that fails stops the hashing (it would only feed dead streams).
-      auto streams_then_stop = [](std::vector<asio::awaitable<void>> all, std::shared_ptr<checksum_feed> feed)
-          -> asio::awaitable<void> {
+      auto streams_then_stop = [](std::vector<asio::awaitable<void>> all,
+                                  std::shared_ptr<checksum_feed> feed) -> asio::awaitable<void> {
         std::exception_ptr e;
         try {
           co_await async::all_of(std::move(all));
@@ -240,7 +245,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       std::rethrow_exception(failure);
     } catch (const error& e) {
       if (missing.empty()) throw;
-      throw_error(e.kind(), e.message() + " (update " + std::to_string(seq) + " not completed by worker " + missing + ")");
+      throw_error(e.kind(),
+                  e.message() + " (update " + std::to_string(seq) + " not completed by worker " + missing + ")");
     }
   }
   stats_.bytes = plan.tensor_bytes;
@@ -277,9 +283,9 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
     h.index = i;
     h.payload_bytes = asio::buffer_size(s.payloads[i]);
     if (checksums) {
-      auto [ec, sum] = co_await async::with_deadline(
-          checksums->async_receive(asio::experimental::as_tuple(asio::use_awaitable)), timeout_,
-          what + ": waiting for its checksum");
+      auto [ec, sum] =
+          co_await async::with_deadline(checksums->async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
+                                        timeout_, what + ": waiting for its checksum");
       if (ec) throw_error(errc::cancelled, what + ": checksumming stopped");
       h.flags |= wire::flag_checksum;
       h.checksum = sum;

@@ -6,21 +6,21 @@
 #include <cstring>
 #include <thread>
 
+#include <xxhash.h>
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 #include <asio/use_awaitable.hpp>
-#include <xxhash.h>
 
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/infos.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
-#include <refit/internal/hex.h>
 #include <refit/backend/net.h>
 #include <refit/backend/shard_io.h>
-#include <refit/backend/infos.h>
+#include <refit/internal/hex.h>
 
 namespace refit::tcp {
 
@@ -138,8 +138,9 @@ std::unique_ptr<refit::update_info> sharded_engine::parse_update_info(const json
   const json spec = r.required<json>("layout");
   r.finish();
   if (worker_ < 0)
-    throw_error(errc::invalid_state, context + ": parsed before init_transfer_engine (the worker's number among "
-                                               "the destinations comes from its init_info)");
+    throw_error(errc::invalid_state, context +
+                                         ": parsed before init_transfer_engine (the worker's number among "
+                                         "the destinations comes from its init_info)");
   info->layouts = layouts_.get(global, spec, context + ": member 'layout'");
   const auto& l = *info->layouts;
   if (static_cast<int>(l.workers.size()) != workers_)
@@ -170,12 +171,14 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   std::vector<asio::awaitable<void>> joins;
   for (std::size_t r = 0; r < info.trainers.size(); ++r)
     joins.push_back([](socket_ptr* out, sharded_init_info::endpoint e, int rank, wire_params wire, std::string secret,
-                       std::chrono::milliseconds timeout, std::string who, std::size_t buffers) -> asio::awaitable<void> {
+                       std::chrono::milliseconds timeout, std::string who,
+                       std::size_t buffers) -> asio::awaitable<void> {
       auto j = co_await links::join(e.address, e.port, rank, wire, std::move(secret), timeout, who);
       *out = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
       net::set_buffers(**out, buffers);
     }(&sockets[r], info.trainers[r], worker_ + 1, wire_, config().auth_secret, timeout_,
-      who() + ": trainer rank " + std::to_string(r), config().socket_buffer_bytes));
+                                            who() + ": trainer rank " + std::to_string(r),
+                                            config().socket_buffer_bytes));
   try {
     co_await async::all_of(std::move(joins));
   } catch (...) {
@@ -190,8 +193,9 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
 asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base, load_weights_fn load_weights) {
   const auto& info = downcast<sharded_update_info>(base, "update_info");
   if (sockets_.empty())
-    throw_error(errc::invalid_state, who() + ": the connections to the trainer ranks were closed by an earlier "
-                                             "failure; call init_transfer_engine again");
+    throw_error(errc::invalid_state, who() +
+                                         ": the connections to the trainer ranks were closed by an earlier "
+                                         "failure; call init_transfer_engine again");
   const auto start = clock_type::now();
   auto layouts = info.layouts;
   const auto& plan = *layouts->plan;
@@ -349,13 +353,16 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
     if (u.seq <= last_seq_[rank])
       refusal = "update sequence " + std::to_string(u.seq) + " is not after " + std::to_string(last_seq_[rank]);
     else if (u.digest != pair_digest(plan.digest, rank, worker_))
-      refusal = "the transfer plans differ: the trainer rank planned another layout or other metadata than this "
-                "worker's update_info (plan digest " + to_hex(plan.digest) + " here)";
+      refusal =
+          "the transfer plans differ: the trainer rank planned another layout or other metadata than this "
+          "worker's update_info (plan digest " +
+          to_hex(plan.digest) + " here)";
     else if (u.tensors != pair.items.size() || u.buckets != frames.size() || u.payload_bytes != pair.bytes)
       refusal = "the pair's stream differs: the trainer sends " + std::to_string(u.tensors) + " boxes, " +
-                std::to_string(u.payload_bytes) + " bytes in " + std::to_string(u.buckets) + " frames; this worker expects " +
-                std::to_string(pair.items.size()) + ", " + std::to_string(pair.bytes) + " in " +
-                std::to_string(frames.size()) + " (are both on the same refit version?)";
+                std::to_string(u.payload_bytes) + " bytes in " + std::to_string(u.buckets) +
+                " frames; this worker expects " + std::to_string(pair.items.size()) + ", " +
+                std::to_string(pair.bytes) + " in " + std::to_string(frames.size()) +
+                " (are both on the same refit version?)";
     if (!refusal.empty()) {
       co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, refusal, timeout_,
                                   me + ": refusing the update");
@@ -377,11 +384,11 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
     co_await net::read_exact(*socket, buffers, timeout_, what, net::loop_bytes_per_call);
     if (wire_.checksums) {
       auto* b = &buffers;
-      const std::uint64_t got =
-          co_await async::offload(processing_executor(), [b] { return checksum(std::span<const asio::mutable_buffer>(*b)); });
+      const std::uint64_t got = co_await async::offload(
+          processing_executor(), [b] { return checksum(std::span<const asio::mutable_buffer>(*b)); });
       if (got != h.checksum)
-        throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
-                                               to_hex(h.checksum));
+        throw_error(errc::integrity_error,
+                    what + ": payload checksum " + to_hex(got) + " differs from the trainer's " + to_hex(h.checksum));
     }
   }
   co_await links::confirm_update(*socket, last_seq_[rank], timeout_, me);
@@ -456,8 +463,8 @@ json sharded_sender::prepare(const json& trainer_args) {
   endpoints[rank].port = acceptor_->local_endpoint().port();
   json list = json::array();
   for (const auto& e : endpoints) list.push_back({{"address", e.address}, {"port", e.port}});
-  json info = {{"trainers", std::move(list)}, {"workers", workers_}, {"rank_offset", 1},
-               {"timeout_ms", timeout_.count()}};
+  json info = {
+      {"trainers", std::move(list)}, {"workers", workers_}, {"rank_offset", 1}, {"timeout_ms", timeout_.count()}};
   wire_.write(info);
   init_info_ = info;
   return info;
@@ -484,8 +491,7 @@ asio::awaitable<void> sharded_sender::connect_workers() {
 }
 
 void sharded_sender::fail_all() {
-  for (auto& p : peers_)
-    asio::post(p->strand, [p] { close_socket(p->socket); });
+  for (auto& p : peers_) asio::post(p->strand, [p] { close_socket(p->socket); });
   peers_.clear();
 }
 
@@ -515,7 +521,8 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
     auto* out = &layouts;
     const std::string context = who + ": layout";
     auto* ctx = &context;
-    co_await async::offload(io_pool_->get_executor(), [cache, meta, spec, out, ctx] { *out = cache->get(*meta, *spec, *ctx); });
+    co_await async::offload(io_pool_->get_executor(),
+                            [cache, meta, spec, out, ctx] { *out = cache->get(*meta, *spec, *ctx); });
   }
   plan_s_ = since(plan_start);
   const auto& plan = *layouts->plan;
@@ -539,8 +546,8 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
     bases[i] = v->data;
   }
   if (source.next())
-    throw_error(errc::invalid_argument, who + ": the tensors go on past the " + std::to_string(local.tensors.size()) +
-                                            " declared");
+    throw_error(errc::invalid_argument,
+                who + ": the tensors go on past the " + std::to_string(local.tensors.size()) + " declared");
   const std::uint64_t seq = ++seq_;
   sent_.assign(workers_, 0);
   std::vector<asio::awaitable<void>> streams;
@@ -551,8 +558,8 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       return tensor_place{bases[it.source], spec.shape, element_size(spec.dtype)};
     });
     auto frames = std::make_shared<const std::vector<stream_frame>>(cut_frames(runs, wire_.buffer_bytes));
-    const auto header = links::update_header(seq, pair.items.size(), pair_digest(plan.digest, rank_, w),
-                                             frames->size(), pair.bytes);
+    const auto header =
+        links::update_header(seq, pair.items.size(), pair_digest(plan.digest, rank_, w), frames->size(), pair.bytes);
     sent_[w] = pair.bytes;
     auto p = peers_.at(w);
     streams.push_back(asio::co_spawn(p->strand, stream_to(p, header, std::move(frames), seq), asio::use_awaitable));

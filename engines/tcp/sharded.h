@@ -25,13 +25,13 @@
 #include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
 
-#include <refit/backend/engine.h>
 #include <refit/backend/bucket_plan.h>
+#include <refit/backend/engine.h>
+#include <refit/backend/shard_io.h>
 #include <refit/engine.h>
 #include <refit/layout/layout.h>
-#include <refit/backend/shard_io.h>
-#include <refit/trainer.h>
 #include <refit/layout/transfer_plan.h>
+#include <refit/trainer.h>
 
 namespace refit::tcp {
 

@@ -17,12 +17,12 @@
 #include <asio/thread_pool.hpp>
 
 #include <refit/backend/bucket_plan.h>
-#include <refit/engine.h>
+#include <refit/backend/engine.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/relay.h>
 #include <refit/backend/pipeline.h>
+#include <refit/engine.h>
 #include <refit/trainer.h>
-#include <refit/backend/engine.h>
 
 namespace refit::tcp {
 
@@ -55,8 +55,7 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   /// Direct receive, staged commits, checksums, relays (chain, tree:K); processing
   /// deferred.
   static engine_capabilities capabilities_of() {
-    return {.direct_receive = true, .staged_commit = true, .checksums = true, .relay = true,
-            .defers_processing = true};
+    return {.direct_receive = true, .staged_commit = true, .checksums = true, .relay = true, .defers_processing = true};
   }
   /// This worker's rank once initialised.
   int rank() const noexcept { return rank_; }
@@ -86,10 +85,10 @@ class engine final : public backend::typed_engine<init_info, update_info> {
 
   // Shared with an update in flight, so that closing them (disconnect, a failure)
   // never frees a socket a coroutine still reads.
-  std::shared_ptr<asio::ip::tcp::socket> socket_;    // to the trainer (the data path in a star)
-  std::shared_ptr<asio::ip::tcp::socket> upstream_;  // to the upstream worker (relay topologies)
+  std::shared_ptr<asio::ip::tcp::socket> socket_;                 // to the trainer (the data path in a star)
+  std::shared_ptr<asio::ip::tcp::socket> upstream_;               // to the upstream worker (relay topologies)
   std::vector<std::shared_ptr<asio::ip::tcp::socket>> children_;  // in position_.children order
-  std::unique_ptr<asio::ip::tcp::acceptor> relay_;   // where children connect
+  std::unique_ptr<asio::ip::tcp::acceptor> relay_;                // where children connect
   links::relay_position position_;
   std::unique_ptr<receive_pipeline> pipeline_;
   std::chrono::milliseconds timeout_{0};
@@ -120,9 +119,9 @@ class sender final : public weight_sender {
   using pool_strand = asio::strand<asio::thread_pool::executor_type>;
   struct peer {
     int rank = 0;
-    pool_strand strand;            // the worker's socket lives here, in the I/O pool
+    pool_strand strand;  // the worker's socket lives here, in the I/O pool
     asio::ip::tcp::socket socket;
-    bool confirmed = false;        // it (and its subtree) confirmed the update in progress
+    bool confirmed = false;  // it (and its subtree) confirmed the update in progress
   };
   // One update's bytes, laid out once and streamed to every worker.
   struct stream {
@@ -148,7 +147,7 @@ class sender final : public weight_sender {
   int world_size_ = 0;
   wire_params wire_;
   std::chrono::milliseconds timeout_{0};
-  std::vector<std::shared_ptr<peer>> peers_;  // the trainer's children: shared with in-flight streams and closes
+  std::vector<std::shared_ptr<peer>> peers_;    // the trainer's children: shared with in-flight streams and closes
   std::vector<std::shared_ptr<peer>> relayed_;  // the other workers' side channels, kept open
   links::topology topology_;
   std::uint64_t seq_ = 0;

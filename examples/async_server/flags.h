@@ -47,9 +47,7 @@ class flag_parser {
                                               std::to_string(hi) + "], got '" + v + "'");
     return n;
   }
-  [[noreturn]] void unknown() const {
-    throw_error(errc::invalid_argument, "unknown flag '" + name_ + "'\n" + usage_);
-  }
+  [[noreturn]] void unknown() const { throw_error(errc::invalid_argument, "unknown flag '" + name_ + "'\n" + usage_); }
 
  private:
   int argc_;

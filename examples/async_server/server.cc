@@ -20,12 +20,12 @@
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
+#include <asio/experimental/as_tuple.hpp>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/read.hpp>
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
-#include <asio/experimental/as_tuple.hpp>
 
 #include <refit/internal/lag_probe.h>
 #include <refit/refit.h>
@@ -60,20 +60,32 @@ server_options parse(int argc, char** argv) {
                 "                    [--control-port N] [--serve-port N] [--timeout-ms MS]\n"
                 "                    [--auth-secret-file PATH]\n");
   while (f.next()) {
-    if (f.is("--listen")) o.listen = f.value();
-    else if (f.is("--control-port")) o.control_port = static_cast<std::uint16_t>(f.integer(0, 65535));
-    else if (f.is("--serve-port")) o.serve_port = static_cast<std::uint16_t>(f.integer(0, 65535));
-    else if (f.is("--model-bytes")) o.model_bytes = parse_bytes(f.value(), "--model-bytes");
-    else if (f.is("--layers")) o.layers = static_cast<int>(f.integer(1, 1000));
-    else if (f.is("--vocab")) o.vocab = f.integer(1, 1 << 22);
-    else if (f.is("--timeout-ms")) o.timeout_ms = f.integer(1, 86400000);
-    else if (f.is("--auth-secret-file")) o.secret = auth::read_secret_file(f.value());
+    if (f.is("--listen"))
+      o.listen = f.value();
+    else if (f.is("--control-port"))
+      o.control_port = static_cast<std::uint16_t>(f.integer(0, 65535));
+    else if (f.is("--serve-port"))
+      o.serve_port = static_cast<std::uint16_t>(f.integer(0, 65535));
+    else if (f.is("--model-bytes"))
+      o.model_bytes = parse_bytes(f.value(), "--model-bytes");
+    else if (f.is("--layers"))
+      o.layers = static_cast<int>(f.integer(1, 1000));
+    else if (f.is("--vocab"))
+      o.vocab = f.integer(1, 1 << 22);
+    else if (f.is("--timeout-ms"))
+      o.timeout_ms = f.integer(1, 86400000);
+    else if (f.is("--auth-secret-file"))
+      o.secret = auth::read_secret_file(f.value());
     else if (f.is("--mode")) {
       const std::string m = f.value();
-      if (m == "double_buffered") o.mode = reader_mode::double_buffered;
-      else if (m == "reader_lock") o.mode = reader_mode::reader_lock;
-      else throw_error(errc::invalid_argument, "--mode: expected double_buffered or reader_lock, got '" + m + "'");
-    } else f.unknown();
+      if (m == "double_buffered")
+        o.mode = reader_mode::double_buffered;
+      else if (m == "reader_lock")
+        o.mode = reader_mode::reader_lock;
+      else
+        throw_error(errc::invalid_argument, "--mode: expected double_buffered or reader_lock, got '" + m + "'");
+    } else
+      f.unknown();
   }
   return o;
 }
@@ -172,8 +184,11 @@ int run(const server_options& o) {
   serving_stats stats;
   tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address(o.listen), o.serve_port));
   host.add_method("serving_stats", [&](const json&) -> asio::awaitable<json> {
-    co_return json{{"requests", stats.requests}, {"busy", stats.busy}, {"connections", stats.connections},
-                   {"served_version", served}, {"mode", std::string(to_string(o.mode))}};
+    co_return json{{"requests", stats.requests},
+                   {"busy", stats.busy},
+                   {"connections", stats.connections},
+                   {"served_version", served},
+                   {"mode", std::string(to_string(o.mode))}};
   });
   host.add_method("loop_lag", [&lag](const json&) -> asio::awaitable<json> { co_return lag.take().to_json(); });
   host.add_method("shutdown", [&](const json&) -> asio::awaitable<json> {

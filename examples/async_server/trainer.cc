@@ -89,21 +89,36 @@ trainer_options parse(int argc, char** argv) {
         throw_error(errc::invalid_argument, "--server: expected HOST:PORT, got '" + v + "'");
       o.control_port = static_cast<std::uint16_t>(port);
       server = true;
-    } else if (f.is("--master-address")) o.master_address = f.value();
-    else if (f.is("--serve-port")) o.serve_port = static_cast<std::uint16_t>(f.integer(1, 65535));
-    else if (f.is("--model-bytes")) o.model_bytes = parse_bytes(f.value(), "--model-bytes");
-    else if (f.is("--layers")) o.layers = static_cast<int>(f.integer(1, 1000));
-    else if (f.is("--vocab")) o.vocab = f.integer(1, 1 << 22);
-    else if (f.is("--updates")) o.updates = static_cast<int>(f.integer(1, 100000));
-    else if (f.is("--buffer-bytes")) o.buffer_bytes = parse_bytes(f.value(), "--buffer-bytes");
-    else if (f.is("--num-buffers")) o.num_buffers = static_cast<std::uint32_t>(f.integer(1, 64));
-    else if (f.is("--request-interval-us")) o.interval_us = f.integer(10, 10000000);
-    else if (f.is("--idle-ms")) o.idle_ms = f.integer(0, 600000);
-    else if (f.is("--between-ms")) o.between_ms = f.integer(0, 600000);
-    else if (f.is("--timeout-ms")) o.timeout_ms = f.integer(1, 86400000);
-    else if (f.is("--auth-secret-file")) o.secret = auth::read_secret_file(f.value());
-    else if (f.is("--shutdown")) o.shutdown = true;
-    else f.unknown();
+    } else if (f.is("--master-address"))
+      o.master_address = f.value();
+    else if (f.is("--serve-port"))
+      o.serve_port = static_cast<std::uint16_t>(f.integer(1, 65535));
+    else if (f.is("--model-bytes"))
+      o.model_bytes = parse_bytes(f.value(), "--model-bytes");
+    else if (f.is("--layers"))
+      o.layers = static_cast<int>(f.integer(1, 1000));
+    else if (f.is("--vocab"))
+      o.vocab = f.integer(1, 1 << 22);
+    else if (f.is("--updates"))
+      o.updates = static_cast<int>(f.integer(1, 100000));
+    else if (f.is("--buffer-bytes"))
+      o.buffer_bytes = parse_bytes(f.value(), "--buffer-bytes");
+    else if (f.is("--num-buffers"))
+      o.num_buffers = static_cast<std::uint32_t>(f.integer(1, 64));
+    else if (f.is("--request-interval-us"))
+      o.interval_us = f.integer(10, 10000000);
+    else if (f.is("--idle-ms"))
+      o.idle_ms = f.integer(0, 600000);
+    else if (f.is("--between-ms"))
+      o.between_ms = f.integer(0, 600000);
+    else if (f.is("--timeout-ms"))
+      o.timeout_ms = f.integer(1, 86400000);
+    else if (f.is("--auth-secret-file"))
+      o.secret = auth::read_secret_file(f.value());
+    else if (f.is("--shutdown"))
+      o.shutdown = true;
+    else
+      f.unknown();
   }
   if (!server || !o.serve_port) throw_error(errc::invalid_argument, "--server HOST:PORT and --serve-port are required");
   return o;
@@ -212,8 +227,9 @@ class load_client {
       std::memcpy(&got_id, answer, 8);
       std::memcpy(&version, answer + 8, 8);
       std::memcpy(&digest, answer + 16, 8);
-      if (got_id != id) throw_error(errc::protocol_error, "answer for request " + std::to_string(got_id) +
-                                                              ", expected " + std::to_string(id));
+      if (got_id != id)
+        throw_error(errc::protocol_error,
+                    "answer for request " + std::to_string(got_id) + ", expected " + std::to_string(id));
       samples_.push_back({ms, p, tensor, version, digest});
     }
   }
@@ -263,8 +279,12 @@ asio::awaitable<void> drive(const trainer_options& o, trainer_model& model, load
   config.timeout = timeout;
   config.auth_secret = o.secret;
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
-  json args = {{"master_address", o.master_address}, {"master_port", 0},     {"world_size", 2},
-               {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"timeout_ms", o.timeout_ms}};
+  json args = {{"master_address", o.master_address},
+               {"master_port", 0},
+               {"world_size", 2},
+               {"buffer_bytes", o.buffer_bytes},
+               {"num_buffers", o.num_buffers},
+               {"timeout_ms", o.timeout_ms}};
 
   client.set_phase(idle);
   co_await sleep_ms(o.idle_ms);
@@ -315,7 +335,8 @@ int run(const trainer_options& o) {
     std::vector<std::byte> zeros(serving::slice_bytes);
     std::vector<std::uint64_t> initial;
     for (const auto& v : model.views)
-      initial.push_back(serving::slice_digest(std::span<const std::byte>(zeros.data(), std::min<std::size_t>(zeros.size(), v.bytes().size()))));
+      initial.push_back(serving::slice_digest(
+          std::span<const std::byte>(zeros.data(), std::min<std::size_t>(zeros.size(), v.bytes().size()))));
     expected[0] = std::move(initial);
   }
 
@@ -326,7 +347,8 @@ int run(const trainer_options& o) {
   try {
     asio::io_context io;
     std::exception_ptr error;
-    asio::co_spawn(io, drive(o, model, client, expected, expected_mutex, out), [&](std::exception_ptr e) { error = e; });
+    asio::co_spawn(io, drive(o, model, client, expected, expected_mutex, out),
+                   [&](std::exception_ptr e) { error = e; });
     io.run();
     if (error) std::rethrow_exception(error);
   } catch (const refit::error& e) {

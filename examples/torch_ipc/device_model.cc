@@ -2,14 +2,14 @@
 
 #include <cuda_runtime_api.h>
 
-#include <refit/engines/cuda_ipc/cuda_ipc.h>
-#include <refit/engines/cuda_ipc/torch_ipc.h>
-#include "examples/torch_ipc/digest.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/kernels.h>
 #include <refit/cuda/processing.h>
+#include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include <refit/engines/cuda_ipc/torch_ipc.h>
 #include <refit/integrity/fingerprint.h>
+#include "examples/torch_ipc/digest.h"
 
 namespace refit::example {
 
@@ -52,7 +52,8 @@ void device_model::load_weights(std::span<const tensor_view> views) {
     tensor& t = slot_for(v.spec());
     if (v.nbytes() == 0 || t.memory.data() == v.data) continue;  // received in place
     if (t.spec.dtype != v.dtype)
-      cuda::convert(v.data, v.dtype, t.memory.data(), t.spec.dtype, static_cast<std::size_t>(checked_numel(t.spec.shape)), s);
+      cuda::convert(v.data, v.dtype, t.memory.data(), t.spec.dtype,
+                    static_cast<std::size_t>(checked_numel(t.spec.shape)), s);
     else
       pieces_.push_back({static_cast<const std::byte*>(v.data), t.memory.bytes(), v.nbytes()});
   }

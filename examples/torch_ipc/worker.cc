@@ -20,11 +20,11 @@
 #include <asio/io_context.hpp>
 #include <asio/signal_set.hpp>
 
-#include "examples/common/worker_process.h"
-#include "examples/torch_ipc/device_model.h"
-#include <refit/integrity/auth.h>
 #include <refit/control/worker_host.h>
 #include <refit/cuda/error.h>
+#include <refit/integrity/auth.h>
+#include "examples/common/worker_process.h"
+#include "examples/torch_ipc/device_model.h"
 
 namespace refit::example {
 namespace {
@@ -53,12 +53,18 @@ int run(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--device") device = std::stoi(next());
-    else if (a == "--listen") listen = next();
-    else if (a == "--port") port = static_cast<unsigned>(std::stoul(next()));
-    else if (a == "--auth-secret-file") secret_file = next();
-    else if (a == "--timeout-ms") timeout_ms = std::stol(next());
-    else return usage(("unknown argument " + a).c_str());
+    if (a == "--device")
+      device = std::stoi(next());
+    else if (a == "--listen")
+      listen = next();
+    else if (a == "--port")
+      port = static_cast<unsigned>(std::stoul(next()));
+    else if (a == "--auth-secret-file")
+      secret_file = next();
+    else if (a == "--timeout-ms")
+      timeout_ms = std::stol(next());
+    else
+      return usage(("unknown argument " + a).c_str());
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

@@ -47,20 +47,20 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <asio/co_spawn.hpp>
-#include <asio/io_context.hpp>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
+#include <asio/co_spawn.hpp>
+#include <asio/io_context.hpp>
 
-#include "examples/common/worker_process.h"
-#include "examples/torch_module_sync/model.h"
+#include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
-#include <refit/backend/json_reader.h>
 #include <refit/torch/source.h>
 #include <refit/torch/target.h>
+#include "examples/common/worker_process.h"
+#include "examples/torch_module_sync/model.h"
 
 namespace refit::example {
 namespace {
@@ -71,7 +71,7 @@ constexpr std::int64_t batch = 2, seq_len = 8;
 
 struct options {
   std::string role = "trainer";
-  int tp = 2;  // trainer: workers to start (one per rank)
+  int tp = 2;                    // trainer: workers to start (one per rank)
   int tp_rank = 0, tp_size = 1;  // worker
   int rounds = 2;
   std::int64_t timeout_ms = 30000;
@@ -100,12 +100,18 @@ options parse_args(int argc, char** argv) {
     if (a == "--role") {
       if (i + 1 >= argc) throw_error(errc::invalid_argument, "--role needs a value");
       o.role = argv[++i];
-    } else if (a == "--tp") o.tp = static_cast<int>(integer(1, 2));  // 2 KV heads: at most 2 ranks
-    else if (a == "--tp-rank") o.tp_rank = static_cast<int>(integer(0, 1));
-    else if (a == "--tp-size") o.tp_size = static_cast<int>(integer(1, 2));
-    else if (a == "--rounds") o.rounds = static_cast<int>(integer(1, 100));
-    else if (a == "--timeout-ms") o.timeout_ms = integer(100, 3600000);
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(integer(0, 1L << 30));
+    } else if (a == "--tp")
+      o.tp = static_cast<int>(integer(1, 2));  // 2 KV heads: at most 2 ranks
+    else if (a == "--tp-rank")
+      o.tp_rank = static_cast<int>(integer(0, 1));
+    else if (a == "--tp-size")
+      o.tp_size = static_cast<int>(integer(1, 2));
+    else if (a == "--rounds")
+      o.rounds = static_cast<int>(integer(1, 100));
+    else if (a == "--timeout-ms")
+      o.timeout_ms = integer(100, 3600000);
+    else if (a == "--seed")
+      o.seed = static_cast<std::uint64_t>(integer(0, 1L << 30));
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -115,8 +121,8 @@ options parse_args(int argc, char** argv) {
   if (o.role != "trainer" && o.role != "worker")
     throw_error(errc::invalid_argument, "--role: expected trainer or worker, got '" + o.role + "'");
   if (o.tp_rank >= o.tp_size)
-    throw_error(errc::invalid_argument, "--tp-rank " + std::to_string(o.tp_rank) + " is not below --tp-size " +
-                                            std::to_string(o.tp_size));
+    throw_error(errc::invalid_argument,
+                "--tp-rank " + std::to_string(o.tp_rank) + " is not below --tp-size " + std::to_string(o.tp_size));
   return o;
 }
 
@@ -214,8 +220,7 @@ int run_worker(const options& o) {
   // Where each parameter's data lives: in-place updates keep these.
   host.add_method("addresses", [&](const json&) -> asio::awaitable<json> {
     json out = json::object();
-    for (const auto& [name, t] : target.tensors())
-      out[name] = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+    for (const auto& [name, t] : target.tensors()) out[name] = reinterpret_cast<std::uintptr_t>(t.data_ptr());
     co_return out;
   });
   return serve_worker(io, host, port);
@@ -225,10 +230,10 @@ int run_worker(const options& o) {
 
 // Starts this binary as worker `rank` and reads the control port it prints.
 pid_t start_worker(const options& o, int rank, std::uint16_t& port) {
-  auto w = start_worker_process({"torch_module_sync", "--role", "worker", "--tp-rank", std::to_string(rank),
-                                 "--tp-size", std::to_string(o.tp), "--timeout-ms", std::to_string(o.timeout_ms),
-                                 "--seed", std::to_string(o.seed)},
-                                std::chrono::milliseconds(o.timeout_ms), "worker " + std::to_string(rank));
+  auto w = start_worker_process(
+      {"torch_module_sync", "--role", "worker", "--tp-rank", std::to_string(rank), "--tp-size", std::to_string(o.tp),
+       "--timeout-ms", std::to_string(o.timeout_ms), "--seed", std::to_string(o.seed)},
+      std::chrono::milliseconds(o.timeout_ms), "worker " + std::to_string(rank));
   port = w.port;
   return w.pid;
 }
@@ -298,7 +303,7 @@ asio::awaitable<comparison> compare_forward(control::worker_group& workers, cons
 // clean at `version`. The trainer sends nothing: the workers refuse on the
 // metadata alone.
 asio::awaitable<std::string> check_refusal(control::worker_group& workers, const update_metadata& good,
-                                          std::int64_t version) {
+                                           std::int64_t version) {
   update_metadata bad = good;
   const std::string victim = "model.layers.0.self_attn.k_proj.weight";
   const std::string fused = "model.layers.0.self_attn.qkv_proj.weight";  // what the refusal names
@@ -356,8 +361,8 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
   config.backend = "tcp";
   config.timeout = timeout;
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
-  json trainer_args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", o.tp + 1},
-                       {"timeout_ms", o.timeout_ms}};
+  json trainer_args = {
+      {"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", o.tp + 1}, {"timeout_ms", o.timeout_ms}};
   // The workers are one inference engine with tp ranks: the same init info for all,
   // each joins as rank_offset + tp_rank. A refusal also shuts the sender down, so
   // init fails now rather than at the sender's deadline.
@@ -413,10 +418,9 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<std::uint
     std::fprintf(stderr,
                  "[torch_module_sync] round %d: %zu tensors, %llu bytes -> %d workers in %.3f s; %llu outputs "
                  "compared, max_abs_diff %.3g (%s)%s%s\n",
-                 round, source.size(), static_cast<unsigned long long>(source.metadata().total_bytes()), o.tp,
-                 seconds, static_cast<unsigned long long>(cmp.values), cmp.max_abs_diff, cmp.worst.c_str(),
-                 cmp.max_abs_diff <= tolerance ? ", match" : ", MISMATCH",
-                 stable ? "" : "; worker parameters MOVED");
+                 round, source.size(), static_cast<unsigned long long>(source.metadata().total_bytes()), o.tp, seconds,
+                 static_cast<unsigned long long>(cmp.values), cmp.max_abs_diff, cmp.worst.c_str(),
+                 cmp.max_abs_diff <= tolerance ? ", match" : ", MISMATCH", stable ? "" : "; worker parameters MOVED");
   }
   // Validation: a wrong update is refused by every worker, and the outputs still
   // match afterwards (nothing was written).
@@ -493,8 +497,10 @@ int run_trainer(const options& o) {
                  {"sync_seconds", rep.sync_seconds},
                  {"seconds", std::chrono::duration<double>(clock_type::now() - t0).count()},
                  {"libtorch", std::string(libtorch::libtorch_version())}};
-  if (!failure.empty()) result["error"] = failure;
-  else if (!rep.refusal_problem.empty()) result["error"] = rep.refusal_problem;
+  if (!failure.empty())
+    result["error"] = failure;
+  else if (!rep.refusal_problem.empty())
+    result["error"] = rep.refusal_problem;
   std::cout << result.dump() << std::endl;
   return match && rep.addresses_stable && refused ? 0 : 1;
 }

@@ -35,9 +35,7 @@ at::Tensor rms_norm::forward(const at::Tensor& x) const {
 }
 
 attention::attention(const model_config& c, const model_layout& l)
-    : heads_(share(c.heads, l, "heads")),
-      kv_heads_(share(c.kv_heads, l, "kv_heads")),
-      head_dim_(c.head_dim()) {
+    : heads_(share(c.heads, l, "heads")), kv_heads_(share(c.kv_heads, l, "kv_heads")), head_dim_(c.head_dim()) {
   const std::int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
   if (l.fused) {
     qkv_proj = register_module("qkv_proj", linear(c.hidden, q + 2 * kv, c.qkv_bias));

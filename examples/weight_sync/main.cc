@@ -13,30 +13,30 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <optional>
-#include <tuple>
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include "examples/common/worker_process.h"
-#include "examples/weight_sync/model.h"
-#include <refit/internal/lag_probe.h>
-#include <refit/integrity/auth.h>
+#include <refit/backend/infos.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
+#include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
+#include <refit/internal/lag_probe.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
-#include <refit/backend/infos.h>
+#include "examples/common/worker_process.h"
+#include "examples/weight_sync/model.h"
 
 namespace refit::example {
 namespace {
@@ -65,29 +65,29 @@ struct options {
   bool no_direct = false;  // receive through staging even where the model offers memory
   bool checksums = false;
   commit_mode commit = commit_mode::in_place;
-  std::string listen = "127.0.0.1";       // workers' control address; the trainer's data address
-  std::vector<endpoint> connect;          // trainer: use running workers instead of starting them
-  bool load_model = false;                // trainer: have --connect workers allocate the model first
-  bool one_tensor = false;                // the model is one bf16 tensor of --model-bytes
-  std::uint16_t master_port = 0;          // trainer: data port (0: any free port)
-  std::vector<std::uint16_t> advertise;   // trainer: data ports workers are told (proxies in front), one or one each
-  int first_round = 1;                    // trainer: number of the first update (its weights)
+  std::string listen = "127.0.0.1";        // workers' control address; the trainer's data address
+  std::vector<endpoint> connect;           // trainer: use running workers instead of starting them
+  bool load_model = false;                 // trainer: have --connect workers allocate the model first
+  bool one_tensor = false;                 // the model is one bf16 tensor of --model-bytes
+  std::uint16_t master_port = 0;           // trainer: data port (0: any free port)
+  std::vector<std::uint16_t> advertise;    // trainer: data ports workers are told (proxies in front), one or one each
+  int first_round = 1;                     // trainer: number of the first update (its weights)
   std::int64_t hold_before_finish_ms = 0;  // trainer: pause between update_weights and finish (fault suite)
-  std::string topology;                   // trainer: tcp's "star", "chain" or "tree:K" (empty: the engine's default)
+  std::string topology;                    // trainer: tcp's "star", "chain" or "tree:K" (empty: the engine's default)
   // Sharded transfers: M trainer ranks with FSDP Shard(0) shards, N workers in
   // vLLM's tensor-parallel layout (fused qkv/gate_up, column/row, vocab-parallel).
   int trainers = 1;
   int tp = 1;
-  bool broadcast = false;                 // --tp N: today's broadcast, each worker slicing on arrival
+  bool broadcast = false;  // --tp N: today's broadcast, each worker slicing on arrival
   bool workers_given = false;
-  int rank = 0;                           // trainer-rank: this rank
+  int rank = 0;                              // trainer-rank: this rank
   std::vector<std::uint16_t> trainer_ports;  // trainer-rank: (unused ports of the others are 0)
-  int slice_tp = 0, tp_rank = 0;          // worker: slice a broadcast to tp rank tp_rank of slice_tp
-  std::string stats_file;                 // trainer-rank: where its JSON stats go
+  int slice_tp = 0, tp_rank = 0;             // worker: slice a broadcast to tp rank tp_rank of slice_tp
+  std::string stats_file;                    // trainer-rank: where its JSON stats go
 
   bool sharded_job() const { return trainers > 1 || tp > 1; }
-  std::string secret_file;                // shared secret for every connection
-  std::string secret;                     // loaded from secret_file
+  std::string secret_file;  // shared secret for every connection
+  std::string secret;       // loaded from secret_file
 };
 
 const char* usage =
@@ -131,8 +131,9 @@ std::vector<endpoint> endpoint_list(const std::string& flag, const std::string& 
     char* end = nullptr;
     long port = std::strtol(item.c_str(), &end, 10);
     if (bad_host || item.empty() || !end || *end || port < 1 || port > 65535)
-      throw_error(errc::invalid_argument, flag + (hosts ? ": expected [HOST:]PORT entries like 4001,10.0.0.2:4002, got '"
-                                                        : ": expected ports like 4001,4002, got '") +
+      throw_error(errc::invalid_argument, flag +
+                                              (hosts ? ": expected [HOST:]PORT entries like 4001,10.0.0.2:4002, got '"
+                                                     : ": expected ports like 4001,4002, got '") +
                                               list + "'");
     e.port = static_cast<std::uint16_t>(port);
     out.push_back(std::move(e));
@@ -170,48 +171,82 @@ options parse_args(int argc, char** argv) {
                                                 std::to_string(hi) + "], got '" + v + "'");
       return n;
     };
-    if (a == "--role") o.role = next();
-    else if (a == "--engine") o.engine = next();
-    else if (a == "--workers") o.workers = static_cast<int>(integer(1, 64)), o.workers_given = true;
-    else if (a == "--trainers") o.trainers = static_cast<int>(integer(1, 64));
-    else if (a == "--tp") o.tp = static_cast<int>(integer(1, 64));
-    else if (a == "--broadcast") o.broadcast = true;
-    else if (a == "--rank") o.rank = static_cast<int>(integer(0, 63));
-    else if (a == "--slice-tp") o.slice_tp = static_cast<int>(integer(1, 64));
-    else if (a == "--tp-rank") o.tp_rank = static_cast<int>(integer(0, 63));
-    else if (a == "--stats-file") o.stats_file = next();
-    else if (a == "--model-bytes") o.model_bytes = parse_bytes(next(), a);
-    else if (a == "--layers") o.layers = static_cast<int>(integer(1, 4096));
-    else if (a == "--vocab") o.vocab = integer(1, 1 << 22);
-    else if (a == "--updates") o.updates = static_cast<int>(integer(1, 100000));
-    else if (a == "--buffer-bytes") o.buffer_bytes = parse_bytes(next(), a);
-    else if (a == "--num-buffers") o.num_buffers = static_cast<std::uint32_t>(integer(1, 64));
+    if (a == "--role")
+      o.role = next();
+    else if (a == "--engine")
+      o.engine = next();
+    else if (a == "--workers")
+      o.workers = static_cast<int>(integer(1, 64)), o.workers_given = true;
+    else if (a == "--trainers")
+      o.trainers = static_cast<int>(integer(1, 64));
+    else if (a == "--tp")
+      o.tp = static_cast<int>(integer(1, 64));
+    else if (a == "--broadcast")
+      o.broadcast = true;
+    else if (a == "--rank")
+      o.rank = static_cast<int>(integer(0, 63));
+    else if (a == "--slice-tp")
+      o.slice_tp = static_cast<int>(integer(1, 64));
+    else if (a == "--tp-rank")
+      o.tp_rank = static_cast<int>(integer(0, 63));
+    else if (a == "--stats-file")
+      o.stats_file = next();
+    else if (a == "--model-bytes")
+      o.model_bytes = parse_bytes(next(), a);
+    else if (a == "--layers")
+      o.layers = static_cast<int>(integer(1, 4096));
+    else if (a == "--vocab")
+      o.vocab = integer(1, 1 << 22);
+    else if (a == "--updates")
+      o.updates = static_cast<int>(integer(1, 100000));
+    else if (a == "--buffer-bytes")
+      o.buffer_bytes = parse_bytes(next(), a);
+    else if (a == "--num-buffers")
+      o.num_buffers = static_cast<std::uint32_t>(integer(1, 64));
     else if (a == "--process-cost") {
       std::string v = next();
       char* end = nullptr;
       o.process_cost = std::strtod(v.c_str(), &end);
       if (!end || *end || o.process_cost < 0 || o.process_cost > 1000)
         throw_error(errc::invalid_argument, "--process-cost: expected seconds per GB in [0, 1000], got '" + v + "'");
-    } else if (a == "--timeout-ms") o.timeout_ms = integer(1, 86400000);
-    else if (a == "--quiet") o.quiet = true;
-    else if (a == "--print-layout") o.print_layout = true;
-    else if (a == "--no-direct") o.no_direct = true;
+    } else if (a == "--timeout-ms")
+      o.timeout_ms = integer(1, 86400000);
+    else if (a == "--quiet")
+      o.quiet = true;
+    else if (a == "--print-layout")
+      o.print_layout = true;
+    else if (a == "--no-direct")
+      o.no_direct = true;
     else if (a == "--commit") {
       std::string v = next();
-      if (v == "staged") o.commit = commit_mode::staged;
-      else if (v == "in_place") o.commit = commit_mode::in_place;
-      else throw_error(errc::invalid_argument, "--commit: expected in_place or staged, got '" + v + "'");
-    } else if (a == "--auth-secret-file") o.secret_file = next();
-    else if (a == "--listen") o.listen = next();
-    else if (a == "--master-port") o.master_port = static_cast<std::uint16_t>(integer(0, 65535));
-    else if (a == "--advertise-port") o.advertise = port_list(a, next());
-    else if (a == "--first-round") o.first_round = static_cast<int>(integer(1, 1 << 30));
-    else if (a == "--hold-before-finish-ms") o.hold_before_finish_ms = integer(0, 600000);
-    else if (a == "--connect") o.connect = endpoint_list(a, next(), true);
-    else if (a == "--load-model") o.load_model = true;
-    else if (a == "--one-tensor") o.one_tensor = true;
-    else if (a == "--checksums") o.checksums = true;
-    else if (a == "--topology") o.topology = next();
+      if (v == "staged")
+        o.commit = commit_mode::staged;
+      else if (v == "in_place")
+        o.commit = commit_mode::in_place;
+      else
+        throw_error(errc::invalid_argument, "--commit: expected in_place or staged, got '" + v + "'");
+    } else if (a == "--auth-secret-file")
+      o.secret_file = next();
+    else if (a == "--listen")
+      o.listen = next();
+    else if (a == "--master-port")
+      o.master_port = static_cast<std::uint16_t>(integer(0, 65535));
+    else if (a == "--advertise-port")
+      o.advertise = port_list(a, next());
+    else if (a == "--first-round")
+      o.first_round = static_cast<int>(integer(1, 1 << 30));
+    else if (a == "--hold-before-finish-ms")
+      o.hold_before_finish_ms = integer(0, 600000);
+    else if (a == "--connect")
+      o.connect = endpoint_list(a, next(), true);
+    else if (a == "--load-model")
+      o.load_model = true;
+    else if (a == "--one-tensor")
+      o.one_tensor = true;
+    else if (a == "--checksums")
+      o.checksums = true;
+    else if (a == "--topology")
+      o.topology = next();
     else if (a == "--help" || a == "-h") {
       std::cout << usage;
       std::exit(0);
@@ -222,16 +257,19 @@ options parse_args(int argc, char** argv) {
     throw_error(errc::invalid_argument, "--role: expected trainer or worker, got '" + o.role + "'");
   if (o.sharded_job()) {
     if (o.workers_given && o.workers != o.tp)
-      throw_error(errc::invalid_argument, "--workers " + std::to_string(o.workers) + " and --tp " + std::to_string(o.tp) +
+      throw_error(errc::invalid_argument, "--workers " + std::to_string(o.workers) + " and --tp " +
+                                              std::to_string(o.tp) +
                                               ": with --tp the workers are the tp ranks of one engine (give one)");
     o.workers = o.tp;
     if (o.broadcast && o.trainers != 1)
       throw_error(errc::invalid_argument, "--broadcast: one trainer sends the whole model (drop --trainers)");
     if (!o.connect.empty() || o.one_tensor || !o.advertise.empty() || o.commit == commit_mode::staged)
-      throw_error(errc::invalid_argument, "--trainers/--tp: --connect, --one-tensor, --advertise-port "
-                                          "and --commit staged are for the one-trainer job");
+      throw_error(errc::invalid_argument,
+                  "--trainers/--tp: --connect, --one-tensor, --advertise-port "
+                  "and --commit staged are for the one-trainer job");
     if (!o.topology.empty() && !o.broadcast)
-      throw_error(errc::invalid_argument, "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");
+      throw_error(errc::invalid_argument,
+                  "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");
     o.engine = o.broadcast ? "tcp" : "tcp_sharded";
   }
   if (o.secret_file.empty())
@@ -240,8 +278,8 @@ options parse_args(int argc, char** argv) {
   if (!o.connect.empty()) o.workers = static_cast<int>(o.connect.size());
   if (o.connect.empty()) o.load_model = true;  // workers this trainer starts always get the model
   if (o.advertise.size() > 1 && o.advertise.size() != static_cast<std::size_t>(o.workers))
-    throw_error(errc::invalid_argument, "--advertise-port: give one port, or one per worker (" +
-                                            std::to_string(o.workers) + ")");
+    throw_error(errc::invalid_argument,
+                "--advertise-port: give one port, or one per worker (" + std::to_string(o.workers) + ")");
   return o;
 }
 
@@ -389,10 +427,19 @@ int run_worker(const options& o) {
 
 // Starts this binary as a worker and reads the control port it prints.
 worker_process start_worker(const options& o, int index) {
-  std::vector<std::string> args = {"weight_sync",   "--role",       "worker",
-                                   "--engine",      o.engine,       "--timeout-ms",
-                                   std::to_string(o.timeout_ms), "--process-cost", std::to_string(o.process_cost),
-                                   "--commit",      std::string(to_string(o.commit)), "--listen", o.listen};
+  std::vector<std::string> args = {"weight_sync",
+                                   "--role",
+                                   "worker",
+                                   "--engine",
+                                   o.engine,
+                                   "--timeout-ms",
+                                   std::to_string(o.timeout_ms),
+                                   "--process-cost",
+                                   std::to_string(o.process_cost),
+                                   "--commit",
+                                   std::string(to_string(o.commit)),
+                                   "--listen",
+                                   o.listen};
   if (o.no_direct) args.push_back("--no-direct");
   if (o.sharded_job() && o.broadcast) {  // today's tensor parallelism: the whole stream, sliced on arrival
     args.push_back("--slice-tp");
@@ -415,7 +462,8 @@ void fill_pattern(std::span<std::byte> out, std::size_t index, int round, std::u
   auto word = [x](std::uint64_t k) { return x + k * 0xBF58476D1CE4E5B9ull; };
   std::size_t i = 0;
   const std::size_t n = out.size();
-  for (; i < n && (offset + i) % 8 != 0; ++i) out[i] = static_cast<std::byte>(word((offset + i) / 8) >> (8 * ((offset + i) % 8)));
+  for (; i < n && (offset + i) % 8 != 0; ++i)
+    out[i] = static_cast<std::byte>(word((offset + i) / 8) >> (8 * ((offset + i) % 8)));
   for (; i + 8 <= n; i += 8) {
     const std::uint64_t w = word((offset + i) / 8);
     std::memcpy(out.data() + i, &w, 8);
@@ -459,8 +507,8 @@ struct totals {
   std::string first_mismatch;
 };
 
-asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_process>& procs,
-                                   trainer_model& model, totals& t) {
+asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_process>& procs, trainer_model& model,
+                                   totals& t) {
   auto ex = co_await asio::this_coro::executor;
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
   std::vector<control::worker_endpoint> endpoints;
@@ -479,15 +527,17 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   config.timeout = timeout;
   config.auth_secret = o.secret;
   auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
-  json trainer_args = {{"master_address", o.listen}, {"master_port", o.master_port}, {"world_size", o.workers + 1},
-                       {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
-                       {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
+  json trainer_args = {{"master_address", o.listen},     {"master_port", o.master_port}, {"world_size", o.workers + 1},
+                       {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"checksums", o.checksums},
+                       {"timeout_ms", o.timeout_ms}};
   if (!o.topology.empty()) trainer_args["topology"] = o.topology;
   // Each worker is its own inference engine here, so each gets its own rank (the
   // group's default); proxies in front of the trainer are advertised instead.
   control::init_options init;
   if (!o.advertise.empty())
-    init.adjust = [&o](std::size_t i, json& info) { info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i]; };
+    init.adjust = [&o](std::size_t i, json& info) {
+      info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
+    };
   const json empty = json::object();
   // Workers of this binary answer loop_lag (their event loop's largest stall);
   // other workers (--connect) may not.
@@ -548,8 +598,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     ++t.rounds_done;
     if (!o.quiet)
       std::fprintf(stderr, "[refit] update %d (%d/%d): %.2f GB -> %d workers in %.2f s (%.2f GB/s per worker), %s\n",
-                   round, round - o.first_round + 1, o.updates, bytes / 1e9, o.workers, seconds,
-                   bytes / seconds / 1e9,
+                   round, round - o.first_round + 1, o.updates, bytes / 1e9, o.workers, seconds, bytes / seconds / 1e9,
                    bad ? ("MISMATCH in " + std::to_string(bad) + " tensors").c_str() : "verified");
   }
   const auto stats = co_await workers.call_all("worker_stats", empty);
@@ -563,7 +612,6 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   sender->shutdown();
   workers.close();
 }
-
 
 // ---------------------------------------------------------------- sharded job
 
@@ -627,8 +675,12 @@ weight_transfer_config sharded_config(const options& o) {
 }
 
 json sharded_trainer_args(const options& o, const json& trainers, int rank) {
-  return {{"rank", rank},           {"trainers", trainers},     {"workers", o.tp},
-          {"layout", layout_spec(o)}, {"buffer_bytes", o.buffer_bytes}, {"checksums", o.checksums},
+  return {{"rank", rank},
+          {"trainers", trainers},
+          {"workers", o.tp},
+          {"layout", layout_spec(o)},
+          {"buffer_bytes", o.buffer_bytes},
+          {"checksums", o.checksums},
           {"timeout_ms", o.timeout_ms}};
 }
 
@@ -650,24 +702,27 @@ int run_trainer_rank(const options& o) {
   std::fflush(stdout);
   json stats = {{"rank", o.rank}, {"egress_bytes", json::array()}, {"send_seconds", json::array()}};
   std::string failure;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    co_await sender->connect_workers();
-    for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
-      shards.step(round);
-      co_await trainer_send_weights(*sender, meta, shards.views);
-      stats["egress_bytes"].push_back(sender->last_send_stats().bytes);
-      stats["send_seconds"].push_back(sender->last_send_stats().wall_s);
-    }
-  }, [&](std::exception_ptr e) {
-    if (!e) return;
-    try {
-      std::rethrow_exception(e);
-    } catch (const error& x) {
-      failure = std::string(errc_name(x.kind())) + ": " + x.message();
-    } catch (const std::exception& x) {
-      failure = x.what();
-    }
-  });
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        co_await sender->connect_workers();
+        for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
+          shards.step(round);
+          co_await trainer_send_weights(*sender, meta, shards.views);
+          stats["egress_bytes"].push_back(sender->last_send_stats().bytes);
+          stats["send_seconds"].push_back(sender->last_send_stats().wall_s);
+        }
+      },
+      [&](std::exception_ptr e) {
+        if (!e) return;
+        try {
+          std::rethrow_exception(e);
+        } catch (const error& x) {
+          failure = std::string(errc_name(x.kind())) + ": " + x.message();
+        } catch (const std::exception& x) {
+          failure = x.what();
+        }
+      });
   io.run();
   sender->shutdown();
   if (!failure.empty()) {
@@ -687,10 +742,11 @@ int run_trainer_rank(const options& o) {
 // What worker w must hold after `round`: every piece of its layout copied out of
 // the whole tensors (made here the way every rank makes its shards), as
 // fingerprints. Independent of the planner: a wrong plan cannot agree with it.
-std::vector<fingerprint_list> reference_fingerprints(const update_metadata& meta, const std::vector<dest_layout>& workers,
-                                                     int round) {
+std::vector<fingerprint_list> reference_fingerprints(const update_metadata& meta,
+                                                     const std::vector<dest_layout>& workers, int round) {
   std::vector<std::vector<std::vector<std::byte>>> held(workers.size());
-  std::map<std::string, std::vector<std::tuple<std::size_t, std::size_t, std::size_t>>> uses;  // source -> (w, t, piece)
+  std::map<std::string, std::vector<std::tuple<std::size_t, std::size_t, std::size_t>>>
+      uses;  // source -> (w, t, piece)
   for (std::size_t w = 0; w < workers.size(); ++w)
     for (std::size_t t = 0; t < workers[w].tensors.size(); ++t) {
       held[w].emplace_back(workers[w].tensors[t].spec.nbytes(), std::byte{0});
@@ -712,7 +768,8 @@ std::vector<fingerprint_list> reference_fingerprints(const update_metadata& meta
   std::vector<fingerprint_list> out(workers.size());
   for (std::size_t w = 0; w < workers.size(); ++w) {
     std::vector<tensor_view> views;
-    for (std::size_t t = 0; t < workers[w].tensors.size(); ++t) views.emplace_back(workers[w].tensors[t].spec, held[w][t].data());
+    for (std::size_t t = 0; t < workers[w].tensors.size(); ++t)
+      views.emplace_back(workers[w].tensors[t].spec, held[w][t].data());
     out[w] = fingerprint_all(views);
   }
   return out;
@@ -744,15 +801,16 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
   std::vector<control::worker_endpoint> endpoints;
   for (const auto& w : procs) endpoints.push_back({o.listen, w.port});
-  control::worker_group workers(ex, timeout, o.secret, std::move(endpoints),
-                                [](std::size_t i) { return "worker " + std::to_string(i) + " (tp rank " + std::to_string(i) + ")"; });
+  control::worker_group workers(ex, timeout, o.secret, std::move(endpoints), [](std::size_t i) {
+    return "worker " + std::to_string(i) + " (tp rank " + std::to_string(i) + ")";
+  });
   co_await workers.connect();
   auto sender = engine_factory::instance().create_sender(sharded_config(o), trainer_context{ex, {}});
   json trainer_args;
   if (o.broadcast) {
-    trainer_args = {{"master_address", o.listen}, {"master_port", o.master_port}, {"world_size", o.tp + 1},
-                    {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers},
-                    {"checksums", o.checksums}, {"timeout_ms", o.timeout_ms}};
+    trainer_args = {{"master_address", o.listen},     {"master_port", o.master_port}, {"world_size", o.tp + 1},
+                    {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"checksums", o.checksums},
+                    {"timeout_ms", o.timeout_ms}};
     if (!o.topology.empty()) trainer_args["topology"] = o.topology;
   } else {
     json trainers = json::array();
@@ -783,7 +841,8 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
     for (std::size_t w = 0; w < procs.size(); ++w) {
       json state = {{"worker", w}};
       try {
-        const json a = co_await workers.at(w).call("weight_fingerprint", json::object(), std::chrono::milliseconds(3000));
+        const json a =
+            co_await workers.at(w).call("weight_fingerprint", json::object(), std::chrono::milliseconds(3000));
         state["state"] = a.value("state", std::string("?"));
         state["weight_version"] = a.contains("weight_version") ? a["weight_version"] : json(nullptr);
       } catch (const error& e) {
@@ -816,8 +875,10 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
   update.verify = false;  // each worker holds its own slice: checked below against the reference slicing
   if (!o.broadcast) update.update_info["layout"] = layout_spec(o);
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
-    if (shards) shards->step(round);
-    else whole->step(round);
+    if (shards)
+      shards->step(round);
+    else
+      whole->step(round);
     const auto& views = shards ? shards->views : whole->views;
     co_await workers.call_all("loop_lag");  // restarts each worker's probe
     const auto result = co_await workers.update(*sender, meta, views, round, update);
@@ -867,8 +928,10 @@ int run_sharded_trainer(const options& o) {
   sharded_totals t;
   t.plan_s = std::chrono::duration<double>(clock_type::now() - plan_start).count();
   if (!o.quiet)
-    std::fprintf(stderr, "[refit] model: %zu tensors, %.2f GB bf16; %d trainer ranks (Shard(0)) -> %d workers (vLLM tp)%s; "
-                 "planned in %.3f s\n", meta.tensors.size(), meta.total_bytes() / 1e9, o.trainers, o.tp,
+    std::fprintf(stderr,
+                 "[refit] model: %zu tensors, %.2f GB bf16; %d trainer ranks (Shard(0)) -> %d workers (vLLM tp)%s; "
+                 "planned in %.3f s\n",
+                 meta.tensors.size(), meta.total_bytes() / 1e9, o.trainers, o.tp,
                  o.broadcast ? " by broadcast, sliced on arrival" : "", t.plan_s);
   std::vector<worker_process> procs, ranks;
   std::vector<std::string> stats_files;
@@ -879,20 +942,42 @@ int run_sharded_trainer(const options& o) {
       std::fprintf(stderr, "[refit] pid of worker %d: %d\n", i, static_cast<int>(procs.back().pid));
     }
     for (int r = 1; r < o.trainers; ++r) {
-      stats_files.push_back("/tmp/refit-weight-sync-" + std::to_string(getpid()) + "-rank" + std::to_string(r) + ".json");
-      std::vector<std::string> args = {"weight_sync", "--role", "trainer-rank", "--rank", std::to_string(r),
-                                       "--trainers", std::to_string(o.trainers), "--tp", std::to_string(o.tp),
-                                       "--model-bytes", std::to_string(o.model_bytes), "--layers", std::to_string(o.layers),
-                                       "--vocab", std::to_string(o.vocab), "--updates", std::to_string(o.updates),
-                                       "--first-round", std::to_string(o.first_round), "--buffer-bytes",
-                                       std::to_string(o.buffer_bytes), "--timeout-ms", std::to_string(o.timeout_ms),
-                                       "--listen", o.listen, "--stats-file", stats_files.back()};
+      stats_files.push_back("/tmp/refit-weight-sync-" + std::to_string(getpid()) + "-rank" + std::to_string(r) +
+                            ".json");
+      std::vector<std::string> args = {"weight_sync",
+                                       "--role",
+                                       "trainer-rank",
+                                       "--rank",
+                                       std::to_string(r),
+                                       "--trainers",
+                                       std::to_string(o.trainers),
+                                       "--tp",
+                                       std::to_string(o.tp),
+                                       "--model-bytes",
+                                       std::to_string(o.model_bytes),
+                                       "--layers",
+                                       std::to_string(o.layers),
+                                       "--vocab",
+                                       std::to_string(o.vocab),
+                                       "--updates",
+                                       std::to_string(o.updates),
+                                       "--first-round",
+                                       std::to_string(o.first_round),
+                                       "--buffer-bytes",
+                                       std::to_string(o.buffer_bytes),
+                                       "--timeout-ms",
+                                       std::to_string(o.timeout_ms),
+                                       "--listen",
+                                       o.listen,
+                                       "--stats-file",
+                                       stats_files.back()};
       if (o.checksums) args.push_back("--checksums");
       if (!o.secret_file.empty()) {
         args.push_back("--auth-secret-file");
         args.push_back(o.secret_file);
       }
-      ranks.push_back(start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "trainer rank " + std::to_string(r)));
+      ranks.push_back(
+          start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "trainer rank " + std::to_string(r)));
       std::fprintf(stderr, "[refit] pid of trainer rank %d: %d\n", r, static_cast<int>(ranks.back().pid));
     }
     asio::io_context io;
@@ -918,7 +1003,8 @@ int run_sharded_trainer(const options& o) {
     if (std::getline(in, line)) {
       try {
         const json s = json::parse(line);
-        if (s.contains("error") && failure.empty()) failure = "trainer rank " + std::to_string(k + 1) + ": " + s["error"].get<std::string>();
+        if (s.contains("error") && failure.empty())
+          failure = "trainer rank " + std::to_string(k + 1) + ": " + s["error"].get<std::string>();
         if (!s["egress_bytes"].empty()) egress = s["egress_bytes"].back().get<std::uint64_t>();
       } catch (const std::exception&) {
       }
@@ -984,8 +1070,8 @@ int run_trainer(const options& o) {
   const auto& meta = model.layout.meta;
   if (!o.quiet)
     std::fprintf(stderr, "[refit] model: %zu tensors, %.2f GB bf16 (hidden %lld, %d layers); %d workers, engine %s\n",
-                 meta.tensors.size(), meta.total_bytes() / 1e9, static_cast<long long>(model.layout.hidden),
-                 o.layers, o.workers, o.engine.c_str());
+                 meta.tensors.size(), meta.total_bytes() / 1e9, static_cast<long long>(model.layout.hidden), o.layers,
+                 o.workers, o.engine.c_str());
   std::vector<worker_process> procs;
   totals t;
   std::string failure;

@@ -75,11 +75,16 @@ std::uint64_t parse_bytes(const std::string& text, const std::string& flag) {
   std::string unit = text.substr(end);
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   double scale = 1;
-  if (unit == "" || unit == "B") scale = 1;
-  else if (unit == "K" || unit == "KB" || unit == "KIB") scale = 1024.0;
-  else if (unit == "M" || unit == "MB" || unit == "MIB") scale = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GB" || unit == "GIB") scale = 1024.0 * 1024 * 1024;
-  else throw_error(errc::invalid_argument, flag + ": unknown unit '" + unit + "' in '" + text + "'");
+  if (unit == "" || unit == "B")
+    scale = 1;
+  else if (unit == "K" || unit == "KB" || unit == "KIB")
+    scale = 1024.0;
+  else if (unit == "M" || unit == "MB" || unit == "MIB")
+    scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GB" || unit == "GIB")
+    scale = 1024.0 * 1024 * 1024;
+  else
+    throw_error(errc::invalid_argument, flag + ": unknown unit '" + unit + "' in '" + text + "'");
   if (!(value > 0) || value * scale > 1e15)
     throw_error(errc::invalid_argument, flag + ": size must be positive and sane, got '" + text + "'");
   return static_cast<std::uint64_t>(value * scale);

@@ -6,8 +6,8 @@ namespace refit {
 
 void wire_params::validate() const {
   if (buffer_bytes < 4096 || buffer_bytes > (16ull << 30))
-    throw_error(errc::invalid_argument, "wire params: buffer_bytes must be in [4096, 16 GiB], got " +
-                                            std::to_string(buffer_bytes));
+    throw_error(errc::invalid_argument,
+                "wire params: buffer_bytes must be in [4096, 16 GiB], got " + std::to_string(buffer_bytes));
   if (num_buffers < 1 || num_buffers > 64)
     throw_error(errc::invalid_argument,
                 "wire params: num_buffers must be in [1, 64], got " + std::to_string(num_buffers));
@@ -44,11 +44,11 @@ bucket_plan plan_buckets(const update_metadata& meta, const wire_params& params)
   bool has_open = false;
 
   auto too_many = [&](std::uint64_t more, std::uint32_t tensor) {
-    throw_error(errc::invalid_argument,
-                "bucket plan: tensor #" + std::to_string(tensor) + " ('" + meta.tensors[tensor].name +
-                    "') brings the update to " + std::to_string(plan.buckets.size() + more) +
-                    " or more buckets of " + std::to_string(cap) + " bytes, more than the limit " +
-                    std::to_string(max_buckets) + " (use a larger buffer_bytes)");
+    throw_error(errc::invalid_argument, "bucket plan: tensor #" + std::to_string(tensor) + " ('" +
+                                            meta.tensors[tensor].name + "') brings the update to " +
+                                            std::to_string(plan.buckets.size() + more) + " or more buckets of " +
+                                            std::to_string(cap) + " bytes, more than the limit " +
+                                            std::to_string(max_buckets) + " (use a larger buffer_bytes)");
   };
   auto close_open = [&] {
     if (!has_open) return;

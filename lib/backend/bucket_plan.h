@@ -52,7 +52,7 @@ struct bucket {
   std::uint64_t index = 0;
   std::uint64_t payload_bytes = 0;  ///< bytes on the wire for this bucket
   std::uint32_t first_piece = 0, piece_count = 0;
-  bool split = false;  ///< a chunk of an oversized tensor
+  bool split = false;       ///< a chunk of an oversized tensor
   bool last_chunk = false;  ///< split only: this chunk completes its tensor
 };
 

@@ -82,12 +82,11 @@ class engine::stage_area {
                       : ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       const int e = errno;
-      throw_error(errc::resource_exhausted,
-                  who + ": staged commit: cannot allocate " + std::to_string(rounded) +
-                      " bytes of host memory for the stage (" + std::to_string(used_) +
-                      " held by this session's earlier chunks, " + std::to_string(needed - used_) +
-                      " for this one): " + std::strerror(e) +
-                      "; nothing of this chunk was received (use commit \"in_place\")");
+      throw_error(errc::resource_exhausted, who + ": staged commit: cannot allocate " + std::to_string(rounded) +
+                                                " bytes of host memory for the stage (" + std::to_string(used_) +
+                                                " held by this session's earlier chunks, " +
+                                                std::to_string(needed - used_) + " for this one): " + std::strerror(e) +
+                                                "; nothing of this chunk was received (use commit \"in_place\")");
     }
     // Faulted in now, in huge pages where the kernel allows: not during the
     // transfer, not on the loop. Only the new part: the rest was faulted before.
@@ -151,8 +150,7 @@ struct engine::staged_chunk {
                                               std::to_string(v.nbytes()) + " bytes, expected " +
                                               std::to_string(spec.nbytes()));
       if (!(v.device == device::cpu()))
-        throw_error(errc::unsupported, "staged commit: tensor '" + spec.name + "' arrived on " +
-                                           to_string(v.device) +
+        throw_error(errc::unsupported, "staged commit: tensor '" + spec.name + "' arrived on " + to_string(v.device) +
                                            "; this engine stages on its device, use commit \"in_place\"");
       std::byte* at = base + offsets[it->second];
       if (spec.nbytes() != 0 && v.data != at) std::memcpy(at, v.data, spec.nbytes());  // not received in place
@@ -165,8 +163,8 @@ struct engine::staged_chunk {
     out.reserve(meta.tensors.size());
     for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
       if (!arrived[i])
-        throw_error(errc::protocol_error, "staged commit: tensor '" + meta.tensors[i].name +
-                                              "' never arrived; the update is not committed");
+        throw_error(errc::protocol_error,
+                    "staged commit: tensor '" + meta.tensors[i].name + "' never arrived; the update is not committed");
       out.emplace_back(meta.tensors[i], base + offsets[i]);
     }
     return out;
@@ -199,9 +197,7 @@ engine_context checked(engine_context context) {
 }  // namespace
 
 engine::engine(weight_transfer_config config, engine_context context, engine_capabilities capabilities)
-    : config_(std::move(config)),
-      context_(checked(std::move(context))),
-      capabilities_(capabilities),
+    : config_(std::move(config)), context_(checked(std::move(context))), capabilities_(capabilities),
       deferred_(context_.executor) {}
 
 engine::~engine() = default;
@@ -221,8 +217,9 @@ model_target* engine::receive_target() noexcept {
 }
 
 void engine::note_failure(const std::string& what, std::exception_ptr error) {
-  if (touched_) mark_weights_dirty(what + " failed after it had started changing the weights (" +
-                                   std::string(to_string(mode_)) + "): " + describe_error(error));
+  if (touched_)
+    mark_weights_dirty(what + " failed after it had started changing the weights (" + std::string(to_string(mode_)) +
+                       "): " + describe_error(error));
 }
 
 asio::any_io_executor engine::processing_executor() {
@@ -234,12 +231,13 @@ asio::any_io_executor engine::processing_executor() {
 asio::awaitable<void> engine::init_transfer_engine(const init_info& info) {
   const std::string name(backend());
   if (state_ == state::initializing || state_ == state::receiving)
-    throw_error(errc::invalid_state, name + ": init_transfer_engine while " +
-                                         (state_ == state::receiving ? "an update is being received"
-                                                                     : "another init is running"));
+    throw_error(errc::invalid_state,
+                name + ": init_transfer_engine while " +
+                    (state_ == state::receiving ? "an update is being received" : "another init is running"));
   if (reading_ > 0)
-    throw_error(errc::invalid_state, name + ": init_transfer_engine while an update_info is being read "
-                                            "(read_update_info)");
+    throw_error(errc::invalid_state, name +
+                                         ": init_transfer_engine while an update_info is being read "
+                                         "(read_update_info)");
   if (state_ == state::ready) do_shutdown();  // re-init replaces the old connection
   state_ = state::initializing;
   try {
@@ -263,11 +261,11 @@ asio::awaitable<std::unique_ptr<update_info>> engine::read_update_info(const jso
   co_return co_await async::offload(processing_executor(), [self, p] { return self->parse_update_info(*p); });
 }
 
-asio::awaitable<void> engine::receive_weights(const update_info& info,
-                                                              load_weights_fn load_weights) {
+asio::awaitable<void> engine::receive_weights(const update_info& info, load_weights_fn load_weights) {
   const std::string name(backend());
   switch (state_) {
-    case state::ready: break;
+    case state::ready:
+      break;
     case state::receiving:
       throw_error(errc::invalid_state, name + ": receive_weights while another update is being received");
     case state::committing:
@@ -293,16 +291,17 @@ asio::awaitable<void> engine::receive_weights(const update_info& info,
     if (session_mode_ && *session_mode_ != mode)
       refuse(errc::invalid_argument, name + ": a chunk with commit \"" + std::string(to_string(mode)) +
                                          "\" in an update session whose earlier chunks are \"" +
-                                         std::string(to_string(*session_mode_)) +
-                                         "\"; one session commits one way");
+                                         std::string(to_string(*session_mode_)) + "\"; one session commits one way");
     if (session_failed_)
-      refuse(errc::invalid_state, name + ": an earlier chunk of this update session failed and the session's stage "
-                                         "was discarded; abort the session and start a new one");
+      refuse(errc::invalid_state, name +
+                                      ": an earlier chunk of this update session failed and the session's stage "
+                                      "was discarded; abort the session and start a new one");
   }
   // Deferred work of an earlier update must not overlap this one's staging slots.
   if (deferred_.pending() > 0)
-    throw_error(errc::invalid_state, name + ": receive_weights while the previous update's "
-                                            "processing is pending (call drain_pending first)");
+    throw_error(errc::invalid_state, name +
+                                         ": receive_weights while the previous update's "
+                                         "processing is pending (call drain_pending first)");
   // The model checks the whole update before any byte of it moves; a refusal
   // leaves the engine ready and the weights untouched.
   if (context_.model) {
@@ -355,8 +354,8 @@ asio::awaitable<void> engine::receive_staged(const update_info& info, load_weigh
   if (!stage_) stage_ = std::make_unique<stage_area>();
   const auto start = std::chrono::steady_clock::now();
   auto finish_stats = [this, start] {
-    stats_.wall_s = std::max(stats_.wall_s,
-                             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    stats_.wall_s =
+        std::max(stats_.wall_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     stats_.finalize();
   };
   // A failed chunk discards the whole stage: the session can no longer commit
@@ -391,8 +390,11 @@ asio::awaitable<void> engine::receive_staged(const update_info& info, load_weigh
       for (std::size_t k = 0; k < earlier->size(); ++k)
         for (const auto& t : in->metadata.tensors)
           if ((*earlier)[k]->index.count(t.name))
-            throw_error(errc::invalid_argument, *who + ": staged commit: tensor '" + t.name + "' is already staged by "
-                                                    "chunk " + std::to_string(k + 1) + " of this update session; a "
+            throw_error(errc::invalid_argument, *who + ": staged commit: tensor '" + t.name +
+                                                    "' is already staged by "
+                                                    "chunk " +
+                                                    std::to_string(k + 1) +
+                                                    " of this update session; a "
                                                     "session stages each tensor once");
       c->meta = in->metadata;
       c->lay_out(stage->take(staged_chunk::laid_out_bytes(c->meta), limit, *who));
@@ -461,7 +463,8 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
     for (auto& chunk : chunks) {
       staged_chunk* c = chunk.get();
       std::byte* base = stage_->base();
-      std::vector<tensor_view> views = co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
+      std::vector<tensor_view> views =
+          co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
       touched_ = true;
       constexpr std::uint64_t batch_bytes = 64ull << 20;
       std::size_t first = 0;
@@ -522,9 +525,9 @@ void engine::begin_session() {
 asio::awaitable<void> engine::commit_session() {
   const std::string name(backend());
   if (state_ == state::receiving || state_ == state::committing)
-    throw_error(errc::invalid_state, name + ": commit_session while " +
-                                         (state_ == state::receiving ? "a chunk is being received"
-                                                                     : "the session is being committed"));
+    throw_error(errc::invalid_state,
+                name + ": commit_session while " +
+                    (state_ == state::receiving ? "a chunk is being received" : "the session is being committed"));
   if (!session_open_) co_return;
   const bool failed = session_failed_;
   session_open_ = false;
@@ -532,8 +535,9 @@ asio::awaitable<void> engine::commit_session() {
   session_mode_.reset();
   if (failed) {
     clear_stage();
-    throw_error(errc::invalid_state, name + ": a chunk of this update session failed and its stage was "
-                                            "discarded; nothing of the session is committed");
+    throw_error(errc::invalid_state, name +
+                                         ": a chunk of this update session failed and its stage was "
+                                         "discarded; nothing of the session is committed");
   }
   if (staged_.empty()) co_return;
   const state before = state_;
@@ -582,8 +586,9 @@ void engine::shutdown() {
                                          " bucket(s) are still being processed; co_await drain_pending() first");
   // So does a staged commit (its load_weights read the stage).
   if (state_ == state::committing)
-    throw_error(errc::invalid_state, std::string(backend()) + ": shutdown while a staged update session is being "
-                                                              "committed; let commit_session complete first");
+    throw_error(errc::invalid_state, std::string(backend()) +
+                                         ": shutdown while a staged update session is being "
+                                         "committed; let commit_session complete first");
   session_open_ = false;
   session_failed_ = false;
   session_mode_.reset();

@@ -151,8 +151,8 @@ class engine : public weight_transfer_engine {
   template <class T, class Base>
   const T& downcast(const Base& info, std::string_view what) const {
     if (auto p = dynamic_cast<const T*>(&info)) return *p;
-    throw_error(errc::invalid_argument, std::string(backend()) + ": " + std::string(what) +
-                                            " was built by another engine");
+    throw_error(errc::invalid_argument,
+                std::string(backend()) + ": " + std::string(what) + " was built by another engine");
   }
 
  private:
@@ -230,7 +230,7 @@ class engine : public weight_transfer_engine {
   std::unique_ptr<asio::thread_pool> own_pool_;
   update_stats stats_;
   state state_ = state::created;
-  int reading_ = 0;  // read_update_info calls running on the processing executor
+  int reading_ = 0;                           // read_update_info calls running on the processing executor
   commit_mode mode_ = commit_mode::in_place;  // of the update being received (or last)
   std::atomic<bool> touched_{false};          // the model saw bytes of that update
   std::unique_ptr<tracking_target> tracker_;

@@ -38,7 +38,6 @@
 
 namespace refit::auth {
 
-
 /// Wire constants of protocol version 1.
 inline constexpr std::uint32_t magic = 0x41544652;  // "RFTA" as little-endian bytes
 inline constexpr std::uint32_t version = 1;
@@ -55,9 +54,9 @@ inline constexpr std::size_t verdict_bytes = 16 + mac_bytes;
 /// Verdict codes (step 3).
 enum class verdict : std::uint32_t {
   ok = 0,
-  bad_mac = 1,          ///< the client's proof does not match the server's secret
-  secret_required = 2,  ///< the server has a secret, the client none
-  no_server_secret = 3, ///< the client has a secret, the server none
+  bad_mac = 1,           ///< the client's proof does not match the server's secret
+  secret_required = 2,   ///< the server has a secret, the client none
+  no_server_secret = 3,  ///< the client has a secret, the server none
 };
 
 /// HMAC-SHA256 of `data` under `key` (OpenSSL). Throws refit::error(unsupported) if
@@ -79,8 +78,7 @@ asio::awaitable<void> as_server(asio::ip::tcp::socket& socket, std::string_view 
 /// Server side of a refusal: tells the peer, in place of the challenge, that the
 /// server is at its connection limit (flag_busy; `what` says why in the server's
 /// logs only). The caller closes the socket. Best effort within `deadline`.
-asio::awaitable<void> refuse_busy(asio::ip::tcp::socket& socket, std::chrono::milliseconds deadline,
-                                  std::string what);
+asio::awaitable<void> refuse_busy(asio::ip::tcp::socket& socket, std::chrono::milliseconds deadline, std::string what);
 
 /// Runs the client side on a freshly connected `socket`; same contract as as_server.
 /// With a secret, succeeds only if the server proved it knows the same secret. A

@@ -9,9 +9,12 @@ std::size_t json_nesting_depth(std::string_view text, std::size_t stop_above) {
   bool in_string = false, escaped = false;
   for (char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
     } else if (c == '"') {
       in_string = true;
     } else if (c == '[' || c == '{') {
@@ -29,22 +32,41 @@ json_shape scan_json(std::string_view text) {
   bool in_string = false, escaped = false, any = false;
   for (char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
     switch (c) {
-      case '"': in_string = true; any = true; break;
-      case '[': case '{':
+      case '"':
+        in_string = true;
+        any = true;
+        break;
+      case '[':
+      case '{':
         ++separators;  // the container, and the first value inside it
         shape.depth = std::max(shape.depth, ++depth);
         any = true;
         break;
-      case ']': case '}': if (depth > 0) --depth; break;
-      case ',': case ':': ++separators; break;
-      case ' ': case '\t': case '\n': case '\r': break;
-      default: any = true; break;
+      case ']':
+      case '}':
+        if (depth > 0) --depth;
+        break;
+      case ',':
+      case ':':
+        ++separators;
+        break;
+      case ' ':
+      case '\t':
+      case '\n':
+      case '\r':
+        break;
+      default:
+        any = true;
+        break;
     }
   }
   shape.values = any ? separators + 1 : 0;
@@ -85,14 +107,14 @@ std::string valid_utf8(std::string_view text) {
 
 json parse_json_text(std::string_view text, std::string_view context) {
   if (json_nesting_depth(text) > max_json_depth)
-    throw error(errc::invalid_argument, std::string(context) + ": JSON nests deeper than " +
-                                            std::to_string(max_json_depth) + " levels");
+    throw error(errc::invalid_argument,
+                std::string(context) + ": JSON nests deeper than " + std::to_string(max_json_depth) + " levels");
   try {
     return json::parse(text.begin(), text.end());
   } catch (const json::parse_error& e) {
     // nlohmann's message quotes the input where it stopped, which may be any bytes.
-    throw error(errc::invalid_argument, std::string(context) + ": malformed JSON at byte " +
-                                            std::to_string(e.byte) + ": " + valid_utf8(e.what()));
+    throw error(errc::invalid_argument, std::string(context) + ": malformed JSON at byte " + std::to_string(e.byte) +
+                                            ": " + valid_utf8(e.what()));
   } catch (const json::exception& e) {
     // out_of_range: a number too large for a double ("1e999").
     throw error(errc::invalid_argument, std::string(context) + ": malformed JSON: " + valid_utf8(e.what()));
@@ -188,10 +210,8 @@ void json_reader::fail(const std::string& message) const {
   throw error(errc::invalid_argument, context_ + ": " + message);
 }
 
-void json_reader::type_error(const std::string& path, std::string_view expected,
-                             const json& got) const {
-  fail("member '" + path + "' expected " + std::string(expected) + ", got " +
-       describe_json(got));
+void json_reader::type_error(const std::string& path, std::string_view expected, const json& got) const {
+  fail("member '" + path + "' expected " + std::string(expected) + ", got " + describe_json(got));
 }
 
 }  // namespace refit

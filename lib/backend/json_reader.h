@@ -104,8 +104,7 @@ class json_reader {
 
  private:
   const json* find(std::string_view key);
-  [[noreturn]] void type_error(const std::string& path, std::string_view expected,
-                               const json& got) const;
+  [[noreturn]] void type_error(const std::string& path, std::string_view expected, const json& got) const;
 
   const json& object_;
   std::string context_;
@@ -133,8 +132,7 @@ T json_reader::convert(const json& v, const std::string& path) const {
     }
     if (v.is_number_integer()) {
       auto s = v.get<std::int64_t>();
-      if (std::is_unsigned_v<T> && s < 0)
-        fail("member '" + path + "' must not be negative, got " + std::to_string(s));
+      if (std::is_unsigned_v<T> && s < 0) fail("member '" + path + "' must not be negative, got " + std::to_string(s));
       if constexpr (std::is_signed_v<T>) {
         if (s < std::numeric_limits<T>::min() || s > std::numeric_limits<T>::max())
           fail("member '" + path + "' is " + std::to_string(s) + ", out of range");

@@ -31,24 +31,21 @@ std::string describe(const std::error_code& ec) {
     return ec.message() + " (EMFILE: this process has " + n +
            " descriptors of its limit open; raise it, ulimit -n, or close some)";
   }
-  if (is_errno(ec, ENFILE))
-    return ec.message() + " (ENFILE: the system-wide file table is full, fs.file-max)";
+  if (is_errno(ec, ENFILE)) return ec.message() + " (ENFILE: the system-wide file table is full, fs.file-max)";
   return ec.message();
 }
 
 void throw_io_error(const std::error_code& ec, const std::string& what) {
-  if (ec == asio::error::eof || ec == asio::error::connection_reset ||
-      ec == asio::error::broken_pipe || ec == asio::error::connection_aborted)
+  if (ec == asio::error::eof || ec == asio::error::connection_reset || ec == asio::error::broken_pipe ||
+      ec == asio::error::connection_aborted)
     throw_error(errc::peer_lost, what + ": the peer closed the connection (" + ec.message() + ")");
-  if (ec == asio::error::operation_aborted)
-    throw_error(errc::cancelled, what + ": cancelled (" + ec.message() + ")");
+  if (ec == asio::error::operation_aborted) throw_error(errc::cancelled, what + ": cancelled (" + ec.message() + ")");
   if (out_of_descriptors(ec)) throw_error(errc::resource_exhausted, what + ": " + describe(ec));
   throw error(errc::io_error, what + ": " + ec.message());
 }
 
 asio::awaitable<tcp::socket> connect_with_retry(const std::string& host, std::uint16_t port,
-                                                std::chrono::milliseconds deadline,
-                                                std::string what) {
+                                                std::chrono::milliseconds deadline, std::string what) {
   auto ex = co_await asio::this_coro::executor;
   const auto give_up = std::chrono::steady_clock::now() + deadline;
   std::error_code address_error;
@@ -69,8 +66,8 @@ asio::awaitable<tcp::socket> connect_with_retry(const std::string& host, std::ui
   for (;;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
     if (left.count() <= 0)
-      throw_error(errc::timeout, where + ": could not connect within " +
-                                     std::to_string(deadline.count()) + " ms (last error: " + last + ")");
+      throw_error(errc::timeout, where + ": could not connect within " + std::to_string(deadline.count()) +
+                                     " ms (last error: " + last + ")");
     // One endpoint after the other, each socket opened here: asio's range connect
     // opens them itself and, when it cannot (out of descriptors), reports only
     // "Operation aborted".
@@ -106,21 +103,19 @@ tcp::acceptor listen(const asio::any_io_executor& ex, const std::string& host, s
   std::error_code ec;
   auto address = asio::ip::make_address(host, ec);
   if (ec)
-    throw_error(errc::invalid_argument,
-                "listen address '" + host + "' is not an IP address (" + ec.message() + ")");
+    throw_error(errc::invalid_argument, "listen address '" + host + "' is not an IP address (" + ec.message() + ")");
   tcp::acceptor acceptor(ex);
   tcp::endpoint endpoint(address, port);
   acceptor.open(endpoint.protocol(), ec);
   if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
   if (!ec) acceptor.bind(endpoint, ec);
   if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
-  if (ec)
-    throw_error(errc::io_error, "cannot listen on " + host + ":" + std::to_string(port) + ": " + ec.message());
+  if (ec) throw_error(errc::io_error, "cannot listen on " + host + ":" + std::to_string(port) + ": " + ec.message());
   return acceptor;
 }
 
-asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline,
-                                    std::string what, asio::any_io_executor socket_executor) {
+asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline, std::string what,
+                                    asio::any_io_executor socket_executor) {
   try {
     tcp::socket socket(socket_executor ? socket_executor : acceptor.get_executor());
     co_await async::with_deadline(acceptor.async_accept(socket, asio::use_awaitable), deadline, what);

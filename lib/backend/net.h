@@ -58,12 +58,11 @@ struct transfers {
 /// with at most `per_call` bytes per system call. Any stream asio can read (a tcp
 /// socket; tests count its calls).
 template <class Stream, class MutableBuffers>
-asio::awaitable<void> read_exact(Stream& socket, const MutableBuffers& buffers,
-                                 std::chrono::milliseconds deadline, std::string what,
-                                 std::size_t per_call = unbounded_per_call) {
+asio::awaitable<void> read_exact(Stream& socket, const MutableBuffers& buffers, std::chrono::milliseconds deadline,
+                                 std::string what, std::size_t per_call = unbounded_per_call) {
   try {
-    co_await async::with_deadline(asio::async_read(socket, buffers, transfers{per_call}, asio::use_awaitable),
-                                  deadline, what);
+    co_await async::with_deadline(asio::async_read(socket, buffers, transfers{per_call}, asio::use_awaitable), deadline,
+                                  what);
   } catch (const error&) {
     throw;
   } catch (const std::system_error& e) {
@@ -73,9 +72,8 @@ asio::awaitable<void> read_exact(Stream& socket, const MutableBuffers& buffers,
 
 /// Writes all of `buffers`, or throws; `per_call` as for read_exact.
 template <class Stream, class ConstBuffers>
-asio::awaitable<void> write_all(Stream& socket, const ConstBuffers& buffers,
-                                std::chrono::milliseconds deadline, std::string what,
-                                std::size_t per_call = unbounded_per_call) {
+asio::awaitable<void> write_all(Stream& socket, const ConstBuffers& buffers, std::chrono::milliseconds deadline,
+                                std::string what, std::size_t per_call = unbounded_per_call) {
   try {
     co_await async::with_deadline(asio::async_write(socket, buffers, transfers{per_call}, asio::use_awaitable),
                                   deadline, what);
@@ -92,16 +90,15 @@ asio::awaitable<void> write_all(Stream& socket, const ConstBuffers& buffers,
 /// ENFILE) fails at once with resource_exhausted naming it: retrying does not free
 /// descriptors, and "could not connect" would hide why.
 asio::awaitable<tcp::socket> connect_with_retry(const std::string& host, std::uint16_t port,
-                                                std::chrono::milliseconds deadline,
-                                                std::string what);
+                                                std::chrono::milliseconds deadline, std::string what);
 
 /// A listening socket on host:port (port 0: any free port).
 tcp::acceptor listen(const asio::any_io_executor& ex, const std::string& host, std::uint16_t port);
 
 /// Accepts one connection within `deadline`; the socket runs on `socket_executor`
 /// (the acceptor's when empty).
-asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline,
-                                    std::string what, asio::any_io_executor socket_executor = {});
+asio::awaitable<tcp::socket> accept(tcp::acceptor& acceptor, std::chrono::milliseconds deadline, std::string what,
+                                    asio::any_io_executor socket_executor = {});
 
 /// Sets TCP_NODELAY (every connection refit makes or accepts: headers and statuses
 /// are small and must not wait for Nagle's algorithm).

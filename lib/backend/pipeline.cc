@@ -33,11 +33,9 @@ static std::exception_ptr processing_error(std::exception_ptr cause, std::uint64
     what = "a non-standard exception";
   }
   std::string where = "bucket " + std::to_string(bucket) + " (";
-  for (std::size_t i = 0; i < views.size() && i < 4; ++i)
-    where += (i ? ", '" : "'") + std::string(views[i].name) + "'";
+  for (std::size_t i = 0; i < views.size() && i < 4; ++i) where += (i ? ", '" : "'") + std::string(views[i].name) + "'";
   where += views.size() > 4 ? ", ... " + std::to_string(views.size()) + " tensors)" : ")";
-  return std::make_exception_ptr(
-      error(errc::processing_failed, "load_weights failed on " + where + ": " + what));
+  return std::make_exception_ptr(error(errc::processing_failed, "load_weights failed on " + where + ": " + what));
 }
 
 void host_staging::free_deleter::operator()(std::byte* p) const noexcept { std::free(p); }
@@ -46,8 +44,7 @@ host_staging::buffer host_staging::allocate(std::uint64_t bytes) {
   constexpr std::uint64_t page = 4096;
   std::uint64_t rounded = (bytes + page - 1) / page * page;
   void* p = std::aligned_alloc(page, rounded == 0 ? page : rounded);
-  if (!p)
-    throw_error(errc::io_error, "host staging: cannot allocate " + std::to_string(bytes) + " bytes");
+  if (!p) throw_error(errc::io_error, "host staging: cannot allocate " + std::to_string(bytes) + " bytes");
   return buffer(static_cast<std::byte*>(p));
 }
 
@@ -77,9 +74,7 @@ std::span<std::byte> host_staging::assembly(std::uint64_t bytes) {
   return {assembly_.get(), static_cast<std::size_t>(bytes)};
 }
 
-std::uint64_t host_staging::allocated_bytes() const noexcept {
-  return slot_bytes_ * slots_.size() + assembly_bytes_;
-}
+std::uint64_t host_staging::allocated_bytes() const noexcept { return slot_bytes_ * slots_.size() + assembly_bytes_; }
 
 // What in-flight processing needs after receive() returns (the caller's metadata
 // and callback may be gone by then).
@@ -114,32 +109,26 @@ struct receive_pipeline::update_state {
   async::event turn;
 };
 
-receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
-                                   wire_params params, std::unique_ptr<staging_memory> staging)
-    : executor_(executor),
-      processing_(processing),
-      params_((params.validate(), params)),
-      staging_(std::move(staging)),
-      slots_(executor, params.num_buffers),
-      assembly_(executor, 1) {
+receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing, wire_params params,
+                                   std::unique_ptr<staging_memory> staging)
+    : executor_(executor), processing_(processing), params_((params.validate(), params)), staging_(std::move(staging)),
+      slots_(executor, params.num_buffers), assembly_(executor, 1) {
   if (!staging_ || staging_->slot_count() != params_.num_buffers)
     throw_error(errc::invalid_argument, "receive_pipeline: staging must have num_buffers slots");
 }
 
 void receive_pipeline::process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
-                               std::optional<std::size_t> slot, bool assembly,
-                               std::uint64_t bucket_index, std::function<void()> check,
-                               async::drain_scope& scope, update_stats& stats) {
+                               std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
+                               std::function<void()> check, async::drain_scope& scope, update_stats& stats) {
   if (check) ++state->checks_left;
-  scope.spawn(process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, std::move(check),
-                             stats));
+  scope.spawn(
+      process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, std::move(check), stats));
 }
 
 asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_state> state,
-                                                       std::vector<tensor_view> views,
-                                                       std::optional<std::size_t> slot, bool assembly,
-                                                       std::uint64_t bucket_index, std::function<void()> check,
-                                                       update_stats& stats) {
+                                                       std::vector<tensor_view> views, std::optional<std::size_t> slot,
+                                                       bool assembly, std::uint64_t bucket_index,
+                                                       std::function<void()> check, update_stats& stats) {
   const std::uint64_t step = state->spawned++;
   std::exception_ptr error;
   // 1. The transport's check (a checksum), on the processing executor, concurrently
@@ -220,10 +209,10 @@ std::vector<std::byte*> direct_destinations(const update_metadata& meta, model_t
     auto d = target->destination(spec);
     if (!d) continue;
     if (d->nbytes() != spec.nbytes() || !(d->device == dev) || (d->data == nullptr && spec.nbytes() != 0))
-      throw_error(errc::invalid_argument,
-                  "model target: destination of '" + spec.name + "' is " + std::to_string(d->nbytes()) +
-                      " bytes on " + to_string(d->device) + ", expected " + std::to_string(spec.nbytes()) +
-                      " bytes on " + to_string(dev));
+      throw_error(errc::invalid_argument, "model target: destination of '" + spec.name + "' is " +
+                                              std::to_string(d->nbytes()) + " bytes on " + to_string(d->device) +
+                                              ", expected " + std::to_string(spec.nbytes()) + " bytes on " +
+                                              to_string(dev));
     out[i] = d->data;
   }
   return out;
@@ -245,19 +234,15 @@ void append(std::vector<asio::mutable_buffer>& list, std::byte* data, std::uint6
 
 }  // namespace
 
-asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta,
-                                                bucket_transport& transport,
-                                                load_weights_fn load_weights,
-                                                async::drain_scope& scope, update_stats& stats,
-                                                model_target* target) {
+asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, bucket_transport& transport,
+                                                load_weights_fn load_weights, async::drain_scope& scope,
+                                                update_stats& stats, model_target* target) {
   co_await receive(meta, plan_buckets(meta, params_), transport, std::move(load_weights), scope, stats, target);
 }
 
 asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, bucket_plan plan,
-                                                bucket_transport& transport,
-                                                load_weights_fn load_weights,
-                                                async::drain_scope& scope, update_stats& stats,
-                                                model_target* target) {
+                                                bucket_transport& transport, load_weights_fn load_weights,
+                                                async::drain_scope& scope, update_stats& stats, model_target* target) {
   auto state = std::make_shared<update_state>(meta, std::move(load_weights), asio::make_strand(processing_),
                                               clock_type::now(), executor_);
   const device dev = staging_->device();

@@ -94,8 +94,8 @@ class receive_pipeline {
  public:
   /// `processing` runs load_weights; calls for one update are serialised on a
   /// strand of it, in bucket order.
-  receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing,
-                   wire_params params, std::unique_ptr<staging_memory> staging);
+  receive_pipeline(asio::any_io_executor executor, asio::any_io_executor processing, wire_params params,
+                   std::unique_ptr<staging_memory> staging);
 
   /// Receives the update described by `meta` through `transport`. Processing runs
   /// in `scope`: when this completes every bucket has arrived, and scope.join()
@@ -104,14 +104,13 @@ class receive_pipeline {
   /// flight is awaited before the error propagates, so staging is never in use
   /// after a failed receive returns. When `target` gives a destination for a
   /// tensor, its bytes are received there directly.
-  asio::awaitable<void> receive(const update_metadata& meta, bucket_transport& transport,
-                                load_weights_fn load_weights, async::drain_scope& scope,
-                                update_stats& stats, model_target* target = nullptr);
+  asio::awaitable<void> receive(const update_metadata& meta, bucket_transport& transport, load_weights_fn load_weights,
+                                async::drain_scope& scope, update_stats& stats, model_target* target = nullptr);
   /// The same with the plan the engine already made (plan_buckets(meta, params())),
   /// for engines that check it against the trainer before receiving.
   asio::awaitable<void> receive(const update_metadata& meta, bucket_plan plan, bucket_transport& transport,
-                                load_weights_fn load_weights, async::drain_scope& scope,
-                                update_stats& stats, model_target* target = nullptr);
+                                load_weights_fn load_weights, async::drain_scope& scope, update_stats& stats,
+                                model_target* target = nullptr);
 
   const wire_params& params() const noexcept { return params_; }
   staging_memory& staging() noexcept { return *staging_; }
@@ -119,13 +118,12 @@ class receive_pipeline {
 
  private:
   struct update_state;
-  void process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
-               std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
-               std::function<void()> check, async::drain_scope& scope, update_stats& stats);
+  void process(std::shared_ptr<update_state> state, std::vector<tensor_view> views, std::optional<std::size_t> slot,
+               bool assembly, std::uint64_t bucket_index, std::function<void()> check, async::drain_scope& scope,
+               update_stats& stats);
   asio::awaitable<void> process_bucket(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
-                                       std::optional<std::size_t> slot, bool assembly,
-                                       std::uint64_t bucket_index, std::function<void()> check,
-                                       update_stats& stats);
+                                       std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
+                                       std::function<void()> check, update_stats& stats);
 
   asio::any_io_executor executor_;
   asio::any_io_executor processing_;

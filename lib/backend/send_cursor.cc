@@ -10,8 +10,8 @@ namespace {
 alignas(64) constexpr std::byte zeros[wire_params::alignment] = {};
 }  // namespace
 
-send_cursor::send_cursor(const update_metadata& declared, const bucket_plan& plan,
-                         tensor_source& source, bool allow_device)
+send_cursor::send_cursor(const update_metadata& declared, const bucket_plan& plan, tensor_source& source,
+                         bool allow_device)
     : declared_(declared), plan_(plan), source_(source), allow_device_(allow_device) {
   views_.reserve(declared.tensors.size());
 }
@@ -21,15 +21,13 @@ const tensor_view& send_cursor::pull(std::size_t index) {
     const std::size_t i = views_.size();
     auto next = source_.next();
     if (!next)
-      throw_error(errc::invalid_argument,
-                  "trainer sent " + std::to_string(i) + " tensor(s) but declared " +
-                      std::to_string(declared_.tensors.size()) + "; first missing: '" +
-                      declared_.tensors[i].name + "'");
+      throw_error(errc::invalid_argument, "trainer sent " + std::to_string(i) + " tensor(s) but declared " +
+                                              std::to_string(declared_.tensors.size()) + "; first missing: '" +
+                                              declared_.tensors[i].name + "'");
     check_matches_declared(declared_.tensors[i], *next, i);
     if (!allow_device_ && !next->device.is_cpu())
-      throw_error(errc::invalid_argument, "parameter #" + std::to_string(i) + " ('" +
-                                              declared_.tensors[i].name + "') is on " +
-                                              to_string(next->device) +
+      throw_error(errc::invalid_argument, "parameter #" + std::to_string(i) + " ('" + declared_.tensors[i].name +
+                                              "') is on " + to_string(next->device) +
                                               "; this backend sends host memory only");
     views_.push_back(*next);
   }
@@ -64,9 +62,9 @@ const std::vector<asio::const_buffer>& send_cursor::gather(const bucket& b) {
 void send_cursor::finish() {
   if (!declared_.tensors.empty()) pull(declared_.tensors.size() - 1);
   if (auto extra = source_.next())
-    throw_error(errc::invalid_argument,
-                "trainer sent more tensors than the " + std::to_string(declared_.tensors.size()) +
-                    " declared; first extra: '" + std::string(extra->name) + "'");
+    throw_error(errc::invalid_argument, "trainer sent more tensors than the " +
+                                            std::to_string(declared_.tensors.size()) + " declared; first extra: '" +
+                                            std::string(extra->name) + "'");
 }
 
 std::size_t pack_pieces(std::span<const asio::const_buffer> pieces, std::byte* dst) {

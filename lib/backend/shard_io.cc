@@ -14,8 +14,10 @@ std::vector<byte_run> pair_runs(std::span<const transfer_item> items, item_side 
     const box b = side == item_side::source ? item.src : box{item.dst_at, item.src.extent};
     for_each_run(p.shape, b, p.element, [&](std::uint64_t offset, std::uint64_t bytes) {
       std::byte* at = p.data + offset;
-      if (!runs.empty() && runs.back().data + runs.back().bytes == at) runs.back().bytes += bytes;
-      else runs.push_back({at, bytes});
+      if (!runs.empty() && runs.back().data + runs.back().bytes == at)
+        runs.back().bytes += bytes;
+      else
+        runs.push_back({at, bytes});
     });
   }
   return runs;

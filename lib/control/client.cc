@@ -15,7 +15,6 @@ namespace refit::control {
 
 bool client::connected() const { return state_ && state_->stream->is_open(); }
 
-
 client::client(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret)
     : executor_(std::move(executor)), timeout_(timeout), secret_(std::move(secret)) {}
 
@@ -49,8 +48,7 @@ asio::awaitable<void> client::read_loop(std::shared_ptr<connection> c, std::chro
   for (auto& [id, channel] : c->pending) channel->try_send(make_error_code(errc::peer_lost), json(why));
 }
 
-asio::awaitable<json> client::call(std::string method, json params,
-                                   std::optional<std::chrono::milliseconds> timeout) {
+asio::awaitable<json> client::call(std::string method, json params, std::optional<std::chrono::milliseconds> timeout) {
   if (!connected()) throw_error(errc::invalid_state, "control: " + method + " on a closed connection");
   const auto limit = timeout.value_or(timeout_);
   const std::uint64_t id = next_id_++;
@@ -67,20 +65,20 @@ asio::awaitable<json> client::call(std::string method, json params,
   // across a suspension point ("array used as initializer").
   json request = {{"id", id}, {"method", method}, {"params", std::move(params)}};
   co_await conn->stream->write(request, limit, what);
-  auto reply = co_await async::with_deadline(
-      channel->async_receive(asio::experimental::as_tuple(asio::use_awaitable)), limit, what);
+  auto reply = co_await async::with_deadline(channel->async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
+                                             limit, what);
   const std::error_code ec = std::get<0>(reply);
   json answer = std::move(std::get<1>(reply));
   if (ec) throw_error(errc::peer_lost, what + ": " + (answer.is_string() ? answer.get<std::string>() : ec.message()));
   if (answer.contains("error")) {
     const json& e = answer["error"];
     errc kind = e.contains("kind") && e["kind"].is_string() ? parse_errc(e["kind"].get<std::string>()) : errc{};
-    std::string message = e.contains("message") && e["message"].is_string() ? e["message"].get<std::string>()
-                                                                             : e.dump();
-    throw_error(kind == errc{} ? errc::protocol_error : kind, method + " failed on worker " + conn->peer + ": " + message);
+    std::string message =
+        e.contains("message") && e["message"].is_string() ? e["message"].get<std::string>() : e.dump();
+    throw_error(kind == errc{} ? errc::protocol_error : kind,
+                method + " failed on worker " + conn->peer + ": " + message);
   }
-  if (!answer.contains("result"))
-    throw_error(errc::protocol_error, what + ": answer has neither 'result' nor 'error'");
+  if (!answer.contains("result")) throw_error(errc::protocol_error, what + ": answer has neither 'result' nor 'error'");
   co_return answer["result"];
 }
 

@@ -46,8 +46,7 @@ void add_params(json& j, std::string key, V&& value, Rest&&... rest) {
 /// "names", names) is {"weight_version": 7, "names": [...]}; params() is {}. The
 /// braced form's replacement where it cannot compile (see above).
 template <class... Args>
-  requires(sizeof...(Args) % 2 == 0)
-json params(Args&&... key_values) {
+requires(sizeof...(Args) % 2 == 0) json params(Args&&... key_values) {
   json j = json::object();
   detail::add_params(j, std::forward<Args>(key_values)...);
   return j;

@@ -65,10 +65,7 @@ asio::awaitable<void> finish_one(client& c, std::string name, json params, worke
 
 worker_group::worker_group(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret,
                            std::vector<worker_endpoint> endpoints, name_fn name_of)
-    : executor_(std::move(executor)),
-      timeout_(timeout),
-      secret_(std::move(secret)),
-      endpoints_(std::move(endpoints)),
+    : executor_(std::move(executor)), timeout_(timeout), secret_(std::move(secret)), endpoints_(std::move(endpoints)),
       name_of_(std::move(name_of)) {
   for (std::size_t i = 0; i < endpoints_.size(); ++i)
     clients_.push_back(std::make_unique<client>(executor_, timeout_, secret_));
@@ -148,9 +145,8 @@ asio::awaitable<update_result> worker_group::update(weight_sender& sender, updat
   co_return co_await run_update(sender, std::move(meta), source, version, std::move(options));
 }
 
-asio::awaitable<update_result> worker_group::update(weight_sender& sender, update_metadata meta,
-                                                    tensor_source& source, std::int64_t version,
-                                                    update_options options) {
+asio::awaitable<update_result> worker_group::update(weight_sender& sender, update_metadata meta, tensor_source& source,
+                                                    std::int64_t version, update_options options) {
   if (options.verify && !options.expected)
     throw_error(errc::invalid_argument,
                 "worker_group::update: verify needs the trainer's fingerprints (update_options::expected) when "
@@ -201,8 +197,8 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
   co_return result;
 }
 
-asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(
-    fingerprint_list expected, std::int64_t version) {
+asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(fingerprint_list expected,
+                                                                                             std::int64_t version) {
   std::vector<fingerprint_list> each(clients_.size(), expected);
   co_return co_await fingerprint_differences(std::move(each), version);
 }
@@ -240,8 +236,8 @@ asio::awaitable<void> worker_group::verify(fingerprint_list expected, std::int64
   const auto diffs = co_await fingerprint_differences(std::move(expected), version);
   for (std::size_t w = 0; w < diffs.size(); ++w) {
     if (diffs[w].empty()) continue;
-    std::string message = name(w) + ": weight fingerprints after update " + std::to_string(version) + ": " +
-                          diffs[w][0];
+    std::string message =
+        name(w) + ": weight fingerprints after update " + std::to_string(version) + ": " + diffs[w][0];
     if (diffs[w].size() > 1) message += " (and " + std::to_string(diffs[w].size() - 1) + " more differences)";
     throw_error(errc::integrity_error, message);
   }

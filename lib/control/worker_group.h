@@ -178,8 +178,8 @@ class worker_group {
                                                                                  std::int64_t version);
   /// The same with each worker's own expectation (`expected[i]` for worker i): the
   /// workers of a sharded transfer each hold their own slice.
-  asio::awaitable<std::vector<std::vector<std::string>>> fingerprint_differences(
-      std::vector<fingerprint_list> expected, std::int64_t version);
+  asio::awaitable<std::vector<std::vector<std::string>>> fingerprint_differences(std::vector<fingerprint_list> expected,
+                                                                                 std::int64_t version);
   /// Throws integrity_error naming the first worker (by index) that differs and
   /// its first difference (and how many more it has).
   asio::awaitable<void> verify(fingerprint_list expected, std::int64_t version);

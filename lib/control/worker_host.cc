@@ -18,8 +18,8 @@
 #include <refit/backend/async/event.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/handshake.h>
-#include <refit/integrity/fingerprint.h>
 #include <refit/backend/net.h>
+#include <refit/integrity/fingerprint.h>
 #include <refit/internal/engine_access.h>
 
 namespace refit::control {
@@ -31,9 +31,9 @@ struct worker_host::connection {
   std::uint64_t id;
   std::string peer;
   std::shared_ptr<frame_stream> stream;
-  std::size_t in_flight = 0;   // requests being handled
-  async::event request_done;   // set when one finishes
-  double tokens = 0;           // the request-rate bucket
+  std::size_t in_flight = 0;  // requests being handled
+  async::event request_done;  // set when one finishes
+  double tokens = 0;          // the request-rate bucket
   std::chrono::steady_clock::time_point refilled = std::chrono::steady_clock::now();
   std::string name() const { return "connection #" + std::to_string(id) + " (" + peer + ")"; }
 };
@@ -96,12 +96,8 @@ bool large_answer(const json& j) {
 
 worker_host::worker_host(weight_transfer_config config, engine_context context, load_weights_fn load_weights,
                          engine_factory& factory, host_limits limits)
-    : config_(std::move(config)),
-      context_(std::move(context)),
-      load_weights_(std::move(load_weights)),
-      limits_(limits),
-      engine_(factory.create_engine(config_, context_)),
-      session_(*engine_) {
+    : config_(std::move(config)), context_(std::move(context)), load_weights_(std::move(load_weights)), limits_(limits),
+      engine_(factory.create_engine(config_, context_)), session_(*engine_) {
   limits_.handshake_timeout = std::min(limits_.handshake_timeout, config_.timeout);
   if (limits_.session_timeout.count() <= 0) limits_.session_timeout = config_.timeout;
   add_verb("init_weight_transfer_engine", [this](connection& caller, json params) -> asio::awaitable<json> {
@@ -110,17 +106,18 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     r.finish();
     if (session_.active()) {
       if (owner_ != caller.id) {
-        const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
-                                                                                   owner_heard_);
+        const auto silent =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - owner_heard_);
         throw_error(errc::invalid_state,
-                    "init_weight_transfer_engine: refused while the weight update session started by " +
-                        owner_name() + " is open (finish it, or close that connection; its owner has been silent for " +
+                    "init_weight_transfer_engine: refused while the weight update session started by " + owner_name() +
+                        " is open (finish it, or close that connection; its owner has been silent for " +
                         std::to_string(silent.count()) + " ms, and the session is aborted after " +
                         std::to_string(limits_.session_timeout.count()) + " ms of silence)");
       }
       if (session_.receiving())
-        throw_error(errc::invalid_state, "init_weight_transfer_engine: a chunk of this connection's update is "
-                                         "still being received");
+        throw_error(errc::invalid_state,
+                    "init_weight_transfer_engine: a chunk of this connection's update is "
+                    "still being received");
     }
     std::exception_ptr failure;
     try {
@@ -131,8 +128,9 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       co_await session_.abort_weight_update("the engine was re-initialised during it");
       owner_.reset();
       if (ends_session)
-        update_failed("init_weight_transfer_engine: the weight update session was aborted: the engine was "
-                      "re-initialised during it");
+        update_failed(
+            "init_weight_transfer_engine: the weight update session was aborted: the engine was "
+            "re-initialised during it");
       co_await engine_->init_transfer_engine(*info);
     } catch (...) {
       failure = std::current_exception();
@@ -147,8 +145,8 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
     auto r = params_reader(params, "start_weight_update");
     r.finish();
     if (session_.active() && owner_ != caller.id)
-      throw_error(errc::invalid_state, "start_weight_update: the weight update session started by " + owner_name() +
-                                           " is open");
+      throw_error(errc::invalid_state,
+                  "start_weight_update: the weight update session started by " + owner_name() + " is open");
     session_.start_weight_update();
     owner_ = caller.id;
     owner_peer_ = caller.peer;
@@ -323,15 +321,14 @@ std::string worker_host::owner_name() const {
 
 void worker_host::require_owner(const connection& caller, const std::string& method) const {
   // A trainer that froze and resumed learns why its session is gone.
-  const std::string silenced = silenced_ == caller.id ? " (this connection's weight update session was aborted: " +
-                                                            silenced_why_ + ")"
-                                                      : std::string();
+  const std::string silenced = silenced_ == caller.id
+                                   ? " (this connection's weight update session was aborted: " + silenced_why_ + ")"
+                                   : std::string();
   if (!session_.active())
-    throw_error(errc::invalid_state,
-                method + ": no active weight update (call start_weight_update first)" + silenced);
+    throw_error(errc::invalid_state, method + ": no active weight update (call start_weight_update first)" + silenced);
   if (owner_ != caller.id)
-    throw_error(errc::invalid_state, method + ": the weight update session belongs to " + owner_name() +
-                                         ", not to " + caller.name() + silenced);
+    throw_error(errc::invalid_state, method + ": the weight update session belongs to " + owner_name() + ", not to " +
+                                         caller.name() + silenced);
 }
 
 void worker_host::heard_from(const connection& c) noexcept {
@@ -407,19 +404,19 @@ std::string worker_host::weight_state() const {
 }
 
 json worker_host::weight_info() const {
-  json info = {{"backend", engine_->backend()},
-               {"initialized", engine_->initialized()},
-               {"defers_processing", engine_->defers_processing()},
-               {"session_active", session_.active()},
-               {"receiving", engine_->receiving()},
-               {"state", weight_state()},
-               {"commit", to_string(session_.receiving() && receiving_commit_
-                                        ? *receiving_commit_
-                                        : applied_commit_.value_or(config_.commit))},
-               {"default_commit", to_string(config_.commit)},
-               {"last_update", engine_->last_update_stats().to_json()},
-               {"connections", connections_.size()},
-               {"accept_errors", accept_errors_}};
+  json info = {
+      {"backend", engine_->backend()},
+      {"initialized", engine_->initialized()},
+      {"defers_processing", engine_->defers_processing()},
+      {"session_active", session_.active()},
+      {"receiving", engine_->receiving()},
+      {"state", weight_state()},
+      {"commit", to_string(session_.receiving() && receiving_commit_ ? *receiving_commit_
+                                                                     : applied_commit_.value_or(config_.commit))},
+      {"default_commit", to_string(config_.commit)},
+      {"last_update", engine_->last_update_stats().to_json()},
+      {"connections", connections_.size()},
+      {"accept_errors", accept_errors_}};
   info["session_owner"] = session_.active() && owner_ ? json(owner_name()) : json(nullptr);
   info["session_timeout_ms"] = limits_.session_timeout.count();
   info["session_chunks"] = session_.active() ? json(session_.chunks()) : json(nullptr);
@@ -485,8 +482,9 @@ asio::awaitable<void> worker_host::serve() {
 }
 
 asio::awaitable<void> worker_host::refuse(asio::ip::tcp::socket socket, std::string peer) {
-  refused_ = "control: connection from " + peer + " refused: resource_exhausted: " +
-             std::to_string(connections_.size()) + " connections already (the limit)";
+  refused_ = "control: connection from " + peer +
+             " refused: resource_exhausted: " + std::to_string(connections_.size()) +
+             " connections already (the limit)";
   co_await auth::refuse_busy(socket, limits_.handshake_timeout, "control: connection from " + peer);
   std::error_code ignored;
   socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
@@ -505,8 +503,8 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
     co_await auth::as_server(c->stream->socket(), config_.auth_secret, limits_.handshake_timeout,
                              "control: connection from " + c->peer);
   } catch (const error& e) {
-    refused_ = "control: connection from " + c->peer + " refused: " + std::string(errc_name(e.kind())) + ": " +
-               e.message();
+    refused_ =
+        "control: connection from " + c->peer + " refused: " + std::string(errc_name(e.kind())) + ": " + e.message();
     c->stream->close();
     co_return;
   }
@@ -552,9 +550,9 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
         const std::string* body = &text;
         json* id = &refused_id;
         const std::size_t max_values = limits_.frames.max_values;
-        request = co_await async::offload(internal::engine_access::processing_executor(*engine_), [body, max_values, id] {
-          return parse_frame_body(*body, "control request", max_values, id);
-        });
+        request = co_await async::offload(
+            internal::engine_access::processing_executor(*engine_),
+            [body, max_values, id] { return parse_frame_body(*body, "control request", max_values, id); });
       }
     } catch (const error& e) {
       // A peer that closed is the normal end; a refused frame is answered. A body
@@ -568,8 +566,10 @@ asio::awaitable<void> worker_host::serve_connection(std::shared_ptr<connection> 
         co_return;
       }
       std::string message = e.message();
-      if (!framing_intact) message += " (the connection is closed)";
-      else if (refused_id.is_null()) message += " (the request's id cannot be read: this answer's is null)";
+      if (!framing_intact)
+        message += " (the connection is closed)";
+      else if (refused_id.is_null())
+        message += " (the request's id cannot be read: this answer's is null)";
       refusal = error_answer(refused_id, errc_name(e.kind()), message);
     }
     if (!refusal.is_null()) {

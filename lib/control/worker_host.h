@@ -272,7 +272,7 @@ class worker_host {
   std::map<std::string, method> methods_;  // the application's
   std::optional<std::uint64_t> owner_;     // the connection whose session is open
   std::string owner_peer_;
-  bool owner_left_ = false;  // the owner closed while its chunk was being received
+  bool owner_left_ = false;                            // the owner closed while its chunk was being received
   std::chrono::steady_clock::time_point owner_heard_;  // the owner's last frame, request end or session start
   std::uint64_t session_generation_ = 0;               // bumped by every start_weight_update
   std::shared_ptr<session_watch> watch_;

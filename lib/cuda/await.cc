@@ -40,8 +40,10 @@ struct wait_registry {
     head = op;
   }
   void unlink(pending_wait* op) noexcept {
-    if (op->prev != nullptr) op->prev->next = op->next;
-    else head = op->next;
+    if (op->prev != nullptr)
+      op->prev->next = op->next;
+    else
+      head = op->next;
     if (op->next != nullptr) op->next->prev = op->prev;
     op->prev = op->next = nullptr;
   }
@@ -107,8 +109,7 @@ void release(pending_wait* op) noexcept {
   if (op->owners.fetch_sub(1, std::memory_order_acq_rel) == 1) delete op;
 }
 
-void start_wait(asio::execution_context& ctx, const wait_target& target, notify_by how,
-                pending_wait* op) {
+void start_wait(asio::execution_context& ctx, const wait_target& target, notify_by how, pending_wait* op) {
   op->registry = asio::use_service<wait_service>(ctx).registry();
   {
     std::unique_lock lock(op->registry->mutex);
@@ -150,8 +151,7 @@ void start_wait(asio::execution_context& ctx, const wait_target& target, notify_
   deliver(op, status);
 }
 
-std::exception_ptr wait_error(cudaError_t status, std::string_view failed,
-                              const std::source_location& where) {
+std::exception_ptr wait_error(cudaError_t status, std::string_view failed, const std::source_location& where) {
   return std::make_exception_ptr(cuda_error(status, failed, where));
 }
 
@@ -163,8 +163,7 @@ asio::awaitable<void> when_done(cudaStream_t stream, notify_by how, std::source_
   co_await async_wait_stream(stream, asio::use_awaitable, how, where);
 }
 
-asio::awaitable<void> when_recorded(const event& e, cudaStream_t stream, notify_by how,
-                                    std::source_location where) {
+asio::awaitable<void> when_recorded(const event& e, cudaStream_t stream, notify_by how, std::source_location where) {
   co_await async_record_and_wait(e.get(), stream, asio::use_awaitable, how, where);
 }
 

@@ -108,8 +108,7 @@ struct wait_target {
 
 /// Registers `op` with `ctx`'s registry and enqueues the callback; any failure is
 /// delivered through op->post.
-void start_wait(asio::execution_context& ctx, const wait_target& target, notify_by how,
-                pending_wait* op);
+void start_wait(asio::execution_context& ctx, const wait_target& target, notify_by how, pending_wait* op);
 
 /// The exception a failed wait completes with: cuda_error naming `failed`.
 [[nodiscard]] std::exception_ptr wait_error(cudaError_t status, std::string_view failed,
@@ -121,21 +120,17 @@ class wait_op final : public pending_wait {
 
  public:
   wait_op(Handler handler, std::source_location where)
-      : pending_wait(where),
-        guard_(asio::make_work_guard(asio::get_associated_executor(handler))),
+      : pending_wait(where), guard_(asio::make_work_guard(asio::get_associated_executor(handler))),
         handler_(std::move(handler)) {}
 
-  asio::execution_context& context() const {
-    return asio::query(guard_->get_executor(), asio::execution::context);
-  }
+  asio::execution_context& context() const { return asio::query(guard_->get_executor(), asio::execution::context); }
 
   void post(cudaError_t status) noexcept override {
     auto ex = guard_->get_executor();
     // If the context shuts down before this runs, the lambda is destroyed there,
     // and with it the wait and its handler: never on the driver thread.
-    asio::post(ex, [self = std::unique_ptr<wait_op, deleter>(this), status]() mutable {
-      finish(std::move(self), status);
-    });
+    asio::post(ex,
+               [self = std::unique_ptr<wait_op, deleter>(this), status]() mutable { finish(std::move(self), status); });
   }
 
   void drop_handler() noexcept override {
@@ -163,8 +158,7 @@ class wait_op final : public pending_wait {
 };
 
 template <class Token>
-auto async_wait(const wait_target& target, notify_by how, std::source_location where,
-                Token&& token) {
+auto async_wait(const wait_target& target, notify_by how, std::source_location where, Token&& token) {
   return asio::async_initiate<Token, void(std::exception_ptr)>(
       [](auto handler, wait_target target, notify_by how, std::source_location where) {
         using op_type = wait_op<std::decay_t<decltype(handler)>>;
@@ -193,12 +187,10 @@ auto async_wait_stream(cudaStream_t stream, Token&& token = asio::use_awaitable,
 /// async_wait_stream. Other streams can wait on `e` meanwhile (stream::wait), the
 /// usual way of gating a processing stream on a communication stream.
 template <class Token = const asio::use_awaitable_t<>&>
-auto async_record_and_wait(cudaEvent_t e, cudaStream_t stream,
-                           Token&& token = asio::use_awaitable,
+auto async_record_and_wait(cudaEvent_t e, cudaStream_t stream, Token&& token = asio::use_awaitable,
                            notify_by how = notify_by::stream_callback,
                            std::source_location where = std::source_location::current()) {
-  return detail::async_wait({.stream = stream, .record = e}, how, where,
-                            std::forward<Token>(token));
+  return detail::async_wait({.stream = stream, .record = e}, how, where, std::forward<Token>(token));
 }
 
 /// Completes when `e` (recorded elsewhere, possibly on another stream) completes:
@@ -210,18 +202,15 @@ template <class Token = const asio::use_awaitable_t<>&>
 auto async_wait_event(cudaEvent_t e, cudaStream_t waiter, Token&& token = asio::use_awaitable,
                       notify_by how = notify_by::stream_callback,
                       std::source_location where = std::source_location::current()) {
-  return detail::async_wait({.stream = waiter, .wait_for = e}, how, where,
-                            std::forward<Token>(token));
+  return detail::async_wait({.stream = waiter, .wait_for = e}, how, where, std::forward<Token>(token));
 }
 
 /// co_await when_done(stream): async_wait_stream with use_awaitable.
-asio::awaitable<void> when_done(cudaStream_t stream,
-                                notify_by how = notify_by::stream_callback,
+asio::awaitable<void> when_done(cudaStream_t stream, notify_by how = notify_by::stream_callback,
                                 std::source_location where = std::source_location::current());
 
 /// co_await when_recorded(e, stream): async_record_and_wait with use_awaitable.
-asio::awaitable<void> when_recorded(const event& e, cudaStream_t stream,
-                                    notify_by how = notify_by::stream_callback,
+asio::awaitable<void> when_recorded(const event& e, cudaStream_t stream, notify_by how = notify_by::stream_callback,
                                     std::source_location where = std::source_location::current());
 
 }  // namespace refit::cuda

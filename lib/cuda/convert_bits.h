@@ -68,8 +68,7 @@ template <int M, int B>
 REFIT_HD std::uint32_t narrow_magnitude(std::uint32_t abs) noexcept {
   static_assert(B + M + 1 < 127);
   const int e = static_cast<int>(abs >> 23);
-  if (e - 127 + B >= 1)
-    return shift_rne(abs - (static_cast<std::uint32_t>(127 - B) << 23), 23 - M);
+  if (e - 127 + B >= 1) return shift_rne(abs - (static_cast<std::uint32_t>(127 - B) << 23), 23 - M);
   if (e == 0) return 0;  // float subnormals are far below half the smallest target step
   const int shift = 151 - B - M - e;
   if (shift > 24) return 0;
@@ -89,8 +88,8 @@ REFIT_HD float fp16_to_float(std::uint16_t h) noexcept {
   if (exp == 0x1f) return f32_from_bits(sign | f32_inf | (mant << 13));  // payload kept
   if (exp != 0) return f32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
   if (mant == 0) return f32_from_bits(sign);
-  // Subnormal: mant * 2^-24, a normal float. Normalise in integers: the leading one
-  // of mant at bit p (0..9) gives exponent p - 24.
+    // Subnormal: mant * 2^-24, a normal float. Normalise in integers: the leading one
+    // of mant at bit p (0..9) gives exponent p - 24.
 #if defined(__CUDA_ARCH__)
   const int p = 31 - __clz(mant);
 #else
@@ -235,15 +234,13 @@ REFIT_HD typename codec<D>::bits_type convert_one(typename codec<S>::bits_type i
 
 /// fp8 -> float32/bfloat16/float16: x = float(q) * scale, then rounded.
 template <dtype S, dtype D>
-REFIT_HD typename codec<D>::bits_type dequantize_one(typename codec<S>::bits_type in,
-                                                     float scale) noexcept {
+REFIT_HD typename codec<D>::bits_type dequantize_one(typename codec<S>::bits_type in, float scale) noexcept {
   return codec<D>::put(mul_like_host(codec<S>::get(in), scale));
 }
 
 /// float32/bfloat16/float16 -> fp8: q = to_fp8(x / scale), saturating.
 template <dtype S, dtype D>
-REFIT_HD typename codec<D>::bits_type quantize_one(typename codec<S>::bits_type in,
-                                                   float scale) noexcept {
+REFIT_HD typename codec<D>::bits_type quantize_one(typename codec<S>::bits_type in, float scale) noexcept {
   return codec<D>::put(div_like_host(codec<S>::get(in), scale));
 }
 

@@ -19,15 +19,14 @@ device_count_result device_count_or_reason() {
     // Clear a non-sticky failure so a later check does not report it again. (A
     // failed runtime initialization, e.g. no driver, stays and cannot be cleared.)
     (void)cudaGetLastError();
-    return {0, std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(status) +
-                   " (" + cudaGetErrorName(status) + ")"};
+    return {0, std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(status) + " (" +
+                   cudaGetErrorName(status) + ")"};
   }
   if (count == 0) {
     // The usual cause when the driver works: an empty or wrong CUDA_VISIBLE_DEVICES.
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
     return {0, std::string("cudaGetDeviceCount reported no devices (CUDA_VISIBLE_DEVICES=") +
-                   (visible ? "\"" + std::string(visible) + "\"" : std::string("unset")) +
-                   ")"};
+                   (visible ? "\"" + std::string(visible) + "\"" : std::string("unset")) + ")"};
   }
   return {count, {}};
 }

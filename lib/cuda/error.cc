@@ -18,8 +18,7 @@ class cuda_category_impl final : public std::error_category {
 
 }  // namespace
 
-std::string describe_failed_call(std::string_view call, const std::source_location& where,
-                                std::string_view status) {
+std::string describe_failed_call(std::string_view call, const std::source_location& where, std::string_view status) {
   std::string text(call);
   text += " failed at ";
   text += where.file_name();
@@ -36,17 +35,13 @@ const std::error_category& cuda_category() noexcept {
   return category;
 }
 
-std::error_code make_error_code(cudaError_t status) noexcept {
-  return {static_cast<int>(status), cuda_category()};
-}
+std::error_code make_error_code(cudaError_t status) noexcept { return {static_cast<int>(status), cuda_category()}; }
 
-cuda_error::cuda_error(cudaError_t status, std::string_view call,
-                       std::source_location where)
+cuda_error::cuda_error(cudaError_t status, std::string_view call, std::source_location where)
     : std::system_error(make_error_code(status), describe_failed_call(call, where, cudaGetErrorName(status))),
       call_(call) {}
 
-void throw_cuda_error(cudaError_t status, std::string_view call,
-                      std::source_location where) {
+void throw_cuda_error(cudaError_t status, std::string_view call, std::source_location where) {
   (void)cudaGetLastError();
   throw cuda_error(status, call, where);
 }

@@ -25,13 +25,10 @@ namespace refit::cuda {
 // so a log line alone says which call failed and why.
 class cuda_error : public std::system_error {
  public:
-  cuda_error(cudaError_t status, std::string_view call,
-             std::source_location where = std::source_location::current());
+  cuda_error(cudaError_t status, std::string_view call, std::source_location where = std::source_location::current());
 
   // The CUDA status, without going through std::error_code.
-  [[nodiscard]] cudaError_t status() const noexcept {
-    return static_cast<cudaError_t>(code().value());
-  }
+  [[nodiscard]] cudaError_t status() const noexcept { return static_cast<cudaError_t>(code().value()); }
 
   // The failing call as written in the source (REFIT_CUDA_CHECK's argument).
   [[nodiscard]] const std::string& call() const noexcept { return call_; }
@@ -48,18 +45,16 @@ class cuda_error : public std::system_error {
 // Throws cuda_error for a failed call. It first clears the runtime's last-error
 // slot, so that a later cudaGetLastError() after a kernel launch does not report
 // this, already handled, failure again. Out of line to keep the check's hot path small.
-[[noreturn]] void throw_cuda_error(cudaError_t status, std::string_view call,
-                                   std::source_location where);
+[[noreturn]] void throw_cuda_error(cudaError_t status, std::string_view call, std::source_location where);
 
 }  // namespace refit::cuda
 
 // Evaluates `call` (an expression yielding cudaError_t) once and throws
 // refit::cuda::cuda_error naming the call and this source line unless it returned
 // cudaSuccess.
-#define REFIT_CUDA_CHECK(call)                                                   \
-  do {                                                                           \
-    const ::cudaError_t refit_cuda_status_ = (call);                             \
-    if (refit_cuda_status_ != ::cudaSuccess) [[unlikely]]                        \
-      ::refit::cuda::throw_cuda_error(refit_cuda_status_, #call,                 \
-                                      ::std::source_location::current());        \
+#define REFIT_CUDA_CHECK(call)                                                                       \
+  do {                                                                                               \
+    const ::cudaError_t refit_cuda_status_ = (call);                                                 \
+    if (refit_cuda_status_ != ::cudaSuccess) [[unlikely]]                                            \
+      ::refit::cuda::throw_cuda_error(refit_cuda_status_, #call, ::std::source_location::current()); \
   } while (false)

@@ -55,13 +55,13 @@ void launch_unpack(const piece* descriptors, std::size_t count, cudaStream_t str
 /// `scale` dequantises (x = float(q) * scale, then rounded) and must be finite and
 /// > 0; otherwise it must be 1. Elements need only their natural alignment; 8-element
 /// vectors are used when both pointers are aligned to 8 elements.
-void convert(const void* src, dtype src_type, void* dst, dtype dst_type, std::size_t count,
-             cudaStream_t stream, float scale = 1.0f);
+void convert(const void* src, dtype src_type, void* dst, dtype dst_type, std::size_t count, cudaStream_t stream,
+             float scale = 1.0f);
 
 /// Quantises `count` elements (float32/bfloat16/float16) into fp8 with a per-tensor
 /// `scale` (finite, > 0), as refit::convert::quantize_fp8: q = to_fp8(x / scale),
 /// saturating at the largest finite fp8 magnitude (448 for e4m3fn, 57344 for e5m2).
-void quantize_fp8(const void* src, dtype src_type, void* dst, dtype fp8_type, std::size_t count,
-                  float scale, cudaStream_t stream);
+void quantize_fp8(const void* src, dtype src_type, void* dst, dtype fp8_type, std::size_t count, float scale,
+                  cudaStream_t stream);
 
 }  // namespace refit::cuda

@@ -40,33 +40,38 @@ const std::error_category& nccl_category() noexcept {
   return category;
 }
 
-std::error_code make_error_code(ncclResult_t result) noexcept {
-  return {static_cast<int>(result), nccl_category()};
-}
+std::error_code make_error_code(ncclResult_t result) noexcept { return {static_cast<int>(result), nccl_category()}; }
 
 std::string nccl_result_name(ncclResult_t result) {
   switch (result) {
-    case ncclSuccess: return "ncclSuccess";
-    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
-    case ncclSystemError: return "ncclSystemError";
-    case ncclInternalError: return "ncclInternalError";
-    case ncclInvalidArgument: return "ncclInvalidArgument";
-    case ncclInvalidUsage: return "ncclInvalidUsage";
-    case ncclRemoteError: return "ncclRemoteError";
-    case ncclInProgress: return "ncclInProgress";
-    default: break;
+    case ncclSuccess:
+      return "ncclSuccess";
+    case ncclUnhandledCudaError:
+      return "ncclUnhandledCudaError";
+    case ncclSystemError:
+      return "ncclSystemError";
+    case ncclInternalError:
+      return "ncclInternalError";
+    case ncclInvalidArgument:
+      return "ncclInvalidArgument";
+    case ncclInvalidUsage:
+      return "ncclInvalidUsage";
+    case ncclRemoteError:
+      return "ncclRemoteError";
+    case ncclInProgress:
+      return "ncclInProgress";
+    default:
+      break;
   }
   return "ncclResult_t(" + std::to_string(static_cast<int>(result)) + ")";
 }
 
 nccl_error::nccl_error(ncclResult_t result, std::string_view call, std::string_view last_error,
                        std::source_location where)
-    : std::system_error(make_error_code(result), describe(result, call, last_error, where)),
-      call_(call),
+    : std::system_error(make_error_code(result), describe(result, call, last_error, where)), call_(call),
       last_error_(last_error) {}
 
-void throw_nccl_error(ncclResult_t result, std::string_view call, ncclComm_t comm,
-                      std::source_location where) {
+void throw_nccl_error(ncclResult_t result, std::string_view call, ncclComm_t comm, std::source_location where) {
   throw nccl_error(result, call, trimmed(ncclGetLastError(comm)), where);
 }
 

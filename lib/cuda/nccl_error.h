@@ -32,9 +32,7 @@ class nccl_error : public std::system_error {
   nccl_error(ncclResult_t result, std::string_view call, std::string_view last_error = {},
              std::source_location where = std::source_location::current());
 
-  [[nodiscard]] ncclResult_t result() const noexcept {
-    return static_cast<ncclResult_t>(code().value());
-  }
+  [[nodiscard]] ncclResult_t result() const noexcept { return static_cast<ncclResult_t>(code().value()); }
   /// The failing call as written in the source.
   [[nodiscard]] const std::string& call() const noexcept { return call_; }
   /// ncclGetLastError's text at the time of the failure (may be empty).
@@ -61,11 +59,9 @@ class nccl_error : public std::system_error {
 #define REFIT_NCCL_CHECK(call) REFIT_NCCL_CHECK_COMM(nullptr, call)
 
 // As REFIT_NCCL_CHECK, taking NCCL's last-error text for communicator `comm`.
-#define REFIT_NCCL_CHECK_COMM(comm, call)                                         \
-  do {                                                                           \
-    const ::ncclResult_t refit_nccl_result_ = (call);                            \
-    if (refit_nccl_result_ != ::ncclSuccess &&                                   \
-        refit_nccl_result_ != ::ncclInProgress) [[unlikely]]                     \
-      ::refit::cuda::throw_nccl_error(refit_nccl_result_, #call, (comm),         \
-                                      ::std::source_location::current());        \
+#define REFIT_NCCL_CHECK_COMM(comm, call)                                                                    \
+  do {                                                                                                       \
+    const ::ncclResult_t refit_nccl_result_ = (call);                                                        \
+    if (refit_nccl_result_ != ::ncclSuccess && refit_nccl_result_ != ::ncclInProgress) [[unlikely]]          \
+      ::refit::cuda::throw_nccl_error(refit_nccl_result_, #call, (comm), ::std::source_location::current()); \
   } while (false)

@@ -52,7 +52,8 @@ bool device_readable(const void* p) {
 }
 }  // namespace
 
-piece_copier::piece_copier(int device) : device_(device), stream_(stream_on(device)), producer_done_(event_on(device)) {}
+piece_copier::piece_copier(int device)
+    : device_(device), stream_(stream_on(device)), producer_done_(event_on(device)) {}
 
 void piece_copier::order_after(cudaStream_t producer) {
   std::lock_guard lock(mutex_);

@@ -8,12 +8,12 @@
 #include <mutex>
 #include <vector>
 
+#include <refit/backend/pipeline.h>
 #include <refit/cuda/event.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
 #include <refit/cuda/unpack.h>
 #include <refit/engine.h>
-#include <refit/backend/pipeline.h>
 
 namespace refit::cuda {
 

@@ -23,9 +23,7 @@ stream::~stream() {
 }
 
 stream::stream(stream&& other) noexcept
-    : handle_(std::exchange(other.handle_, nullptr)),
-      device_(other.device_),
-      priority_(other.priority_) {}
+    : handle_(std::exchange(other.handle_, nullptr)), device_(other.device_), priority_(other.priority_) {}
 
 stream& stream::operator=(stream&& other) noexcept {
   if (this != &other) {
@@ -43,9 +41,7 @@ stream::priorities stream::priority_range() {
   return p;
 }
 
-void stream::wait(const event& e) const {
-  REFIT_CUDA_CHECK(cudaStreamWaitEvent(handle_, e.get(), 0));
-}
+void stream::wait(const event& e) const { REFIT_CUDA_CHECK(cudaStreamWaitEvent(handle_, e.get(), 0)); }
 
 bool stream::query() const {
   const cudaError_t status = cudaStreamQuery(handle_);

@@ -14,18 +14,17 @@ std::size_t unpack_descriptor_count(std::span<const piece> pieces, std::uint64_t
   return count;
 }
 
-std::size_t prepare_unpack_descriptors(std::span<const piece> pieces, std::span<piece> out,
-                                       std::uint64_t chunk_bytes) {
+std::size_t prepare_unpack_descriptors(std::span<const piece> pieces, std::span<piece> out, std::uint64_t chunk_bytes) {
   if (chunk_bytes == 0 || chunk_bytes % 16 != 0)
     throw_error(errc::invalid_argument,
                 "prepare_unpack_descriptors: chunk_bytes must be a positive multiple of 16, "
-                "got " + std::to_string(chunk_bytes));
+                "got " +
+                    std::to_string(chunk_bytes));
   const std::size_t needed = unpack_descriptor_count(pieces, chunk_bytes);
   if (out.size() < needed)
-    throw_error(errc::invalid_argument,
-                "prepare_unpack_descriptors: " + std::to_string(pieces.size()) +
-                    " pieces need " + std::to_string(needed) + " descriptors, got room for " +
-                    std::to_string(out.size()));
+    throw_error(errc::invalid_argument, "prepare_unpack_descriptors: " + std::to_string(pieces.size()) +
+                                            " pieces need " + std::to_string(needed) + " descriptors, got room for " +
+                                            std::to_string(out.size()));
   std::size_t n = 0;
   for (const piece& p : pieces) {
     for (std::uint64_t offset = 0; offset < p.bytes; offset += chunk_bytes)
@@ -34,12 +33,11 @@ std::size_t prepare_unpack_descriptors(std::span<const piece> pieces, std::span<
   return n;
 }
 
-void unpack(std::span<const piece> pieces, std::span<piece> host_scratch, piece* device_scratch,
-            cudaStream_t stream) {
+void unpack(std::span<const piece> pieces, std::span<piece> host_scratch, piece* device_scratch, cudaStream_t stream) {
   const std::size_t n = prepare_unpack_descriptors(pieces, host_scratch);
   if (n == 0) return;
-  REFIT_CUDA_CHECK(cudaMemcpyAsync(device_scratch, host_scratch.data(), n * sizeof(piece),
-                                   cudaMemcpyHostToDevice, stream));
+  REFIT_CUDA_CHECK(
+      cudaMemcpyAsync(device_scratch, host_scratch.data(), n * sizeof(piece), cudaMemcpyHostToDevice, stream));
   launch_unpack(device_scratch, n, stream);
 }
 

@@ -34,8 +34,7 @@ std::size_t prepare_unpack_descriptors(std::span<const piece> pieces, std::span<
 /// `device_scratch` (as many entries) on `stream` and launches the kernel there. The
 /// caller keeps host_scratch unchanged until the copy has completed and
 /// device_scratch until the kernel has; unpacker does that bookkeeping.
-void unpack(std::span<const piece> pieces, std::span<piece> host_scratch, piece* device_scratch,
-            cudaStream_t stream);
+void unpack(std::span<const piece> pieces, std::span<piece> host_scratch, piece* device_scratch, cudaStream_t stream);
 
 /// Batched unpack with its own scratch memory, reused across calls: a ring of
 /// `slots` (pinned staging + device descriptors + an event), so that one call need

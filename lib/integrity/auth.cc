@@ -12,15 +12,15 @@
 #include <system_error>
 #include <vector>
 
-#include <asio/buffer.hpp>
 #include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <asio/buffer.hpp>
 
-#include <refit/error.h>
 #include <refit/backend/net.h>
+#include <refit/error.h>
 
 namespace refit::auth {
 namespace {
@@ -46,8 +46,7 @@ std::string openssl_error() {
 // std::string, so a move never leaves a copy behind in a small-string buffer.
 class key_material {
  public:
-  explicit key_material(std::string_view s)
-      : size_(s.size()), bytes_(s.empty() ? nullptr : new char[s.size()]) {
+  explicit key_material(std::string_view s) : size_(s.size()), bytes_(s.empty() ? nullptr : new char[s.size()]) {
     if (!s.empty()) std::memcpy(bytes_.get(), s.data(), s.size());
   }
   key_material(key_material&&) noexcept = default;
@@ -107,28 +106,28 @@ std::uint32_t check_header(const std::uint8_t* p, const std::string& what, const
   if (m != magic) {
     std::string shown;
     for (int i = 0; i < 4; ++i) shown += p[i] >= 0x20 && p[i] < 0x7f ? static_cast<char>(p[i]) : '.';
-    throw_error(errc::protocol_error,
-                what + ": expected the authentication " + message + " (magic 'RFTA', " + hex32(magic) +
-                    "), got " + hex32(m) + " ('" + shown +
-                    "'); is the peer a refit process of this version, using authentication?");
+    throw_error(errc::protocol_error, what + ": expected the authentication " + message + " (magic 'RFTA', " +
+                                          hex32(magic) + "), got " + hex32(m) + " ('" + shown +
+                                          "'); is the peer a refit process of this version, using authentication?");
   }
   std::uint32_t v = get_u32(p + 4);
   if (v != version)
-    throw_error(errc::protocol_error, what + ": expected authentication protocol version " +
-                                          std::to_string(version) + " in the " + message + ", got version " +
-                                          std::to_string(v));
+    throw_error(errc::protocol_error, what + ": expected authentication protocol version " + std::to_string(version) +
+                                          " in the " + message + ", got version " + std::to_string(v));
   return get_u32(p + 8);
 }
 
 std::string server_failure(verdict code) {
   switch (code) {
-    case verdict::bad_mac: return "peer failed authentication (wrong shared secret)";
+    case verdict::bad_mac:
+      return "peer failed authentication (wrong shared secret)";
     case verdict::secret_required:
       return "peer has no shared secret but this side requires one (configure the same secret on both sides)";
     case verdict::no_server_secret:
       return "peer has a shared secret but this side has none (configure the same secret on both sides, "
              "or none on either)";
-    case verdict::ok: break;
+    case verdict::ok:
+      break;
   }
   return "authentication failed";
 }
@@ -178,12 +177,12 @@ asio::awaitable<void> server_handshake(tcp::socket& socket, key_material key, st
 asio::awaitable<void> client_handshake(tcp::socket& socket, key_material key, std::chrono::milliseconds deadline,
                                        std::string what) {
   std::array<std::uint8_t, challenge_bytes> challenge{};
-  co_await net::read_exact(socket, asio::buffer(challenge), deadline,
-                           what + ": reading the authentication challenge");
+  co_await net::read_exact(socket, asio::buffer(challenge), deadline, what + ": reading the authentication challenge");
   const std::uint32_t flags = check_header(challenge.data(), what, "challenge");
   if (flags & flag_busy)
-    throw_error(errc::resource_exhausted, what + ": the server refused the connection: it is at its connection "
-                                                 "limit (too many connections)");
+    throw_error(errc::resource_exhausted, what +
+                                              ": the server refused the connection: it is at its connection "
+                                              "limit (too many connections)");
   const bool server_has_secret = flags & flag_has_secret;
   nonce_t nonce_s;
   std::memcpy(nonce_s.data(), challenge.data() + 16, nonce_bytes);
@@ -208,10 +207,10 @@ asio::awaitable<void> client_handshake(tcp::socket& socket, key_material key, st
     } catch (const error&) {
     }
     if (server_has_secret)
-      throw_error(errc::auth_error,
-                  what + ": server requires a shared secret but none is configured on this side");
-    throw_error(errc::auth_error, what + ": server has no shared secret, so it cannot prove it knows this "
-                                         "side's; refusing an unauthenticated connection");
+      throw_error(errc::auth_error, what + ": server requires a shared secret but none is configured on this side");
+    throw_error(errc::auth_error, what +
+                                      ": server has no shared secret, so it cannot prove it knows this "
+                                      "side's; refusing an unauthenticated connection");
   }
 
   co_await net::read_exact(socket, asio::buffer(answer), deadline, reading);
@@ -223,15 +222,14 @@ asio::awaitable<void> client_handshake(tcp::socket& socket, key_material key, st
                     what + ": server failed authentication (its proof of the shared secret is wrong)");
       co_return;
     case verdict::bad_mac:
-      throw_error(errc::auth_error,
-                  what + ": server refused the shared secret (the two sides have different secrets)");
+      throw_error(errc::auth_error, what + ": server refused the shared secret (the two sides have different secrets)");
     case verdict::secret_required:
       throw_error(errc::auth_error, what + ": server requires a shared secret and refused this side's");
     case verdict::no_server_secret:
       throw_error(errc::auth_error, what + ": server has no shared secret and refused this side's");
   }
-  throw_error(errc::protocol_error, what + ": expected an authentication verdict code 0 to 3, got " +
-                                        std::to_string(code));
+  throw_error(errc::protocol_error,
+              what + ": expected an authentication verdict code 0 to 3, got " + std::to_string(code));
 }
 
 }  // namespace

@@ -5,16 +5,16 @@
 
 #include <xxhash.h>
 
-#include <refit/internal/hex.h>
-#include <refit/error.h>
 #include <refit/backend/json_reader.h>
+#include <refit/error.h>
+#include <refit/internal/hex.h>
 
 namespace refit {
 
 std::uint64_t fingerprint(const tensor_view& t) {
   if (!(t.device == device::cpu()))
-    throw_error(errc::unsupported, "fingerprint of '" + std::string(t.name) + "': tensor is on " +
-                                       to_string(t.device) + ", only host tensors are fingerprinted here");
+    throw_error(errc::unsupported, "fingerprint of '" + std::string(t.name) + "': tensor is on " + to_string(t.device) +
+                                       ", only host tensors are fingerprinted here");
   // The seed binds the bytes to what they claim to be.
   std::string id(t.name);
   id += '\0';

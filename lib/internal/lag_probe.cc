@@ -40,8 +40,7 @@ asio::awaitable<void> lag_probe::run(std::shared_ptr<state> s, std::chrono::micr
   }
 }
 
-lag_probe::lag_probe(asio::any_io_executor ex, std::chrono::microseconds period)
-    : state_(std::make_shared<state>(ex)) {
+lag_probe::lag_probe(asio::any_io_executor ex, std::chrono::microseconds period) : state_(std::make_shared<state>(ex)) {
   asio::co_spawn(ex, run(state_, period), asio::detached);
 }
 

@@ -22,9 +22,7 @@ std::string in_quotes(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 // ---------------------------------------------------------------- placement, box
 
-std::string placement::to_string() const {
-  return is_shard() ? "shard(" + std::to_string(dim) + ")" : "replicate";
-}
+std::string placement::to_string() const { return is_shard() ? "shard(" + std::to_string(dim) + ")" : "replicate"; }
 
 placement parse_placement(std::string_view text) {
   if (text == "replicate" || text == "R" || text == "Replicate()") return placement::replicate();
@@ -78,8 +76,8 @@ box intersect(const box& a, const box& b) {
 
 chunk_range torch_chunk(std::int64_t n, std::int64_t parts, std::int64_t index) {
   if (parts < 1 || index < 0 || index >= parts)
-    throw_error(errc::invalid_argument, "torch_chunk: chunk " + std::to_string(index) + " of " +
-                                            std::to_string(parts) + " does not exist");
+    throw_error(errc::invalid_argument,
+                "torch_chunk: chunk " + std::to_string(index) + " of " + std::to_string(parts) + " does not exist");
   const std::int64_t size = (n + parts - 1) / parts;
   const std::int64_t start = std::min(n, index * size);
   const std::int64_t end = std::min(n, (index + 1) * size);
@@ -99,7 +97,8 @@ void device_mesh::validate() const {
   std::int64_t n = 1;
   for (auto s : shape) {
     if (s < 1 || s > 1 << 20)
-      throw_error(errc::invalid_argument, "device mesh: dimension sizes must be in [1, 2^20], got " + std::to_string(s));
+      throw_error(errc::invalid_argument,
+                  "device mesh: dimension sizes must be in [1, 2^20], got " + std::to_string(s));
     n *= s;
     if (n > 1 << 20) throw_error(errc::invalid_argument, "device mesh: more than 2^20 ranks");
   }
@@ -274,7 +273,8 @@ void validate_one(const dest_layout& dest, const source_layout& source, const na
     std::iota(order.begin(), order.end(), 0);
     auto start = [&](std::size_t k) { return rank ? t.pieces[k].at[0] : 0; };
     auto end = [&](std::size_t k) { return rank ? t.pieces[k].at[0] + t.pieces[k].from.extent[0] : 1; };
-    std::sort(order.begin(), order.end(), [&](auto a, auto b) { return start(a) < start(b) || (start(a) == start(b) && a < b); });
+    std::sort(order.begin(), order.end(),
+              [&](auto a, auto b) { return start(a) < start(b) || (start(a) == start(b) && a < b); });
     for (std::size_t i = 0; i < order.size(); ++i) {
       const auto& a = t.pieces[order[i]];
       if (a.from.empty()) continue;
@@ -320,9 +320,7 @@ std::vector<shard_rule> vllm_llama_shards() {
   };
 }
 
-std::vector<shard_rule> vllm_vocab_shards() {
-  return {{"(^|\\.)(embed_tokens|lm_head)\\.", parallel_style::vocab}};
-}
+std::vector<shard_rule> vllm_vocab_shards() { return {{"(^|\\.)(embed_tokens|lm_head)\\.", parallel_style::vocab}}; }
 
 tp_layout_options tp_layout_options::vllm_llama() {
   tp_layout_options o;
@@ -356,16 +354,17 @@ local_slice slice_for(const tensor_spec& t, parallel_style style, int tp, int r,
   auto split = [&](std::size_t dim, const char* what) {
     const auto n = t.shape[dim];
     if (n % tp != 0)
-      throw_error(errc::invalid_argument, "tensor-parallel layout: " + in_quotes(t.name) + " (" + in_quotes(model_name) +
-                                              ", " + what + "-parallel) has " + std::to_string(n) +
-                                              " in dim " + std::to_string(dim) + ", not divisible by tp_size " +
-                                              std::to_string(tp));
+      throw_error(errc::invalid_argument, "tensor-parallel layout: " + in_quotes(t.name) + " (" +
+                                              in_quotes(model_name) + ", " + what + "-parallel) has " +
+                                              std::to_string(n) + " in dim " + std::to_string(dim) +
+                                              ", not divisible by tp_size " + std::to_string(tp));
     s.from.offset[dim] = n / tp * r;
     s.from.extent[dim] = n / tp;
     s.local_shape[dim] = n / tp;
   };
   switch (style) {
-    case parallel_style::replicated: break;
+    case parallel_style::replicated:
+      break;
     case parallel_style::column:
       if (rank >= 1) split(0, "column");
       break;
@@ -398,7 +397,8 @@ dest_layout tensor_parallel_layout(const update_metadata& global, int tp_size, i
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size)
     throw_error(errc::invalid_argument, "tensor-parallel layout: rank " + std::to_string(tp_rank) + " of tp_size " +
                                             std::to_string(tp_size) + " does not exist");
-  if (options.vocab_padding < 1) throw_error(errc::invalid_argument, "tensor-parallel layout: vocab_padding must be positive");
+  if (options.vocab_padding < 1)
+    throw_error(errc::invalid_argument, "tensor-parallel layout: vocab_padding must be positive");
   std::vector<std::regex> shards, ignore;
   for (const auto& s : options.shards) shards.push_back(compile_rule(s.pattern, "shard pattern"));
   for (const auto& i : options.ignore) ignore.push_back(compile_rule(i, "ignore pattern"));
@@ -442,8 +442,8 @@ dest_layout tensor_parallel_layout(const update_metadata& global, int tp_size, i
       continue;
     }
     if (t.shape.empty())
-      throw_error(errc::invalid_argument, "tensor-parallel layout: " + in_quotes(t.name) +
-                                              " is a scalar; fused components stack along dim 0");
+      throw_error(errc::invalid_argument,
+                  "tensor-parallel layout: " + in_quotes(t.name) + " is a scalar; fused components stack along dim 0");
     auto [it, fresh] = fused.try_emplace(model_name);
     auto& fb = it->second;
     if (fresh) {
@@ -465,8 +465,8 @@ dest_layout tensor_parallel_layout(const update_metadata& global, int tp_size, i
     const tensor_spec* first = nullptr;
     for (std::size_t c = 0; c < fb.parts.size(); ++c) {
       if (!fb.parts[c])
-        throw_error(errc::invalid_argument, "tensor-parallel layout: fused " + in_quotes(name) + " lacks its component " +
-                                                in_quotes(fb.param->components[c]));
+        throw_error(errc::invalid_argument, "tensor-parallel layout: fused " + in_quotes(name) +
+                                                " lacks its component " + in_quotes(fb.param->components[c]));
       const auto& [spec, slice] = *fb.parts[c];
       if (!first) first = spec;
       auto tail = [](const std::vector<std::int64_t>& s) { return std::vector<std::int64_t>(s.begin() + 1, s.end()); };
@@ -494,8 +494,7 @@ source_layout read_source_layout(json_reader& r, const update_metadata& meta) {
   mesh.shape = r.required<std::vector<std::int64_t>>("mesh");
   mesh.ranks = r.optional<std::vector<int>>("ranks", {});
   std::vector<placement> placements;
-  for (const auto& p : r.optional<std::vector<std::string>>("placements", {}))
-    placements.push_back(parse_placement(p));
+  for (const auto& p : r.optional<std::vector<std::string>>("placements", {})) placements.push_back(parse_placement(p));
   if (placements.empty()) placements.assign(mesh.shape.size(), placement::replicate());
   try {
     mesh.validate();
@@ -617,8 +616,8 @@ namespace {
 // The box's innermost contiguous run: trailing dims the box covers entirely fold
 // into one, plus the first dim it does not cover.
 struct run_shape {
-  std::size_t outer_dims = 0;       // dims iterated one by one: [0, outer_dims)
-  std::uint64_t run_elements = 1;   // elements per run
+  std::size_t outer_dims = 0;      // dims iterated one by one: [0, outer_dims)
+  std::uint64_t run_elements = 1;  // elements per run
 };
 
 run_shape fold(std::span<const std::int64_t> shape, const box& b) {

@@ -73,9 +73,9 @@ struct dim_cut {
 constexpr std::int64_t max_scanned_holders = 16;
 
 struct tensor_grid {
-  std::vector<dim_cut> dims;           // per tensor dim
-  std::vector<std::size_t> free_dims;  // mesh dims that replicate it
-  std::int64_t holders = 1;            // ranks holding each block (the replicating dims' product)
+  std::vector<dim_cut> dims;               // per tensor dim
+  std::vector<std::size_t> free_dims;      // mesh dims that replicate it
+  std::int64_t holders = 1;                // ranks holding each block (the replicating dims' product)
   std::vector<std::int64_t> free_offsets;  // their linear mesh offsets (when few enough to scan)
 };
 
@@ -85,8 +85,10 @@ tensor_grid grid_of(const device_mesh& mesh, const placed_tensor& t, std::span<c
   for (std::size_t d = 0; d < t.spec.shape.size(); ++d) g.dims[d].n = t.spec.shape[d];
   for (std::size_t i = 0; i < t.placements.size(); ++i) {
     const auto& p = t.placements[i];
-    if (p.is_shard()) g.dims[p.dim].levels.emplace_back(mesh.shape[i], mesh_stride[i]);
-    else g.free_dims.push_back(i);
+    if (p.is_shard())
+      g.dims[p.dim].levels.emplace_back(mesh.shape[i], mesh_stride[i]);
+    else
+      g.free_dims.push_back(i);
   }
   for (auto f : g.free_dims) g.holders *= mesh.shape[f];
   if (g.holders <= max_scanned_holders) {
@@ -115,7 +117,8 @@ std::uint64_t layout_digest(const source_layout& source, std::span<const dest_la
     h.u64(static_cast<std::uint64_t>(t.spec.dtype));
     h.ints(t.spec.shape);
     h.u64(t.placements.size());
-    for (const auto& p : t.placements) h.u64((static_cast<std::uint64_t>(p.type) << 32) | static_cast<std::uint32_t>(p.dim));
+    for (const auto& p : t.placements)
+      h.u64((static_cast<std::uint64_t>(p.type) << 32) | static_cast<std::uint32_t>(p.dim));
   }
   h.u64(workers.size());
   for (const auto& w : workers) {
@@ -160,9 +163,9 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
 
   std::uint64_t items = 0;
   std::unordered_map<std::int64_t, std::uint64_t> turns;  // per sharding coordinate
-  std::vector<std::size_t> pick;                   // per tensor dim: the block chosen
-  std::vector<std::vector<segment>> touched;       // per tensor dim: the blocks the piece touches
-  box block, part;                                 // reused: no allocation per block
+  std::vector<std::size_t> pick;                          // per tensor dim: the block chosen
+  std::vector<std::vector<segment>> touched;              // per tensor dim: the blocks the piece touches
+  box block, part;                                        // reused: no allocation per block
   for (std::size_t w = 0; w < workers.size(); ++w) {
     const auto& dest = workers[w];
     for (std::uint32_t di = 0; di < dest.tensors.size(); ++di) {
@@ -185,8 +188,9 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
             touched[d].push_back(g.dims[d].at(x));
             x = touched[d].back().start + touched[d].back().length;
             if (touched[d].size() > max_plan_items)
-              throw_error(errc::invalid_argument, "transfer plan: tensor '" + st.spec.name + "' is cut into more than " +
-                                                      std::to_string(max_plan_items) + " blocks");
+              throw_error(errc::invalid_argument, "transfer plan: tensor '" + st.spec.name +
+                                                      "' is cut into more than " + std::to_string(max_plan_items) +
+                                                      " blocks");
           }
           combos *= touched[d].size();
           if (items + combos > max_plan_items)
@@ -277,7 +281,8 @@ transfer_plan plan_transfer(const source_layout& source, std::span<const dest_la
   return plan;
 }
 
-std::shared_ptr<const transfer_plan> plan_cache::get(const source_layout& source, std::span<const dest_layout> workers) {
+std::shared_ptr<const transfer_plan> plan_cache::get(const source_layout& source,
+                                                     std::span<const dest_layout> workers) {
   const auto digest = layout_digest(source, workers);
   {
     std::lock_guard lock(mutex_);

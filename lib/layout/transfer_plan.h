@@ -50,7 +50,9 @@ struct transfer_plan {
   /// equal digests mean equal plans.
   std::uint64_t digest = 0;
 
-  const pair_plan& pair(int rank, int worker) const { return pairs.at(static_cast<std::size_t>(rank) * workers + worker); }
+  const pair_plan& pair(int rank, int worker) const {
+    return pairs.at(static_cast<std::size_t>(rank) * workers + worker);
+  }
   std::uint64_t total_bytes() const;
 };
 

@@ -8,8 +8,10 @@ namespace refit {
 
 std::string_view to_string(reader_mode mode) noexcept {
   switch (mode) {
-    case reader_mode::reader_lock: return "reader_lock";
-    case reader_mode::double_buffered: return "double_buffered";
+    case reader_mode::reader_lock:
+      return "reader_lock";
+    case reader_mode::double_buffered:
+      return "double_buffered";
   }
   return "unknown";
 }
@@ -97,8 +99,7 @@ tensor_view tensor_map_target::reader::view(std::string_view name) const {
 // ---------------------------------------------------------------- setup
 
 tensor_map_target::tensor_map_target(tensor_map_target_options options)
-    : options_(std::move(options)),
-      memory_(options_.memory ? options_.memory : host_memory()),
+    : options_(std::move(options)), memory_(options_.memory ? options_.memory : host_memory()),
       device_(memory_->device()) {}
 
 tensor_map_target::~tensor_map_target() {
@@ -114,10 +115,9 @@ std::span<std::byte> tensor_map_target::add(const tensor_spec& spec) { return ad
 
 std::span<std::byte> tensor_map_target::add(const tensor_spec& spec, std::span<std::byte> external) {
   if (!device_.is_cpu())
-    throw_error(errc::invalid_argument, std::string(who) + ": add('" + spec.name +
-                                            "', span) wraps host memory, this target's tensors are on " +
-                                            to_string(device_) + " (add a tensor_view on " + to_string(device_) +
-                                            " instead)");
+    throw_error(errc::invalid_argument,
+                std::string(who) + ": add('" + spec.name + "', span) wraps host memory, this target's tensors are on " +
+                    to_string(device_) + " (add a tensor_view on " + to_string(device_) + " instead)");
   return add_entry(spec, external.data(), external.size(), true);
 }
 
@@ -163,8 +163,8 @@ std::span<std::byte> tensor_map_target::add_entry(const tensor_spec& spec, std::
     // here, not when the first update lands.
     std::byte* p = memory_->allocate_zeroed(n);
     if (!p)
-      throw_error(errc::resource_exhausted, std::string(who) + ": cannot allocate " + std::to_string(n) +
-                                                " bytes on " + to_string(device_) + " for '" + spec.name + "'");
+      throw_error(errc::resource_exhausted, std::string(who) + ": cannot allocate " + std::to_string(n) + " bytes on " +
+                                                to_string(device_) + " for '" + spec.name + "'");
     e.own[c] = std::unique_ptr<std::byte, memory_deleter>(p, memory_deleter{memory_.get()});
     e.buf[c] = e.own[c].get();
   }
@@ -322,9 +322,10 @@ void tensor_map_target::finish(std::optional<std::int64_t> version) {
     std::lock_guard lock(mutex_);
     seal_locked();
     if (loads_ > 0)
-      throw_error(errc::invalid_state, std::string(who) + ": finish while load_weights of the update is still "
-                                                          "running (finish after its receive and processing "
-                                                          "completed: drain_pending / finish_weight_update)");
+      throw_error(errc::invalid_state, std::string(who) +
+                                           ": finish while load_weights of the update is still "
+                                           "running (finish after its receive and processing "
+                                           "completed: drain_pending / finish_weight_update)");
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       if (!written_[i]) continue;
       // double_buffered: the back copy holds the update, it is served from now on.
@@ -344,13 +345,16 @@ void tensor_map_target::abort(const std::string& reason) {
     std::lock_guard lock(mutex_);
     seal_locked();
     if (loads_ > 0)
-      throw_error(errc::invalid_state, std::string(who) + ": abort while load_weights of the update is still "
-                                                          "running (abort after its receive and processing ended)");
+      throw_error(errc::invalid_state, std::string(who) +
+                                           ": abort while load_weights of the update is still "
+                                           "running (abort after its receive and processing ended)");
     if (writing_) {
       if (options_.mode == reader_mode::reader_lock) {
         std::string why = "an update was aborted after it had started writing the weights";
-        if (current_->version) why += " (they were at version " + std::to_string(*current_->version) + ")";
-        else if (!current_->dirty_reason.empty()) why += " (they were dirty already)";
+        if (current_->version)
+          why += " (they were at version " + std::to_string(*current_->version) + ")";
+        else if (!current_->dirty_reason.empty())
+          why += " (they were dirty already)";
         if (!reason.empty()) why += ": " + reason;
         old = publish_locked(make_snapshot_locked(current_->generation + 1, std::nullopt, std::move(why)));
       } else {
@@ -375,8 +379,8 @@ void tensor_map_target::begin_update(const update_metadata& meta) {
                                               "' is not a tensor of this model (" + std::to_string(tensors_.size()) +
                                               " tensors); nothing was received");
     if (std::string diff = mismatch(e->spec, t.dtype, t.shape); !diff.empty())
-      throw_error(errc::invalid_argument, std::string(who) + ": the update's tensor '" + t.name + "' has " + diff +
-                                              "; nothing was received");
+      throw_error(errc::invalid_argument,
+                  std::string(who) + ": the update's tensor '" + t.name + "' has " + diff + "; nothing was received");
   }
   std::lock_guard lock(mutex_);
   open_ = true;
@@ -417,17 +421,17 @@ void tensor_map_target::load_weights(std::span<const tensor_view> weights) {
                                               "written");
     const entry& e = tensors_[it->second];
     if (std::string diff = mismatch(e.spec, v.dtype, v.shape); !diff.empty())
-      throw_error(errc::invalid_argument, std::string(who) + ": load_weights got tensor '" + e.spec.name +
-                                              "' with " + diff + "; nothing of the batch was written");
+      throw_error(errc::invalid_argument, std::string(who) + ": load_weights got tensor '" + e.spec.name + "' with " +
+                                              diff + "; nothing of the batch was written");
     if (!v.device.is_cpu() && !(v.device == device_))
       throw_error(errc::unsupported, std::string(who) + ": load_weights got tensor '" + e.spec.name + "' on " +
-                                         to_string(v.device) + "; this target's tensors are on " +
-                                         to_string(device_) + " and it loads views on the host" +
+                                         to_string(v.device) + "; this target's tensors are on " + to_string(device_) +
+                                         " and it loads views on the host" +
                                          (device_.is_cpu() ? std::string() : " or on " + to_string(device_)) +
                                          "; nothing of the batch was written");
     if (v.data == nullptr && e.nbytes != 0)
-      throw_error(errc::invalid_argument, std::string(who) + ": load_weights got tensor '" + e.spec.name +
-                                              "' without data");
+      throw_error(errc::invalid_argument,
+                  std::string(who) + ": load_weights got tensor '" + e.spec.name + "' without data");
     at[i] = it->second;
   }
   std::vector<std::byte*> into(weights.size());
@@ -459,9 +463,10 @@ void tensor_map_target::load_weights(std::span<const tensor_view> weights) {
 fingerprint_list tensor_map_target::fingerprint(const std::vector<std::string>& names) {
   auto r = try_read();  // never waits (see the threading contract)
   if (!r)
-    throw_error(errc::invalid_state, std::string(who) + ": the weights are being updated (an update has been "
-                                                        "writing them since its first byte); fingerprint them "
-                                                        "after it finishes");
+    throw_error(errc::invalid_state, std::string(who) +
+                                         ": the weights are being updated (an update has been "
+                                         "writing them since its first byte); fingerprint them "
+                                         "after it finishes");
   if (device_.is_cpu()) {
     std::vector<tensor_view> views;
     views.reserve(r->size());

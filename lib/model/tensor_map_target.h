@@ -163,8 +163,8 @@
 #include <refit/engine.h>
 #include <refit/integrity/fingerprint.h>
 #include <refit/metadata.h>
-#include <refit/tensor.h>
 #include <refit/model/tensor_memory.h>
+#include <refit/tensor.h>
 
 namespace refit {
 
@@ -233,8 +233,15 @@ class tensor_map_target final : public model_target {
       using reference = tensor_view;
       iterator() = default;
       tensor_view operator*() const { return (*r_)[i_]; }
-      iterator& operator++() { ++i_; return *this; }
-      iterator operator++(int) { auto t = *this; ++i_; return t; }
+      iterator& operator++() {
+        ++i_;
+        return *this;
+      }
+      iterator operator++(int) {
+        auto t = *this;
+        ++i_;
+        return t;
+      }
       friend bool operator==(const iterator& a, const iterator& b) noexcept { return a.i_ == b.i_; }
 
      private:

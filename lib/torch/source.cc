@@ -13,8 +13,8 @@ torch_source::torch_source(std::vector<named_tensor> tensors, bool contiguous_co
       (void)dtype_of(t.second.scalar_type(), t.first);
       (void)from_torch_device(t.second.device(), t.first);
       const auto sizes = t.second.sizes();
-      metadata_.tensors.push_back({t.first, *to_dtype(t.second.scalar_type()),
-                                   std::vector<std::int64_t>(sizes.begin(), sizes.end())});
+      metadata_.tensors.push_back(
+          {t.first, *to_dtype(t.second.scalar_type()), std::vector<std::int64_t>(sizes.begin(), sizes.end())});
     } else {
       metadata_.tensors.push_back(to_view(t.second, t.first).spec());
     }

@@ -41,9 +41,8 @@ concept pair_item = requires(const E& e) {  // std::pair, std::tuple
 /// A range whose elements are (name, at::Tensor): pairs or tuples of a string-like
 /// and a tensor, or torch::OrderedDict items (module.named_parameters()).
 template <class R>
-concept named_tensor_range =
-    std::ranges::input_range<R> && (detail::keyed_item<std::ranges::range_value_t<R>> ||
-                                    detail::pair_item<std::ranges::range_value_t<R>>);
+concept named_tensor_range = std::ranges::input_range<R> &&
+    (detail::keyed_item<std::ranges::range_value_t<R>> || detail::pair_item<std::ranges::range_value_t<R>>);
 
 /// Collects a named_tensor_range into owned (name, tensor) pairs; the tensors share
 /// storage with the originals.
@@ -76,8 +75,8 @@ class torch_source final : public tensor_source {
                         bool contiguous_copies = false);
   /// Any range of (name, tensor): a map, a vector of pairs, module.named_parameters().
   template <named_tensor_range R>
-    requires(!std::same_as<std::remove_cvref_t<R>, std::vector<named_tensor>>)
-  explicit torch_source(R&& range, bool contiguous_copies = false)
+  requires(!std::same_as<std::remove_cvref_t<R>, std::vector<named_tensor>>) explicit torch_source(
+      R&& range, bool contiguous_copies = false)
       : torch_source(collect_named(std::forward<R>(range)), contiguous_copies) {}
 
   /// What the trainer declares for the update (send_weights' `declared`).

@@ -43,17 +43,23 @@ bool is_floating(dtype t) noexcept {
     case dtype::float32:
     case dtype::float64:
     case dtype::float8_e4m3fn:
-    case dtype::float8_e5m2: return true;
-    default: return false;
+    case dtype::float8_e5m2:
+      return true;
+    default:
+      return false;
   }
 }
 
 const char* style_name(parallel_style s) {
   switch (s) {
-    case parallel_style::column: return "column";
-    case parallel_style::row: return "row";
-    case parallel_style::vocab: return "vocab";
-    default: return "replicated";
+    case parallel_style::column:
+      return "column";
+    case parallel_style::row:
+      return "row";
+    case parallel_style::vocab:
+      return "vocab";
+    default:
+      return "replicated";
   }
 }
 
@@ -106,13 +112,13 @@ struct module_target::compiled {
 
 // Where one announced tensor goes.
 struct placement {
-  tensor_spec spec;             // as announced
+  tensor_spec spec;  // as announced
   bool ignored = false;
-  std::size_t target = 0;       // tensors_ index
-  int shard_dim = -1;           // dim of the incoming tensor holding this rank's slice
+  std::size_t target = 0;  // tensors_ index
+  int shard_dim = -1;      // dim of the incoming tensor holding this rank's slice
   std::int64_t shard_start = 0, shard_length = 0;
-  bool fused = false;           // a component: [offset, offset + length) of dim 0
-  bool padded = false;          // vocab-parallel: the slice fills the first shard_length rows
+  bool fused = false;   // a component: [offset, offset + length) of dim 0
+  bool padded = false;  // vocab-parallel: the slice fills the first shard_length rows
   std::int64_t offset = 0, length = 0;
 };
 
@@ -125,10 +131,11 @@ module_target::module_target(std::vector<named_tensor> tensors, target_options o
   const auto& o = options_;
   rules_->options = &options_;
   if (o.tp_size < 1 || o.tp_rank < 0 || o.tp_rank >= o.tp_size)
-    throw_error(errc::invalid_argument, "module_target: tp_rank " + std::to_string(o.tp_rank) + " is not in [0, tp_size " +
-                                            std::to_string(o.tp_size) + ")");
+    throw_error(errc::invalid_argument, "module_target: tp_rank " + std::to_string(o.tp_rank) +
+                                            " is not in [0, tp_size " + std::to_string(o.tp_size) + ")");
   if (o.vocab_padding < 1)
-    throw_error(errc::invalid_argument, "module_target: vocab_padding must be positive, got " + std::to_string(o.vocab_padding));
+    throw_error(errc::invalid_argument,
+                "module_target: vocab_padding must be positive, got " + std::to_string(o.vocab_padding));
   for (const auto& r : o.renames) {
     if (r.type == rename_rule::kind::regex)
       rules_->renames.emplace_back(compile(r.from, "rename pattern"));
@@ -148,11 +155,13 @@ module_target::module_target(std::vector<named_tensor> tensors, target_options o
                                               std::to_string(f.components.size()) + " components but " +
                                               std::to_string(f.sizes.size()) + " sizes");
     if (std::any_of(f.sizes.begin(), f.sizes.end(), [](std::int64_t s) { return s < 0; }))
-      throw_error(errc::invalid_argument, "module_target: fused parameter " + in_quotes(f.fused) + " has a negative size");
+      throw_error(errc::invalid_argument,
+                  "module_target: fused parameter " + in_quotes(f.fused) + " has a negative size");
   }
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const auto& [name, t] = tensors_[i];
-    if (!t.defined()) throw_error(errc::invalid_argument, "module_target: model tensor " + in_quotes(name) + " is undefined");
+    if (!t.defined())
+      throw_error(errc::invalid_argument, "module_target: model tensor " + in_quotes(name) + " is undefined");
     if (t.layout() != c10::Layout::Strided)
       throw_error(errc::unsupported, "module_target: model tensor " + in_quotes(name) + " is not dense (strided)");
     (void)from_torch_device(t.device(), name);
@@ -195,7 +204,8 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
     }
     const std::string& name = *resolved.name;
     const auto it = rules_->index.find(name);
-    const std::string what = "update tensor " + in_quotes(spec.name) + (name == spec.name ? "" : " (model name " + in_quotes(name) + ")");
+    const std::string what =
+        "update tensor " + in_quotes(spec.name) + (name == spec.name ? "" : " (model name " + in_quotes(name) + ")");
     if (it == rules_->index.end())
       throw_error(errc::invalid_argument, "module_target: " + what + " is not a tensor of the model");
     pl.target = it->second;
@@ -208,7 +218,8 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
     const auto model_dtype = to_dtype(t.scalar_type());
     if (!model_dtype)
       throw_error(errc::invalid_argument, "module_target: " + into + " has torch dtype " +
-                                              std::string(c10::toString(t.scalar_type())) + ", which refit does not move");
+                                              std::string(c10::toString(t.scalar_type())) +
+                                              ", which refit does not move");
     if (!to_scalar_type(spec.dtype))
       throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(spec.dtype)) +
                                               ", which libtorch " + std::string(libtorch_version()) +
@@ -228,11 +239,13 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
     // for a fused component, a dim-0 range of it).
     const auto model_shape = span_of(t.sizes());
     const auto& shape = spec.shape;
-    const std::string shapes = what + " " + shape_to_string(shape) + " and " + into + " " + shape_to_string(model_shape);
+    const std::string shapes =
+        what + " " + shape_to_string(shape) + " and " + into + " " + shape_to_string(model_shape);
     if (shape.size() != model_shape.size())
       throw_error(errc::invalid_argument, "module_target: " + shapes + " differ in rank");
     if (fp && shape.empty())
-      throw_error(errc::invalid_argument, "module_target: " + what + " is a scalar; fused components stack along dim 0");
+      throw_error(errc::invalid_argument,
+                  "module_target: " + what + " is a scalar; fused components stack along dim 0");
     const parallel_style style = rules_->style(name);
     std::vector<std::int64_t> slice(shape.begin(), shape.end());  // this rank's part
     if (style == parallel_style::vocab && o.tp_size > 1 && !shape.empty()) {
@@ -265,13 +278,14 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
         slice[dim] = pl.shard_length;
       }
     }
-    const std::string sliced = pl.shard_dim >= 0 ? " (rank " + std::to_string(o.tp_rank) + " of " + std::to_string(o.tp_size) +
-                                                       " holds " + shape_to_string(slice) + ")"
-                                                 : "";
+    const std::string sliced = pl.shard_dim >= 0
+                                   ? " (rank " + std::to_string(o.tp_rank) + " of " + std::to_string(o.tp_size) +
+                                         " holds " + shape_to_string(slice) + ")"
+                                   : "";
     for (std::size_t d = fp ? 1 : 0; d < slice.size(); ++d)
       if (slice[d] != model_shape[d])
-        throw_error(errc::invalid_argument, "module_target: shapes of " + shapes + sliced + " do not match" +
-                                                (fp ? " (beyond dim 0)" : ""));
+        throw_error(errc::invalid_argument,
+                    "module_target: shapes of " + shapes + sliced + " do not match" + (fp ? " (beyond dim 0)" : ""));
 
     if (fp) {
       pl.fused = true;
@@ -314,15 +328,15 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
       if (use.parts[c]) {
         lengths[c] = use.parts[c]->second;
         if (declared >= 0 && declared != lengths[c])
-          throw_error(errc::invalid_argument, "module_target: update tensor " + in_quotes(use.parts[c]->first) + " gives " +
-                                                  std::to_string(lengths[c]) + " rows of component " +
-                                                  in_quotes(f.components[c]) + " of " + into + ", its declared size makes " +
-                                                  std::to_string(declared));
+          throw_error(errc::invalid_argument, "module_target: update tensor " + in_quotes(use.parts[c]->first) +
+                                                  " gives " + std::to_string(lengths[c]) + " rows of component " +
+                                                  in_quotes(f.components[c]) + " of " + into +
+                                                  ", its declared size makes " + std::to_string(declared));
         continue;
       }
       if (o.require_complete)
-        throw_error(errc::invalid_argument, "module_target: the update misses component " + in_quotes(f.components[c]) +
-                                                " of fused " + into);
+        throw_error(errc::invalid_argument,
+                    "module_target: the update misses component " + in_quotes(f.components[c]) + " of fused " + into);
       if (declared < 0)
         throw_error(errc::invalid_argument, "module_target: the update carries only some components of fused " + into +
                                                 " (not " + in_quotes(f.components[c]) +
@@ -338,9 +352,9 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
       std::string parts;
       for (std::size_t c = 0; c < f.components.size(); ++c)
         parts += (c ? " + " : "") + std::to_string(lengths[c]) + " (" + f.components[c] + ")";
-      throw_error(errc::invalid_argument, "module_target: the components of fused " + into + " stack to " + parts + " = " +
-                                              std::to_string(offset) + " rows on this rank, the model tensor has " +
-                                              std::to_string(t.size(0)));
+      throw_error(errc::invalid_argument, "module_target: the components of fused " + into + " stack to " + parts +
+                                              " = " + std::to_string(offset) +
+                                              " rows on this rank, the model tensor has " + std::to_string(t.size(0)));
     }
   }
 
@@ -354,10 +368,11 @@ std::shared_ptr<const module_target::plan> module_target::make_plan(const update
       std::size_t more = 0;
       for (std::size_t j = i + 1; j < tensors_.size(); ++j)
         if (covered[j].empty() && !fused_uses.contains(j)) ++more;
-      throw_error(errc::invalid_argument, "module_target: the update misses model tensor " + in_quotes(name) +
-                                              (more ? " (and up to " + std::to_string(more) + " more)" : std::string()) +
-                                              "; a complete update covers every model tensor (see "
-                                              "target_options::require_complete and ::optional)");
+      throw_error(errc::invalid_argument,
+                  "module_target: the update misses model tensor " + in_quotes(name) +
+                      (more ? " (and up to " + std::to_string(more) + " more)" : std::string()) +
+                      "; a complete update covers every model tensor (see "
+                      "target_options::require_complete and ::optional)");
     }
   }
   return p;
@@ -378,16 +393,17 @@ void module_target::load_weights(std::span<const tensor_view> weights) {
     p = current_;
   }
   if (!p)
-    throw_error(errc::invalid_state, "module_target: load_weights before begin_update; announce the update's "
-                                     "metadata first (an engine does when the target is its context's model)");
+    throw_error(errc::invalid_state,
+                "module_target: load_weights before begin_update; announce the update's "
+                "metadata first (an engine does when the target is its context's model)");
   // Everything of the batch is checked before any of it is written.
   std::vector<const placement*> places;
   places.reserve(weights.size());
   for (const auto& v : weights) {
     const auto it = p->by_name.find(v.name);
     if (it == p->by_name.end())
-      throw_error(errc::invalid_state, "module_target: tensor " + in_quotes(v.name) +
-                                           " was not in the update announced to begin_update");
+      throw_error(errc::invalid_state,
+                  "module_target: tensor " + in_quotes(v.name) + " was not in the update announced to begin_update");
     const auto& spec = it->second.spec;
     if (v.dtype != spec.dtype || !std::ranges::equal(v.shape, spec.shape))
       throw_error(errc::invalid_argument, "module_target: tensor " + in_quotes(v.name) + " arrived as " +

@@ -108,8 +108,7 @@ class module_target final : public model_target {
   /// (tp_rank out of range, a regex that does not compile, ...).
   explicit module_target(std::vector<named_tensor> tensors, target_options options = {});
   /// Targets a module's parameters and buffers (see named_tensors).
-  explicit module_target(torch::nn::Module& module, target_options options = {},
-                         const module_tensors& which = {});
+  explicit module_target(torch::nn::Module& module, target_options options = {}, const module_tensors& which = {});
   ~module_target() override;
 
   /// Checks the whole update against the model and makes it the update

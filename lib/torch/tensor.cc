@@ -21,42 +21,68 @@ std::string_view libtorch_version() noexcept { return TORCH_VERSION; }
 
 std::optional<dtype> to_dtype(c10::ScalarType type) noexcept {
   switch (type) {
-    case c10::ScalarType::Bool: return dtype::bool_;
-    case c10::ScalarType::Byte: return dtype::uint8;
-    case c10::ScalarType::Char: return dtype::int8;
-    case c10::ScalarType::Short: return dtype::int16;
-    case c10::ScalarType::Int: return dtype::int32;
-    case c10::ScalarType::Long: return dtype::int64;
-    case c10::ScalarType::Half: return dtype::float16;
-    case c10::ScalarType::BFloat16: return dtype::bfloat16;
-    case c10::ScalarType::Float: return dtype::float32;
-    case c10::ScalarType::Double: return dtype::float64;
+    case c10::ScalarType::Bool:
+      return dtype::bool_;
+    case c10::ScalarType::Byte:
+      return dtype::uint8;
+    case c10::ScalarType::Char:
+      return dtype::int8;
+    case c10::ScalarType::Short:
+      return dtype::int16;
+    case c10::ScalarType::Int:
+      return dtype::int32;
+    case c10::ScalarType::Long:
+      return dtype::int64;
+    case c10::ScalarType::Half:
+      return dtype::float16;
+    case c10::ScalarType::BFloat16:
+      return dtype::bfloat16;
+    case c10::ScalarType::Float:
+      return dtype::float32;
+    case c10::ScalarType::Double:
+      return dtype::float64;
 #if REFIT_LIBTORCH_HAS_FP8
-    case c10::ScalarType::Float8_e4m3fn: return dtype::float8_e4m3fn;
-    case c10::ScalarType::Float8_e5m2: return dtype::float8_e5m2;
+    case c10::ScalarType::Float8_e4m3fn:
+      return dtype::float8_e4m3fn;
+    case c10::ScalarType::Float8_e5m2:
+      return dtype::float8_e5m2;
 #endif
-    default: return std::nullopt;
+    default:
+      return std::nullopt;
   }
 }
 
 std::optional<c10::ScalarType> to_scalar_type(dtype type) noexcept {
   switch (type) {
-    case dtype::bool_: return c10::ScalarType::Bool;
-    case dtype::uint8: return c10::ScalarType::Byte;
-    case dtype::int8: return c10::ScalarType::Char;
-    case dtype::int16: return c10::ScalarType::Short;
-    case dtype::int32: return c10::ScalarType::Int;
-    case dtype::int64: return c10::ScalarType::Long;
-    case dtype::float16: return c10::ScalarType::Half;
-    case dtype::bfloat16: return c10::ScalarType::BFloat16;
-    case dtype::float32: return c10::ScalarType::Float;
-    case dtype::float64: return c10::ScalarType::Double;
+    case dtype::bool_:
+      return c10::ScalarType::Bool;
+    case dtype::uint8:
+      return c10::ScalarType::Byte;
+    case dtype::int8:
+      return c10::ScalarType::Char;
+    case dtype::int16:
+      return c10::ScalarType::Short;
+    case dtype::int32:
+      return c10::ScalarType::Int;
+    case dtype::int64:
+      return c10::ScalarType::Long;
+    case dtype::float16:
+      return c10::ScalarType::Half;
+    case dtype::bfloat16:
+      return c10::ScalarType::BFloat16;
+    case dtype::float32:
+      return c10::ScalarType::Float;
+    case dtype::float64:
+      return c10::ScalarType::Double;
 #if REFIT_LIBTORCH_HAS_FP8
-    case dtype::float8_e4m3fn: return c10::ScalarType::Float8_e4m3fn;
-    case dtype::float8_e5m2: return c10::ScalarType::Float8_e5m2;
+    case dtype::float8_e4m3fn:
+      return c10::ScalarType::Float8_e4m3fn;
+    case dtype::float8_e5m2:
+      return c10::ScalarType::Float8_e5m2;
 #else
     case dtype::float8_e4m3fn:
-    case dtype::float8_e5m2: return std::nullopt;
+    case dtype::float8_e5m2:
+      return std::nullopt;
 #endif
   }
   return std::nullopt;
@@ -91,8 +117,9 @@ device from_torch_device(const c10::Device& d, std::string_view what) {
 tensor_view to_view(const at::Tensor& t, std::string_view name) {
   if (!t.defined()) throw_error(errc::invalid_argument, named(name) + " is an undefined tensor");
   if (t.layout() != c10::Layout::Strided)
-    throw_error(errc::unsupported, named(name) + " has a non-strided layout (sparse or other); refit moves "
-                                                 "dense tensors");
+    throw_error(errc::unsupported, named(name) +
+                                       " has a non-strided layout (sparse or other); refit moves "
+                                       "dense tensors");
   const dtype type = dtype_of(t.scalar_type(), name);
   const device dev = from_torch_device(t.device(), name);
   if (!t.is_contiguous())

@@ -151,8 +151,8 @@ json to_json(nb::handle o) {
     json out = json::object();
     for (auto [k, v] : nb::borrow<nb::dict>(o)) {
       if (!PyUnicode_Check(k.ptr()))
-        throw_error(errc::invalid_argument, "JSON objects need string keys, got " +
-                                                nb::cast<std::string>(nb::str(nb::handle(k.type()))));
+        throw_error(errc::invalid_argument,
+                    "JSON objects need string keys, got " + nb::cast<std::string>(nb::str(nb::handle(k.type()))));
       out[nb::cast<std::string>(k)] = to_json(v);
     }
     return out;
@@ -163,7 +163,8 @@ json to_json(nb::handle o) {
     return out;
   }
   // Dataclasses and other mappings: their dict form.
-  if (nb::hasattr(o, "keys") && nb::hasattr(o, "__getitem__")) return to_json(nb::steal(PyDict_New()).attr("__class__")(nb::borrow(o)));
+  if (nb::hasattr(o, "keys") && nb::hasattr(o, "__getitem__"))
+    return to_json(nb::steal(PyDict_New()).attr("__class__")(nb::borrow(o)));
   throw_error(errc::invalid_argument,
               "cannot send a " + nb::cast<std::string>(nb::str(nb::handle(o.type()))) + " as JSON");
 }
@@ -205,8 +206,7 @@ void block_on<void>(asio::awaitable<void> op, python_error_slot* slot) {
   std::promise<void> promise;
   auto done = promise.get_future();
   std::exception_ptr error;
-  asio::co_spawn(rt.executor(), std::move(op),
-                 asio::bind_cancellation_slot(cancel->slot(), [&](std::exception_ptr e) {
+  asio::co_spawn(rt.executor(), std::move(op), asio::bind_cancellation_slot(cancel->slot(), [&](std::exception_ptr e) {
                    error = e;
                    promise.set_value();
                  }));

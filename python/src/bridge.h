@@ -164,15 +164,14 @@ pending_call start(asio::awaitable<T> op, std::function<nb::object(T&)> convert,
   auto cancel = std::make_shared<asio::cancellation_signal>();
   shared_object callback(std::move(done));
   asio::co_spawn(runtime::get().executor(), std::move(op),
-                 asio::bind_cancellation_slot(cancel->slot(), [callback, convert, slot, cancel](
-                                                                  std::exception_ptr e, T v) mutable {
-                   deliver(callback, e, slot.get(), [&] { return convert(v); });
-                 }));
+                 asio::bind_cancellation_slot(cancel->slot(),
+                                              [callback, convert, slot, cancel](std::exception_ptr e, T v) mutable {
+                                                deliver(callback, e, slot.get(), [&] { return convert(v); });
+                                              }));
   return pending_call(std::move(cancel));
 }
 
 /// The void form: done(None, exception).
-pending_call start_void(asio::awaitable<void> op, nb::object done,
-                        std::shared_ptr<python_error_slot> slot = {});
+pending_call start_void(asio::awaitable<void> op, nb::object done, std::shared_ptr<python_error_slot> slot = {});
 
 }  // namespace refit::py

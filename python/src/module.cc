@@ -15,15 +15,15 @@
 #include <nanobind/stl/vector.h>
 
 #include <refit/backend/infos.h>
-#include <refit/integrity/auth.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/engine.h>
 #include <refit/error.h>
 #include <refit/factory.h>
+#include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
-#include <refit/session.h>
 #include <refit/model/tensor_map_target.h>
+#include <refit/session.h>
 #include <refit/trainer.h>
 
 #ifdef REFIT_PY_CUDA
@@ -46,8 +46,9 @@ weight_transfer_config make_config(const std::string& backend, std::int64_t time
                                    std::size_t socket_buffer_bytes, std::uint64_t max_stage_bytes = 0) {
   weight_transfer_config config;
   config.backend = backend;
-  if (timeout_ms <= 0) throw_error(errc::invalid_argument, "timeout_ms: expected a positive number of milliseconds, got " +
-                                                               std::to_string(timeout_ms));
+  if (timeout_ms <= 0)
+    throw_error(errc::invalid_argument,
+                "timeout_ms: expected a positive number of milliseconds, got " + std::to_string(timeout_ms));
   config.timeout = std::chrono::milliseconds(timeout_ms);
   if (commit == "in_place")
     config.commit = commit_mode::in_place;
@@ -73,7 +74,8 @@ update_metadata read_metadata(nb::handle meta, const std::string& what) {
 
 nb::dict fingerprints_to_python(const fingerprint_list& list) {
   nb::dict out;
-  for (const auto& [name, value] : list) out[nb::str(name.c_str(), name.size())] = nb::steal(PyLong_FromUnsignedLongLong(value));
+  for (const auto& [name, value] : list)
+    out[nb::str(name.c_str(), name.size())] = nb::steal(PyLong_FromUnsignedLongLong(value));
   return out;
 }
 
@@ -125,8 +127,8 @@ struct held_target {
     std::optional<refit::device> where;
     for (const auto& v : out->held.views()) {
       if (where && *where != v.device)
-        throw_error(errc::invalid_argument, what + ": tensor '" + std::string(v.name) + "' is on " + to_string(v.device) +
-                                                " and an earlier one on " + to_string(*where) +
+        throw_error(errc::invalid_argument, what + ": tensor '" + std::string(v.name) + "' is on " +
+                                                to_string(v.device) + " and an earlier one on " + to_string(*where) +
                                                 "; give one engine's tensors on one device");
       where = v.device;
     }
@@ -148,7 +150,6 @@ struct held_target {
   }
 };
 
-
 /// The model_target of an Engine given check_update=: its begin_update calls the
 /// Python check with the update's {"names", "dtype_names", "shapes"} before any
 /// byte of it moves, so a refusal reaches the trainer at once (the engine base
@@ -158,8 +159,9 @@ class checked_target final : public model_target {
  public:
   checked_target(nb::object check, model_target* inner) : check_(std::move(check)), inner_(inner) {
     if (!PyCallable_Check(check_.get().ptr()))
-      throw_error(errc::invalid_argument, "check_update: expected a callable, got a " +
-                                              nb::cast<std::string>(nb::str(nb::handle(check_.get().type()).attr("__name__"))));
+      throw_error(errc::invalid_argument,
+                  "check_update: expected a callable, got a " +
+                      nb::cast<std::string>(nb::str(nb::handle(check_.get().type()).attr("__name__"))));
   }
 
   void begin_update(const update_metadata& meta) override {
@@ -217,8 +219,8 @@ class py_engine {
             std::size_t socket_buffer_bytes, int tp_rank, int tp_size, int dp_rank, int dp_size, nb::handle tensors,
             const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update)
       : fw_(parse_framework(fw)) {
-    auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes,
-                              max_stage_bytes);
+    auto config =
+        make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes, max_stage_bytes);
     engine_context ctx;
     ctx.executor = runtime::get().executor();
     ctx.device = parse_device(device);
@@ -280,8 +282,9 @@ class py_engine {
     slot_->take();  // a new update: an exception kept from an older one is stale
     if (!load_weights.is_none()) return python_loader(std::move(load_weights), fw_, slot_);
     if (!held_)
-      throw_error(errc::invalid_argument, "receive: give load_weights, or create the Engine with tensors= to "
-                                          "receive into");
+      throw_error(errc::invalid_argument,
+                  "receive: give load_weights, or create the Engine with tensors= to "
+                  "receive into");
     return held_->target->as_load_weights();
   }
 
@@ -432,8 +435,10 @@ class py_sender {
 
 // The tensors of one send and what the trainer declares for them (their own
 // metadata unless `metadata` is given; shared with the sender's cache, not copied).
-std::pair<std::shared_ptr<held_tensors>, std::shared_ptr<const update_metadata>> hold_for_send(
-    nb::handle tensors, nb::handle metadata, const std::string& what, tensor_cache* cache) {
+std::pair<std::shared_ptr<held_tensors>, std::shared_ptr<const update_metadata>> hold_for_send(nb::handle tensors,
+                                                                                               nb::handle metadata,
+                                                                                               const std::string& what,
+                                                                                               tensor_cache* cache) {
   auto held = std::make_shared<held_tensors>(held_tensors::from_python(tensors, what, cache));
   auto declared = metadata.is_none()
                       ? held->shared_metadata()
@@ -492,7 +497,8 @@ class py_worker_group {
   }
 
   asio::awaitable<void> connect() { co_await group_->connect(); }
-  static asio::awaitable<json> init(worker_group* group, weight_sender* sender, json args, control::init_options options) {
+  static asio::awaitable<json> init(worker_group* group, weight_sender* sender, json args,
+                                    control::init_options options) {
     co_return co_await group->init(*sender, std::move(args), options);
   }
   static asio::awaitable<json> update(worker_group* group, weight_sender* sender, std::shared_ptr<held_tensors> held,
@@ -539,8 +545,8 @@ control::init_options make_init_options(const std::string& ranks) {
   return o;
 }
 
-control::update_options make_update_options(bool verify, const std::optional<std::string>& commit, nb::handle update_info,
-                                            nb::handle expected) {
+control::update_options make_update_options(bool verify, const std::optional<std::string>& commit,
+                                            nb::handle update_info, nb::handle expected) {
   control::update_options o;
   o.verify = verify;
   if (commit) {
@@ -560,10 +566,11 @@ control::update_options make_update_options(bool verify, const std::optional<std
 
 class py_worker_host {
  public:
-  py_worker_host(const std::string& backend, const std::string& host, int port, nb::handle tensors, nb::object load_weights,
-                 std::int64_t timeout_ms, const std::string& commit, const std::optional<std::string>& secret_file,
-                 std::size_t processing_threads, const std::string& fw, nb::object on_started, nb::object on_finished,
-                 nb::object on_failed, std::optional<std::int64_t> session_timeout_ms, std::uint64_t max_stage_bytes) {
+  py_worker_host(const std::string& backend, const std::string& host, int port, nb::handle tensors,
+                 nb::object load_weights, std::int64_t timeout_ms, const std::string& commit,
+                 const std::optional<std::string>& secret_file, std::size_t processing_threads, const std::string& fw,
+                 nb::object on_started, nb::object on_finished, nb::object on_failed,
+                 std::optional<std::int64_t> session_timeout_ms, std::uint64_t max_stage_bytes) {
     if (port < 0 || port > 65535) throw_error(errc::invalid_argument, "port: expected 0..65535");
     auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, 0, max_stage_bytes);
     control::host_limits limits;
@@ -710,8 +717,8 @@ NB_MODULE(_refit, m) {
     return out;
   });
   m.def("_shutdown", [] { runtime::get().stop(); });
-  m.def("backends", [] { return engine_factory::instance().available(); },
-        "Registered backend names, sorted.");
+  m.def(
+      "backends", [] { return engine_factory::instance().available(); }, "Registered backend names, sorted.");
   m.def(
       "register_plugin",
       [](const std::string& name, const std::string& library, const std::string& symbol) {
@@ -758,39 +765,59 @@ NB_MODULE(_refit, m) {
       .def("state", &py_engine::state)
       .def("fingerprint", &py_engine::fingerprint)
       .def("shutdown", &py_engine::shutdown)
-      .def("start_weight_update", [](py_engine& e) { on_loop([&] { e.start(); return 0; }); })
+      .def("start_weight_update",
+           [](py_engine& e) {
+             on_loop([&] {
+               e.start();
+               return 0;
+             });
+           })
       .def("init", [](py_engine& e, nb::handle info) { block_on(e.init(to_json(info))); })
-      .def("_start_init", [](py_engine& e, nb::handle info, nb::object done) {
-        return start_void(e.init(to_json(info)), std::move(done));
-      })
-      .def("receive", [](py_engine& e, nb::handle info, nb::object load_weights) {
-        bool into = load_weights.is_none();
-        auto fn = e.loader(std::move(load_weights));
-        block_on(e.receive(to_json(info), std::move(fn), into), e.slot().get());
-      }, nb::arg("update_info"), nb::arg("load_weights").none())
-      .def("_start_receive", [](py_engine& e, nb::handle info, nb::object load_weights, nb::object done) {
-        bool into = load_weights.is_none();
-        auto fn = e.loader(std::move(load_weights));
-        return start_void(e.receive(to_json(info), std::move(fn), into), std::move(done), e.slot());
-      }, nb::arg("update_info"), nb::arg("load_weights").none(), nb::arg("done"))
+      .def("_start_init", [](py_engine& e, nb::handle info,
+                             nb::object done) { return start_void(e.init(to_json(info)), std::move(done)); })
+      .def(
+          "receive",
+          [](py_engine& e, nb::handle info, nb::object load_weights) {
+            bool into = load_weights.is_none();
+            auto fn = e.loader(std::move(load_weights));
+            block_on(e.receive(to_json(info), std::move(fn), into), e.slot().get());
+          },
+          nb::arg("update_info"), nb::arg("load_weights").none())
+      .def(
+          "_start_receive",
+          [](py_engine& e, nb::handle info, nb::object load_weights, nb::object done) {
+            bool into = load_weights.is_none();
+            auto fn = e.loader(std::move(load_weights));
+            return start_void(e.receive(to_json(info), std::move(fn), into), std::move(done), e.slot());
+          },
+          nb::arg("update_info"), nb::arg("load_weights").none(), nb::arg("done"))
       .def("drain", [](py_engine& e) { block_on(e.drain(), e.slot().get()); })
-      .def("_start_drain", [](py_engine& e, nb::object done) {
-        return start_void(e.drain(), std::move(done), e.slot());
-      })
-      .def("update_weights", [](py_engine& e, nb::handle info, nb::object load_weights) {
-        auto fn = e.loader(std::move(load_weights));
-        block_on(e.update_weights(to_json(info), std::move(fn)), e.slot().get());
-      }, nb::arg("update_info"), nb::arg("load_weights").none())
-      .def("_start_update_weights", [](py_engine& e, nb::handle info, nb::object load_weights, nb::object done) {
-        auto fn = e.loader(std::move(load_weights));
-        return start_void(e.update_weights(to_json(info), std::move(fn)), std::move(done), e.slot());
-      }, nb::arg("update_info"), nb::arg("load_weights").none(), nb::arg("done"))
-      .def("finish_weight_update", [](py_engine& e, std::optional<std::int64_t> v) {
-        block_on(e.finish(v), e.slot().get());
-      }, nb::arg("version").none())
-      .def("_start_finish_weight_update", [](py_engine& e, std::optional<std::int64_t> v, nb::object done) {
-        return start_void(e.finish(v), std::move(done), e.slot());
-      }, nb::arg("version").none(), nb::arg("done"))
+      .def("_start_drain",
+           [](py_engine& e, nb::object done) { return start_void(e.drain(), std::move(done), e.slot()); })
+      .def(
+          "update_weights",
+          [](py_engine& e, nb::handle info, nb::object load_weights) {
+            auto fn = e.loader(std::move(load_weights));
+            block_on(e.update_weights(to_json(info), std::move(fn)), e.slot().get());
+          },
+          nb::arg("update_info"), nb::arg("load_weights").none())
+      .def(
+          "_start_update_weights",
+          [](py_engine& e, nb::handle info, nb::object load_weights, nb::object done) {
+            auto fn = e.loader(std::move(load_weights));
+            return start_void(e.update_weights(to_json(info), std::move(fn)), std::move(done), e.slot());
+          },
+          nb::arg("update_info"), nb::arg("load_weights").none(), nb::arg("done"))
+      .def(
+          "finish_weight_update",
+          [](py_engine& e, std::optional<std::int64_t> v) { block_on(e.finish(v), e.slot().get()); },
+          nb::arg("version").none())
+      .def(
+          "_start_finish_weight_update",
+          [](py_engine& e, std::optional<std::int64_t> v, nb::object done) {
+            return start_void(e.finish(v), std::move(done), e.slot());
+          },
+          nb::arg("version").none(), nb::arg("done"))
       .def("abort_weight_update", [](py_engine& e, const std::string& why) { block_on(e.abort(why)); })
       .def("_start_abort_weight_update", [](py_engine& e, const std::string& why, nb::object done) {
         return start_void(e.abort(why), std::move(done));
@@ -804,17 +831,22 @@ NB_MODULE(_refit, m) {
       .def_prop_ro("backend", &py_sender::backend)
       .def("prepare", &py_sender::prepare, nb::arg("trainer_args").none())
       .def("connect_workers", [](py_sender& s) { block_on(s.connect_workers()); })
-      .def("_start_connect_workers", [](py_sender& s, nb::object done) {
-        return start_void(s.connect_workers(), std::move(done));
-      })
-      .def("send_weights", [](py_sender& s, nb::handle tensors, nb::handle metadata) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
-        block_on(py_sender::send(&s.sender(), std::move(held), std::move(declared)));
-      }, nb::arg("tensors"), nb::arg("metadata").none())
-      .def("_start_send_weights", [](py_sender& s, nb::handle tensors, nb::handle metadata, nb::object done) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
-        return start_void(py_sender::send(&s.sender(), std::move(held), std::move(declared)), std::move(done));
-      }, nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("done"))
+      .def("_start_connect_workers",
+           [](py_sender& s, nb::object done) { return start_void(s.connect_workers(), std::move(done)); })
+      .def(
+          "send_weights",
+          [](py_sender& s, nb::handle tensors, nb::handle metadata) {
+            auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
+            block_on(py_sender::send(&s.sender(), std::move(held), std::move(declared)));
+          },
+          nb::arg("tensors"), nb::arg("metadata").none())
+      .def(
+          "_start_send_weights",
+          [](py_sender& s, nb::handle tensors, nb::handle metadata, nb::object done) {
+            auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
+            return start_void(py_sender::send(&s.sender(), std::move(held), std::move(declared)), std::move(done));
+          },
+          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("done"))
       .def("last_send_stats", &py_sender::last_send_stats)
       .def("shutdown", &py_sender::shutdown);
 
@@ -825,59 +857,77 @@ NB_MODULE(_refit, m) {
       .def("__len__", &py_worker_group::size)
       .def("close", &py_worker_group::close)
       .def("connect", [](py_worker_group& g) { block_on(g.connect()); })
-      .def("_start_connect", [](py_worker_group& g, nb::object done) { return start_void(g.connect(), std::move(done)); })
-      .def("init", [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks) {
-        json a = to_json(args);
-        if (a.is_null()) a = json::object();
-        json out = block_on(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)));
-        return to_py(out);
-      }, nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"))
-      .def("_start_init", [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks, nb::object done) {
-        json a = to_json(args);
-        if (a.is_null()) a = json::object();
-        return start<json>(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)), to_py,
-                           std::move(done));
-      }, nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"), nb::arg("done"))
-      .def("update", [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
-                             std::optional<std::string> commit, nb::handle update_info, nb::handle expected,
-                             nb::handle metadata) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-        auto options = make_update_options(verify, commit, update_info, expected);
-        json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared), version,
-                                                    std::move(options)));
-        return to_py(out);
-      }, nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
-         nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none())
-      .def("_start_update", [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
-                                    std::optional<std::string> commit, nb::handle update_info, nb::handle expected,
-                                    nb::handle metadata, nb::object done) {
-        auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-        auto options = make_update_options(verify, commit, update_info, expected);
-        return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared), version,
-                                                   std::move(options)),
-                           to_py, std::move(done));
-      }, nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
-         nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(), nb::arg("done"))
-      .def("call_all", [to_py](py_worker_group& g, const std::string& method, nb::handle params) {
-        json p = to_json(params);
-        if (p.is_null()) p = json::object();
-        json out = block_on(py_worker_group::call_all(&g.group(), method, std::move(p)));
-        return to_py(out);
-      }, nb::arg("method"), nb::arg("params").none())
-      .def("_start_call_all", [to_py](py_worker_group& g, const std::string& method, nb::handle params, nb::object done) {
-        json p = to_json(params);
-        if (p.is_null()) p = json::object();
-        return start<json>(py_worker_group::call_all(&g.group(), method, std::move(p)), to_py, std::move(done));
-      }, nb::arg("method"), nb::arg("params").none(), nb::arg("done"))
+      .def("_start_connect",
+           [](py_worker_group& g, nb::object done) { return start_void(g.connect(), std::move(done)); })
+      .def(
+          "init",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks) {
+            json a = to_json(args);
+            if (a.is_null()) a = json::object();
+            json out = block_on(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)));
+            return to_py(out);
+          },
+          nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"))
+      .def(
+          "_start_init",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks, nb::object done) {
+            json a = to_json(args);
+            if (a.is_null()) a = json::object();
+            return start<json>(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)),
+                               to_py, std::move(done));
+          },
+          nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"), nb::arg("done"))
+      .def(
+          "update",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
+                  std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata) {
+            auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
+            auto options = make_update_options(verify, commit, update_info, expected);
+            json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
+                                                        version, std::move(options)));
+            return to_py(out);
+          },
+          nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
+          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none())
+      .def(
+          "_start_update",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
+                  std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
+                  nb::object done) {
+            auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
+            auto options = make_update_options(verify, commit, update_info, expected);
+            return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
+                                                       version, std::move(options)),
+                               to_py, std::move(done));
+          },
+          nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
+          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(), nb::arg("done"))
+      .def(
+          "call_all",
+          [to_py](py_worker_group& g, const std::string& method, nb::handle params) {
+            json p = to_json(params);
+            if (p.is_null()) p = json::object();
+            json out = block_on(py_worker_group::call_all(&g.group(), method, std::move(p)));
+            return to_py(out);
+          },
+          nb::arg("method"), nb::arg("params").none())
+      .def(
+          "_start_call_all",
+          [to_py](py_worker_group& g, const std::string& method, nb::handle params, nb::object done) {
+            json p = to_json(params);
+            if (p.is_null()) p = json::object();
+            return start<json>(py_worker_group::call_all(&g.group(), method, std::move(p)), to_py, std::move(done));
+          },
+          nb::arg("method"), nb::arg("params").none(), nb::arg("done"))
       .def("fingerprint_differences", [to_py](py_worker_group& g, nb::handle expected, std::int64_t version) {
         json out = block_on(py_worker_group::differences(&g.group(), fingerprints_from_python(expected), version));
         return to_py(out);
       });
 
   nb::class_<py_worker_host>(m, "_WorkerHost")
-      .def(nb::init<const std::string&, const std::string&, int, nb::handle, nb::object, std::int64_t, const std::string&,
-                    const std::optional<std::string>&, std::size_t, const std::string&, nb::object, nb::object,
-                    nb::object, std::optional<std::int64_t>, std::uint64_t>(),
+      .def(nb::init<const std::string&, const std::string&, int, nb::handle, nb::object, std::int64_t,
+                    const std::string&, const std::optional<std::string>&, std::size_t, const std::string&, nb::object,
+                    nb::object, nb::object, std::optional<std::int64_t>, std::uint64_t>(),
            nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("tensors").none(),
            nb::arg("load_weights").none(), nb::arg("timeout_ms"), nb::arg("commit"), nb::arg("auth_secret_file").none(),
            nb::arg("processing_threads"), nb::arg("framework"), nb::arg("on_update_started").none(),

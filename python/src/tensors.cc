@@ -11,20 +11,34 @@ namespace {
 using dl = nb::dlpack::dtype_code;
 
 nb::dlpack::dtype dl_dtype(refit::dtype t) {
-  auto make = [](dl code, int bits) { return nb::dlpack::dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1}; };
+  auto make = [](dl code, int bits) {
+    return nb::dlpack::dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
+  };
   switch (t) {
-    case dtype::bool_: return make(dl::Bool, 8);
-    case dtype::uint8: return make(dl::UInt, 8);
-    case dtype::int8: return make(dl::Int, 8);
-    case dtype::int16: return make(dl::Int, 16);
-    case dtype::int32: return make(dl::Int, 32);
-    case dtype::int64: return make(dl::Int, 64);
-    case dtype::float16: return make(dl::Float, 16);
-    case dtype::bfloat16: return make(dl::Bfloat, 16);
-    case dtype::float32: return make(dl::Float, 32);
-    case dtype::float64: return make(dl::Float, 64);
-    case dtype::float8_e4m3fn: return make(dl::Float8_E4M3FN, 8);
-    case dtype::float8_e5m2: return make(dl::Float8_E5M2, 8);
+    case dtype::bool_:
+      return make(dl::Bool, 8);
+    case dtype::uint8:
+      return make(dl::UInt, 8);
+    case dtype::int8:
+      return make(dl::Int, 8);
+    case dtype::int16:
+      return make(dl::Int, 16);
+    case dtype::int32:
+      return make(dl::Int, 32);
+    case dtype::int64:
+      return make(dl::Int, 64);
+    case dtype::float16:
+      return make(dl::Float, 16);
+    case dtype::bfloat16:
+      return make(dl::Bfloat, 16);
+    case dtype::float32:
+      return make(dl::Float, 32);
+    case dtype::float64:
+      return make(dl::Float, 64);
+    case dtype::float8_e4m3fn:
+      return make(dl::Float8_E4M3FN, 8);
+    case dtype::float8_e5m2:
+      return make(dl::Float8_E5M2, 8);
   }
   return make(dl::UInt, 8);
 }
@@ -32,8 +46,12 @@ nb::dlpack::dtype dl_dtype(refit::dtype t) {
 std::optional<refit::dtype> refit_dtype(nb::dlpack::dtype d) {
   if (d.lanes != 1) return std::nullopt;
   switch (static_cast<dl>(d.code)) {
-    case dl::Bool: if (d.bits == 8) return dtype::bool_; break;
-    case dl::UInt: if (d.bits == 8) return dtype::uint8; break;
+    case dl::Bool:
+      if (d.bits == 8) return dtype::bool_;
+      break;
+    case dl::UInt:
+      if (d.bits == 8) return dtype::uint8;
+      break;
     case dl::Int:
       if (d.bits == 8) return dtype::int8;
       if (d.bits == 16) return dtype::int16;
@@ -45,19 +63,41 @@ std::optional<refit::dtype> refit_dtype(nb::dlpack::dtype d) {
       if (d.bits == 32) return dtype::float32;
       if (d.bits == 64) return dtype::float64;
       break;
-    case dl::Bfloat: if (d.bits == 16) return dtype::bfloat16; break;
-    case dl::Float8_E4M3FN: if (d.bits == 8) return dtype::float8_e4m3fn; break;
-    case dl::Float8_E5M2: if (d.bits == 8) return dtype::float8_e5m2; break;
-    default: break;
+    case dl::Bfloat:
+      if (d.bits == 16) return dtype::bfloat16;
+      break;
+    case dl::Float8_E4M3FN:
+      if (d.bits == 8) return dtype::float8_e4m3fn;
+      break;
+    case dl::Float8_E5M2:
+      if (d.bits == 8) return dtype::float8_e5m2;
+      break;
+    default:
+      break;
   }
   return std::nullopt;
 }
 
 std::string dlpack_dtype_name(nb::dlpack::dtype d) {
-  static const char* names[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool", "float8_e3m4",
-                                "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
-                                "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
-                                "float6_e3m2fn", "float4_e2m1fn", "bcomplex"};
+  static const char* names[] = {"int",
+                                "uint",
+                                "float",
+                                "opaque",
+                                "bfloat",
+                                "complex",
+                                "bool",
+                                "float8_e3m4",
+                                "float8_e4m3",
+                                "float8_e4m3b11fnuz",
+                                "float8_e4m3fn",
+                                "float8_e4m3fnuz",
+                                "float8_e5m2",
+                                "float8_e5m2fnuz",
+                                "float8_e8m0fnu",
+                                "float6_e2m3fn",
+                                "float6_e3m2fn",
+                                "float4_e2m1fn",
+                                "bcomplex"};
   std::string name = d.code < std::size(names) ? names[d.code] : "code " + std::to_string(d.code);
   if (d.code <= 6 || d.code == 18) name += std::to_string(d.bits);
   if (d.lanes != 1) name += "x" + std::to_string(d.lanes);
@@ -85,12 +125,18 @@ const torch_api* torch_fast() {
   auto a = std::make_unique<torch_api>();
   a->tensor_type = torch.attr("Tensor");
   a->strided = torch.attr("strided");
-  const std::pair<const char*, dtype> names[] = {
-      {"bool", dtype::bool_},       {"uint8", dtype::uint8},       {"int8", dtype::int8},
-      {"int16", dtype::int16},      {"int32", dtype::int32},       {"int64", dtype::int64},
-      {"float16", dtype::float16},  {"bfloat16", dtype::bfloat16}, {"float32", dtype::float32},
-      {"float64", dtype::float64},  {"float8_e4m3fn", dtype::float8_e4m3fn},
-      {"float8_e5m2", dtype::float8_e5m2}};
+  const std::pair<const char*, dtype> names[] = {{"bool", dtype::bool_},
+                                                 {"uint8", dtype::uint8},
+                                                 {"int8", dtype::int8},
+                                                 {"int16", dtype::int16},
+                                                 {"int32", dtype::int32},
+                                                 {"int64", dtype::int64},
+                                                 {"float16", dtype::float16},
+                                                 {"bfloat16", dtype::bfloat16},
+                                                 {"float32", dtype::float32},
+                                                 {"float64", dtype::float64},
+                                                 {"float8_e4m3fn", dtype::float8_e4m3fn},
+                                                 {"float8_e5m2", dtype::float8_e5m2}};
   for (const auto& [name, type] : names)
     if (nb::hasattr(torch, name)) a->dtypes[torch.attr(name)] = nb::int_(static_cast<int>(type));
   auto intern = [](const char* n) { return nb::steal(PyUnicode_InternFromString(n)); };
@@ -144,7 +190,8 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
   auto start_new_entries = [&](std::size_t upto) {
     if (new_entries || !cache) return;
     new_entries = std::make_shared<std::vector<tensor_cache::entry>>();
-    if (old_entries) new_entries->assign(old_entries->begin(), old_entries->begin() + static_cast<std::ptrdiff_t>(upto));
+    if (old_entries)
+      new_entries->assign(old_entries->begin(), old_entries->begin() + static_cast<std::ptrdiff_t>(upto));
   };
   nb::list owners;
   nb::object pairs = nb::borrow(tensors);
@@ -160,8 +207,7 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
     } else {
       nb::sequence seq = nb::borrow<nb::sequence>(pair);
       if (nb::len(seq) != 2)
-        throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) +
-                                                " is not a (name, tensor) pair");
+        throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) + " is not a (name, tensor) pair");
       name_obj = seq[0];
       obj = seq[1];
     }
@@ -169,8 +215,7 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
       throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) + ": the name is a " +
                                               py_type_name(name_obj) + ", not a str");
     // A torch tensor as the cache saw it: a handful of reads, nothing rebuilt.
-    const bool is_torch =
-        api && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(api->tensor_type.ptr()));
+    const bool is_torch = api && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(api->tensor_type.ptr()));
     if (is_torch && old_entries && index < old_entries->size()) {
       const auto& e = (*old_entries)[index];
       Py_ssize_t length = 0;
@@ -266,8 +311,10 @@ held_tensors held_tensors::from_python(nb::handle tensors, const std::string& wh
           dev = refit::device::cuda(array.device_id());
           break;
         default:
-          throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is on a device refit does not know "
-                                                  "(DLPack device type " + std::to_string(array.device_type()) + ")");
+          throw_error(errc::invalid_argument, what + ": tensor '" + it.name +
+                                                  "' is on a device refit does not know "
+                                                  "(DLPack device type " +
+                                                  std::to_string(array.device_type()) + ")");
       }
       data = const_cast<void*>(static_cast<const void*>(array.data()));
     }
@@ -317,20 +364,20 @@ update_metadata held_tensors::metadata() const {
 
 nb::object python_view(const tensor_view& v, framework fw) {
   std::size_t shape[16];
-  if (v.shape.size() > 16) throw_error(errc::invalid_argument, "tensor '" + std::string(v.name) + "' has over 16 dimensions");
+  if (v.shape.size() > 16)
+    throw_error(errc::invalid_argument, "tensor '" + std::string(v.name) + "' has over 16 dimensions");
   for (std::size_t d = 0; d < v.shape.size(); ++d) shape[d] = static_cast<std::size_t>(v.shape[d]);
   const int device_type = v.device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
   if (fw == framework::torch) {
-    nb::ndarray<nb::pytorch> array(v.data, v.shape.size(), shape, nb::handle(), nullptr, dl_dtype(v.dtype),
-                                   device_type, v.device.index);
+    nb::ndarray<nb::pytorch> array(v.data, v.shape.size(), shape, nb::handle(), nullptr, dl_dtype(v.dtype), device_type,
+                                   v.device.index);
     return array.cast(nb::rv_policy::reference);
   }
   nb::dlpack::dtype type = dl_dtype(v.dtype);
   if (v.dtype == dtype::bfloat16) type = nb::dtype<std::uint16_t>();
   if (v.dtype == dtype::float8_e4m3fn || v.dtype == dtype::float8_e5m2) type = nb::dtype<std::uint8_t>();
   if (v.dtype == dtype::bool_) type = nb::dtype<bool>();
-  nb::ndarray<nb::numpy> array(v.data, v.shape.size(), shape, nb::handle(), nullptr, type, device_type,
-                               v.device.index);
+  nb::ndarray<nb::numpy> array(v.data, v.shape.size(), shape, nb::handle(), nullptr, type, device_type, v.device.index);
   return array.cast(nb::rv_policy::reference);
 }
 

@@ -72,9 +72,9 @@ class held_tensors {
   };
   std::deque<item> items_;  // stable addresses: the views point into them
   std::vector<tensor_view> views_;
-  shared_object owners_;    // a list of the Python objects
+  shared_object owners_;                                                    // a list of the Python objects
   std::shared_ptr<const std::vector<tensor_cache::entry>> cached_entries_;  // what hits' views point into
-  std::shared_ptr<const update_metadata> cached_meta_;  // when every tensor hit
+  std::shared_ptr<const update_metadata> cached_meta_;                      // when every tensor hit
 };
 
 /// A Python view of `v`'s memory (no copy, no owner: valid while refit keeps the

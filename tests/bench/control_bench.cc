@@ -32,13 +32,13 @@
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
 
-#include <refit/engines/tcp/tcp.h>
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/handshake.h>
-#include <refit/control/client.h>
-#include <refit/control/worker_group.h>
 #include <refit/backend/net.h>
+#include <refit/control/client.h>
 #include <refit/control/internal/frame.h>
+#include <refit/control/worker_group.h>
+#include <refit/engines/tcp/tcp.h>
 
 namespace refit::bench {
 namespace {
@@ -132,8 +132,11 @@ struct trainer {
     json info = json::object();
     write_update_metadata(meta, info);
     co_await workers->call_all("load_model", info);  // the worker allocates its model once
-    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
-                 {"buffer_bytes", 64 << 20}, {"num_buffers", 2}};
+    json args = {{"master_address", "127.0.0.1"},
+                 {"master_port", 0},
+                 {"world_size", 2},
+                 {"buffer_bytes", 64 << 20},
+                 {"num_buffers", 2}};
     co_await workers->init(*sender, args);
   }
 
@@ -261,7 +264,8 @@ int run(const options& o) {
     run_sync([&]() -> asio::awaitable<void> { warm = co_await t.update(); }());  // first touch of the model
     (void)warm;
     run_sync([&]() -> asio::awaitable<void> { co_await t.call("loop_lag"); }());
-    for (int r = 0; r < o.rounds; ++r) run_sync([&]() -> asio::awaitable<void> { idle.push_back(co_await t.update()); }());
+    for (int r = 0; r < o.rounds; ++r)
+      run_sync([&]() -> asio::awaitable<void> { idle.push_back(co_await t.update()); }());
     json lag_idle, lag_loaded;
     run_sync([&]() -> asio::awaitable<void> { lag_idle = co_await t.call("loop_lag"); }());
     const std::uint64_t rss_before = rss_of(worker);
@@ -288,10 +292,14 @@ int run(const options& o) {
               {"clients", o.clients},
               {"poll_ms", o.poll_ms},
               {"pipeline", o.pipeline},
-              {"idle_update_s", {{"median", idle_s}, {"min", *std::min_element(idle.begin(), idle.end())},
-                                 {"max", *std::max_element(idle.begin(), idle.end())}}},
-              {"loaded_update_s", {{"median", loaded_s}, {"min", *std::min_element(loaded.begin(), loaded.end())},
-                                   {"max", *std::max_element(loaded.begin(), loaded.end())}}},
+              {"idle_update_s",
+               {{"median", idle_s},
+                {"min", *std::min_element(idle.begin(), idle.end())},
+                {"max", *std::max_element(idle.begin(), idle.end())}}},
+              {"loaded_update_s",
+               {{"median", loaded_s},
+                {"min", *std::min_element(loaded.begin(), loaded.end())},
+                {"max", *std::max_element(loaded.begin(), loaded.end())}}},
               {"update_ratio", idle_s > 0 ? loaded_s / idle_s : 0.0},
               {"answers", l.latencies_ms.size()},
               {"answer_p50_ms", percentile(l.latencies_ms, 0.5)},
@@ -319,12 +327,18 @@ int main(int argc, char** argv) {
   refit::bench::options o;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--worker-bin") o.worker_bin = v;
-    else if (a == "--model-bytes") o.model_bytes = std::stoull(v) << (v.back() == 'G' ? 30 : v.back() == 'M' ? 20 : 0);
-    else if (a == "--rounds") o.rounds = std::stoi(v);
-    else if (a == "--clients") o.clients = std::stoi(v);
-    else if (a == "--poll-ms") o.poll_ms = std::stoi(v);
-    else if (a == "--pipeline") o.pipeline = std::stoi(v);
+    if (a == "--worker-bin")
+      o.worker_bin = v;
+    else if (a == "--model-bytes")
+      o.model_bytes = std::stoull(v) << (v.back() == 'G' ? 30 : v.back() == 'M' ? 20 : 0);
+    else if (a == "--rounds")
+      o.rounds = std::stoi(v);
+    else if (a == "--clients")
+      o.clients = std::stoi(v);
+    else if (a == "--poll-ms")
+      o.poll_ms = std::stoi(v);
+    else if (a == "--pipeline")
+      o.pipeline = std::stoi(v);
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;

@@ -26,11 +26,16 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
-    if (a == "--ranks") ranks = v;
-    else if (a == "--workers") workers = v;
-    else if (a == "--rounds") rounds = v;
-    else if (a == "--layers") layers = v;
-    else if (a == "--experts") experts = v;
+    if (a == "--ranks")
+      ranks = v;
+    else if (a == "--workers")
+      workers = v;
+    else if (a == "--rounds")
+      rounds = v;
+    else if (a == "--layers")
+      layers = v;
+    else if (a == "--experts")
+      experts = v;
     else {
       std::fprintf(stderr, "usage: plan_bench [--ranks M] [--workers N] [--rounds R] [--layers L] [--experts E]\n");
       return 2;
@@ -85,9 +90,10 @@ int main(int argc, char** argv) {
     return std::vector<double>{v[v.size() / 2], v.front(), v.back()};
   };
   const auto p = med(plan_s), d = med(digest_s);
-  std::printf("{\"tensors\": %zu, \"params\": %llu, \"ranks\": %d, \"workers\": %d, \"items\": %zu, "
-              "\"plan_s\": [%.3f, %.3f, %.3f], \"digest_s\": [%.4f, %.4f, %.4f], \"egress_max_over_mean\": %.3f}\n",
-              meta.tensors.size(), static_cast<unsigned long long>(params), ranks, workers, items, p[0], p[1], p[2],
-              d[0], d[1], d[2], balance);
+  std::printf(
+      "{\"tensors\": %zu, \"params\": %llu, \"ranks\": %d, \"workers\": %d, \"items\": %zu, "
+      "\"plan_s\": [%.3f, %.3f, %.3f], \"digest_s\": [%.4f, %.4f, %.4f], \"egress_max_over_mean\": %.3f}\n",
+      meta.tensors.size(), static_cast<unsigned long long>(params), ranks, workers, items, p[0], p[1], p[2], d[0], d[1],
+      d[2], balance);
   return 0;
 }

@@ -56,7 +56,10 @@ T run_on(asio::io_context& io, asio::awaitable<T> work) {
   std::promise<T> p;
   auto f = p.get_future();
   asio::co_spawn(io, std::move(work), [&p](std::exception_ptr e, T v) {
-    if (e) p.set_exception(e); else p.set_value(std::move(v));
+    if (e)
+      p.set_exception(e);
+    else
+      p.set_value(std::move(v));
   });
   io.restart();
   io.run();
@@ -69,8 +72,8 @@ asio::awaitable<int> send_all(tcp::sender& s, const update_metadata& meta, std::
   co_return 0;
 }
 
-asio::awaitable<result> receive_all(tcp::engine& e, const update_metadata& meta, int updates,
-                                    double cost_per_byte, bool spin) {
+asio::awaitable<result> receive_all(tcp::engine& e, const update_metadata& meta, int updates, double cost_per_byte,
+                                    bool spin) {
   result r;
   auto info = std::make_unique<tcp::update_info>();
   info->metadata = meta;
@@ -113,15 +116,18 @@ asio::awaitable<int> connect_sender(tcp::sender& s) {
 }
 
 // One transfer setup: a sender thread and a worker (this thread).
-result measure(tensor_data& data, int updates, double cost_per_byte, std::uint64_t buffer_bytes,
-               bool spin = false, std::uint32_t num_buffers = 2) {
+result measure(tensor_data& data, int updates, double cost_per_byte, std::uint64_t buffer_bytes, bool spin = false,
+               std::uint32_t num_buffers = 2) {
   asio::io_context trainer_io, worker_io;
   weight_transfer_config config;
   config.timeout = std::chrono::seconds(120);
   tcp::sender sender(config, trainer_context{trainer_io.get_executor(), {}});
   tcp::engine engine(config, engine_context{worker_io.get_executor()});
-  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
-               {"buffer_bytes", buffer_bytes}, {"num_buffers", num_buffers}};
+  json args = {{"master_address", "127.0.0.1"},
+               {"master_port", 0},
+               {"world_size", 2},
+               {"buffer_bytes", buffer_bytes},
+               {"num_buffers", num_buffers}};
   json init = sender.prepare(args);
   std::thread trainer([&] {
     run_on(trainer_io, connect_sender(sender));
@@ -145,8 +151,13 @@ double memcpy_gbps(std::size_t bytes) {
 }
 
 json line(const std::string& name, const result& r) {
-  return {{"case", name}, {"bytes", r.bytes}, {"best_s", r.best_s}, {"mean_s", r.mean_s},
-          {"gbps_best", r.bytes / r.best_s / 1e9}, {"receive_s", r.receive_s}, {"process_s", r.process_s}};
+  return {{"case", name},
+          {"bytes", r.bytes},
+          {"best_s", r.best_s},
+          {"mean_s", r.mean_s},
+          {"gbps_best", r.bytes / r.best_s / 1e9},
+          {"receive_s", r.receive_s},
+          {"process_s", r.process_s}};
 }
 
 }  // namespace
@@ -158,8 +169,10 @@ int main(int argc, char** argv) {
   std::int64_t mib = 400;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
-    if (a == "--updates") updates = std::atoi(argv[i + 1]);
-    else if (a == "--mib") mib = std::atoll(argv[i + 1]);
+    if (a == "--updates")
+      updates = std::atoi(argv[i + 1]);
+    else if (a == "--mib")
+      mib = std::atoll(argv[i + 1]);
     else {
       std::cerr << "usage: tcp_bench [--updates N] [--mib N]\n";
       return 2;
@@ -197,13 +210,12 @@ int main(int argc, char** argv) {
   std::cout << line("overlap_with_spinning_processing", r_spin).dump() << std::endl;
   double larger_spin = std::max(r_plain.best_s, r_spin.process_s);
 
-  refit::json summary = {
-      {"case", "summary"},
-      {"worker_gbps", r_big.bytes / r_big.best_s / 1e9},
-      {"memcpy_gbps", memcpy_rate},
-      {"tiny_vs_big", (r_tiny.bytes / r_tiny.best_s) / (r_big.bytes / r_big.best_s)},
-      {"overlap_wall_vs_larger", r_cost.best_s / larger},
-      {"overlap_spinning_wall_vs_larger", r_spin.best_s / larger_spin}};
+  refit::json summary = {{"case", "summary"},
+                         {"worker_gbps", r_big.bytes / r_big.best_s / 1e9},
+                         {"memcpy_gbps", memcpy_rate},
+                         {"tiny_vs_big", (r_tiny.bytes / r_tiny.best_s) / (r_big.bytes / r_big.best_s)},
+                         {"overlap_wall_vs_larger", r_cost.best_s / larger},
+                         {"overlap_spinning_wall_vs_larger", r_spin.best_s / larger_spin}};
   std::cout << summary.dump() << std::endl;
   return 0;
 }

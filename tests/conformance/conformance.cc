@@ -19,8 +19,7 @@ json engine_harness::update_info_json(const update_metadata& meta) {
   return j;
 }
 
-asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta,
-                                 std::vector<tensor_view> views) {
+asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta, std::vector<tensor_view> views) {
   co_await trainer_send_weights(sender, meta, views);
 }
 
@@ -82,7 +81,7 @@ TEST_P(engine_conformance, tensor_larger_than_a_buffer_arrives_whole) {
   connect(small_wire(16 << 10, 2));
   tensor_set set;
   set.add("before", dtype::float32, {100});
-  set.add("huge", dtype::float32, {14500});  // 58000 bytes: 4 chunks of 16 KiB
+  set.add("huge", dtype::float32, {14500});    // 58000 bytes: 4 chunks of 16 KiB
   set.add("huge2", dtype::bfloat16, {20000});  // a second split tensor right after
   set.add("after", dtype::int8, {33});
   capture got;
@@ -94,8 +93,7 @@ TEST_P(engine_conformance, repeated_updates_reuse_the_engine) {
   connect(small_wire(32 << 10, 3));
   for (int round = 0; round < 3; ++round) {
     tensor_set set;
-    for (int i = 0; i < 20; ++i)
-      set.add("w" + std::to_string(i), dtype::bfloat16, {37 + i, 11}, round + 1);
+    for (int i = 0; i < 20; ++i) set.add("w" + std::to_string(i), dtype::bfloat16, {37 + i, 11}, round + 1);
     capture got;
     expect_ok(transfer(set, got.fn()));
     EXPECT_NO_THROW(got.check_equals(set)) << "round " << round;
@@ -242,9 +240,9 @@ json with_commit(json info, const char* mode) {
 
 // The engine's capabilities (engine_capabilities) decide which of the tests below
 // apply: a claimed capability is tested; one not claimed is skipped, saying so.
-#define REFIT_REQUIRE_CAPABILITY(engine, what)                                                  \
-  if (!(engine).capabilities().what)                                                            \
-  GTEST_SKIP() << (engine).backend() << " does not claim engine_capabilities::" #what         \
+#define REFIT_REQUIRE_CAPABILITY(engine, what)                                        \
+  if (!(engine).capabilities().what)                                                  \
+  GTEST_SKIP() << (engine).backend() << " does not claim engine_capabilities::" #what \
                << " (its capabilities: " << (engine).capabilities().to_json().dump() << ")"
 
 TEST_P(engine_conformance, capabilities_are_what_the_factory_registered) {
@@ -255,8 +253,8 @@ TEST_P(engine_conformance, capabilities_are_what_the_factory_registered) {
     GTEST_SKIP() << engine.backend() << " is not registered in this binary (a GPU engine on the host provider)";
   const auto registered = engine_factory::instance().capabilities(engine.backend());
   ASSERT_TRUE(registered.has_value());
-  EXPECT_EQ(*registered, engine.capabilities()) << "registered " << registered->to_json().dump() << ", engine says "
-                                                << engine.capabilities().to_json().dump();
+  EXPECT_EQ(*registered, engine.capabilities())
+      << "registered " << registered->to_json().dump() << ", engine says " << engine.capabilities().to_json().dump();
 }
 
 TEST_P(engine_conformance, staged_commit_loads_the_whole_update_at_once_after_it_arrived) {
@@ -266,7 +264,7 @@ TEST_P(engine_conformance, staged_commit_loads_the_whole_update_at_once_after_it
   }
   tensor_set set;
   for (int i = 0; i < 12; ++i) set.add("t" + std::to_string(i), dtype::float32, {3000});  // 12 KiB each
-  set.add("big", dtype::bfloat16, {30000});  // split over 16 KiB buffers
+  set.add("big", dtype::bfloat16, {30000});                                               // split over 16 KiB buffers
   direct_model model(set);
   harness_ = GetParam().make(io_, &model);
   connect(small_wire(16 << 10, 2));
@@ -332,8 +330,7 @@ TEST_P(engine_conformance, in_place_processing_failure_marks_weights_dirty) {
   auto r = transfer(set, load, /*drain=*/true);
   ASSERT_TRUE(r.second->error);
   EXPECT_TRUE(harness_->engine().weights_dirty()) << "t0..t3 were already loaded";
-  EXPECT_NE(harness_->engine().dirty_reason().find("bad t4"), std::string::npos)
-      << harness_->engine().dirty_reason();
+  EXPECT_NE(harness_->engine().dirty_reason().find("bad t4"), std::string::npos) << harness_->engine().dirty_reason();
 }
 
 TEST_P(engine_conformance, receive_before_init_is_a_clear_error) {

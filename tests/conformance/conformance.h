@@ -9,9 +9,9 @@
 #include <memory>
 #include <string>
 
+#include <gtest/gtest.h>
 #include <asio/awaitable.hpp>
 #include <asio/io_context.hpp>
-#include <gtest/gtest.h>
 
 #include <refit/backend/bucket_plan.h>
 #include <refit/engine.h>
@@ -43,8 +43,7 @@ struct harness_factory {
 
 /// Sends `views` declared as `meta` (coroutine parameters, not lambda captures, so
 /// they live as long as the coroutine).
-asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta,
-                                 std::vector<tensor_view> views);
+asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta, std::vector<tensor_view> views);
 /// Receives one update and, when `drain`, drains it.
 asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
                                      load_weights_fn load, bool drain);
@@ -54,14 +53,12 @@ class engine_conformance : public ::testing::TestWithParam<harness_factory> {
  protected:
   void SetUp() override { harness_ = GetParam().make(io_, nullptr); }
 
-  void connect(wire_params wire) {
-    run_to_completion(io_, harness_->connect(wire));
-  }
+  void connect(wire_params wire) { run_to_completion(io_, harness_->connect(wire)); }
 
   // Sends `set` and receives it into `load`; returns both outcomes.
-  std::pair<std::shared_ptr<outcome>, std::shared_ptr<outcome>> transfer(
-      tensor_set& set, load_weights_fn load, bool drain = true,
-      std::vector<tensor_view>* sent = nullptr) {
+  std::pair<std::shared_ptr<outcome>, std::shared_ptr<outcome>> transfer(tensor_set& set, load_weights_fn load,
+                                                                         bool drain = true,
+                                                                         std::vector<tensor_view>* sent = nullptr) {
     auto info = harness_->engine().parse_update_info(harness_->update_info_json(set.meta));
     auto views = sent ? *sent : set.views();
     auto& sender = harness_->sender();

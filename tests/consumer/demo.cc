@@ -39,7 +39,8 @@ asio::awaitable<void> train(refit::control::worker_host& host, std::uint16_t por
   // The trainer's weights: cfg.tensors bf16 tensors, new values every update.
   refit::update_metadata meta;
   for (std::uint64_t i = 0; i < cfg.tensors; ++i)
-    meta.tensors.push_back({"layers." + std::to_string(i) + ".weight", refit::dtype::bfloat16,
+    meta.tensors.push_back({"layers." + std::to_string(i) + ".weight",
+                            refit::dtype::bfloat16,
                             {static_cast<std::int64_t>(cfg.tensor_bytes / 2)}});
   std::vector<std::vector<std::byte>> storage;
   std::vector<refit::tensor_view> views;
@@ -73,7 +74,8 @@ int main() {
   asio::io_context io;
   refit::tensor_map_target model;  // reader_lock mode: readers see bytes and version together
   for (std::uint64_t i = 0; i < cfg.tensors; ++i)
-    model.add({"layers." + std::to_string(i) + ".weight", refit::dtype::bfloat16,
+    model.add({"layers." + std::to_string(i) + ".weight",
+               refit::dtype::bfloat16,
                {static_cast<std::int64_t>(cfg.tensor_bytes / 2)}});
 
   refit::weight_transfer_config config;

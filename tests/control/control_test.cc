@@ -4,12 +4,12 @@
 #include <asio/redirect_error.hpp>
 #include <asio/write.hpp>
 
-#include <refit/engines/tcp/tcp.h>
-#include <refit/control/client.h>
-#include <refit/control/worker_host.h>
 #include <refit/backend/handshake.h>
 #include <refit/backend/net.h>
+#include <refit/control/client.h>
 #include <refit/control/internal/frame.h>
+#include <refit/control/worker_host.h>
+#include <refit/engines/tcp/tcp.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 
@@ -30,8 +30,8 @@ class control_test : public ::testing::Test {
  protected:
   void SetUp() override {
     factory_.register_engine<tcp::engine, tcp::sender>("tcp");
-    host_ = std::make_unique<control::worker_host>(tcp_config(), engine_context{io_.get_executor()},
-                                                   got_.fn(), factory_);
+    host_ =
+        std::make_unique<control::worker_host>(tcp_config(), engine_context{io_.get_executor()}, got_.fn(), factory_);
     port_ = host_->listen("127.0.0.1", 0);
     spawn(io_, host_->serve());
     client_ = std::make_unique<control::client>(io_.get_executor(), 5s);
@@ -67,14 +67,15 @@ class control_test : public ::testing::Test {
 
   asio::awaitable<void> init_both() {
     using namespace asio::experimental::awaitable_operators;
-    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
-                 {"buffer_bytes", 16384}, {"num_buffers", 2}};
+    json args = {{"master_address", "127.0.0.1"},
+                 {"master_port", 0},
+                 {"world_size", 2},
+                 {"buffer_bytes", 16384},
+                 {"num_buffers", 2}};
     json params = {{"init_info", sender_->prepare(args)}};
     co_await (sender_->connect_workers() && init_call(params));
   }
-  asio::awaitable<void> init_call(json params) {
-    co_await client_->call("init_weight_transfer_engine", params);
-  }
+  asio::awaitable<void> init_call(json params) { co_await client_->call("init_weight_transfer_engine", params); }
   asio::awaitable<void> update(tensor_set& set, json& info_during, std::int64_t version) {
     using namespace asio::experimental::awaitable_operators;
     co_await client_->call("start_weight_update");
@@ -84,8 +85,7 @@ class control_test : public ::testing::Test {
     // Bodies built before co_await (GCC 12 and braced lists across suspension).
     json update_body = {{"update_info", update_info}};
     json finish_body = {{"weight_version", version}};
-    co_await (client_->call("update_weights", update_body) &&
-              (query(info_during) && send(set.meta, views)));
+    co_await (client_->call("update_weights", update_body) && (query(info_during) && send(set.meta, views)));
     co_await client_->call("finish_weight_update", finish_body);
   }
   asio::awaitable<void> query(json& out) { out = co_await client_->call("weight_info"); }

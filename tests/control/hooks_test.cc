@@ -12,12 +12,12 @@
 #include <asio/write.hpp>
 
 #include <refit/backend/handshake.h>
+#include <refit/backend/net.h>
 #include <refit/control/client.h>
+#include <refit/control/internal/frame.h>
 #include <refit/control/worker_host.h>
 #include <refit/engines/tcp/tcp.h>
 #include <refit/integrity/fingerprint.h>
-#include <refit/backend/net.h>
-#include <refit/control/internal/frame.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 
@@ -131,12 +131,16 @@ class hooks_test : public ::testing::Test {
     return {};
   }
   void init() {
-    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
-                 {"buffer_bytes", 16384}, {"num_buffers", 2}};
+    json args = {{"master_address", "127.0.0.1"},
+                 {"master_port", 0},
+                 {"world_size", 2},
+                 {"buffer_bytes", 16384},
+                 {"num_buffers", 2}};
     json params = {{"init_info", sender_->prepare(args)}};
     auto accepted = spawn(io_, sender_->connect_workers());
     call(trainer_, "init_weight_transfer_engine", params);
-    ASSERT_TRUE(run_until(io_, [&] { return accepted->done; }, 10s));
+    ASSERT_TRUE(run_until(
+        io_, [&] { return accepted->done; }, 10s));
     ASSERT_FALSE(accepted->error) << accepted->message();
   }
   static json update_body(const tensor_set& set, const char* commit = nullptr) {
@@ -150,7 +154,8 @@ class hooks_test : public ::testing::Test {
     auto views = set.views();
     auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
     call(trainer_, "update_weights", update_body(set, commit));
-    ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+    ASSERT_TRUE(run_until(
+        io_, [&] { return sent->done; }, 10s));
     ASSERT_FALSE(sent->error) << sent->message();
   }
   void full_update(tensor_set& set, std::optional<std::int64_t> version) {
@@ -220,7 +225,9 @@ TEST_F(hooks_test, the_owner_dropping_mid_session_calls_failed_with_the_reason_a
   call(trainer_, "start_weight_update");
   chunk(set);
   trainer_->close();  // the trainer dies between its chunk and finish_weight_update
-  ASSERT_TRUE(run_until(io_, [&] { return events_.size() >= 2; }, 5s)) << "on_update_failed was not called";
+  ASSERT_TRUE(run_until(
+      io_, [&] { return events_.size() >= 2; }, 5s))
+      << "on_update_failed was not called";
   ASSERT_EQ(events_.size(), 2u);
   EXPECT_TRUE(has(events_[0], "started by connection #1")) << events_[0];
   EXPECT_TRUE(has(events_[1], "failed: the weight update session was aborted: its owner, connection #1")) << events_[1];
@@ -244,7 +251,8 @@ TEST_F(hooks_test, a_failed_update_calls_failed_and_a_later_full_update_finished
   auto views = bad.views();
   auto sent = spawn(io_, trainer_send_weights(*sender_, bad.meta, views));
   auto msg = call_error(trainer_, "update_weights", update_body(bad), errc::invalid_argument);
-  ASSERT_TRUE(run_until(io_, [&] { return sent->done; }, 10s));
+  ASSERT_TRUE(run_until(
+      io_, [&] { return sent->done; }, 10s));
   ASSERT_EQ(events_.size(), 2u);
   EXPECT_TRUE(has(events_[1], "failed: update_weights: invalid_argument: ")) << events_[1];
   EXPECT_TRUE(has(events_[1], "no tensor may be named 'forbidden'")) << events_[1];
@@ -279,8 +287,9 @@ TEST_F(hooks_test, the_owners_re_init_mid_session_calls_failed) {
   chunk(set);
   init();
   ASSERT_EQ(events_.size(), 2u);
-  EXPECT_TRUE(has(events_[1], "failed: init_weight_transfer_engine: the weight update session was aborted: "
-                              "the engine was re-initialised during it"))
+  EXPECT_TRUE(has(events_[1],
+                  "failed: init_weight_transfer_engine: the weight update session was aborted: "
+                  "the engine was re-initialised during it"))
       << events_[1];
   EXPECT_EQ(info_in_hook_[1]["state"], "dirty") << info_in_hook_[1];
 }
@@ -303,8 +312,9 @@ TEST_F(hooks_test, a_throwing_started_hook_refuses_the_session) {
   init();
   throw_in_ = "started";
   auto msg = call_error(trainer_, "start_weight_update", json::object(), errc::processing_failed);
-  EXPECT_TRUE(has(msg, "start_weight_update: the application's on_update_started hook failed: "
-                       "the server is not ready for weights"))
+  EXPECT_TRUE(has(msg,
+                  "start_weight_update: the application's on_update_started hook failed: "
+                  "the server is not ready for weights"))
       << msg;
   json after = info();
   EXPECT_FALSE(after["session_active"].get<bool>()) << after;
@@ -329,8 +339,9 @@ TEST_F(hooks_test, a_throwing_finished_hook_is_the_finishs_answer_and_the_update
   chunk(set);
   throw_in_ = "finished";
   auto msg = call_error(trainer_, "finish_weight_update", {{"weight_version", 9}}, errc::io_error);
-  EXPECT_TRUE(has(msg, "finish_weight_update: the application's on_update_finished hook failed: "
-                       "the KV cache flush failed"))
+  EXPECT_TRUE(has(msg,
+                  "finish_weight_update: the application's on_update_finished hook failed: "
+                  "the KV cache flush failed"))
       << msg;
   json after = info();
   EXPECT_EQ(after["state"], "clean") << after;
@@ -462,14 +473,16 @@ TEST_F(hooks_test, weight_info_commit_is_the_updates_own) {
   call(trainer_, "start_weight_update");
   // While a staged chunk is being received (the bytes are not sent yet).
   auto updating = spawn(io_, call_update(trainer_, update_body(set, "staged")));
-  ASSERT_TRUE(run_until(io_, [&] { return host_->session().receiving() || updating->done; }, 5s));
+  ASSERT_TRUE(run_until(
+      io_, [&] { return host_->session().receiving() || updating->done; }, 5s));
   ASSERT_FALSE(updating->done) << updating->message();
   json during = host_->weight_info();
   EXPECT_EQ(during["commit"], "staged") << during;
   EXPECT_EQ(during["default_commit"], "in_place") << during;
   auto views = set.views();
   auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
-  ASSERT_TRUE(run_until(io_, [&] { return sent->done && updating->done; }, 10s));
+  ASSERT_TRUE(run_until(
+      io_, [&] { return sent->done && updating->done; }, 10s));
   ASSERT_FALSE(updating->error) << updating->message();
   ASSERT_FALSE(sent->error) << sent->message();
   call(trainer_, "finish_weight_update", {{"weight_version", 1}});

@@ -71,9 +71,7 @@ class refusing_engine final : public backend::engine {
   static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "tcp"; }
   std::unique_ptr<init_info> parse_init_info(const json&) const override { return std::make_unique<init_info>(); }
-  std::unique_ptr<update_info> parse_update_info(const json&) const override {
-    return std::make_unique<update_info>();
-  }
+  std::unique_ptr<update_info> parse_update_info(const json&) const override { return std::make_unique<update_info>(); }
 
  protected:
   asio::awaitable<void> do_init(const init_info&) override {
@@ -127,8 +125,11 @@ class worker_group_test : public ::testing::Test {
   }
 
   json trainer_args() const {
-    return {{"master_address", "127.0.0.1"}, {"master_port", 0},   {"world_size", workers_.size() + 1},
-            {"buffer_bytes", 16384},         {"num_buffers", 2}};
+    return {{"master_address", "127.0.0.1"},
+            {"master_port", 0},
+            {"world_size", workers_.size() + 1},
+            {"buffer_bytes", 16384},
+            {"num_buffers", 2}};
   }
   asio::awaitable<void> init() { co_await group_->init(*sender_, trainer_args()); }
   asio::awaitable<void> update_into(control::update_result& out, tensor_set& set, std::int64_t version,
@@ -200,8 +201,8 @@ TEST_F(worker_group_test, a_full_update_of_two_workers_ends_verified_at_its_vers
 // natural `co_await workers.update(sender, meta, views, version)` (seen in the
 // consumer demo). The option structs are not aggregates, so this runs clean
 // (and ASan, in ./refit check, would see a second destruction).
-asio::awaitable<void> update_with_default_options(control::worker_group& group, tcp::sender& sender,
-                                                  tensor_set& set, int& verified) {
+asio::awaitable<void> update_with_default_options(control::worker_group& group, tcp::sender& sender, tensor_set& set,
+                                                  int& verified) {
   json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
   co_await group.init(sender, args);
   auto views = set.views();
@@ -291,7 +292,8 @@ TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once
 TEST_F(worker_group_test, errors_of_application_calls_name_the_worker_by_the_naming_function) {
   start({{}, {}});
   workers_[0]->host->add_method("only_on_rank_1", [](const json&) -> asio::awaitable<json> { co_return json(1); });
-  std::vector<control::worker_endpoint> endpoints = {{"127.0.0.1", workers_[0]->port}, {"127.0.0.1", workers_[1]->port}};
+  std::vector<control::worker_endpoint> endpoints = {{"127.0.0.1", workers_[0]->port},
+                                                     {"127.0.0.1", workers_[1]->port}};
   control::worker_group named(io_.get_executor(), 5s, "", endpoints,
                               [](std::size_t i) { return "worker rank " + std::to_string(i + 1); });
   run_to_completion(io_, named.connect());

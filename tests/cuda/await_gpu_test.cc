@@ -6,8 +6,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -99,19 +99,15 @@ TEST_F(AwaitGpu, StreamCallbackResumesOnTheIoThreadAfterTheKernel) {
   expect_resumed_on_io_thread(notify_by::stream_callback);
 }
 
-TEST_F(AwaitGpu, HostFuncResumesOnTheIoThreadAfterTheKernel) {
-  expect_resumed_on_io_thread(notify_by::host_func);
-}
+TEST_F(AwaitGpu, HostFuncResumesOnTheIoThreadAfterTheKernel) { expect_resumed_on_io_thread(notify_by::host_func); }
 
-asio::awaitable<void> await_recorded_then_read(cudaStream_t comm, cudaStream_t process,
-                                               const event* received, const device_buffer* data,
-                                               pinned_buffer* host, int* stage) {
+asio::awaitable<void> await_recorded_then_read(cudaStream_t comm, cudaStream_t process, const event* received,
+                                               const device_buffer* data, pinned_buffer* host, int* stage) {
   co_await when_recorded(*received, comm);
   *stage = 1;
   // The processing stream is gated on the same event; its copy sees the data.
   REFIT_CUDA_CHECK(cudaStreamWaitEvent(process, received->get(), 0));
-  REFIT_CUDA_CHECK(cudaMemcpyAsync(host->data(), data->data(), data->size(),
-                                   cudaMemcpyDeviceToHost, process));
+  REFIT_CUDA_CHECK(cudaMemcpyAsync(host->data(), data->data(), data->size(), cudaMemcpyDeviceToHost, process));
   co_await when_done(process);
   *stage = 2;
 }
@@ -125,9 +121,7 @@ TEST_F(AwaitGpu, WhenRecordedCompletesAfterTheRecordedWorkAndGatesAnotherStream)
   testing::spin(spin_ns, comm.get());
   fill_bytes(data.data(), 0x5A, data.size(), comm.get());
   int stage = 0;
-  asio::co_spawn(ctx,
-                 await_recorded_then_read(comm.get(), process.get(), &received, &data, &host,
-                                          &stage),
+  asio::co_spawn(ctx, await_recorded_then_read(comm.get(), process.get(), &received, &data, &host, &stage),
                  asio::detached);
   ctx.run();
   ASSERT_EQ(stage, 2);
@@ -136,8 +130,7 @@ TEST_F(AwaitGpu, WhenRecordedCompletesAfterTheRecordedWorkAndGatesAnotherStream)
   EXPECT_EQ(wrong, 0u);
 }
 
-asio::awaitable<void> await_event(cudaEvent_t e, cudaStream_t waiter, cudaStream_t producer,
-                                  bool* producer_done) {
+asio::awaitable<void> await_event(cudaEvent_t e, cudaStream_t waiter, cudaStream_t producer, bool* producer_done) {
   co_await async_wait_event(e, waiter);
   *producer_done = cudaStreamQuery(producer) == cudaSuccess;
 }
@@ -149,14 +142,12 @@ TEST_F(AwaitGpu, AsyncWaitEventWaitsForAnEventRecordedOnAnotherStream) {
   testing::spin(spin_ns, producer.get());
   e.record(producer);
   bool producer_done = false;
-  asio::co_spawn(ctx, await_event(e.get(), waiter.get(), producer.get(), &producer_done),
-                 asio::detached);
+  asio::co_spawn(ctx, await_event(e.get(), waiter.get(), producer.get(), &producer_done), asio::detached);
   ctx.run();
   EXPECT_TRUE(producer_done);
 }
 
-asio::awaitable<void> await_many(cudaStream_t s, int* completed, std::thread::id io,
-                                 int* off_thread) {
+asio::awaitable<void> await_many(cudaStream_t s, int* completed, std::thread::id io, int* off_thread) {
   co_await when_done(s);
   ++*completed;  // single io thread: no race
   if (std::this_thread::get_id() != io) ++*off_thread;
@@ -169,8 +160,7 @@ TEST_F(AwaitGpu, ManyConcurrentWaitsOnSeveralStreamsAllComplete) {
   for (int round = 0; round < 50; ++round) {
     for (stream& s : streams) {
       testing::spin(100'000, s.get());
-      asio::co_spawn(ctx, await_many(s.get(), &completed, std::this_thread::get_id(), &off_thread),
-                     asio::detached);
+      asio::co_spawn(ctx, await_many(s.get(), &completed, std::this_thread::get_id(), &off_thread), asio::detached);
     }
   }
   ctx.run();  // on this thread
@@ -203,8 +193,7 @@ struct frame_probe {
   ~frame_probe() { *destroyed_on = std::this_thread::get_id(); }
 };
 
-asio::awaitable<void> await_and_probe(cudaStream_t s, bool* resumed,
-                                      std::thread::id* destroyed_on) {
+asio::awaitable<void> await_and_probe(cudaStream_t s, bool* resumed, std::thread::id* destroyed_on) {
   frame_probe probe{resumed, destroyed_on};
   co_await when_done(s);
   *resumed = true;
@@ -218,7 +207,7 @@ TEST_F(AwaitGpu, DestroyingTheContextWithAWaitPendingDestroysTheCoroutineThere) 
     auto ctx = std::make_unique<asio::io_context>();
     testing::spin(spin_ns, s.get());
     asio::co_spawn(*ctx, await_and_probe(s.get(), &resumed, &destroyed_on), asio::detached);
-    ctx->poll();  // starts the coroutine, which suspends on the wait
+    ctx->poll();                   // starts the coroutine, which suspends on the wait
     ASSERT_FALSE(ctx->stopped());  // the pending wait is outstanding work
     ctx->stop();
   }  // ~io_context: the pending wait's handler (the coroutine) is destroyed here
@@ -250,18 +239,15 @@ void fault_child() {
   testing::fault(s.get());
   outcome out;
   asio::co_spawn(ctx, await_stream(s.get(), notify_by::stream_callback, &out), asio::detached);
-  ctx.poll();  // runs the coroutine to its co_await: the callback is enqueued behind the fault
+  ctx.poll();                      // runs the coroutine to its co_await: the callback is enqueued behind the fault
   if (out.resumed) std::_Exit(5);  // completed before the fault could even happen
   __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
   // Bounded: were CUDA not to call the callback after the fault, the child reports
   // that instead of hanging until the test's timeout.
   ctx.run_for(std::chrono::seconds(20));
-  std::fprintf(stderr, "resumed=%d status=%s error=%s\n", out.resumed,
-               cudaGetErrorName(out.status), out.error.c_str());
-  const bool ok = out.resumed && out.status != cudaSuccess &&
-                  out.resumed_on == std::this_thread::get_id() &&
-                  out.error.find("the work queued on the stream before the wait failed at") !=
-                      std::string::npos &&
+  std::fprintf(stderr, "resumed=%d status=%s error=%s\n", out.resumed, cudaGetErrorName(out.status), out.error.c_str());
+  const bool ok = out.resumed && out.status != cudaSuccess && out.resumed_on == std::this_thread::get_id() &&
+                  out.error.find("the work queued on the stream before the wait failed at") != std::string::npos &&
                   out.error.find("await_gpu_test.cc") != std::string::npos;
   std::_Exit(ok ? 0 : 1);  // no static destructors in a faulted context
 }

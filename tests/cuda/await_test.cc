@@ -68,13 +68,9 @@ void check(notify_by how, const char* expected_call) {
   EXPECT_THAT(out.what, HasSubstr(cudaGetErrorName(out.status)));
 }
 
-TEST(Await, StreamCallbackWaitCompletesOnTheExecutor) {
-  check(notify_by::stream_callback, "cudaStreamAddCallback(");
-}
+TEST(Await, StreamCallbackWaitCompletesOnTheExecutor) { check(notify_by::stream_callback, "cudaStreamAddCallback("); }
 
-TEST(Await, HostFuncWaitCompletesOnTheExecutor) {
-  check(notify_by::host_func, "cudaLaunchHostFunc(");
-}
+TEST(Await, HostFuncWaitCompletesOnTheExecutor) { check(notify_by::host_func, "cudaLaunchHostFunc("); }
 
 TEST(Await, CompletionIsPostedNeverInvokedInline) {
   const device_count_result devices = device_count_or_reason();

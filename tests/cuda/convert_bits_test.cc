@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "tests/support/convert.h"
 #include <refit/cuda/convert_bits.h>
 #include "tests/cuda/convert_samples.h"
+#include "tests/support/convert.h"
 
 namespace refit::cuda {
 namespace {
@@ -31,8 +31,7 @@ TEST(ConvertBits, Widening16BitPatternsMatchTheReference) {
 TEST(ConvertBits, WideningFp8PatternsMatchTheReference) {
   for (std::uint32_t i = 0; i < 256; ++i) {
     const auto q = static_cast<std::uint8_t>(i);
-    ASSERT_EQ(bits_of(bits::fp8_e4m3fn_to_float(q)), bits_of(convert::fp8_e4m3fn_to_float(q)))
-        << i;
+    ASSERT_EQ(bits_of(bits::fp8_e4m3fn_to_float(q)), bits_of(convert::fp8_e4m3fn_to_float(q))) << i;
     ASSERT_EQ(bits_of(bits::fp8_e5m2_to_float(q)), bits_of(convert::fp8_e5m2_to_float(q))) << i;
   }
 }
@@ -61,11 +60,11 @@ TEST(ConvertBits, CanonicalNaNsAndSaturationAsTheHeaderSays) {
   EXPECT_EQ(bits::float_to_fp8_e5m2(nan), 0x7e);
   EXPECT_EQ(bits::float_to_fp8_e5m2(neg_nan), 0xfe);
   const float inf = std::bit_cast<float>(0x7f800000u);
-  EXPECT_EQ(bits::float_to_fp8_e4m3fn(inf), 0x7e);    // 448
-  EXPECT_EQ(bits::float_to_fp8_e4m3fn(-inf), 0xfe);   // -448
-  EXPECT_EQ(bits::float_to_fp8_e5m2(inf), 0x7b);      // 57344
+  EXPECT_EQ(bits::float_to_fp8_e4m3fn(inf), 0x7e);     // 448
+  EXPECT_EQ(bits::float_to_fp8_e4m3fn(-inf), 0xfe);    // -448
+  EXPECT_EQ(bits::float_to_fp8_e5m2(inf), 0x7b);       // 57344
   EXPECT_EQ(bits::float_to_fp8_e4m3fn(464.0f), 0x7e);  // a tie rounds to even: 448
-  EXPECT_EQ(bits::float_to_fp16(65520.0f), 0x7c00);   // fp16 overflow: infinity
+  EXPECT_EQ(bits::float_to_fp16(65520.0f), 0x7c00);    // fp16 overflow: infinity
 }
 
 // What the kernel does per element, on the host.
@@ -77,11 +76,14 @@ void emulate(const conversion& c, const std::byte* in, std::byte* out, std::size
     in_t x;
     std::memcpy(&x, in + i * sizeof x, sizeof x);
     out_t y;
-    if (S == D) y = static_cast<out_t>(x);  // a copy
-    else if (c.quantize) y = bits::quantize_one<S, D>(x, c.scale);
+    if (S == D)
+      y = static_cast<out_t>(x);  // a copy
+    else if (c.quantize)
+      y = bits::quantize_one<S, D>(x, c.scale);
     else if (c.src == dtype::float8_e4m3fn || c.src == dtype::float8_e5m2)
       y = bits::dequantize_one<S, D>(x, c.scale);
-    else y = bits::convert_one<S, D>(x);
+    else
+      y = bits::convert_one<S, D>(x);
     std::memcpy(out + i * sizeof y, &y, sizeof y);
   }
 }
@@ -89,11 +91,16 @@ void emulate(const conversion& c, const std::byte* in, std::byte* out, std::size
 template <dtype S>
 void emulate_from(const conversion& c, const std::byte* in, std::byte* out, std::size_t n) {
   switch (c.dst) {
-    case dtype::float32: return emulate<S, dtype::float32>(c, in, out, n);
-    case dtype::bfloat16: return emulate<S, dtype::bfloat16>(c, in, out, n);
-    case dtype::float16: return emulate<S, dtype::float16>(c, in, out, n);
-    case dtype::float8_e4m3fn: return emulate<S, dtype::float8_e4m3fn>(c, in, out, n);
-    default: return emulate<S, dtype::float8_e5m2>(c, in, out, n);
+    case dtype::float32:
+      return emulate<S, dtype::float32>(c, in, out, n);
+    case dtype::bfloat16:
+      return emulate<S, dtype::bfloat16>(c, in, out, n);
+    case dtype::float16:
+      return emulate<S, dtype::float16>(c, in, out, n);
+    case dtype::float8_e4m3fn:
+      return emulate<S, dtype::float8_e4m3fn>(c, in, out, n);
+    default:
+      return emulate<S, dtype::float8_e5m2>(c, in, out, n);
   }
 }
 
@@ -101,13 +108,21 @@ std::vector<std::byte> emulated_output(const conversion& c, const std::vector<st
   const std::size_t n = in.size() / element_size(c.src);
   std::vector<std::byte> out(n * element_size(c.dst));
   switch (c.src) {
-    case dtype::float32: emulate_from<dtype::float32>(c, in.data(), out.data(), n); break;
-    case dtype::bfloat16: emulate_from<dtype::bfloat16>(c, in.data(), out.data(), n); break;
-    case dtype::float16: emulate_from<dtype::float16>(c, in.data(), out.data(), n); break;
+    case dtype::float32:
+      emulate_from<dtype::float32>(c, in.data(), out.data(), n);
+      break;
+    case dtype::bfloat16:
+      emulate_from<dtype::bfloat16>(c, in.data(), out.data(), n);
+      break;
+    case dtype::float16:
+      emulate_from<dtype::float16>(c, in.data(), out.data(), n);
+      break;
     case dtype::float8_e4m3fn:
       emulate_from<dtype::float8_e4m3fn>(c, in.data(), out.data(), n);
       break;
-    default: emulate_from<dtype::float8_e5m2>(c, in.data(), out.data(), n); break;
+    default:
+      emulate_from<dtype::float8_e5m2>(c, in.data(), out.data(), n);
+      break;
   }
   return out;
 }
@@ -125,8 +140,7 @@ TEST(ConvertBits, EveryConversionAndScaleMatchesTheReference) {
                      << testing::element_hex(c.dst, got, i);
     ++cases;
   }
-  EXPECT_EQ(cases, 9u + 2 * 3 * testing::dequantize_scales().size() +
-                       3 * 2 * testing::quantize_scales().size());
+  EXPECT_EQ(cases, 9u + 2 * 3 * testing::dequantize_scales().size() + 3 * 2 * testing::quantize_scales().size());
 }
 
 // The device reproduces the host's NaN propagation explicitly (mul_like_host);

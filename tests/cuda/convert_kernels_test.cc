@@ -8,13 +8,13 @@
 #include <cstddef>
 #include <vector>
 
-#include "tests/support/convert.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/kernels.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
 #include "tests/cuda/convert_samples.h"
+#include "tests/support/convert.h"
 
 namespace refit::cuda {
 namespace {
@@ -30,34 +30,32 @@ class ConvertKernels : public ::testing::Test {
 
   // Runs the kernel for `c` over elements [first, first + count) of `in`, writing
   // output elements [first, first + count) (so an odd `first` misaligns both).
-  std::vector<std::byte> run(const conversion& c, const std::vector<std::byte>& in,
-                             std::size_t first, std::size_t count) {
+  std::vector<std::byte> run(const conversion& c, const std::vector<std::byte>& in, std::size_t first,
+                             std::size_t count) {
     const std::size_t s_size = element_size(c.src), d_size = element_size(c.dst);
     const std::size_t n = in.size() / s_size;
     stream s;
     device_buffer src(in.size()), dst(n * d_size);
-    REFIT_CUDA_CHECK(
-        cudaMemcpyAsync(src.data(), in.data(), in.size(), cudaMemcpyHostToDevice, s.get()));
+    REFIT_CUDA_CHECK(cudaMemcpyAsync(src.data(), in.data(), in.size(), cudaMemcpyHostToDevice, s.get()));
     REFIT_CUDA_CHECK(cudaMemsetAsync(dst.data(), 0xCD, dst.size(), s.get()));
     const std::byte* src_at = src.bytes() + first * s_size;
     std::byte* dst_at = dst.bytes() + first * d_size;
-    if (c.quantize) quantize_fp8(src_at, c.src, dst_at, c.dst, count, c.scale, s.get());
-    else convert(src_at, c.src, dst_at, c.dst, count, s.get(), c.scale);
+    if (c.quantize)
+      quantize_fp8(src_at, c.src, dst_at, c.dst, count, c.scale, s.get());
+    else
+      convert(src_at, c.src, dst_at, c.dst, count, s.get(), c.scale);
     std::vector<std::byte> out(dst.size());
-    REFIT_CUDA_CHECK(
-        cudaMemcpyAsync(out.data(), dst.data(), out.size(), cudaMemcpyDeviceToHost, s.get()));
+    REFIT_CUDA_CHECK(cudaMemcpyAsync(out.data(), dst.data(), out.size(), cudaMemcpyDeviceToHost, s.get()));
     s.synchronize();
     return out;
   }
 };
 
-void expect_same(const conversion& c, const std::vector<std::byte>& in,
-                 const std::vector<std::byte>& expected, const std::vector<std::byte>& got,
-                 const char* path) {
+void expect_same(const conversion& c, const std::vector<std::byte>& in, const std::vector<std::byte>& expected,
+                 const std::vector<std::byte>& got, const char* path) {
   const std::ptrdiff_t i = testing::first_difference(c.dst, expected, got);
-  EXPECT_EQ(i, -1) << c.name() << " (" << path << "): element " << i << ", input "
-                   << testing::element_hex(c.src, in, i) << ": reference "
-                   << testing::element_hex(c.dst, expected, i) << ", GPU "
+  EXPECT_EQ(i, -1) << c.name() << " (" << path << "): element " << i << ", input " << testing::element_hex(c.src, in, i)
+                   << ": reference " << testing::element_hex(c.dst, expected, i) << ", GPU "
                    << testing::element_hex(c.dst, got, i);
 }
 

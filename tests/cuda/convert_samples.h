@@ -4,17 +4,17 @@
 #pragma once
 
 #include <bit>
-#include <cstdio>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "tests/support/convert.h"
 #include <refit/dtype.h>
 #include <refit/tensor.h>
+#include "tests/support/convert.h"
 
 namespace refit::cuda::testing {
 
@@ -36,9 +36,8 @@ inline std::vector<std::uint8_t> all_8_bit_patterns() {
 /// upper half covers them; 0 and 0xffff are the neighbours); plus `random` uniformly
 /// random patterns (fixed seed).
 inline std::vector<std::uint32_t> float_sample_bits(std::size_t random = 1u << 20) {
-  static constexpr std::uint16_t lows[] = {0x0000, 0x0001, 0x0fff, 0x1000, 0x1001, 0x2000,
-                                           0x3000, 0x5000, 0x7fff, 0x8000, 0x8001, 0x9000,
-                                           0xb000, 0xd000, 0xf000, 0xffff};
+  static constexpr std::uint16_t lows[] = {0x0000, 0x0001, 0x0fff, 0x1000, 0x1001, 0x2000, 0x3000, 0x5000,
+                                           0x7fff, 0x8000, 0x8001, 0x9000, 0xb000, 0xd000, 0xf000, 0xffff};
   std::vector<std::uint32_t> v;
   v.reserve(65536 * std::size(lows) + random);
   for (std::uint32_t h = 0; h < 65536; ++h)
@@ -56,9 +55,7 @@ inline std::vector<float> as_floats(const std::vector<std::uint32_t>& bits) {
 
 /// Dequantisation scales: exact, inexact, tiny (subnormal and zero results), huge
 /// (overflow to infinity in bf16/fp16/float).
-inline std::vector<float> dequantize_scales() {
-  return {1.0f, 0.5f, 0.37f, 3.0f, 1e-38f, 1e-44f, 1e30f, 1e36f};
-}
+inline std::vector<float> dequantize_scales() { return {1.0f, 0.5f, 0.37f, 3.0f, 1e-38f, 1e-44f, 1e30f, 1e36f}; }
 
 /// Quantisation scales: exact, inexact, tiny (everything saturates), huge (most
 /// values flush to zero or fp8 subnormals), the smallest subnormal.
@@ -77,8 +74,8 @@ struct conversion {
   std::string name() const {
     char scale_text[32];
     std::snprintf(scale_text, sizeof scale_text, "%.9g", static_cast<double>(scale));
-    return std::string(quantize ? "quantize_fp8 " : "convert ") + std::string(to_string(src)) +
-           " -> " + std::string(to_string(dst)) + " scale " + scale_text;
+    return std::string(quantize ? "quantize_fp8 " : "convert ") + std::string(to_string(src)) + " -> " +
+           std::string(to_string(dst)) + " scale " + scale_text;
   }
 };
 
@@ -106,34 +103,36 @@ inline std::vector<std::byte> input_bytes(dtype t) {
     bytes.resize(v.size() * sizeof(v[0]));
     std::memcpy(bytes.data(), v.data(), bytes.size());
   };
-  if (t == dtype::float32) copy(float_sample_bits());
-  else if (element_size(t) == 2) copy(all_16_bit_patterns());
-  else copy(all_8_bit_patterns());
+  if (t == dtype::float32)
+    copy(float_sample_bits());
+  else if (element_size(t) == 2)
+    copy(all_16_bit_patterns());
+  else
+    copy(all_8_bit_patterns());
   return bytes;
 }
 
 /// refit::convert's output for `c` applied to `input`.
-inline std::vector<std::byte> reference_output(const conversion& c,
-                                               std::vector<std::byte>& input) {
+inline std::vector<std::byte> reference_output(const conversion& c, std::vector<std::byte>& input) {
   const std::size_t n = input.size() / element_size(c.src);
   const std::int64_t shape[] = {static_cast<std::int64_t>(n)};
   std::vector<std::byte> out(n * element_size(c.dst), std::byte{0xCD});
   const tensor_view src("input", c.src, shape, input.data());
   const tensor_view dst("output", c.dst, shape, out.data());
-  if (c.quantize) convert::quantize_fp8(src, dst, c.scale);
-  else convert::convert_tensor(src, dst, c.scale);
+  if (c.quantize)
+    convert::quantize_fp8(src, dst, c.scale);
+  else
+    convert::convert_tensor(src, dst, c.scale);
   return out;
 }
 
 /// Index of the first differing element of two outputs of `t`, or -1.
-inline std::ptrdiff_t first_difference(dtype t, const std::vector<std::byte>& a,
-                                       const std::vector<std::byte>& b) {
+inline std::ptrdiff_t first_difference(dtype t, const std::vector<std::byte>& a, const std::vector<std::byte>& b) {
   if (a.size() != b.size()) return 0;
   const std::size_t size = element_size(t);
   if (std::memcmp(a.data(), b.data(), a.size()) == 0) return -1;
   for (std::size_t i = 0; i < a.size() / size; ++i)
-    if (std::memcmp(a.data() + i * size, b.data() + i * size, size) != 0)
-      return static_cast<std::ptrdiff_t>(i);
+    if (std::memcmp(a.data() + i * size, b.data() + i * size, size) != 0) return static_cast<std::ptrdiff_t>(i);
   return -1;
 }
 

@@ -9,12 +9,12 @@
 #include <vector>
 
 #include <refit/backend/bucket_plan.h>
+#include <refit/backend/pipeline.h>
+#include <refit/backend/send_cursor.h>
 #include <refit/cuda/await.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
-#include <refit/backend/pipeline.h>
-#include <refit/backend/send_cursor.h>
 #include <refit/trainer.h>
 #include "tests/cuda/test_kernels.h"
 
@@ -49,7 +49,8 @@ class d2d_transport final : public bucket_transport {
     std::uint64_t at = offsets_.at(b.index);
     for (const auto& d : dest) {
       if (copy_ && d.size())
-        REFIT_CUDA_CHECK(cudaMemcpyAsync(d.data(), packed_.bytes() + at, d.size(), cudaMemcpyDeviceToDevice, stream_.get()));
+        REFIT_CUDA_CHECK(
+            cudaMemcpyAsync(d.data(), packed_.bytes() + at, d.size(), cudaMemcpyDeviceToDevice, stream_.get()));
       at += d.size();
     }
     if (link_ > 0) spin(static_cast<std::uint64_t>(static_cast<double>(b.payload_bytes) / link_ * 1e9), stream_.get());

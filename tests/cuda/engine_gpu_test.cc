@@ -12,8 +12,6 @@
 #include <cstring>
 #include <random>
 
-#include "examples/torch_ipc/digest.h"
-#include "tests/support/convert.h"
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/fill.h>
@@ -21,6 +19,8 @@
 #include <refit/cuda/stream.h>
 #include <asio/steady_timer.hpp>
 #include <asio/this_coro.hpp>
+#include "examples/torch_ipc/digest.h"
+#include "tests/support/convert.h"
 
 #include "tests/cuda/cuda_ipc_bench.h"
 #include "tests/cuda/engine_pair.h"

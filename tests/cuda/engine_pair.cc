@@ -9,8 +9,6 @@
 
 #include <asio/steady_timer.hpp>
 
-#include "examples/common/worker_process.h"
-#include "examples/torch_ipc/device_model.h"
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/cuda/device.h>
@@ -19,6 +17,8 @@
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
 #include <refit/factory.h>
+#include "examples/common/worker_process.h"
+#include "examples/torch_ipc/device_model.h"
 
 namespace refit::cuda::testing {
 namespace {

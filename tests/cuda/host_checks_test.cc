@@ -136,19 +136,13 @@ TEST(ConvertArguments, BadArgumentsThrowBeforeAnyLaunch) {
                  "the fp8 scale must be finite and > 0, got 0");
   expect_invalid([] { quantize_fp8(a, dtype::float32, b, dtype::float8_e5m2, 4, -1.0f, nullptr); },
                  "the fp8 scale must be finite and > 0, got -1");
-  expect_invalid(
-      [] { quantize_fp8(a, dtype::float32, b, dtype::float16, 4, 1.0f, nullptr); },
-      "refit::cuda::quantize_fp8 of 4 elements from float32 to float16: unsupported dtype pair");
-  expect_invalid([] { convert(nullptr, dtype::float32, b, dtype::float16, 4, nullptr); },
-                 "null pointer");
-  expect_invalid(
-      [] {
-        convert(a, dtype::float32, static_cast<std::byte*>(a) + 8, dtype::bfloat16, 4, nullptr);
-      },
-      "source and destination overlap");
-  expect_invalid(
-      [] { convert(static_cast<std::byte*>(a) + 1, dtype::float16, b, dtype::float32, 4, nullptr); },
-      "pointers must be aligned to their element sizes");
+  expect_invalid([] { quantize_fp8(a, dtype::float32, b, dtype::float16, 4, 1.0f, nullptr); },
+                 "refit::cuda::quantize_fp8 of 4 elements from float32 to float16: unsupported dtype pair");
+  expect_invalid([] { convert(nullptr, dtype::float32, b, dtype::float16, 4, nullptr); }, "null pointer");
+  expect_invalid([] { convert(a, dtype::float32, static_cast<std::byte*>(a) + 8, dtype::bfloat16, 4, nullptr); },
+                 "source and destination overlap");
+  expect_invalid([] { convert(static_cast<std::byte*>(a) + 1, dtype::float16, b, dtype::float32, 4, nullptr); },
+                 "pointers must be aligned to their element sizes");
 }
 
 // Where there is no device, constructors fail with cuda_error naming the call (and
@@ -165,12 +159,9 @@ TEST(RaiiWithoutDevice, ConstructorsThrowCudaErrorNamingTheCall) {
     return;
   }
   EXPECT_THAT([] { stream s; }, ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaGetDevice(")));
-  EXPECT_THAT([] { event e; },
-              ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaEventCreateWithFlags(")));
-  EXPECT_THAT([] { device_buffer d(16); },
-              ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaGetDevice(")));
-  EXPECT_THAT([] { pinned_buffer p(16); },
-              ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaHostAlloc(")));
+  EXPECT_THAT([] { event e; }, ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaEventCreateWithFlags(")));
+  EXPECT_THAT([] { device_buffer d(16); }, ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaGetDevice(")));
+  EXPECT_THAT([] { pinned_buffer p(16); }, ::testing::ThrowsMessage<cuda_error>(HasSubstr("cudaHostAlloc(")));
   // Empty objects need no device.
   EXPECT_EQ(device_buffer().data(), nullptr);
   EXPECT_EQ(pinned_buffer().size(), 0u);

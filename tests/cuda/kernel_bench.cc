@@ -7,8 +7,8 @@
 //   bazel run --config=cuda //tests/cuda:kernel_bench
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,9 +80,7 @@ struct case_spec {
 
 std::string run() {
   const device_count_result devices = device_count_or_reason();
-  if (!devices)
-    return R"({"bench":"cuda_kernels","skipped":true,"reason":")" + json_escape(devices.reason) +
-           R"("})";
+  if (!devices) return R"({"bench":"cuda_kernels","skipped":true,"reason":")" + json_escape(devices.reason) + R"("})";
 
   cudaDeviceProp prop{};
   int device = 0;
@@ -96,14 +94,10 @@ std::string run() {
   device_buffer src(elements * 4), dst(elements * 4);
   REFIT_CUDA_CHECK(cudaMemsetAsync(src.data(), 0x3c, src.size(), s.get()));  // finite values
   const case_spec cases[] = {
-      {dtype::float32, dtype::bfloat16, false, 1.0f},
-      {dtype::bfloat16, dtype::float32, false, 1.0f},
-      {dtype::float32, dtype::float16, false, 1.0f},
-      {dtype::bfloat16, dtype::float16, false, 1.0f},
-      {dtype::bfloat16, dtype::float8_e4m3fn, true, 0.37f},
-      {dtype::float32, dtype::float8_e5m2, true, 0.37f},
-      {dtype::float8_e4m3fn, dtype::bfloat16, false, 0.37f},
-      {dtype::float8_e5m2, dtype::float32, false, 0.37f},
+      {dtype::float32, dtype::bfloat16, false, 1.0f},        {dtype::bfloat16, dtype::float32, false, 1.0f},
+      {dtype::float32, dtype::float16, false, 1.0f},         {dtype::bfloat16, dtype::float16, false, 1.0f},
+      {dtype::bfloat16, dtype::float8_e4m3fn, true, 0.37f},  {dtype::float32, dtype::float8_e5m2, true, 0.37f},
+      {dtype::float8_e4m3fn, dtype::bfloat16, false, 0.37f}, {dtype::float8_e5m2, dtype::float32, false, 0.37f},
   };
   json += R"(,"convert":[)";
   double worst_ratio = 1e30;
@@ -118,8 +112,7 @@ std::string run() {
         convert(src.data(), c.src, dst.data(), c.dst, elements, s.get(), c.scale);
     });
     const float memcpy_ms = best_gpu_ms(s, [&] {
-      REFIT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), in_bytes, cudaMemcpyDeviceToDevice,
-                                       s.get()));
+      REFIT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), in_bytes, cudaMemcpyDeviceToDevice, s.get()));
     });
     // Bytes read plus bytes written per second.
     const double kernel_gbps = double(in_bytes + out_bytes) / (kernel_ms * 1e6);
@@ -130,9 +123,9 @@ std::string run() {
     std::snprintf(line, sizeof line,
                   R"(%s{"op":"%s","src":"%s","dst":"%s","elements":%zu,"kernel_ms":%.4f,)"
                   R"("kernel_gbps":%.1f,"memcpy_ms":%.4f,"memcpy_gbps":%.1f,"bandwidth_ratio":%.3f})",
-                  i == 0 ? "" : ",", c.quantize ? "quantize_fp8" : "convert",
-                  std::string(to_string(c.src)).c_str(), std::string(to_string(c.dst)).c_str(),
-                  elements, kernel_ms, kernel_gbps, memcpy_ms, memcpy_gbps, ratio);
+                  i == 0 ? "" : ",", c.quantize ? "quantize_fp8" : "convert", std::string(to_string(c.src)).c_str(),
+                  std::string(to_string(c.dst)).c_str(), elements, kernel_ms, kernel_gbps, memcpy_ms, memcpy_gbps,
+                  ratio);
     json += line;
   }
   json += "]";
@@ -161,8 +154,7 @@ std::string run() {
   std::snprintf(line, sizeof line,
                 R"(,"unpack":{"tensors":%d,"bytes":%zu,"batched_wall_us":%.1f,)"
                 R"("batched_gpu_us":%.1f,"per_tensor_memcpy_wall_us":%.1f,"time_ratio":%.2f})",
-                tensors, total, batched_us, batched_gpu_ms * 1e3, per_tensor_us,
-                per_tensor_us / batched_us);
+                tensors, total, batched_us, batched_gpu_ms * 1e3, per_tensor_us, per_tensor_us / batched_us);
   json += line;
   std::snprintf(line, sizeof line, R"(,"worst_convert_bandwidth_ratio":%.3f})", worst_ratio);
   json += line;
@@ -178,7 +170,8 @@ int main() {
     return 0;
   } catch (const std::exception& e) {
     std::string what = e.what();
-    std::printf(R"({"bench":"cuda_kernels","error":"%s"})" "\n",
+    std::printf(R"({"bench":"cuda_kernels","error":"%s"})"
+                "\n",
                 refit::cuda::json_escape(what).c_str());
     return 1;
   }

@@ -23,8 +23,7 @@ ncclResult_t returns(ncclResult_t result) {
 
 TEST(NcclError, CategoryIsRefitNcclAndUsesNcclMessages) {
   EXPECT_STREQ(nccl_category().name(), "refit.nccl");
-  EXPECT_EQ(nccl_category().message(ncclInvalidArgument),
-            ncclGetErrorString(ncclInvalidArgument));
+  EXPECT_EQ(nccl_category().message(ncclInvalidArgument), ncclGetErrorString(ncclInvalidArgument));
   EXPECT_EQ(make_error_code(ncclSystemError).value(), int{ncclSystemError});
   EXPECT_EQ(&make_error_code(ncclSystemError).category(), &nccl_category());
   EXPECT_FALSE(nccl_category().message(987654).empty());

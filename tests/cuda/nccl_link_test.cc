@@ -13,8 +13,6 @@ TEST(Nccl, RuntimeLibraryMatchesTheHeader) {
       << "runtime NCCL " << version << ", header NCCL " << NCCL_VERSION_CODE;
 }
 
-TEST(Nccl, ErrorStringsNeedNoDevice) {
-  EXPECT_STRNE(ncclGetErrorString(ncclInvalidArgument), "");
-}
+TEST(Nccl, ErrorStringsNeedNoDevice) { EXPECT_STRNE(ncclGetErrorString(ncclInvalidArgument), ""); }
 
 }  // namespace

@@ -6,8 +6,8 @@
 #include <chrono>
 #include <cstdio>
 
-#include <asio/thread_pool.hpp>
 #include <asio/io_context.hpp>
+#include <asio/thread_pool.hpp>
 
 #include <refit/backend/async/drain_scope.h>
 #include <refit/cuda/device.h>
@@ -72,10 +72,11 @@ int run() {
     return best;
   };
   const double recv = measure(true, false), proc = measure(false, true), both = measure(true, true);
-  std::printf("{\"bench\":\"gpu_pipeline\",\"bytes\":%llu,\"buckets\":%zu,\"receive_s\":%.6f,\"process_s\":%.6f,"
-              "\"both_s\":%.6f,\"overlap_ratio\":%.3f,\"target\":1.15}\n",
-              static_cast<unsigned long long>(plan.payload_bytes), plan.buckets.size(), recv, proc, both,
-              both / std::max(recv, proc));
+  std::printf(
+      "{\"bench\":\"gpu_pipeline\",\"bytes\":%llu,\"buckets\":%zu,\"receive_s\":%.6f,\"process_s\":%.6f,"
+      "\"both_s\":%.6f,\"overlap_ratio\":%.3f,\"target\":1.15}\n",
+      static_cast<unsigned long long>(plan.payload_bytes), plan.buckets.size(), recv, proc, both,
+      both / std::max(recv, proc));
   return 0;
 }
 

@@ -4,8 +4,8 @@
 // land in the model. Needs a GPU; skips itself, with the reason, where there is none.
 #include <gtest/gtest.h>
 
-#include <asio/thread_pool.hpp>
 #include <asio/io_context.hpp>
+#include <asio/thread_pool.hpp>
 
 #include <refit/backend/async/drain_scope.h>
 #include <refit/cuda/device.h>
@@ -63,8 +63,8 @@ TEST(pipeline_gpu, every_byte_lands_in_the_model_through_device_staging) {
   EXPECT_EQ(stats.buckets, plan.buckets.size());
   for (std::size_t i = 0; i < set.meta.tensors.size(); ++i) {
     std::vector<std::byte> back(set.data[i].size());
-    REFIT_CUDA_CHECK(cudaMemcpy(back.data(), model.at(set.meta.tensors[i].name).data(), back.size(),
-                                cudaMemcpyDeviceToHost));
+    REFIT_CUDA_CHECK(
+        cudaMemcpy(back.data(), model.at(set.meta.tensors[i].name).data(), back.size(), cudaMemcpyDeviceToHost));
     EXPECT_EQ(back, set.data[i]) << set.meta.tensors[i].name;
   }
 }

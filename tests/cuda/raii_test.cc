@@ -122,8 +122,7 @@ TEST_F(Raii, StreamWaitOrdersAnotherStreamAfterTheEvent) {
   fill_bytes(buffer.data(), 0xAB, buffer.size(), producer.get());
   filled.record(producer);
   consumer.wait(filled);
-  REFIT_CUDA_CHECK(cudaMemcpyAsync(host.data(), buffer.data(), buffer.size(),
-                                   cudaMemcpyDeviceToHost, consumer.get()));
+  REFIT_CUDA_CHECK(cudaMemcpyAsync(host.data(), buffer.data(), buffer.size(), cudaMemcpyDeviceToHost, consumer.get()));
   consumer.synchronize();
   std::size_t wrong = 0;
   for (std::byte b : host.span()) wrong += b != std::byte{0xAB};
@@ -181,10 +180,8 @@ TEST_F(Raii, PinnedBufferIsPageLockedAndRoundTrips) {
   stream s;
   device_buffer device(host.size());
   pinned_buffer back(host.size());
-  REFIT_CUDA_CHECK(cudaMemcpyAsync(device.data(), host.data(), host.size(),
-                                   cudaMemcpyHostToDevice, s.get()));
-  REFIT_CUDA_CHECK(cudaMemcpyAsync(back.data(), device.data(), host.size(),
-                                   cudaMemcpyDeviceToHost, s.get()));
+  REFIT_CUDA_CHECK(cudaMemcpyAsync(device.data(), host.data(), host.size(), cudaMemcpyHostToDevice, s.get()));
+  REFIT_CUDA_CHECK(cudaMemcpyAsync(back.data(), device.data(), host.size(), cudaMemcpyDeviceToHost, s.get()));
   s.synchronize();
   EXPECT_EQ(std::memcmp(back.data(), host.data(), host.size()), 0);
 

@@ -4,8 +4,8 @@
 // reader modes, both commit modes), device -> device loads, fingerprints equal to
 // the trainer's, views on another device refused. Needs a GPU; skips itself, with
 // the reason, where there is none (only the no-device failure runs there).
-#include <gtest/gtest.h>
 #include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
@@ -73,8 +73,7 @@ struct trainer_copy {
 asio::awaitable<void> send(weight_sender& sender, update_metadata meta, std::vector<tensor_view> views) {
   co_await trainer_send_weights(sender, meta, views);
 }
-asio::awaitable<void> receive(weight_transfer_engine& engine, std::shared_ptr<update_info> info,
-                              load_weights_fn load) {
+asio::awaitable<void> receive(weight_transfer_engine& engine, std::shared_ptr<update_info> info, load_weights_fn load) {
   co_await engine.receive_weights(*info, std::move(load));
   co_await engine.drain_pending();
 }
@@ -211,8 +210,8 @@ TEST_F(TensorMapTargetGpu, LoadsViewsAlreadyOnTheDevice) {
     std::vector<tensor_view> views;
     for (std::size_t t = 0; t < copy.meta.tensors.size(); ++t) {
       on_device.emplace_back(copy.data[t].size(), 0);
-      REFIT_CUDA_CHECK(cudaMemcpy(on_device.back().data(), copy.data[t].data(), copy.data[t].size(),
-                                  cudaMemcpyHostToDevice));
+      REFIT_CUDA_CHECK(
+          cudaMemcpy(on_device.back().data(), copy.data[t].data(), copy.data[t].size(), cudaMemcpyHostToDevice));
       views.emplace_back(copy.meta.tensors[t], on_device.back().data(), device::cuda(0));
     }
     target->load_weights(views);

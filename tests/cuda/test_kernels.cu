@@ -26,8 +26,7 @@ __global__ void wait_flag_kernel(const volatile int* flag, std::uint64_t ns) {
 __global__ void fault_kernel(int* p) { *p = 1; }
 
 void check_launch(const char* kernel) {
-  if (const cudaError_t status = cudaGetLastError(); status != cudaSuccess)
-    throw cuda_error(status, kernel);
+  if (const cudaError_t status = cudaGetLastError(); status != cudaSuccess) throw cuda_error(status, kernel);
 }
 
 }  // namespace

@@ -77,8 +77,7 @@ class Unpack : public ::testing::Test {
 };
 
 TEST_F(Unpack, OddSizesAndEveryRelativeAlignment) {
-  const std::size_t sizes[] = {1,   2,    3,    7,    15,    16,     17,     31,   33,
-                               255, 4095, 4097, 65537, 100003, 1 << 20, (1 << 20) + 5};
+  const std::size_t sizes[] = {1, 2, 3, 7, 15, 16, 17, 31, 33, 255, 4095, 4097, 65537, 100003, 1 << 20, (1 << 20) + 5};
   std::vector<span_copy> copies;
   std::size_t src_cursor = 0, dst_cursor = 0;
   int variant = 0;

@@ -82,10 +82,10 @@
 #include <asio/use_awaitable.hpp>
 #include <asio/write.hpp>
 
-#include <refit/integrity/auth.h>
-#include <refit/control/client.h>
-#include <refit/integrity/fingerprint.h>
 #include <refit/backend/net.h>
+#include <refit/control/client.h>
+#include <refit/integrity/auth.h>
+#include <refit/integrity/fingerprint.h>
 
 extern char** environ;
 
@@ -186,8 +186,8 @@ class proxy {
 
   action act = action::none;
   std::uint64_t at = 0;
-  std::function<void()> kill;            // for kill_* actions and hook
-  std::function<bool()> hold;            // hook: forwarding waits while this is true
+  std::function<void()> kill;  // for kill_* actions and hook
+  std::function<bool()> hold;  // hook: forwarding waits while this is true
   std::chrono::milliseconds stall{0};
   double throttle_bytes_per_s = 0;
   bool fired = false;
@@ -210,9 +210,8 @@ class proxy {
       co_await acceptor_.async_accept(*worker, asio::redirect_error(asio::use_awaitable, ec));
       if (ec) co_return;
       auto trainer = std::make_shared<asio::ip::tcp::socket>(io_);
-      co_await trainer->async_connect(
-          asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), trainer_port_),
-          asio::redirect_error(asio::use_awaitable, ec));
+      co_await trainer->async_connect(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), trainer_port_),
+                                      asio::redirect_error(asio::use_awaitable, ec));
       if (ec) {
         worker->close(ec);
         continue;
@@ -314,15 +313,15 @@ class suite {
     for (int i = 0; i < o_.workers; ++i) workers_.push_back(start_worker(i));
     // A baseline: every worker holds a known version.
     if (!recover("baseline"))
-      throw_error(errc::io_error, "the baseline update failed (" + (r_.problems.empty() ? std::string("?") : r_.problems.back()) +
-                                      "); see " + dir_);
+      throw_error(errc::io_error, "the baseline update failed (" +
+                                      (r_.problems.empty() ? std::string("?") : r_.problems.back()) + "); see " + dir_);
     for (auto& w : workers_) {
       w.fds = count_entries("/proc/" + std::to_string(w.proc.pid) + "/fd");
       w.threads = count_entries("/proc/" + std::to_string(w.proc.pid) + "/task");
     }
-    std::vector<std::string> kinds = {"kill_trainer", "kill_worker",    "corrupt",
-                                      "stall",        "impostor",       "slow",
-                                      "stale_trainer", "staged_kill_after_chunk", "frozen_trainer"};
+    std::vector<std::string> kinds = {"kill_trainer",  "kill_worker", "corrupt",       "stall",
+                                      "impostor",      "slow",        "stale_trainer", "staged_kill_after_chunk",
+                                      "frozen_trainer"};
     if (o_.workers >= 3) {
       kinds.push_back("chain_kill_middle");
       kinds.push_back("chain_corrupt");
@@ -394,8 +393,8 @@ class suite {
 
   worker start_worker(int index) {
     worker w;
-    w.proc = start({o_.binary, "--role", "worker", "--timeout-ms", std::to_string(o_.timeout_ms),
-                    "--auth-secret-file", secret_file_},
+    w.proc = start({o_.binary, "--role", "worker", "--timeout-ms", std::to_string(o_.timeout_ms), "--auth-secret-file",
+                    secret_file_},
                    dir_ + "/worker" + std::to_string(index) + ".log");
     std::string line;
     const auto until = clock_type::now() + 10s;
@@ -413,8 +412,8 @@ class suite {
     if (std::sscanf(line.c_str(), "REFIT_WORKER_PORT %u", &port) != 1)
       throw_error(errc::protocol_error, "worker printed '" + line + "'");
     w.port = static_cast<std::uint16_t>(port);
-    w.client = std::make_unique<control::client>(io_.get_executor(), std::chrono::milliseconds(o_.timeout_ms * 2),
-                                                 secret_);
+    w.client =
+        std::make_unique<control::client>(io_.get_executor(), std::chrono::milliseconds(o_.timeout_ms * 2), secret_);
     run_sync(w.client->connect("127.0.0.1", w.port));
     return w;
   }
@@ -466,7 +465,8 @@ class suite {
   // on the live session must be refused.
   // Two waves: mid-chunk, then (`between`) once the chunk is received and the
   // session waits for its finish.
-  asio::awaitable<void> stale_calls(std::uint16_t port, std::shared_ptr<std::vector<std::pair<std::string, std::string>>> out,
+  asio::awaitable<void> stale_calls(std::uint16_t port,
+                                    std::shared_ptr<std::vector<std::pair<std::string, std::string>>> out,
                                     std::shared_ptr<bool> done, bool between) {
     control::client c(io_.get_executor(), std::chrono::milliseconds(o_.timeout_ms * 2), secret_);
     try {
@@ -485,8 +485,10 @@ class suite {
             co_await t.async_wait(asio::use_awaitable);
           }
         }
-        if (window) co_await stale_wave(c, *out);
-        else out->emplace_back("the window between update and finish", "never seen");
+        if (window)
+          co_await stale_wave(c, *out);
+        else
+          out->emplace_back("the window between update and finish", "never seen");
       }
     } catch (const error& e) {
       out->emplace_back("connect", std::string(errc_name(e.kind())));
@@ -502,7 +504,8 @@ class suite {
       const std::vector<std::pair<std::string, json>> calls = {
           {"finish_weight_update", {{"weight_version", 999}}},
           {"init_weight_transfer_engine",
-           {{"init_info", {{"master_address", "127.0.0.1"}, {"master_port", 1}, {"rank_offset", 1}, {"world_size", 2}}}}},
+           {{"init_info",
+             {{"master_address", "127.0.0.1"}, {"master_port", 1}, {"rank_offset", 1}, {"world_size", 2}}}}},
           {"update_weights", {{"update_info", update_info}}},
           {"start_weight_update", json::object()}};
       for (const auto& [method, params] : calls) {
@@ -530,9 +533,12 @@ class suite {
     std::shared_ptr<bool> eof = std::make_shared<bool>(false);
   };
   running_trainer start_trainer(const std::vector<std::string>& extra, const std::string& log) {
-    std::vector<std::string> args = {o_.binary,        "--quiet",        "--model-bytes", o_.model_bytes,
-                                     "--layers",       "2",              "--vocab",       "4000",
-                                     "--buffer-bytes", "1M",             "--num-buffers", "2",
+    std::vector<std::string> args = {o_.binary,        "--quiet",
+                                     "--model-bytes",  o_.model_bytes,
+                                     "--layers",       "2",
+                                     "--vocab",        "4000",
+                                     "--buffer-bytes", "1M",
+                                     "--num-buffers",  "2",
                                      "--timeout-ms",   std::to_string(o_.timeout_ms)};
     std::string ports;
     for (auto& w : workers_) ports += (ports.empty() ? "" : ",") + std::to_string(w.port);
@@ -594,9 +600,9 @@ class suite {
   // A full update by a new trainer that every worker must verify.
   bool recover(const std::string& why) {
     const int round = ++version_;
-    auto r = run_trainer({"--first-round", std::to_string(round), "--updates", "1", "--checksums",
-                          "--auth-secret-file", secret_file_},
-                         nullptr, dir_ + "/trainer-" + std::to_string(round) + "-recover.log");
+    auto r = run_trainer(
+        {"--first-round", std::to_string(round), "--updates", "1", "--checksums", "--auth-secret-file", secret_file_},
+        nullptr, dir_ + "/trainer-" + std::to_string(round) + "-recover.log");
     const bool ok = r.exited && WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0 && r.last.is_object() &&
                     r.last.value("verified", false);
     if (!ok) {
@@ -665,8 +671,8 @@ class suite {
       return {};
     }
     if (v != old_version && (!new_version || v != *new_version))
-      return "says clean at version " + std::to_string(v) + ", neither the old (" + std::to_string(old_version) +
-             ")" + (new_version ? " nor the new (" + std::to_string(*new_version) + ")" : std::string());
+      return "says clean at version " + std::to_string(v) + ", neither the old (" + std::to_string(old_version) + ")" +
+             (new_version ? " nor the new (" + std::to_string(*new_version) + ")" : std::string());
     auto known = fingerprints_.find(v);
     if (known == fingerprints_.end() || !compare_fingerprints(known->second, fingerprint_of(workers_[i])).empty())
       return "says clean at version " + std::to_string(v) + " but holds other weights";
@@ -693,10 +699,10 @@ class suite {
     // It holds between its chunk and its finish longer than the session timeout
     // (the workers' --timeout-ms); frozen, it resumes after the hold, so its
     // finish comes at once.
-    running_trainer t = start_trainer({"--first-round", std::to_string(round), "--updates", "1", "--commit", commit,
-                                       "--auth-secret-file", secret_file_, "--hold-before-finish-ms",
-                                       std::to_string(o_.timeout_ms * 3)},
-                                      dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + kind + ".log");
+    running_trainer t = start_trainer(
+        {"--first-round", std::to_string(round), "--updates", "1", "--commit", commit, "--auth-secret-file",
+         secret_file_, "--hold-before-finish-ms", std::to_string(o_.timeout_ms * 3)},
+        dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + kind + ".log");
     if (!every_chunk_received(std::chrono::milliseconds(o_.timeout_ms * 6) + 20s)) {
       missed.push_back("the workers never all held their chunk");
     }
@@ -709,8 +715,8 @@ class suite {
       after[i] = settled_info(workers_[i]);
       if (!after[i]) {
         hang = true;
-        missed.push_back("worker " + std::to_string(i) + " kept the session of a " +
-                         (frozen ? "frozen" : "dead") + " trainer, or stopped answering");
+        missed.push_back("worker " + std::to_string(i) + " kept the session of a " + (frozen ? "frozen" : "dead") +
+                         " trainer, or stopped answering");
         continue;
       }
       const std::string e = (*after[i])["last_error"].is_string() ? (*after[i])["last_error"].get<std::string>() : "";
@@ -728,8 +734,10 @@ class suite {
       // A replacement trainer takes over; then the frozen one resumes, and its
       // finish must be refused and change nothing.
       const bool recovered = recover(name);
-      if (recovered) ++r_.recoveries;
-      else ++r_.recoveries_failed;
+      if (recovered)
+        ++r_.recoveries;
+      else
+        ++r_.recoveries_failed;
       kill(t.proc.pid, SIGCONT);
       trainer_result late = wait_trainer(t, std::chrono::milliseconds(o_.timeout_ms * 6) + 20s);
       if (!late.exited) {
@@ -755,8 +763,10 @@ class suite {
       }
     } else {
       wait_trainer(t, 5s);
-      if (recover(name)) ++r_.recoveries;
-      else ++r_.recoveries_failed;
+      if (recover(name))
+        ++r_.recoveries;
+      else
+        ++r_.recoveries_failed;
     }
     if (hang) ++r_.hangs;
     if (missed.empty()) {
@@ -767,11 +777,12 @@ class suite {
     }
     char took[64];
     std::snprintf(took, sizeof took, "%.2f s", aborted_after);
-    say(name + ": " + (missed.empty() ? std::string("every session aborted within ") + took +
-                                            (commit == "staged" ? ", the old weights clean at the old version"
-                                                                : ", the weights dirty (in_place)") +
-                                            (frozen ? "; the resumed trainer was refused" : "")
-                                      : "MISSED: " + missed.front()));
+    say(name + ": " +
+        (missed.empty() ? std::string("every session aborted within ") + took +
+                              (commit == "staged" ? ", the old weights clean at the old version"
+                                                  : ", the weights dirty (in_place)") +
+                              (frozen ? "; the resumed trainer was refused" : "")
+                        : "MISSED: " + missed.front()));
   }
 
   void scenario(const std::string& kind, const std::string& commit) {
@@ -839,13 +850,13 @@ class suite {
     }
     for (auto& p : proxies) p->start();
 
-    std::vector<std::string> extra = {"--first-round",  std::to_string(round),
-                                      "--updates",      "1",
-                                      "--commit",       commit,
-                                      "--master-port",  std::to_string(master),
-                                      "--advertise-port", advertise,
+    std::vector<std::string> extra = {"--first-round",      std::to_string(round),
+                                      "--updates",          "1",
+                                      "--commit",           commit,
+                                      "--master-port",      std::to_string(master),
+                                      "--advertise-port",   advertise,
                                       "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_,
-                                      "--topology", chain ? "chain" : "star"};
+                                      "--topology",         chain ? "chain" : "star"};
     if (kind == "corrupt" || kind == "chain_corrupt") extra.push_back("--checksums");
     if (kind == "stale_trainer") {
       extra.push_back("--hold-before-finish-ms");
@@ -871,10 +882,12 @@ class suite {
       if (!stale_finished_) missed.push_back("the stale calls did not complete");
       if (stale->size() < 8) missed.push_back("only " + std::to_string(stale->size()) + " of 8 stale calls were made");
       for (const auto& [call, kind_got] : *stale)
-        if (kind_got != "invalid_state") missed.push_back("the stale " + call + " got '" + kind_got + "', not invalid_state");
+        if (kind_got != "invalid_state")
+          missed.push_back("the stale " + call + " got '" + kind_got + "', not invalid_state");
       const bool verified = !hang && result.last.is_object() && result.last.value("verified", false);
       if (!verified)
-        missed.push_back("the live update did not verify: " + (result.last.is_object() ? result.last.dump() : "no JSON"));
+        missed.push_back("the live update did not verify: " +
+                         (result.last.is_object() ? result.last.dump() : "no JSON"));
       if (hang) ++r_.hangs;
       if (verified) {
         version_ = round;
@@ -890,8 +903,8 @@ class suite {
         if (state == "clean" && (known == fingerprints_.end() ||
                                  !compare_fingerprints(known->second, fingerprint_of(workers_[i])).empty())) {
           ++r_.lost;
-          r_.problems.push_back(name + ": worker " + std::to_string(i) + " says clean at version " +
-                                std::to_string(v) + " but holds other weights");
+          r_.problems.push_back(name + ": worker " + std::to_string(i) + " says clean at version " + std::to_string(v) +
+                                " but holds other weights");
         }
       }
       if (missed.empty()) {
@@ -900,10 +913,13 @@ class suite {
       } else {
         for (auto& m : missed) r_.problems.push_back(name + ": " + m);
       }
-      say(name + ": " + (missed.empty() ? "every stale call refused; the live update verified" : "MISSED: " + missed.front()));
+      say(name + ": " +
+          (missed.empty() ? "every stale call refused; the live update verified" : "MISSED: " + missed.front()));
       if (!verified) {
-        if (recover(name)) ++r_.recoveries;
-        else ++r_.recoveries_failed;
+        if (recover(name))
+          ++r_.recoveries;
+        else
+          ++r_.recoveries_failed;
       }
       return;
     }
@@ -979,8 +995,8 @@ class suite {
       for (std::size_t i = static_cast<std::size_t>(victim) + 1; i < workers_.size(); ++i) {
         const std::string e = worker_error(i);
         if (e.find("peer_lost") == std::string::npos)
-          missed.push_back("worker " + std::to_string(i) + " (after the lost one) did not fail at once with peer_lost: '" +
-                           e + "'");
+          missed.push_back("worker " + std::to_string(i) +
+                           " (after the lost one) did not fail at once with peer_lost: '" + e + "'");
         else if (e.find(rank) == std::string::npos && i == static_cast<std::size_t>(victim) + 1)
           missed.push_back("worker " + std::to_string(i) + " did not name the lost " + rank + ": '" + e + "'");
       }
@@ -1022,8 +1038,8 @@ class suite {
       // staged update failed), or, in_place only, dirty: claiming no version.
       const bool failed_here = !worker_error(i).empty();
       const bool staged_failure = failed_here && commit == "staged";
-      std::string lost = not_at_a_version(i, *after[i], version_,
-                                          staged_failure ? std::nullopt : std::optional<int>(round), commit);
+      std::string lost =
+          not_at_a_version(i, *after[i], version_, staged_failure ? std::nullopt : std::optional<int>(round), commit);
       if (staged_failure && !lost.empty()) lost = "a failed staged update changed the weights: " + lost;
       if (!lost.empty()) {
         ++r_.lost;
@@ -1046,8 +1062,10 @@ class suite {
       workers_[victim].client->close();
       workers_[victim] = start_worker(victim);
     }
-    if (recover(name)) ++r_.recoveries;
-    else ++r_.recoveries_failed;
+    if (recover(name))
+      ++r_.recoveries;
+    else
+      ++r_.recoveries_failed;
   }
 
   options o_;
@@ -1079,12 +1097,18 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--binary") o.binary = value();
-    else if (a == "--rounds") o.rounds = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--seed") o.seed = std::strtoull(value().c_str(), nullptr, 10);
-    else if (a == "--workers") o.workers = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--timeout-ms") o.timeout_ms = std::max(200, std::atoi(value().c_str()));
-    else if (a == "--short") o.rounds = 1;
+    if (a == "--binary")
+      o.binary = value();
+    else if (a == "--rounds")
+      o.rounds = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--seed")
+      o.seed = std::strtoull(value().c_str(), nullptr, 10);
+    else if (a == "--workers")
+      o.workers = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--timeout-ms")
+      o.timeout_ms = std::max(200, std::atoi(value().c_str()));
+    else if (a == "--short")
+      o.rounds = 1;
     else {
       std::fprintf(stderr,
                    "usage: suite --binary PATH/weight_sync [--rounds N] [--seed S] [--workers N] [--timeout-ms MS] "
@@ -1109,8 +1133,8 @@ int main(int argc, char** argv) {
     return r["passed"].get<bool>() ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[fault] suite error: %s\n", e.what());
-    std::cout << json{{"error", e.what()}, {"faults_injected", 0}, {"faults_detected", 0}, {"lost_updates", -1},
-                      {"hangs", -1}, {"passed", false}}
+    std::cout << json{{"error", e.what()},  {"faults_injected", 0}, {"faults_detected", 0},
+                      {"lost_updates", -1}, {"hangs", -1},          {"passed", false}}
                      .dump()
               << std::endl;
     return 1;

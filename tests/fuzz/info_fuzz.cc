@@ -7,12 +7,12 @@
 #include <string_view>
 #include <vector>
 
-#include <refit/engines/cuda_ipc/torch_ipc.h>
-#include <refit/engines/tcp/tcp.h>
 #include <refit/backend/bucket_plan.h>
+#include <refit/backend/json_reader.h>
 #include <refit/config.h>
 #include <refit/engine.h>
-#include <refit/backend/json_reader.h>
+#include <refit/engines/cuda_ipc/torch_ipc.h>
+#include <refit/engines/tcp/tcp.h>
 #include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 

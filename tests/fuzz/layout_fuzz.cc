@@ -7,11 +7,11 @@
 #include <string_view>
 #include <vector>
 
+#include <refit/backend/infos.h>
 #include <refit/backend/json_reader.h>
 #include <refit/layout/layout.h>
-#include <refit/metadata.h>
 #include <refit/layout/transfer_plan.h>
-#include <refit/backend/infos.h>
+#include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 
 namespace refit::fuzz {

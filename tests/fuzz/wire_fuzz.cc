@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include <refit/backend/links/wire.h>
 #include <refit/backend/bucket_plan.h>
+#include <refit/backend/links/wire.h>
 #include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 
@@ -103,8 +103,7 @@ bool run(std::span<const std::uint8_t> input) {
   for (const bucket& b : plan.buckets) {
     const auto h = decode_at<wire::bucket_header>(stream, sizeof(wire::update) + b.index * sizeof(wire::bucket_header));
     const std::string why = wire::check_bucket_header(h, b.index, b.payload_bytes, params.checksums);
-    const bool header_ok = h.magic == wire::bucket_magic && h.index == b.index &&
-                           h.payload_bytes == b.payload_bytes &&
+    const bool header_ok = h.magic == wire::bucket_magic && h.index == b.index && h.payload_bytes == b.payload_bytes &&
                            ((h.flags & wire::flag_checksum) != 0) == params.checksums;
     check(why.empty() == header_ok, "check_bucket_header", "wrong verdict");
     if (!why.empty()) return false;
@@ -118,7 +117,10 @@ bool run(std::span<const std::uint8_t> input) {
 bool refit_fuzz_one(const std::uint8_t* data, std::size_t size) {
   bool ok = false;
   // Every shape here is valid and small: nothing may throw at all.
-  refit::fuzz::check(refit::fuzz::expect("wire", {}, [&] { ok = refit::fuzz::run({data, size}); }), "wire",
-                     "an error was thrown");
+  refit::fuzz::check(refit::fuzz::expect("wire", {},
+                                         [&] {
+                                           ok = refit::fuzz::run({data, size});
+                                         }),
+                     "wire", "an error was thrown");
   return ok;
 }

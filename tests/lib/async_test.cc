@@ -8,22 +8,22 @@
 #include <thread>
 #include <vector>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <asio/bind_executor.hpp>
 #include <asio/io_context.hpp>
 #include <asio/steady_timer.hpp>
 #include <asio/strand.hpp>
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/drain_scope.h>
 #include <refit/backend/async/event.h>
-#include <refit/internal/lag_probe.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/async/slot_ring.h>
+#include <refit/internal/lag_probe.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 
@@ -359,8 +359,7 @@ asio::awaitable<void> offload_throwing(asio::any_io_executor pool, asio::io_cont
   r.resumed_on_caller = io.get_executor().running_in_this_thread();
 }
 
-asio::awaitable<void> offload_void(asio::any_io_executor pool, asio::io_context& io, offload_record& r,
-                                   bool fail) {
+asio::awaitable<void> offload_void(asio::any_io_executor pool, asio::io_context& io, offload_record& r, bool fail) {
   try {
     co_await async::offload(pool, [&r, fail] {
       r.worker = std::this_thread::get_id();
@@ -546,8 +545,8 @@ TEST(with_deadline, an_event_wait_is_cancelled_by_the_deadline) {
 // lost) was then reported as errc::timeout once the whole deadline had passed.
 TEST(with_deadline, failure_of_the_operation_is_reported_not_masked_as_timeout) {
   asio::io_context io;
-  auto r = spawn(io, async::with_deadline(fail_now(errc::peer_lost, "tcp: connection reset by trainer"),
-                                          200ms, "tcp: bucket 0"));
+  auto r = spawn(
+      io, async::with_deadline(fail_now(errc::peer_lost, "tcp: connection reset by trainer"), 200ms, "tcp: bucket 0"));
   ASSERT_TRUE(testing::run(io, 30s));
   ASSERT_TRUE(r->error);
   EXPECT_EQ(r->kind(), static_cast<int>(errc::peer_lost)) << r->message();
@@ -635,12 +634,14 @@ TEST(all_of, rethrows_the_first_error_only_after_all_finished) {
 TEST(lag_probe, reports_the_largest_stall_of_the_loop_and_resets) {
   asio::io_context io;
   async::lag_probe probe(io.get_executor());
-  testing::run_until(io, [] { return false; }, 50ms);
+  testing::run_until(
+      io, [] { return false; }, 50ms);
   auto quiet = probe.take();
   EXPECT_GT(quiet.samples, 10u);
   EXPECT_LT(quiet.max_ms, 40.0);
   asio::post(io, [] { std::this_thread::sleep_for(40ms); });  // a handler that blocks the loop
-  testing::run_until(io, [] { return false; }, 100ms);
+  testing::run_until(
+      io, [] { return false; }, 100ms);
   auto stalled = probe.take();
   EXPECT_GE(stalled.max_ms, 35.0) << "the 40 ms stall went unseen";
   EXPECT_GT(stalled.samples, 0u);

@@ -16,15 +16,15 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <asio/buffer.hpp>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
+#include <refit/backend/net.h>
 #include <refit/error.h>
 #include <refit/internal/hex.h>
-#include <refit/backend/net.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 
@@ -62,11 +62,14 @@ connection connect_pair(asio::io_context& io) {
 }
 
 bool run_until_done(asio::io_context& io, const std::vector<outcome_ptr>& all) {
-  return testing::run_until(io, [&] {
-    for (const auto& o : all)
-      if (!o->done) return false;
-    return true;
-  }, 30s);
+  return testing::run_until(
+      io,
+      [&] {
+        for (const auto& o : all)
+          if (!o->done) return false;
+        return true;
+      },
+      30s);
 }
 
 // ---- little-endian wire helpers for the hand-written peers ----
@@ -107,8 +110,7 @@ struct results {
   outcome_ptr server, client;
 };
 
-results handshake(std::string server_secret, std::string client_secret,
-                  std::chrono::milliseconds deadline = generous) {
+results handshake(std::string server_secret, std::string client_secret, std::chrono::milliseconds deadline = generous) {
   asio::io_context io;
   auto c = connect_pair(io);
   results r;
@@ -206,13 +208,13 @@ asio::awaitable<void> spec_client(tcp::socket& s, std::string secret, std::share
   co_await net::read_exact(s, asio::buffer(*challenge), generous, "spec client: challenge");
   bytes response = message(auth::response_bytes, auth::flag_has_secret);
   for (std::size_t i = 0; i < auth::nonce_bytes; ++i) response[16 + i] = static_cast<std::uint8_t>(0xa0 + i);
-  auto mac = auth::hmac_sha256(secret, proof_input("refit-auth-v1 client", challenge->data() + 16,
-                                                   response.data() + 16));
+  auto mac =
+      auth::hmac_sha256(secret, proof_input("refit-auth-v1 client", challenge->data() + 16, response.data() + 16));
   std::memcpy(response.data() + 48, mac.data(), mac.size());
   co_await net::write_all(s, asio::buffer(response), generous, "spec client: response");
   co_await net::read_exact(s, asio::buffer(*verdict), generous, "spec client: verdict");
-  auto expected = auth::hmac_sha256(secret, proof_input("refit-auth-v1 server", response.data() + 16,
-                                                        challenge->data() + 16));
+  auto expected =
+      auth::hmac_sha256(secret, proof_input("refit-auth-v1 server", response.data() + 16, challenge->data() + 16));
   if (std::memcmp(expected.data(), verdict->data() + 16, expected.size()) != 0)
     throw_error(errc::auth_error, "spec client: the server's proof is not the documented one");
 }

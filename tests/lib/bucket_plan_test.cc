@@ -274,12 +274,8 @@ TEST(plan_buckets, split_tensor_closes_the_open_bucket_and_later_tensors_start_a
 
 TEST(plan_buckets, zero_size_tensors_ride_in_packed_buckets) {
   update_metadata meta;
-  meta.tensors = {{"e0", dtype::float32, {0}},
-                  {"x", dtype::int8, {10}},
-                  {"e1", dtype::bfloat16, {4, 0}},
-                  {"big", dtype::int8, {5000}},
-                  {"e2", dtype::float32, {0}},
-                  {"big2", dtype::int8, {5000}}};
+  meta.tensors = {{"e0", dtype::float32, {0}},  {"x", dtype::int8, {10}},    {"e1", dtype::bfloat16, {4, 0}},
+                  {"big", dtype::int8, {5000}}, {"e2", dtype::float32, {0}}, {"big2", dtype::int8, {5000}}};
   auto plan = plan_buckets(meta, wire(4096));
   check_invariants(meta, wire(4096), plan);
   // {e0, x, e1} | big x2 | {e2} (a packed bucket of no bytes) | big2 x2
@@ -332,11 +328,21 @@ TEST(plan_buckets, is_deterministic_and_holds_its_invariants_on_varied_updates) 
       dtype t = types[rng() % 4];
       std::int64_t elems;
       switch (rng() % 5) {
-        case 0: elems = 0; break;
-        case 1: elems = static_cast<std::int64_t>(rng() % 8); break;
-        case 2: elems = static_cast<std::int64_t>(rng() % 2000); break;
-        case 3: elems = static_cast<std::int64_t>(cap / element_size(t)); break;  // exact fit
-        default: elems = static_cast<std::int64_t>(rng() % 20000); break;
+        case 0:
+          elems = 0;
+          break;
+        case 1:
+          elems = static_cast<std::int64_t>(rng() % 8);
+          break;
+        case 2:
+          elems = static_cast<std::int64_t>(rng() % 2000);
+          break;
+        case 3:
+          elems = static_cast<std::int64_t>(cap / element_size(t));
+          break;  // exact fit
+        default:
+          elems = static_cast<std::int64_t>(rng() % 20000);
+          break;
       }
       meta.tensors.push_back({"r" + std::to_string(round) + "." + std::to_string(i), t, {elems}});
     }

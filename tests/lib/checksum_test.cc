@@ -38,7 +38,8 @@ TEST(checksum, equals_one_shot_xxh3_for_every_split_and_size) {
         buffers.emplace_back(bytes.data() + at, take);
         at += take;
       }
-      if (split == 4) buffers.insert(buffers.begin(), asio::const_buffer(bytes.data(), 0));  // empty pieces count for nothing
+      if (split == 4)
+        buffers.insert(buffers.begin(), asio::const_buffer(bytes.data(), 0));  // empty pieces count for nothing
       EXPECT_EQ(checksum(buffers), expected) << n << " bytes in " << buffers.size() << " buffers";
     }
   }

@@ -44,8 +44,7 @@ std::uint16_t bits_of(_Float16 h) { return std::bit_cast<std::uint16_t>(h); }
 
 // "Same value": bit-identical, or both NaN with the same sign.
 bool same_float(float a, float b) {
-  if (std::isnan(a) || std::isnan(b))
-    return std::isnan(a) && std::isnan(b) && std::signbit(a) == std::signbit(b);
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) && std::signbit(a) == std::signbit(b);
   return bits_of(a) == bits_of(b);
 }
 
@@ -71,11 +70,9 @@ struct mismatches {
 
 // Calls f(float) for every float whose bits are begin + k * stride, below end.
 template <class F>
-std::uint64_t for_strided_floats(std::uint64_t stride, std::uint64_t begin, std::uint64_t end,
-                                 F&& f) {
+std::uint64_t for_strided_floats(std::uint64_t stride, std::uint64_t begin, std::uint64_t end, F&& f) {
   std::uint64_t n = 0;
-  for (std::uint64_t b = begin; b < end; b += stride, ++n)
-    f(float_of(static_cast<std::uint32_t>(b)));
+  for (std::uint64_t b = begin; b < end; b += stride, ++n) f(float_of(static_cast<std::uint32_t>(b)));
   return n;
 }
 
@@ -97,8 +94,7 @@ struct ieee16 {
   int M, bias;
   std::uint16_t inf_code, nan_code;
   std::vector<double> mags;
-  ieee16(int m, int b, std::uint16_t inf, std::uint16_t nan)
-      : M(m), bias(b), inf_code(inf), nan_code(nan) {
+  ieee16(int m, int b, std::uint16_t inf, std::uint16_t nan) : M(m), bias(b), inf_code(inf), nan_code(nan) {
     for (std::uint32_t c = 0; c <= inf; ++c) mags.push_back(definition_value(c, M, bias));
   }
   // Nearest by search over the sorted magnitudes, ties to the even code.
@@ -276,15 +272,12 @@ TEST(convert_fp16, decodes_all_65536_patterns_like_float16) {
   for (std::uint32_t b = 0; b < 0x10000; ++b) {
     const float want = static_cast<float>(std::bit_cast<_Float16>(static_cast<std::uint16_t>(b)));
     const float got = fp16_to_float(static_cast<std::uint16_t>(b));
-    m.check(same_float(got, want), [&] {
-      return "fp16 " + hex(b) + ": got " + hex(bits_of(got)) + ", _Float16 gives " +
-             hex(bits_of(want));
-    });
+    m.check(same_float(got, want),
+            [&] { return "fp16 " + hex(b) + ": got " + hex(bits_of(got)) + ", _Float16 gives " + hex(bits_of(want)); });
     // And by the definition, for the finite ones.
     if ((b & 0x7c00) != 0x7c00) {
       const double v = definition_value(b & 0x7fff, 10, 15);
-      m.check(static_cast<double>(got) == ((b & 0x8000) ? -v : v),
-              [&] { return "fp16 definition " + hex(b); });
+      m.check(static_cast<double>(got) == ((b & 0x8000) ? -v : v), [&] { return "fp16 definition " + hex(b); });
     }
   }
   EXPECT_EQ(m.checked, 65536u + 63488u);
@@ -293,21 +286,18 @@ TEST(convert_fp16, decodes_all_65536_patterns_like_float16) {
 void check_fp16_encode(mismatches& m, float x) {
   const std::uint16_t got = float_to_fp16(x);
   if (std::isnan(x)) {
-    m.check(got == (std::signbit(x) ? 0xfe00 : 0x7e00),
-            [&] { return "fp16 NaN " + hex(bits_of(x)); });
+    m.check(got == (std::signbit(x) ? 0xfe00 : 0x7e00), [&] { return "fp16 NaN " + hex(bits_of(x)); });
     return;
   }
   const std::uint16_t want = bits_of(static_cast<_Float16>(x));
-  m.check(got == want, [&] {
-    return "float " + hex(bits_of(x)) + " -> fp16: got " + hex(got) + ", _Float16 gives " +
-           hex(want);
-  });
+  m.check(got == want,
+          [&] { return "float " + hex(bits_of(x)) + " -> fp16: got " + hex(got) + ", _Float16 gives " + hex(want); });
 }
 
 TEST(convert_fp16, encodes_a_stride_of_all_floats_like_float16) {
   mismatches m;
-  const std::uint64_t n = for_strided_floats(wide_stride, 0x1234, 1ull << 32,
-                                             [&](float x) { check_fp16_encode(m, x); });
+  const std::uint64_t n =
+      for_strided_floats(wide_stride, 0x1234, 1ull << 32, [&](float x) { check_fp16_encode(m, x); });
   std::printf("fp16 encode: %llu strided floats\n", static_cast<unsigned long long>(n));
 }
 
@@ -321,8 +311,7 @@ TEST(convert_fp16, encodes_every_halfway_point_and_its_neighbours) {
     for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY)})
       for (float s : {x, -x}) {
         check_fp16_encode(m, s);
-        m.check(float_to_fp16(s) == ref.nearest(s),
-                [&] { return "fp16 reference " + hex(bits_of(s)); });
+        m.check(float_to_fp16(s) == ref.nearest(s), [&] { return "fp16 reference " + hex(bits_of(s)); });
       }
   }
   EXPECT_EQ(m.checked, 0x7c00u * 12);
@@ -330,9 +319,9 @@ TEST(convert_fp16, encodes_every_halfway_point_and_its_neighbours) {
 
 TEST(convert_fp16, encodes_specials) {
   mismatches m;
-  for (float x : {0.0f, -0.0f, INFINITY, -INFINITY, std::numeric_limits<float>::max(),
-                  std::numeric_limits<float>::min(), std::numeric_limits<float>::denorm_min(),
-                  -std::numeric_limits<float>::denorm_min()})
+  for (float x :
+       {0.0f, -0.0f, INFINITY, -INFINITY, std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
+        std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()})
     check_fp16_encode(m, x);
   // NaNs of every payload bit, both signs, quiet and signalling: always canonical.
   for (std::uint32_t p = 1; p < (1u << 23); p = p * 3 + 1)
@@ -345,8 +334,7 @@ TEST(convert_fp16, round_trips_every_value) {
     const auto h = static_cast<std::uint16_t>(b);
     const std::uint16_t back = float_to_fp16(fp16_to_float(h));
     const bool nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff);
-    m.check(back == (nan ? ((h & 0x8000) | 0x7e00) : h),
-            [&] { return "fp16 round trip " + hex(b); });
+    m.check(back == (nan ? ((h & 0x8000) | 0x7e00) : h), [&] { return "fp16 round trip " + hex(b); });
   }
 }
 
@@ -355,21 +343,18 @@ TEST(convert_fp16, round_trips_every_value) {
 TEST(convert_bf16, decodes_all_65536_patterns_by_definition) {
   mismatches m;
   for (std::uint32_t b = 0; b < 0x10000; ++b)
-    m.check(bits_of(bf16_to_float(static_cast<std::uint16_t>(b))) == b << 16,
-            [&] { return "bf16 " + hex(b); });
+    m.check(bits_of(bf16_to_float(static_cast<std::uint16_t>(b))) == b << 16, [&] { return "bf16 " + hex(b); });
 }
 
 void check_bf16_encode(mismatches& m, float x) {
   const std::uint16_t got = float_to_bf16(x), want = bf16_ref().nearest(x);
-  m.check(got == want, [&] {
-    return "float " + hex(bits_of(x)) + " -> bf16: got " + hex(got) + ", nearest is " + hex(want);
-  });
+  m.check(got == want,
+          [&] { return "float " + hex(bits_of(x)) + " -> bf16: got " + hex(got) + ", nearest is " + hex(want); });
 }
 
 TEST(convert_bf16, encodes_a_stride_of_all_floats_to_the_nearest) {
   mismatches m;
-  const std::uint64_t n =
-      for_strided_floats(wide_stride, 0x777, 1ull << 32, [&](float x) { check_bf16_encode(m, x); });
+  const std::uint64_t n = for_strided_floats(wide_stride, 0x777, 1ull << 32, [&](float x) { check_bf16_encode(m, x); });
   std::printf("bf16 encode: %llu strided floats\n", static_cast<unsigned long long>(n));
 }
 
@@ -402,8 +387,8 @@ class convert_fp8 : public ::testing::TestWithParam<const fp8_format*> {
   void check_encode(mismatches& m, float x) const {
     const std::uint8_t got = encode(f(), x), want = f().nearest(x);
     m.check(got == want, [&] {
-      return std::string(f().name) + ": float " + hex(bits_of(x)) + " (" + std::to_string(x) +
-             ") -> got " + hex(got) + ", nearest is " + hex(want);
+      return std::string(f().name) + ": float " + hex(bits_of(x)) + " (" + std::to_string(x) + ") -> got " + hex(got) +
+             ", nearest is " + hex(want);
     });
   }
 };
@@ -415,9 +400,8 @@ TEST_P(convert_fp8, decodes_all_256_patterns_by_definition) {
     if (f().is_nan[b]) {
       m.check(std::isnan(got) && std::signbit(got) == (b >= 0x80), [&] { return "NaN " + hex(b); });
     } else {
-      m.check(static_cast<double>(got) == f().table[b] && std::signbit(got) == (b >= 0x80), [&] {
-        return std::string(f().name) + " " + hex(b) + " decodes to " + std::to_string(got);
-      });
+      m.check(static_cast<double>(got) == f().table[b] && std::signbit(got) == (b >= 0x80),
+              [&] { return std::string(f().name) + " " + hex(b) + " decodes to " + std::to_string(got); });
     }
   }
   EXPECT_EQ(m.checked, 256u);
@@ -453,20 +437,17 @@ TEST_P(convert_fp8, saturates_overflow_and_infinities_and_keeps_nan_and_zero_sig
   const float max = fp8_max(f().max_code == 0x7e ? dtype::float8_e4m3fn : dtype::float8_e5m2);
   EXPECT_EQ(static_cast<double>(max), f().table[f().max_code]);
   mismatches m;
-  for (float x : {max, std::nextafter(max, INFINITY), max * 1.03125f, max * 1.0625f, max * 1.125f,
-                  max * 2, 1e10f, 1e30f, std::numeric_limits<float>::max(), INFINITY}) {
-    m.check(encode(f(), x) == f().max_code,
-            [&] { return std::string(f().name) + " " + std::to_string(x); });
-    m.check(encode(f(), -x) == (0x80 | f().max_code),
-            [&] { return std::string(f().name) + " -" + std::to_string(x); });
+  for (float x : {max, std::nextafter(max, INFINITY), max * 1.03125f, max * 1.0625f, max * 1.125f, max * 2, 1e10f,
+                  1e30f, std::numeric_limits<float>::max(), INFINITY}) {
+    m.check(encode(f(), x) == f().max_code, [&] { return std::string(f().name) + " " + std::to_string(x); });
+    m.check(encode(f(), -x) == (0x80 | f().max_code), [&] { return std::string(f().name) + " -" + std::to_string(x); });
     check_encode(m, x);
     check_encode(m, -x);
   }
   for (std::uint32_t p = 1; p < (1u << 23); p = p * 3 + 1)
     for (std::uint32_t s : {0u, 0x80000000u}) {
       const std::uint8_t got = encode(f(), float_of(s | 0x7f800000u | p));
-      m.check(got == ((s ? 0x80 : 0) | f().nan_code),
-              [&] { return std::string(f().name) + " NaN " + hex(p); });
+      m.check(got == ((s ? 0x80 : 0) | f().nan_code), [&] { return std::string(f().name) + " NaN " + hex(p); });
     }
   EXPECT_EQ(encode(f(), 0.0f), 0x00);
   EXPECT_EQ(encode(f(), -0.0f), 0x80);
@@ -490,8 +471,7 @@ TEST_P(convert_fp8, encodes_subnormal_range_densely) {
 
 TEST_P(convert_fp8, encodes_strided_samples_of_all_floats_and_the_fp8_range) {
   mismatches m;
-  std::uint64_t n =
-      for_strided_floats(fp8_stride, 0x55, 1ull << 32, [&](float x) { check_encode(m, x); });
+  std::uint64_t n = for_strided_floats(fp8_stride, 0x55, 1ull << 32, [&](float x) { check_encode(m, x); });
   // Denser over the magnitudes fp8 represents: 2^-24 .. 2^17.
   const std::uint64_t dense = sanitized ? 127 : 61;
   n += for_strided_floats(dense, bits_of(0x1p-24f), bits_of(0x1p17f), [&](float x) {
@@ -507,16 +487,13 @@ INSTANTIATE_TEST_SUITE_P(formats, convert_fp8, ::testing::Values(&e4m3fn(), &e5m
 
 // ---- tensors
 
-constexpr dtype all_dtypes[] = {dtype::bool_,   dtype::uint8,         dtype::int8,
-                                dtype::int16,   dtype::int32,         dtype::int64,
-                                dtype::float16, dtype::bfloat16,      dtype::float32,
-                                dtype::float64, dtype::float8_e4m3fn, dtype::float8_e5m2};
+constexpr dtype all_dtypes[] = {dtype::bool_,   dtype::uint8,   dtype::int8,          dtype::int16,
+                                dtype::int32,   dtype::int64,   dtype::float16,       dtype::bfloat16,
+                                dtype::float32, dtype::float64, dtype::float8_e4m3fn, dtype::float8_e5m2};
 constexpr dtype wide[] = {dtype::float32, dtype::bfloat16, dtype::float16};
 constexpr dtype fp8s[] = {dtype::float8_e4m3fn, dtype::float8_e5m2};
 
-bool in(dtype t, std::initializer_list<dtype> set) {
-  return std::find(set.begin(), set.end(), t) != set.end();
-}
+bool in(dtype t, std::initializer_list<dtype> set) { return std::find(set.begin(), set.end(), t) != set.end(); }
 
 TEST(convert_tensor, supported_pairs) {
   for (dtype s : all_dtypes)
@@ -525,8 +502,7 @@ TEST(convert_tensor, supported_pairs) {
       const bool wide_src = in(s, {dtype::float32, dtype::bfloat16, dtype::float16});
       const bool fp8_src = in(s, {dtype::float8_e4m3fn, dtype::float8_e5m2});
       const bool fp8_dst = in(d, {dtype::float8_e4m3fn, dtype::float8_e5m2});
-      EXPECT_EQ(can_convert(s, d), wide_dst && (wide_src || fp8_src))
-          << to_string(s) << " -> " << to_string(d);
+      EXPECT_EQ(can_convert(s, d), wide_dst && (wide_src || fp8_src)) << to_string(s) << " -> " << to_string(d);
       EXPECT_EQ(can_quantize(s, d), wide_src && fp8_dst) << to_string(s) << " -> " << to_string(d);
     }
 }
@@ -581,12 +557,11 @@ void encode_element(dtype t, float x, std::byte* p) {
 std::vector<std::byte> source_bytes(dtype t) {
   std::vector<std::uint32_t> values;
   if (t == dtype::float32) {
-    for (std::uint32_t b : {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u,
-                            0xffc00000u, 0x7f800001u, 0x7fbfffffu, 0xff812345u, 0x00000001u,
-                            0x807fffffu, 0x7f7fffffu, 0x477ff000u, 0x477fefffu, 0x7f7f8000u})
+    for (std::uint32_t b :
+         {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u, 0x7fbfffffu,
+          0xff812345u, 0x00000001u, 0x807fffffu, 0x7f7fffffu, 0x477ff000u, 0x477fefffu, 0x7f7f8000u})
       values.push_back(b);
-    for (std::uint64_t b = 3; b < (1ull << 32); b += 42953)
-      values.push_back(static_cast<std::uint32_t>(b));
+    for (std::uint64_t b = 3; b < (1ull << 32); b += 42953) values.push_back(static_cast<std::uint32_t>(b));
   } else {
     const std::uint32_t n = element_size(t) == 2 ? 0x10000 : 0x100;
     for (std::uint32_t b = 0; b < n; ++b) values.push_back(b);
@@ -635,8 +610,7 @@ void check_conversion(dtype s, dtype d, float scale) {
       encode_element(d, x, want.data());
     }
     if (std::memcmp(want.data(), dst.data() + i * element_size(d), want.size()) != 0 && ++bad <= 5)
-      ADD_FAILURE() << to_string(s) << " -> " << to_string(d) << " scale " << scale << ": element "
-                    << i << " differs";
+      ADD_FAILURE() << to_string(s) << " -> " << to_string(d) << " scale " << scale << ": element " << i << " differs";
   }
   EXPECT_EQ(bad, 0u) << to_string(s) << " -> " << to_string(d) << " over " << n << " elements";
   EXPECT_EQ(dst.storage[0], std::byte{0xa5}) << "wrote before the tensor";
@@ -673,8 +647,7 @@ TEST(quantize_fp8, divides_by_the_scale) {
       }
       const std::vector<std::int64_t> shape{static_cast<std::int64_t>(x.size())};
       std::vector<std::uint8_t> codes(x.size());
-      quantize_fp8(tensor_view("x", dtype::float32, shape, x.data()),
-                   tensor_view("q", q, shape, codes.data()), scale);
+      quantize_fp8(tensor_view("x", dtype::float32, shape, x.data()), tensor_view("q", q, shape, codes.data()), scale);
       for (std::size_t i = 0; i < x.size(); ++i) {
         ASSERT_EQ(codes[i], f.nearest(x[i] / scale)) << to_string(q) << " x=" << x[i];
         reciprocal_differs += f.nearest(x[i] * (1.0f / scale)) != codes[i];
@@ -695,17 +668,15 @@ TEST(convert_tensor, same_type_copy_keeps_nan_payloads) {
 
 TEST(convert_tensor, empty_tensors_convert_without_data) {
   const std::vector<std::int64_t> shape{0, 3};
-  convert_tensor(tensor_view("a", dtype::float32, shape, nullptr),
-                 tensor_view("b", dtype::bfloat16, shape, nullptr));
-  quantize_fp8(tensor_view("a", dtype::float32, shape, nullptr),
-               tensor_view("b", dtype::float8_e4m3fn, shape, nullptr), 2.0f);
-  EXPECT_EQ(fp8_scale(tensor_view("a", dtype::float32, shape, nullptr), dtype::float8_e4m3fn),
-            1.0f);
+  convert_tensor(tensor_view("a", dtype::float32, shape, nullptr), tensor_view("b", dtype::bfloat16, shape, nullptr));
+  quantize_fp8(tensor_view("a", dtype::float32, shape, nullptr), tensor_view("b", dtype::float8_e4m3fn, shape, nullptr),
+               2.0f);
+  EXPECT_EQ(fp8_scale(tensor_view("a", dtype::float32, shape, nullptr), dtype::float8_e4m3fn), 1.0f);
 }
 
 // The error names both tensors, says what is wrong, and leaves dst untouched.
-void expect_refused(const std::function<void()>& f, const std::string& why,
-                    const std::vector<std::byte>& dst_before, const std::vector<std::byte>& dst) {
+void expect_refused(const std::function<void()>& f, const std::string& why, const std::vector<std::byte>& dst_before,
+                    const std::vector<std::byte>& dst) {
   auto e = REFIT_THROWN(f());
   EXPECT_EQ(e.kind(), errc::invalid_argument) << e.what();
   EXPECT_THAT(e.message(), HasSubstr("'layer.weight'"));
@@ -739,38 +710,29 @@ TEST(convert_tensor, refuses_bad_arguments_naming_both_tensors) {
                       {dtype::float64, dtype::float32},
                       {dtype::float32, dtype::float64},
                       {dtype::uint8, dtype::float16}})
-    expect_refused([&] { convert_tensor(s(a, four), d(b, four)); }, "unsupported dtype pair",
-                   before, dst);
+    expect_refused([&] { convert_tensor(s(a, four), d(b, four)); }, "unsupported dtype pair", before, dst);
   // A device tensor on either side.
-  expect_refused(
-      [&] { convert_tensor(s(dtype::float32, four, device::cuda(0)), d(dtype::float16, four)); },
-      "host memory", before, dst);
-  expect_refused(
-      [&] { convert_tensor(s(dtype::float32, four), d(dtype::float16, four, device::cuda(1))); },
-      "host memory", before, dst);
+  expect_refused([&] { convert_tensor(s(dtype::float32, four, device::cuda(0)), d(dtype::float16, four)); },
+                 "host memory", before, dst);
+  expect_refused([&] { convert_tensor(s(dtype::float32, four), d(dtype::float16, four, device::cuda(1))); },
+                 "host memory", before, dst);
   // A scale for a non-fp8 source.
   for (float scale : {2.0f, 0.0f, -1.0f, NAN, INFINITY})
-    expect_refused(
-        [&] { convert_tensor(s(dtype::bfloat16, four), d(dtype::float32, four), scale); },
-        "a scale applies to fp8 sources only", before, dst);
+    expect_refused([&] { convert_tensor(s(dtype::bfloat16, four), d(dtype::float32, four), scale); },
+                   "a scale applies to fp8 sources only", before, dst);
   // A bad scale for an fp8 source.
   for (float scale : {0.0f, -0.0f, -2.0f, NAN, INFINITY, -INFINITY})
-    expect_refused(
-        [&] { convert_tensor(s(dtype::float8_e4m3fn, four), d(dtype::float32, four), scale); },
-        "must be finite and > 0", before, dst);
+    expect_refused([&] { convert_tensor(s(dtype::float8_e4m3fn, four), d(dtype::float32, four), scale); },
+                   "must be finite and > 0", before, dst);
   // Overlap.
   expect_refused(
       [&] {
-        convert_tensor(s(dtype::float32, four),
-                       tensor_view("staging.out", dtype::bfloat16, four, src.data() + 8));
+        convert_tensor(s(dtype::float32, four), tensor_view("staging.out", dtype::bfloat16, four, src.data() + 8));
       },
       "overlap", before, dst);
   // A null pointer with elements.
   expect_refused(
-      [&] {
-        convert_tensor(s(dtype::float32, four),
-                       tensor_view("staging.out", dtype::bfloat16, four, nullptr));
-      },
+      [&] { convert_tensor(s(dtype::float32, four), tensor_view("staging.out", dtype::bfloat16, four, nullptr)); },
       "null data pointer", before, dst);
 }
 
@@ -786,23 +748,18 @@ TEST(quantize_fp8, refuses_bad_arguments_naming_both_tensors) {
     return tensor_view("staging.out", t, shape, dst.data(), dev);
   };
   for (float scale : {0.0f, -1.0f, NAN, INFINITY})
-    expect_refused(
-        [&] { quantize_fp8(s(dtype::float32, four), d(dtype::float8_e4m3fn, four), scale); },
-        "must be finite and > 0", before, dst);
+    expect_refused([&] { quantize_fp8(s(dtype::float32, four), d(dtype::float8_e4m3fn, four), scale); },
+                   "must be finite and > 0", before, dst);
   for (auto [a, b] : {std::pair{dtype::float32, dtype::float16},
                       {dtype::float8_e4m3fn, dtype::float8_e5m2},
                       {dtype::int8, dtype::float8_e4m3fn},
                       {dtype::float64, dtype::float8_e5m2},
                       {dtype::float16, dtype::uint8}})
-    expect_refused([&] { quantize_fp8(s(a, four), d(b, four), 1.0f); }, "unsupported dtype pair",
-                   before, dst);
+    expect_refused([&] { quantize_fp8(s(a, four), d(b, four), 1.0f); }, "unsupported dtype pair", before, dst);
   expect_refused([&] { quantize_fp8(s(dtype::float32, three), d(dtype::float8_e5m2, four), 1.0f); },
                  "element counts differ: 3 vs 4", before, dst);
-  expect_refused(
-      [&] {
-        quantize_fp8(s(dtype::float32, four, device::cuda(0)), d(dtype::float8_e5m2, four), 1.0f);
-      },
-      "host memory", before, dst);
+  expect_refused([&] { quantize_fp8(s(dtype::float32, four, device::cuda(0)), d(dtype::float8_e5m2, four), 1.0f); },
+                 "host memory", before, dst);
 }
 
 // ---- per-tensor scales
@@ -813,8 +770,7 @@ std::vector<float> pseudo_random(std::size_t n, std::uint64_t seed) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
     const double u = static_cast<double>(seed >> 11) * 0x1p-53;  // [0, 1)
     // Magnitudes over 2^-20 .. 1, both signs.
-    x = static_cast<float>(std::ldexp(0.5 + u / 2, -static_cast<int>((seed >> 3) % 21)) *
-                           ((seed & 1) ? -1 : 1));
+    x = static_cast<float>(std::ldexp(0.5 + u / 2, -static_cast<int>((seed >> 3) % 21)) * ((seed & 1) ? -1 : 1));
   }
   return out;
 }
@@ -837,8 +793,8 @@ TEST(fp8_scale, maps_amax_onto_the_largest_value_and_round_trips_within_half_a_s
       quantize_fp8(xv, tensor_view("q", q, shape, codes.data()), scale);
       EXPECT_EQ(codes[at], 0x80 | f.max_code) << to_string(q) << " magnitude " << magnitude;
       std::vector<float> back(x.size());
-      convert_tensor(tensor_view("q", q, shape, codes.data()),
-                     tensor_view("back", dtype::float32, shape, back.data()), scale);
+      convert_tensor(tensor_view("q", q, shape, codes.data()), tensor_view("back", dtype::float32, shape, back.data()),
+                     scale);
       double worst = 0;
       for (std::size_t i = 0; i < x.size(); ++i) {
         ASSERT_FALSE(f.is_nan[codes[i]]);
@@ -867,19 +823,16 @@ TEST(fp8_scale, zeros_nans_infinities_and_tiny_values) {
   EXPECT_EQ(scale_of({NAN, 1.0f, -57344.0f, NAN}, dtype::float8_e5m2), 1.0f);
   // An infinity: an infinite scale, which quantize_fp8 refuses.
   std::vector<float> x{1.0f, -INFINITY, 2.0f, NAN};
-  const float inf_scale =
-      fp8_scale(tensor_view("x", dtype::float32, four, x.data()), dtype::float8_e4m3fn);
+  const float inf_scale = fp8_scale(tensor_view("x", dtype::float32, four, x.data()), dtype::float8_e4m3fn);
   EXPECT_TRUE(std::isinf(inf_scale) && inf_scale > 0);
   std::vector<std::uint8_t> q(4);
-  auto e =
-      REFIT_THROWN(quantize_fp8(tensor_view("x", dtype::float32, four, x.data()),
-                                tensor_view("q", dtype::float8_e4m3fn, four, q.data()), inf_scale));
+  auto e = REFIT_THROWN(quantize_fp8(tensor_view("x", dtype::float32, four, x.data()),
+                                     tensor_view("q", dtype::float8_e4m3fn, four, q.data()), inf_scale));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   // Tiny float32 amax: amax / 448 underflows; the scale stays positive and usable.
   for (float tiny : {std::numeric_limits<float>::denorm_min(), 0x1p-140f, 0x1p-130f}) {
     std::vector<float> t{tiny, -tiny / 2, 0.0f, tiny};
-    const float s =
-        fp8_scale(tensor_view("t", dtype::float32, four, t.data()), dtype::float8_e4m3fn);
+    const float s = fp8_scale(tensor_view("t", dtype::float32, four, t.data()), dtype::float8_e4m3fn);
     EXPECT_TRUE(std::isfinite(s) && s > 0) << tiny;
     EXPECT_NO_THROW(quantize_fp8(tensor_view("t", dtype::float32, four, t.data()),
                                  tensor_view("q", dtype::float8_e4m3fn, four, q.data()), s));
@@ -894,26 +847,23 @@ TEST(fp8_scale, reads_16_bit_sources) {
   std::vector<std::uint16_t> all(0x10000);
   for (std::uint32_t b = 0; b < all.size(); ++b) all[b] = static_cast<std::uint16_t>(b);
   const std::vector<std::int64_t> shape{0x10000};
-  EXPECT_TRUE(std::isinf(
-      fp8_scale(tensor_view("h", dtype::float16, shape, all.data()), dtype::float8_e4m3fn)));
+  EXPECT_TRUE(std::isinf(fp8_scale(tensor_view("h", dtype::float16, shape, all.data()), dtype::float8_e4m3fn)));
   std::vector<std::uint16_t> finite;
   for (std::uint16_t b : all)
     if ((b & 0x7c00) != 0x7c00) finite.push_back(b);
   const std::vector<std::int64_t> fshape{static_cast<std::int64_t>(finite.size())};
-  EXPECT_EQ(
-      fp8_scale(tensor_view("h", dtype::float16, fshape, finite.data()), dtype::float8_e4m3fn),
-      65504.0f / 448.0f);
+  EXPECT_EQ(fp8_scale(tensor_view("h", dtype::float16, fshape, finite.data()), dtype::float8_e4m3fn),
+            65504.0f / 448.0f);
   std::vector<std::uint16_t> bf{0x3f80, 0xc040, 0x7fc0, 0x0001};  // 1, -3, NaN, tiny
   const std::vector<std::int64_t> four{4};
-  EXPECT_EQ(fp8_scale(tensor_view("b", dtype::bfloat16, four, bf.data()), dtype::float8_e5m2),
-            3.0f / 57344.0f);
+  EXPECT_EQ(fp8_scale(tensor_view("b", dtype::bfloat16, four, bf.data()), dtype::float8_e5m2), 3.0f / 57344.0f);
 }
 
 TEST(fp8_scale, refuses_device_tensors_and_other_types) {
   std::vector<float> x{1, 2, 3, 4};
   const std::vector<std::int64_t> four{4};
-  auto e = REFIT_THROWN(fp8_scale(tensor_view("x", dtype::float32, four, x.data(), device::cuda(0)),
-                                  dtype::float8_e4m3fn));
+  auto e =
+      REFIT_THROWN(fp8_scale(tensor_view("x", dtype::float32, four, x.data(), device::cuda(0)), dtype::float8_e4m3fn));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   EXPECT_THAT(e.message(), HasSubstr("'x'"));
   EXPECT_THAT(e.message(), HasSubstr("host memory"));

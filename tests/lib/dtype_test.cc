@@ -19,12 +19,18 @@ struct dtype_case {
 };
 
 constexpr dtype_case all_dtypes[] = {
-    {dtype::bool_, "bool", 1},          {dtype::uint8, "uint8", 1},
-    {dtype::int8, "int8", 1},           {dtype::int16, "int16", 2},
-    {dtype::int32, "int32", 4},         {dtype::int64, "int64", 8},
-    {dtype::float16, "float16", 2},     {dtype::bfloat16, "bfloat16", 2},
-    {dtype::float32, "float32", 4},     {dtype::float64, "float64", 8},
-    {dtype::float8_e4m3fn, "float8_e4m3fn", 1}, {dtype::float8_e5m2, "float8_e5m2", 1},
+    {dtype::bool_, "bool", 1},
+    {dtype::uint8, "uint8", 1},
+    {dtype::int8, "int8", 1},
+    {dtype::int16, "int16", 2},
+    {dtype::int32, "int32", 4},
+    {dtype::int64, "int64", 8},
+    {dtype::float16, "float16", 2},
+    {dtype::bfloat16, "bfloat16", 2},
+    {dtype::float32, "float32", 4},
+    {dtype::float64, "float64", 8},
+    {dtype::float8_e4m3fn, "float8_e4m3fn", 1},
+    {dtype::float8_e5m2, "float8_e5m2", 1},
 };
 
 TEST(dtype, element_sizes_and_torch_names) {
@@ -66,9 +72,8 @@ TEST(dtype, unknown_name_is_named_and_accepted_names_are_listed) {
 }
 
 TEST(dtype, near_misses_are_rejected) {
-  for (const char* bad : {"", "torch.", "torch", "Float32", "FLOAT", "torch.torch.float32",
-                          " float32", "float32 ", "fp16", "bf16", "float8", "torch.Half",
-                          "torch:float32", "numpy.float32"}) {
+  for (const char* bad : {"", "torch.", "torch", "Float32", "FLOAT", "torch.torch.float32", " float32", "float32 ",
+                          "fp16", "bf16", "float8", "torch.Half", "torch:float32", "numpy.float32"}) {
     auto e = REFIT_THROWN(parse_dtype(bad));
     EXPECT_EQ(e.kind(), errc::invalid_argument) << "'" << bad << "'";
     EXPECT_THAT(e.message(), HasSubstr("'" + std::string(bad) + "'"));

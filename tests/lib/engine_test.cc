@@ -2,26 +2,26 @@
 // errors, deferred processing and the typed info parsers, driven through a small
 // probe engine whose transport the test controls.
 #include <refit/backend/engine.h>
-#include <refit/internal/engine_access.h>
 #include <refit/engine.h>
+#include <refit/internal/engine_access.h>
 
 #include <chrono>
 #include <cstring>
 #include <future>
 #include <memory>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
-#include <asio/io_context.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <asio/io_context.hpp>
 
-#include <refit/engines/loopback/loopback.h>
 #include <refit/backend/async/event.h>
-#include "tests/support/tensors.h"
+#include <refit/engines/loopback/loopback.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
+#include "tests/support/tensors.h"
 
 namespace refit {
 namespace {
@@ -66,8 +66,7 @@ struct batch {
   std::vector<std::vector<std::byte>> data;
 };
 
-asio::awaitable<void> process(std::shared_ptr<batch> b, load_weights_fn load, async::event& gate,
-                              bool fail) {
+asio::awaitable<void> process(std::shared_ptr<batch> b, load_weights_fn load, async::event& gate, bool fail) {
   co_await gate.wait();
   if (fail) throw_error(errc::processing_failed, "probe: load_weights rejected the batch");
   std::vector<tensor_view> views;
@@ -79,8 +78,7 @@ class probe_engine final : public backend::typed_engine<probe_init, probe_update
  public:
   probe_engine(const weight_transfer_config& config, const engine_context& context, bool defers)
       : typed_engine(config, context, {.direct_receive = true, .staged_commit = true, .defers_processing = defers}),
-        transport_gate(context.executor), process_gate(context.executor),
-        defers_(defers) {
+        transport_gate(context.executor), process_gate(context.executor), defers_(defers) {
     process_gate.set();
   }
   std::string_view backend() const noexcept override { return "probe"; }
@@ -89,9 +87,9 @@ class probe_engine final : public backend::typed_engine<probe_init, probe_update
   bool process_fails = false;
   bool direct = false;                   // receive into receive_target()'s destinations
   std::vector<const std::byte*> landed;  // where direct receives wrote
-  async::event transport_gate;  // blocks receive() of updates with "block"
-  async::event process_gate;    // holds processing (open by default)
-  std::vector<std::string> refusals;  // refuse_update calls: "<kind>: <reason>"
+  async::event transport_gate;           // blocks receive() of updates with "block"
+  async::event process_gate;             // holds processing (open by default)
+  std::vector<std::string> refusals;     // refuse_update calls: "<kind>: <reason>"
 
  protected:
   asio::awaitable<void> init(const probe_init& info) override {
@@ -226,7 +224,8 @@ TEST_F(engine_test, parse_update_info_names_engine_and_member) {
   j = update_json();
   j["names"].push_back("c");
   e = REFIT_THROWN(engine->parse_update_info(j));
-  EXPECT_THAT(e.message(), HasSubstr("probe update_info: 'names', 'dtype_names' and 'shapes' must have the same length"));
+  EXPECT_THAT(e.message(),
+              HasSubstr("probe update_info: 'names', 'dtype_names' and 'shapes' must have the same length"));
   auto info = engine->parse_update_info(update_json());
   EXPECT_EQ(info->metadata.tensors.size(), 2u);
 }
@@ -336,8 +335,8 @@ TEST_F(engine_test, concurrent_receive_and_init_during_receive_are_refused) {
   EXPECT_EQ(reinit->message(), "probe: init_transfer_engine while an update is being received");
   engine->transport_gate.set();
   ASSERT_TRUE(testing::run(io));
-  EXPECT_TRUE(first->done && !first->error) << "the refused calls must not disturb the running one: "
-                                            << first->message();
+  EXPECT_TRUE(first->done && !first->error)
+      << "the refused calls must not disturb the running one: " << first->message();
   EXPECT_EQ(loaded, 2u);
 }
 
@@ -769,7 +768,8 @@ TEST(model_target, as_load_weights_forwards_to_the_target) {
   auto fn = model.as_load_weights();
   std::vector<std::int64_t> shape{1};
   float x = 0;
-  std::vector<tensor_view> views{tensor_view("a", dtype::float32, shape, &x), tensor_view("b", dtype::float32, shape, &x)};
+  std::vector<tensor_view> views{tensor_view("a", dtype::float32, shape, &x),
+                                 tensor_view("b", dtype::float32, shape, &x)};
   fn(views);
   EXPECT_EQ(model.names, (std::vector<std::string>{"a", "b"}));
 }

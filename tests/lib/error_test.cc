@@ -11,10 +11,10 @@ namespace refit {
 namespace {
 
 constexpr errc all_kinds[] = {
-    errc::timeout,        errc::peer_lost,         errc::invalid_argument, errc::protocol_error,
-    errc::not_registered, errc::already_registered, errc::invalid_state,    errc::load_failed,
-    errc::processing_failed, errc::integrity_error, errc::io_error,         errc::cancelled,
-    errc::unsupported,    errc::auth_error,        errc::resource_exhausted,
+    errc::timeout,           errc::peer_lost,          errc::invalid_argument,   errc::protocol_error,
+    errc::not_registered,    errc::already_registered, errc::invalid_state,      errc::load_failed,
+    errc::processing_failed, errc::integrity_error,    errc::io_error,           errc::cancelled,
+    errc::unsupported,       errc::auth_error,         errc::resource_exhausted,
 };
 
 TEST(error_category, is_named_refit_and_describes_every_kind_distinctly) {

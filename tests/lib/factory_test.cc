@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include <asio/io_context.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <asio/io_context.hpp>
 
-#include <refit/backend/plugin.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/infos.h>
+#include <refit/backend/json_reader.h>
+#include <refit/backend/plugin.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 
@@ -69,11 +69,10 @@ class null_sender final : public weight_sender {
 };
 
 // Registered with the process-wide factory before main(), as engines do.
-const backend_registration static_registration{
-    "factory_test.static", null_engine::capabilities_of(),
-    [](const weight_transfer_config& c, const engine_context& x) {
-      return std::unique_ptr<weight_transfer_engine>(new null_engine(c, x));
-    }};
+const backend_registration static_registration{"factory_test.static", null_engine::capabilities_of(),
+                                               [](const weight_transfer_config& c, const engine_context& x) {
+                                                 return std::unique_ptr<weight_transfer_engine>(new null_engine(c, x));
+                                               }};
 const backend_type_registration<null_engine, null_sender> static_type_registration{"factory_test.typed"};
 
 // ---- plugin location ----
@@ -268,8 +267,7 @@ TEST_F(factory_test, static_registrations_join_the_process_wide_instance) {
 
 // ---- lazy backends in a shared library ----
 
-asio::awaitable<void> init_and_receive(weight_transfer_engine& engine, json init, json update,
-                                       load_weights_fn load) {
+asio::awaitable<void> init_and_receive(weight_transfer_engine& engine, json init, json update, load_weights_fn load) {
   auto init_info = engine.parse_init_info(init);
   co_await engine.init_transfer_engine(*init_info);
   auto update_info = engine.parse_update_info(update);
@@ -349,7 +347,8 @@ TEST_F(factory_test, plugin_sender_is_created_and_usable) {
 
   std::vector<std::int64_t> shape{2};
   float a[2] = {1, 2}, b[2] = {3, 4};
-  std::vector<tensor_view> views{tensor_view("a", dtype::float32, shape, a), tensor_view("b", dtype::float32, shape, b)};
+  std::vector<tensor_view> views{tensor_view("a", dtype::float32, shape, a),
+                                 tensor_view("b", dtype::float32, shape, b)};
   update_metadata declared = describe(views);
   testing::run_to_completion(io, send_two(*sender, declared, views));
   EXPECT_EQ(sender->last_send_stats().tensors, 2u);

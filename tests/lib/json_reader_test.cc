@@ -72,10 +72,12 @@ TEST(parse_json_text, malformed_text_message_is_valid_utf8) {
 TEST(valid_utf8, keeps_well_formed_sequences_and_replaces_the_rest) {
   EXPECT_EQ(valid_utf8("plain \t ascii"), "plain \t ascii");
   EXPECT_EQ(valid_utf8("\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80"), "\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80");
-  EXPECT_EQ(valid_utf8("a\xff" "b"), "a?b");
-  EXPECT_EQ(valid_utf8("\xc3"), "?");                  // truncated
+  EXPECT_EQ(valid_utf8("a\xff"
+                       "b"),
+            "a?b");
+  EXPECT_EQ(valid_utf8("\xc3"), "?");                 // truncated
   EXPECT_EQ(valid_utf8("\xc0\xaf"), "??");            // overlong '/'
-  EXPECT_EQ(valid_utf8("\xed\xa0\x80"), "???");      // a surrogate
+  EXPECT_EQ(valid_utf8("\xed\xa0\x80"), "???");       // a surrogate
   EXPECT_EQ(valid_utf8("\xf4\x90\x80\x80"), "????");  // above U+10FFFF
   std::string all;
   for (int c = 0; c < 256; ++c) all += static_cast<char>(c);
@@ -136,8 +138,7 @@ TEST(json_reader, reads_members_of_every_supported_type) {
   EXPECT_DOUBLE_EQ(r.required<double>("xi"), 2.0);  // an integer is a number
   EXPECT_EQ(r.required<std::string>("s"), "hi");
   EXPECT_EQ(r.required<std::vector<std::int64_t>>("v"), (std::vector<std::int64_t>{1, 2, 3}));
-  EXPECT_EQ(r.required<std::vector<std::vector<int>>>("vv"),
-            (std::vector<std::vector<int>>{{1}, {}, {2, 3}}));
+  EXPECT_EQ(r.required<std::vector<std::vector<int>>>("vv"), (std::vector<std::vector<int>>{{1}, {}, {2, 3}}));
   EXPECT_EQ(r.required<std::vector<std::string>>("vs"), (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(r.required<json>("raw"), parse(R"({"k": [1]})"));
   EXPECT_NO_THROW(r.finish());
@@ -179,8 +180,7 @@ TEST(json_reader, array_element_errors_name_the_element_path) {
   json_reader r(j, "loopback update_info");
   json_reader meta = r.object("meta");
   auto e = REFIT_THROWN(meta.required<std::vector<std::vector<std::int64_t>>>("shapes"));
-  EXPECT_EQ(e.message(),
-            "loopback update_info: member 'meta.shapes[1][1]' expected an integer, got string \"4\"");
+  EXPECT_EQ(e.message(), "loopback update_info: member 'meta.shapes[1][1]' expected an integer, got string \"4\"");
 }
 
 TEST(json_reader, integer_ranges_are_checked_per_target_type) {
@@ -266,8 +266,7 @@ TEST(json_reader, nested_finish_names_the_full_path) {
   w.optional<std::uint32_t>("num_buffers", 0);
   EXPECT_NO_THROW(r.finish());  // the outer object only knows "wire"
   auto e = REFIT_THROWN(w.finish());
-  EXPECT_EQ(e.message(),
-            "tcp init_info: unknown member 'wire.num_bufers' (accepted: buffer_bytes, num_buffers)");
+  EXPECT_EQ(e.message(), "tcp init_info: unknown member 'wire.num_bufers' (accepted: buffer_bytes, num_buffers)");
 }
 
 TEST(json_reader, non_objects_are_rejected_with_what_came) {

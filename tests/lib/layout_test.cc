@@ -18,9 +18,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <refit/error.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/infos.h>
+#include <refit/backend/json_reader.h>
+#include <refit/error.h>
 
 #include "tests/lib/expect.h"
 
@@ -340,8 +340,8 @@ TEST(source_layout, two_d_mesh_shard0_shard0_chunks_nested) {
 
 TEST(source_layout, mesh_ranks_permute_coordinates) {
   // Coordinate i is held by ranks[i].
-  const auto l = source_layout::uniform(meta_of({spec("w", {8})}), device_mesh{{4}, {2, 0, 3, 1}},
-                                        {placement::shard(0)});
+  const auto l =
+      source_layout::uniform(meta_of({spec("w", {8})}), device_mesh{{4}, {2, 0, 3, 1}}, {placement::shard(0)});
   EXPECT_EQ(l.local_box(0, 2), make_box({0}, {2}));
   EXPECT_EQ(l.local_box(0, 0), make_box({2}, {2}));
   EXPECT_EQ(l.local_box(0, 3), make_box({4}, {2}));
@@ -411,7 +411,9 @@ TEST(source_layout, validate_refuses_bad_layouts_naming_the_tensor) {
 
 TEST(source_layout, property_every_element_held_by_replication_factor_ranks) {
   std::mt19937_64 rng(20240611);
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   for (int iter = 0; iter < 300; ++iter) {
     device_mesh mesh;
     mesh.shape.clear();
@@ -508,11 +510,11 @@ TEST(tensor_parallel_layout, vllm_llama_names_and_order) {
   const auto d = tensor_parallel_layout(global, 2, 0, tp_layout_options::vllm_llama());
   std::vector<std::string> names;
   for (const auto& t : d.tensors) names.push_back(t.spec.name);
-  EXPECT_THAT(names, ElementsAre("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                                 "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-                                 "model.layers.0.post_attention_layernorm.weight",
-                                 "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                                 "model.norm.weight", "lm_head.weight"));
+  EXPECT_THAT(names,
+              ElementsAre("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                          "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                          "model.layers.0.post_attention_layernorm.weight", "model.layers.0.mlp.gate_up_proj.weight",
+                          "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"));
   for (const auto& t : d.tensors) EXPECT_EQ(t.spec.dtype, dtype::bfloat16) << t.spec.name;
   EXPECT_EQ(d.metadata().tensors.size(), d.tensors.size());
   EXPECT_EQ(d.metadata().tensors[2].shape, (shape_t{4 + 2 + 2, 8}));
@@ -553,7 +555,8 @@ TEST(tensor_parallel_layout, vllm_llama_tp2_pieces) {
       const auto* o = find_tensor(d, p + "self_attn.o_proj.weight");
       ASSERT_NE(o, nullptr);
       EXPECT_EQ(o->spec.shape, (shape_t{8, 4}));
-      EXPECT_THAT(o->pieces, ElementsAre(dest_piece{p + "self_attn.o_proj.weight", make_box({0, 4 * r}, {8, 4}), {0, 0}}));
+      EXPECT_THAT(o->pieces,
+                  ElementsAre(dest_piece{p + "self_attn.o_proj.weight", make_box({0, 4 * r}, {8, 4}), {0, 0}}));
       const auto* down = find_tensor(d, p + "mlp.down_proj.weight");
       ASSERT_NE(down, nullptr);
       EXPECT_EQ(down->spec.shape, (shape_t{8, 6}));
@@ -619,9 +622,12 @@ TEST(tensor_parallel_layout, pieces_reproduce_vllm_sharded_weights) {
           const auto& n = t.spec.name;
           if (n == p + "self_attn.qkv_proj.weight") {
             const std::int64_t qn = dims.q / tp, kn = dims.kv / tp;
-            if (i < qn) want = at(p + "self_attn.q_proj.weight", r * qn + i, j, dims.hidden);
-            else if (i < qn + kn) want = at(p + "self_attn.k_proj.weight", r * kn + i - qn, j, dims.hidden);
-            else want = at(p + "self_attn.v_proj.weight", r * kn + i - qn - kn, j, dims.hidden);
+            if (i < qn)
+              want = at(p + "self_attn.q_proj.weight", r * qn + i, j, dims.hidden);
+            else if (i < qn + kn)
+              want = at(p + "self_attn.k_proj.weight", r * kn + i - qn, j, dims.hidden);
+            else
+              want = at(p + "self_attn.v_proj.weight", r * kn + i - qn - kn, j, dims.hidden);
           } else if (n == p + "mlp.gate_up_proj.weight") {
             const std::int64_t h = dims.inter / tp;
             want = i < h ? at(p + "mlp.gate_proj.weight", r * h + i, j, dims.hidden)
@@ -654,7 +660,8 @@ TEST(tensor_parallel_layout, vocab_padding_edge_cases) {
   EXPECT_TRUE(r1.tensors[0].pieces.empty());
   validate(r1, source, 1);
   auto r0 = tensor_parallel_layout(global, 2, 0, tp_layout_options::vllm_llama());
-  EXPECT_THAT(r0.tensors[0].pieces, ElementsAre(dest_piece{"model.embed_tokens.weight", make_box({0, 0}, {10, 4}), {0, 0}}));
+  EXPECT_THAT(r0.tensors[0].pieces,
+              ElementsAre(dest_piece{"model.embed_tokens.weight", make_box({0, 0}, {10, 4}), {0, 0}}));
   // A multiple of the padding splits exactly.
   global = meta_of({spec("lm_head.weight", {128, 4})});
   auto d = tensor_parallel_layout(global, 4, 3, tp_layout_options::vllm_llama());
@@ -703,9 +710,8 @@ TEST(tensor_parallel_layout, empty_options_replicate_everything_unfused) {
   ASSERT_EQ(d.tensors.size(), global.tensors.size());
   for (std::size_t i = 0; i < d.tensors.size(); ++i) {
     EXPECT_EQ(d.tensors[i].spec, global.tensors[i]);
-    EXPECT_THAT(d.tensors[i].pieces,
-                ElementsAre(dest_piece{global.tensors[i].name, whole(global.tensors[i].shape),
-                                       shape_t(global.tensors[i].shape.size(), 0)}));
+    EXPECT_THAT(d.tensors[i].pieces, ElementsAre(dest_piece{global.tensors[i].name, whole(global.tensors[i].shape),
+                                                            shape_t(global.tensors[i].shape.size(), 0)}));
   }
 }
 
@@ -726,9 +732,8 @@ TEST(tensor_parallel_layout, ignore_scalars_and_custom_rules) {
   // A custom rule list: the first match wins.
   tp_layout_options custom;
   custom.shards = {{"special", parallel_style::row}, {"weight", parallel_style::column}};
-  const auto c = tensor_parallel_layout(meta_of({spec("a.special.weight", {4, 6}), spec("b.weight", {4, 6}),
-                                                 spec("c.bias", {4, 6})}),
-                                        2, 1, custom);
+  const auto c = tensor_parallel_layout(
+      meta_of({spec("a.special.weight", {4, 6}), spec("b.weight", {4, 6}), spec("c.bias", {4, 6})}), 2, 1, custom);
   EXPECT_EQ(c.tensors[0].pieces[0].from, make_box({0, 3}, {4, 3}));
   EXPECT_EQ(c.tensors[1].pieces[0].from, make_box({2, 0}, {2, 6}));
   EXPECT_EQ(c.tensors[2].pieces[0].from, make_box({0, 0}, {4, 6}));
@@ -752,7 +757,9 @@ TEST(tensor_parallel_layout, refuses_bad_inputs) {
     EXPECT_THAT(e.message(), HasSubstr("row"));
   }
   // Vocab padded rows not divisible: 100 -> 128 over 3.
-  EXPECT_EQ(kind_of([&] { return tensor_parallel_layout(meta_of({spec("lm_head.weight", {100, 4})}), 3, 0, opts); }),
+  EXPECT_EQ(kind_of([&] {
+              return tensor_parallel_layout(meta_of({spec("lm_head.weight", {100, 4})}), 3, 0, opts);
+            }),
             errc::invalid_argument);
   // A missing fused component.
   {
@@ -802,11 +809,12 @@ TEST(tensor_parallel_layout, refuses_bad_inputs) {
 TEST(validate_dest, accepts_disjoint_pieces_and_padding) {
   const auto source = source_layout::single(meta_of({spec("a", {4, 4}), spec("b", {2, 4}), spec("s", {})}));
   dest_layout d;
-  d.tensors.push_back({spec("fused", {8, 4}),
-                       {{"a", make_box({0, 0}, {4, 4}), {0, 0}}, {"b", make_box({0, 0}, {2, 4}), {5, 0}}}});
-  d.tensors.push_back({spec("cols", {4, 4}),
-                       {{"a", make_box({0, 0}, {4, 2}), {0, 0}}, {"a", make_box({0, 2}, {4, 2}), {0, 2}}}});
-  d.tensors.push_back({spec("empty", {4, 4}), {{"a", make_box({0, 0}, {0, 4}), {0, 0}}, {"a", make_box({0, 0}, {4, 4}), {0, 0}}}});
+  d.tensors.push_back(
+      {spec("fused", {8, 4}), {{"a", make_box({0, 0}, {4, 4}), {0, 0}}, {"b", make_box({0, 0}, {2, 4}), {5, 0}}}});
+  d.tensors.push_back(
+      {spec("cols", {4, 4}), {{"a", make_box({0, 0}, {4, 2}), {0, 0}}, {"a", make_box({0, 2}, {4, 2}), {0, 2}}}});
+  d.tensors.push_back(
+      {spec("empty", {4, 4}), {{"a", make_box({0, 0}, {0, 4}), {0, 0}}, {"a", make_box({0, 0}, {4, 4}), {0, 0}}}});
   d.tensors.push_back({spec("scalar", {}), {{"s", box{}, {}}}});
   validate(d, source);
 }
@@ -818,12 +826,13 @@ std::string refusal(const dest_layout& d, const source_layout& s, std::size_t wo
 }
 
 TEST(validate_dest, refuses_overlaps_bounds_dtypes_and_unknown_sources) {
-  const auto source = source_layout::single(meta_of({spec("a", {4, 4}), spec("h", {4, 4}, dtype::float16),
-                                                     spec("v", {4}), spec("s", {})}));
+  const auto source = source_layout::single(
+      meta_of({spec("a", {4, 4}), spec("h", {4, 4}, dtype::float16), spec("v", {4}), spec("s", {})}));
   auto one = [](dest_tensor t) { return dest_layout{{std::move(t)}}; };
   // Overlap of two pieces.
-  auto m = refusal(one({spec("t", {6, 4}), {{"a", make_box({0, 0}, {2, 4}), {0, 0}}, {"a", make_box({0, 0}, {2, 4}), {1, 0}}}}),
-                   source, 3);
+  auto m = refusal(
+      one({spec("t", {6, 4}), {{"a", make_box({0, 0}, {2, 4}), {0, 0}}, {"a", make_box({0, 0}, {2, 4}), {1, 0}}}}),
+      source, 3);
   EXPECT_THAT(m, HasSubstr("worker 3"));
   EXPECT_THAT(m, HasSubstr("'t'"));
   EXPECT_THAT(m, HasSubstr("pieces 0 and 1 overlap"));
@@ -835,8 +844,9 @@ TEST(validate_dest, refuses_overlaps_bounds_dtypes_and_unknown_sources) {
               source);
   EXPECT_THAT(m, HasSubstr("pieces 0 and 2 overlap"));
   // Out-of-order pieces overlap too.
-  m = refusal(one({spec("t", {4, 4}), {{"a", make_box({0, 0}, {1, 4}), {3, 0}}, {"a", make_box({0, 0}, {4, 1}), {0, 3}}}}),
-              source);
+  m = refusal(
+      one({spec("t", {4, 4}), {{"a", make_box({0, 0}, {1, 4}), {3, 0}}, {"a", make_box({0, 0}, {4, 1}), {0, 3}}}}),
+      source);
   EXPECT_THAT(m, HasSubstr("overlap"));
   // Two scalars into one scalar.
   EXPECT_THAT(refusal(one({spec("t", {}), {{"s", box{}, {}}, {"s", box{}, {}}}}), source), HasSubstr("overlap"));
@@ -870,7 +880,9 @@ TEST(validate_dest, refuses_overlaps_bounds_dtypes_and_unknown_sources) {
 
 TEST(validate_dest, property_overlap_verdict_matches_brute_force) {
   std::mt19937_64 rng(7);
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   int refused = 0, accepted = 0;
   for (int iter = 0; iter < 2000; ++iter) {
     const int rank = static_cast<int>(pick(1, 3));
@@ -941,8 +953,7 @@ TEST(for_each_run, contiguous_boxes_are_one_run) {
 }
 
 TEST(for_each_run, column_slice_is_one_run_per_row) {
-  EXPECT_THAT(runs_of({4, 5}, make_box({0, 1}, {4, 2}), 2),
-              ElementsAre(run{2, 4}, run{12, 4}, run{22, 4}, run{32, 4}));
+  EXPECT_THAT(runs_of({4, 5}, make_box({0, 1}, {4, 2}), 2), ElementsAre(run{2, 4}, run{12, 4}, run{22, 4}, run{32, 4}));
   EXPECT_EQ(run_count(shape_t{4, 5}, make_box({0, 1}, {4, 2})), 4u);
   EXPECT_THAT(runs_of({2, 3, 4}, make_box({0, 1, 0}, {2, 2, 4}), 1), ElementsAre(run{4, 8}, run{16, 8}));
   EXPECT_EQ(run_count(shape_t{2, 3, 4}, make_box({0, 0, 1}, {2, 3, 2})), 6u);
@@ -961,7 +972,9 @@ struct random_box {
 };
 
 random_box make_random_box(std::mt19937_64& rng, int max_rank, std::int64_t max_dim, bool allow_empty) {
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   random_box r;
   const int rank = static_cast<int>(pick(1, max_rank));
   for (int d = 0; d < rank; ++d) {
@@ -1013,7 +1026,9 @@ TEST(copy_box, between_different_shapes_copies_exactly_the_box) {
 
 TEST(copy_box, property_matches_naive_element_loop_on_random_shapes) {
   std::mt19937_64 rng(1234);
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   for (int iter = 0; iter < 3000; ++iter) {
     auto rs = make_random_box(rng, 4, 6, true);
     const std::size_t element = std::size_t{1} << pick(0, 3);
@@ -1042,7 +1057,8 @@ source_layout read_back(const json& j, const update_metadata& meta) {
 
 TEST(layout_json, source_layout_round_trip_with_overrides) {
   const auto meta = meta_of({spec("a", {4, 4}), spec("b", {4}), spec("c", {4, 2}), spec("s", {})});
-  auto l = source_layout::uniform(meta, device_mesh{{2, 2}, {3, 1, 2, 0}}, {placement::shard(0), placement::replicate()});
+  auto l =
+      source_layout::uniform(meta, device_mesh{{2, 2}, {3, 1, 2, 0}}, {placement::shard(0), placement::replicate()});
   l.tensors[0].placements = {placement::shard(1), placement::shard(0)};
   l.tensors[2].placements = {placement::replicate(), placement::replicate()};
   const json j = write_source_layout(l);
@@ -1086,12 +1102,12 @@ TEST(layout_json, default_sharding_a_dim_that_overridden_tensors_lack) {
 
 TEST(layout_json, bad_source_layouts_are_invalid_argument) {
   const auto meta = meta_of({spec("a", {4, 4})});
-  for (const char* text : {R"j({"mesh": [2], "placements": ["shard(0)", "shard(1)"]})j",
-                           R"j({"mesh": [0], "placements": ["shard(0)"]})j",
-                           R"j({"mesh": [2], "placements": ["sharded"]})j",
-                           R"j({"mesh": [2], "placements": ["shard(0)"], "tensors": {"zz": ["replicate"]}})j",
-                           R"j({"mesh": [2], "placements": ["shard(0)"], "tensors": {"a": ["shard(5)"]}})j",
-                           R"j({"mesh": [2], "ranks": [0, 0]})j"}) {
+  for (const char* text :
+       {R"j({"mesh": [2], "placements": ["shard(0)", "shard(1)"]})j", R"j({"mesh": [0], "placements": ["shard(0)"]})j",
+        R"j({"mesh": [2], "placements": ["sharded"]})j",
+        R"j({"mesh": [2], "placements": ["shard(0)"], "tensors": {"zz": ["replicate"]}})j",
+        R"j({"mesh": [2], "placements": ["shard(0)"], "tensors": {"a": ["shard(5)"]}})j",
+        R"j({"mesh": [2], "ranks": [0, 0]})j"}) {
     const json j = json::parse(text);
     json_reader r(j, "layout");
     EXPECT_EQ(REFIT_THROWN(read_source_layout(r, meta)).kind(), errc::invalid_argument) << text;

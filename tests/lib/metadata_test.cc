@@ -1,6 +1,6 @@
-#include <refit/metadata.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/infos.h>
+#include <refit/backend/json_reader.h>
+#include <refit/metadata.h>
 
 #include <limits>
 #include <string>

@@ -13,11 +13,11 @@
 #include <thread>
 #include <vector>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <asio/buffer.hpp>
 #include <asio/io_context.hpp>
 #include <asio/thread_pool.hpp>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include <refit/backend/async/event.h>
 #include <refit/backend/send_cursor.h>
@@ -28,8 +28,8 @@
 namespace refit {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::capture;
+using ::testing::HasSubstr;
 using testing::spawn;
 using testing::tensor_set;
 using namespace std::chrono_literals;
@@ -108,12 +108,12 @@ asio::awaitable<void> receive_noting(receive_pipeline& p, const update_metadata&
 
 tensor_set mixed_set() {
   tensor_set set;
-  set.add("embed", dtype::bfloat16, {100, 50});   // 10000 bytes: split in 3 at 4096
+  set.add("embed", dtype::bfloat16, {100, 50});  // 10000 bytes: split in 3 at 4096
   set.add("norm", dtype::float32, {7});
   set.add("bias", dtype::float16, {3});
   set.add("empty", dtype::float32, {0});
   set.add("proj", dtype::float8_e4m3fn, {40, 50});
-  set.add("head", dtype::int8, {4097});           // split: 4096 + 1
+  set.add("head", dtype::int8, {4097});  // split: 4096 + 1
   set.add("empty2", dtype::int64, {0, 4});
   set.add("tail", dtype::float64, {});
   return set;
@@ -155,20 +155,20 @@ TEST(host_staging, assembly_grows_on_demand_and_is_kept) {
 
 TEST(receive_pipeline, staging_must_match_the_wire_params) {
   asio::io_context io;
-  auto e = REFIT_THROWN(receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 2),
-                                         std::make_unique<host_staging>(3, 4096)));
+  auto e = REFIT_THROWN(
+      receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 2), std::make_unique<host_staging>(3, 4096)));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   EXPECT_EQ(e.message(), "receive_pipeline: staging must have num_buffers slots");
   e = REFIT_THROWN(receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 2), nullptr));
   EXPECT_EQ(e.message(), "receive_pipeline: staging must have num_buffers slots");
-  e = REFIT_THROWN(receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 65),
-                                    std::make_unique<host_staging>(65, 4096)));
+  e = REFIT_THROWN(
+      receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 65), std::make_unique<host_staging>(65, 4096)));
   EXPECT_EQ(e.message(), "wire params: num_buffers must be in [1, 64], got 65");
-  e = REFIT_THROWN(receive_pipeline(io.get_executor(), io.get_executor(), wire(1000, 1),
-                                    std::make_unique<host_staging>(1, 1000)));
+  e = REFIT_THROWN(
+      receive_pipeline(io.get_executor(), io.get_executor(), wire(1000, 1), std::make_unique<host_staging>(1, 1000)));
   EXPECT_EQ(e.message(), "wire params: buffer_bytes must be in [4096, 16 GiB], got 1000");
-  e = REFIT_THROWN(receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 0),
-                                    std::make_unique<host_staging>(0, 4096)));
+  e = REFIT_THROWN(
+      receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 0), std::make_unique<host_staging>(0, 4096)));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
 }
 
@@ -180,8 +180,8 @@ TEST(receive_pipeline, staging_must_match_the_wire_params) {
 // params_ (declared before slots_), e.g. params_(validated(params)).
 TEST(receive_pipeline, zero_buffers_is_reported_as_a_wire_param) {
   asio::io_context io;
-  auto e = REFIT_THROWN(receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 0),
-                                         std::make_unique<host_staging>(0, 4096)));
+  auto e = REFIT_THROWN(
+      receive_pipeline(io.get_executor(), io.get_executor(), wire(4096, 0), std::make_unique<host_staging>(0, 4096)));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
   EXPECT_EQ(e.message(), "wire params: num_buffers must be in [1, 64], got 0");
 }
@@ -262,7 +262,8 @@ TEST_F(pipeline_test, the_assembly_buffer_grows_on_the_processing_executor_not_t
   cursor_transport transport(set, w);
   capture got;
   auto r = spawn(io, receive_and_join(pipeline, set.meta, transport, got.fn(), scope, stats));
-  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return r->done; }, 30s));
   EXPECT_FALSE(r->error) << r->message();
   EXPECT_NO_THROW(got.check_equals(set));
   ASSERT_EQ(staging->grown_on.size(), 1u) << "grown once, to the largest split tensor";
@@ -302,7 +303,8 @@ TEST_F(pipeline_test, the_target_learns_when_bytes_start_landing_in_its_memory) 
     capture got;
     async::drain_scope s(io.get_executor());
     auto r = spawn(io, pipeline->receive(set.meta, transport, got.fn(), s, stats, &target));
-    ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+    ASSERT_TRUE(testing::run_until(
+        io, [&] { return r->done; }, 30s));
     ASSERT_TRUE(r->error);
     EXPECT_EQ(target.begun, fail_at == 0 ? 0 : 1) << "failing at bucket " << fail_at;
   }
@@ -358,12 +360,16 @@ TEST_F(pipeline_test, checks_run_beside_loads_which_stay_in_order_and_receive_wa
   // Loads are held at the gate (only the first bucket fits before the slots run out),
   // so receive cannot finish unless checks run beside them: with 3 buffers it
   // cannot anyway, so open the gate once every slot is taken and checked.
-  ASSERT_TRUE(testing::run_until(io, [&] { return transport.checked >= 3; }, 30s)) << "checks waited behind a load";
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return transport.checked >= 3; }, 30s))
+      << "checks waited behind a load";
   gate.set_value();
-  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return r->done; }, 30s));
   EXPECT_FALSE(r->error) << r->message();
   auto j = spawn(io, scope.join());
-  ASSERT_TRUE(testing::run_until(io, [&] { return j->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return j->done; }, 30s));
   EXPECT_NO_THROW(got.check_equals(set));
   std::vector<std::string> expected;
   for (const auto& t : set.meta.tensors) expected.push_back(t.name);
@@ -386,7 +392,8 @@ TEST_F(pipeline_test, a_failed_check_fails_receive_with_its_error_and_nothing_af
     for (const auto& v : views) loaded.emplace_back(v.name);
   };
   auto r = spawn(io, pipeline->receive(set.meta, transport, load, scope, stats));
-  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return r->done; }, 30s));
   ASSERT_TRUE(r->error);
   EXPECT_EQ(r->kind(), static_cast<int>(errc::integrity_error)) << r->message();
   EXPECT_NE(r->message().find("bucket 4: checksum differs"), std::string::npos) << r->message();
@@ -437,9 +444,11 @@ TEST_F(pipeline_test, processing_on_a_thread_pool_is_serialised_and_in_order) {
     in_flight.fetch_sub(1);
   };
   auto r = spawn(io, receive_all(*pipeline, set.meta, transport, load, scope, stats));
-  ASSERT_TRUE(testing::run_until(io, [&] { return r->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return r->done; }, 30s));
   auto j = spawn(io, scope.join());
-  ASSERT_TRUE(testing::run_until(io, [&] { return j->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return j->done; }, 30s));
   EXPECT_FALSE(r->error) << r->message();
   EXPECT_FALSE(j->error) << j->message();
   EXPECT_FALSE(overlapped) << "load_weights of one update must never run concurrently with itself";
@@ -515,8 +524,8 @@ TEST_F(pipeline_test, transport_error_inside_a_split_tensor_releases_the_assembl
   auto pipeline = make(w);
   tensor_set set;
   set.add("small", dtype::int8, {10});
-  set.add("big", dtype::int8, {10000});    // buckets 1, 2, 3
-  set.add("big2", dtype::int8, {9000});    // buckets 4, 5, 6
+  set.add("big", dtype::int8, {10000});  // buckets 1, 2, 3
+  set.add("big2", dtype::int8, {9000});  // buckets 4, 5, 6
   cursor_transport failing(set, w);
   failing.fail_at = 2;  // second chunk of "big"
   capture first;
@@ -602,13 +611,15 @@ TEST_F(pipeline_test, load_weights_error_message_forms) {
   };
   for (const form& f : {
            form{[] { throw error(errc::invalid_argument, "shape of 'a' differs from the model"); },
-                "load_weights failed on bucket 0 ('a', 'b', 'c', 'd', ... 6 tensors): shape of 'a' differs from the model"},
+                "load_weights failed on bucket 0 ('a', 'b', 'c', 'd', ... 6 tensors): shape of 'a' differs from the "
+                "model"},
            form{[] { throw not_an_exception{}; },
                 "load_weights failed on bucket 0 ('a', 'b', 'c', 'd', ... 6 tensors): a non-standard exception"},
        }) {
     cursor_transport transport(set, w);
-    auto r = spawn(io, receive_and_join(*pipeline, set.meta, transport,
-                                        [&f](std::span<const tensor_view>) { f.thrower(); }, scope, stats));
+    auto r = spawn(
+        io, receive_and_join(
+                *pipeline, set.meta, transport, [&f](std::span<const tensor_view>) { f.thrower(); }, scope, stats));
     ASSERT_TRUE(testing::run(io, 30s));
     EXPECT_EQ(r->kind(), static_cast<int>(errc::processing_failed));
     EXPECT_EQ(r->message(), f.expected);

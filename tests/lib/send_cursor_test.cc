@@ -60,9 +60,9 @@ std::vector<std::byte> expected_image(const bucket_plan& plan, const bucket& b, 
 
 tensor_set mixed_set() {
   tensor_set set;
-  set.add("embed", dtype::bfloat16, {100, 30});   // 6000 bytes: split at 4096
-  set.add("norm", dtype::float32, {7});           // 28 bytes
-  set.add("bias", dtype::float16, {3});           // 6 bytes, padded after
+  set.add("embed", dtype::bfloat16, {100, 30});  // 6000 bytes: split at 4096
+  set.add("norm", dtype::float32, {7});          // 28 bytes
+  set.add("bias", dtype::float16, {3});          // 6 bytes, padded after
   set.add("empty", dtype::float32, {0});
   set.add("flag", dtype::bool_, {5});
   set.add("proj", dtype::float8_e5m2, {40, 50});  // 2000 bytes
@@ -271,8 +271,7 @@ TEST(send_cursor, null_data_is_refused_except_for_empty_tensors) {
   update_metadata meta;
   meta.tensors = {{"empty", dtype::float32, {0}}, {"w", dtype::float32, {2}}};
   const bucket_plan plan = plan_buckets(meta, wire(4096));
-  std::vector<tensor_view> views{tensor_view(meta.tensors[0], nullptr),
-                                 tensor_view(meta.tensors[1], nullptr)};
+  std::vector<tensor_view> views{tensor_view(meta.tensors[0], nullptr), tensor_view(meta.tensors[1], nullptr)};
   vector_source source(views);
   send_cursor cursor(meta, plan, source);
   auto e = REFIT_THROWN(cursor.gather(plan.buckets[0]));

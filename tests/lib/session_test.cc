@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include <asio/io_context.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <asio/io_context.hpp>
 
 #include <refit/engines/loopback/loopback.h>
 #include "tests/lib/expect.h"
@@ -22,8 +22,8 @@
 namespace refit {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::capture;
+using ::testing::HasSubstr;
 using testing::outcome;
 using testing::spawn;
 using testing::tensor_set;
@@ -40,8 +40,7 @@ asio::awaitable<void> send(weight_sender& sender, update_metadata meta, std::vec
 asio::awaitable<void> update_json(weight_update_session& s, json info, load_weights_fn load) {
   co_await s.update_weights(info, std::move(load));
 }
-asio::awaitable<void> update_typed(weight_update_session& s, std::shared_ptr<update_info> info,
-                                   load_weights_fn load) {
+asio::awaitable<void> update_typed(weight_update_session& s, std::shared_ptr<update_info> info, load_weights_fn load) {
   co_await s.update_weights(*info, std::move(load));
 }
 asio::awaitable<void> finish(weight_update_session& s, std::optional<std::int64_t> version) {
@@ -78,9 +77,8 @@ class session_test : public ::testing::Test {
 
   void connect() {
     static std::atomic<int> counter{0};
-    json args = {{"channel", "session-test-" + std::to_string(counter++)},
-                 {"buffer_bytes", 16 << 10},
-                 {"num_buffers", 2}};
+    json args = {
+        {"channel", "session-test-" + std::to_string(counter++)}, {"buffer_bytes", 16 << 10}, {"num_buffers", 2}};
     testing::run_to_completion(io, sender->init(args));
     auto info = engine->parse_init_info(args);
     testing::run_to_completion(io, engine->init_transfer_engine(*info));
@@ -175,7 +173,8 @@ TEST_F(session_test, a_chunk_arriving_while_the_previous_one_is_processed_waits_
   };
   auto recv_a = spawn(io, update_json(session, metadata_json(a.meta), slow));
   auto sent_a = spawn(io, send(*sender, a.meta, a.views()));
-  ASSERT_TRUE(testing::run_until(io, [&] { return recv_a->done; }, std::chrono::seconds(10)));
+  ASSERT_TRUE(testing::run_until(
+      io, [&] { return recv_a->done; }, std::chrono::seconds(10)));
   ASSERT_FALSE(recv_a->error) << recv_a->message();
   auto recv_b = spawn(io, update_json(session, metadata_json(b.meta), got_b.fn()));
   auto sent_b = spawn(io, send(*sender, b.meta, b.views()));

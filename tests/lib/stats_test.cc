@@ -17,14 +17,14 @@ update_stats make(double receive, double process, double wall, std::uint64_t byt
 
 TEST(update_stats, overlap_is_the_hidden_fraction_of_the_shorter_phase) {
   EXPECT_DOUBLE_EQ(make(1.0, 1.0, 1.5).overlap, 0.5);
-  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 1.0).overlap, 1.0);   // fully hidden
-  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 2.0).overlap, 0.0);   // strictly sequential
+  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 1.0).overlap, 1.0);  // fully hidden
+  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 2.0).overlap, 0.0);  // strictly sequential
   EXPECT_DOUBLE_EQ(make(4.0, 1.0, 4.25).overlap, 0.75);
 }
 
 TEST(update_stats, overlap_is_clamped_and_zero_without_both_phases) {
-  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 3.0).overlap, 0.0);   // idle time: would be negative
-  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 0.5).overlap, 1.0);   // clock skew: would exceed 1
+  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 3.0).overlap, 0.0);  // idle time: would be negative
+  EXPECT_DOUBLE_EQ(make(1.0, 1.0, 0.5).overlap, 1.0);  // clock skew: would exceed 1
   EXPECT_DOUBLE_EQ(make(0.0, 1.0, 1.0).overlap, 0.0);
   EXPECT_DOUBLE_EQ(make(1.0, 0.0, 1.0).overlap, 0.0);
 }

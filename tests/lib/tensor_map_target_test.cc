@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include <asio/io_context.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <asio/io_context.hpp>
 
 #include <refit/engines/loopback/loopback.h>
 #include <refit/integrity/fingerprint.h>
@@ -46,7 +46,8 @@ update_metadata model_layout() {
 
 // Byte i of tensor t at weight version v: every byte depends on the version.
 std::byte fill(std::int64_t v, std::size_t t, std::size_t i) {
-  return static_cast<std::byte>((v * 13 + static_cast<std::int64_t>(t) * 101 + static_cast<std::int64_t>(i % 251)) & 0xff);
+  return static_cast<std::byte>((v * 13 + static_cast<std::int64_t>(t) * 101 + static_cast<std::int64_t>(i % 251)) &
+                                0xff);
 }
 
 void fill_all(std::span<std::byte> bytes, std::int64_t v, std::size_t t) {
@@ -107,8 +108,7 @@ struct trainer_copy {
 asio::awaitable<void> send(weight_sender& sender, update_metadata meta, std::vector<tensor_view> views) {
   co_await trainer_send_weights(sender, meta, views);
 }
-asio::awaitable<void> receive(weight_transfer_engine& engine, std::shared_ptr<update_info> info,
-                              load_weights_fn load) {
+asio::awaitable<void> receive(weight_transfer_engine& engine, std::shared_ptr<update_info> info, load_weights_fn load) {
   co_await engine.receive_weights(*info, std::move(load));
   co_await engine.drain_pending();
 }
@@ -227,11 +227,11 @@ TEST(tensor_map_target, a_refused_update_moves_no_byte_through_the_engine) {
       update_metadata bad = model_layout();
       bad.tensors[2].shape = {3, 7};
       int loads = 0;
-      auto received = spawn(pair.io, receive(*pair.engine, pair.info_for(bad, commit),
-                                             [&](std::span<const tensor_view> w) {
-                                               ++loads;
-                                               target->load_weights(w);
-                                             }));
+      auto received =
+          spawn(pair.io, receive(*pair.engine, pair.info_for(bad, commit), [&](std::span<const tensor_view> w) {
+                  ++loads;
+                  target->load_weights(w);
+                }));
       ASSERT_TRUE(testing::run_until(pair.io, [&] { return received->done; }));
       ASSERT_TRUE(received->error) << "the update must be refused";
       EXPECT_EQ(received->kind(), static_cast<int>(errc::invalid_argument));
@@ -563,9 +563,12 @@ class counting_memory final : public tensor_memory {
   }
   void copy_in(std::byte* dst, const tensor_view& src) override {
     ++copies_in;
-    if (src.device.is_cpu()) ++from_host;
-    else if (src.device == dev_) ++from_device;
-    else ++from_elsewhere;
+    if (src.device.is_cpu())
+      ++from_host;
+    else if (src.device == dev_)
+      ++from_device;
+    else
+      ++from_elsewhere;
     if (src.nbytes() != 0) std::memcpy(dst, src.data, static_cast<std::size_t>(src.nbytes()));
   }
   void copy_out(std::span<std::byte> host, const std::byte* src) override {
@@ -750,8 +753,8 @@ TEST(tensor_map_target, device_destinations_are_refused_by_a_host_engine) {
   loopback_pair pair(target.get());
   trainer_copy copy(model_layout());
   copy.set_version(1);
-  auto received = spawn(pair.io, receive(*pair.engine, pair.info_for(copy.meta, commit_mode::in_place),
-                                         target->as_load_weights()));
+  auto received =
+      spawn(pair.io, receive(*pair.engine, pair.info_for(copy.meta, commit_mode::in_place), target->as_load_weights()));
   ASSERT_TRUE(testing::run_until(pair.io, [&] { return received->done; }));
   ASSERT_TRUE(received->error);
   EXPECT_THAT(received->message(), HasSubstr("on cuda:0, expected"));

@@ -24,16 +24,15 @@ TEST(device, prints_and_parses_torch_spelling) {
   EXPECT_EQ(parse_device("cuda"), device::cuda(0));
   EXPECT_EQ(parse_device("cuda:0"), device::cuda(0));
   EXPECT_EQ(parse_device("cuda:12"), device::cuda(12));
-  for (device d : {device::cpu(), device::cuda(0), device::cuda(7)})
-    EXPECT_EQ(parse_device(to_string(d)), d);
+  for (device d : {device::cpu(), device::cuda(0), device::cuda(7)}) EXPECT_EQ(parse_device(to_string(d)), d);
   EXPECT_TRUE(device::cpu().is_cpu());
   EXPECT_TRUE(device::cuda(1).is_cuda());
   EXPECT_FALSE(device::cuda(1) == device::cuda(2));
 }
 
 TEST(device, rejects_anything_else_naming_the_text) {
-  for (const char* bad : {"", "CPU", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:+1",
-                          "cuda 1", "cpu:0", "cuda:99999999999"}) {
+  for (const char* bad :
+       {"", "CPU", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:+1", "cuda 1", "cpu:0", "cuda:99999999999"}) {
     auto e = REFIT_THROWN(parse_device(bad));
     EXPECT_EQ(e.kind(), errc::invalid_argument) << bad;
     EXPECT_THAT(e.message(), HasSubstr("invalid device '" + std::string(bad) + "'"));
@@ -73,8 +72,7 @@ TEST(shape, nbytes_multiplies_by_element_size) {
   EXPECT_EQ(checked_nbytes(dtype::bfloat16, std::vector<std::int64_t>{}), 2u);
   EXPECT_EQ(checked_nbytes(dtype::int64, std::vector<std::int64_t>{0, 9}), 0u);
   // The largest size allowed: exactly int64 max bytes.
-  EXPECT_EQ(checked_nbytes(dtype::uint8, std::vector<std::int64_t>{i64max}),
-            static_cast<std::uint64_t>(i64max));
+  EXPECT_EQ(checked_nbytes(dtype::uint8, std::vector<std::int64_t>{i64max}), static_cast<std::uint64_t>(i64max));
 }
 
 TEST(shape, nbytes_names_the_tensor_in_errors) {
@@ -155,7 +153,8 @@ TEST_F(declared_check, dtype_divergence_names_both_dtypes) {
 
 TEST_F(declared_check, shape_divergence_names_both_shapes_including_rank) {
   std::vector<std::int64_t> transposed{3, 2};
-  auto e = REFIT_THROWN(check_matches_declared(declared, tensor_view("model.b", dtype::float32, transposed, storage.data()), 0));
+  auto e = REFIT_THROWN(
+      check_matches_declared(declared, tensor_view("model.b", dtype::float32, transposed, storage.data()), 0));
   EXPECT_THAT(e.message(), HasSubstr("parameter #0 ('model.b') shape: declared [2, 3], sent [3, 2]"));
   std::vector<std::int64_t> flat{6};  // same element count, other rank
   e = REFIT_THROWN(check_matches_declared(declared, tensor_view("model.b", dtype::float32, flat, storage.data()), 0));

@@ -167,15 +167,16 @@ AssertionResult check_plan(const source_layout& source, const std::vector<dest_l
           return AssertionFailure() << where() << "bytes " << it.bytes << " for box " << it.src.to_string();
         const box to{it.dst_at, it.src.extent};
         if (!inside(to, dt.shape))
-          return AssertionFailure() << where() << "destination box " << to.to_string() << " outside '" << dt.name << "' "
-                                    << shape_to_string(dt.shape);
+          return AssertionFailure() << where() << "destination box " << to.to_string() << " outside '" << dt.name
+                                    << "' " << shape_to_string(dt.shape);
         // Serialise from the local shard, scatter into the destination.
         stream.clear();
         const auto& src = local[r][it.source];
         for_each_run(lb.extent, it.src, element, [&](std::uint64_t o, std::uint64_t n) {
           stream.insert(stream.end(), src.begin() + o, src.begin() + o + n);
         });
-        if (stream.size() != it.bytes) return AssertionFailure() << where() << "stream of " << stream.size() << " bytes";
+        if (stream.size() != it.bytes)
+          return AssertionFailure() << where() << "stream of " << stream.size() << " bytes";
         std::size_t used = 0;
         auto& dst = got[w][it.dest];
         auto& cnt = writes[w][it.dest];
@@ -223,8 +224,8 @@ AssertionResult check_plan(const source_layout& source, const std::vector<dest_l
         if (covered[b]) {
           ++covered_bytes;
           if (c != 1)  // (b)
-            return AssertionFailure() << "worker " << w << " '" << dt.spec.name << "' byte " << b << " written " << int(c)
-                                      << " times";
+            return AssertionFailure() << "worker " << w << " '" << dt.spec.name << "' byte " << b << " written "
+                                      << int(c) << " times";
           if (got[w][di][b] != want[b])  // (a)
             return AssertionFailure() << "worker " << w << " '" << dt.spec.name << "' byte " << b << " differs";
         } else if (c != 0 || got[w][di][b] != sentinel) {  // (c)
@@ -233,7 +234,8 @@ AssertionResult check_plan(const source_layout& source, const std::vector<dest_l
       }
     }
     if (covered_bytes != plan.ingress[w])
-      return AssertionFailure() << "worker " << w << " ingress " << plan.ingress[w] << ", pieces cover " << covered_bytes;
+      return AssertionFailure() << "worker " << w << " ingress " << plan.ingress[w] << ", pieces cover "
+                                << covered_bytes;
   }
   return AssertionSuccess();
 }
@@ -248,11 +250,12 @@ dest_layout whole_tensors(const update_metadata& meta) {
   return d;
 }
 
-
 struct generator {
   std::mt19937_64 rng;
   explicit generator(std::uint64_t seed) : rng(seed) {}
-  std::int64_t pick(std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); }
+  std::int64_t pick(std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  }
   bool chance(int percent) { return pick(0, 99) < percent; }
 
   source_layout source() {
@@ -428,7 +431,8 @@ TEST(plan_transfer, simulation_refuses_corrupted_plans) {
   const auto meta = meta_of({spec("w", {6, 4}), spec("v", {5}, dtype::bfloat16)});
   const auto source = source_layout::uniform(meta, device_mesh{{2}, {}}, {placement::shard(0)});
   dest_layout d;
-  d.tensors.push_back({spec("fused", {12, 4}), {{"w", make_box({1, 0}, {4, 4}), {0, 0}}, {"w", make_box({0, 1}, {6, 2}), {5, 2}}}});
+  d.tensors.push_back(
+      {spec("fused", {12, 4}), {{"w", make_box({1, 0}, {4, 4}), {0, 0}}, {"w", make_box({0, 1}, {6, 2}), {5, 2}}}});
   d.tensors.push_back({spec("v", {8}, dtype::bfloat16), {{"v", make_box({0}, {5}), {2}}}});
   const std::vector<dest_layout> workers{d, d};
   const auto good = plan_transfer(source, workers);
@@ -441,7 +445,8 @@ TEST(plan_transfer, simulation_refuses_corrupted_plans) {
   std::vector<std::pair<const char*, std::function<void(transfer_plan&)>>> corruptions = {
       {"dst_at shifted", [&](transfer_plan& p) { first(p).dst_at[0] += 1; }},
       {"src shifted", [&](transfer_plan& p) { first(p).src.offset[1] += 1, first(p).src.extent[1] -= 1; }},
-      {"item dropped", [](transfer_plan& p) {
+      {"item dropped",
+       [](transfer_plan& p) {
          for (std::size_t i = 0; i < p.pairs.size(); ++i) {
            auto& pp = p.pairs[i];
            if (pp.items.empty()) continue;
@@ -451,14 +456,16 @@ TEST(plan_transfer, simulation_refuses_corrupted_plans) {
            return;
          }
        }},
-      {"item duplicated", [](transfer_plan& p) {
+      {"item duplicated",
+       [](transfer_plan& p) {
          auto& pp = p.pairs[0];
          pp.items.push_back(pp.items[0]);
          pp.bytes += pp.items[0].bytes;
          p.egress[0] += pp.items[0].bytes;
          p.ingress[0] += pp.items[0].bytes;
        }},
-      {"item sent by the wrong rank", [](transfer_plan& p) {
+      {"item sent by the wrong rank",
+       [](transfer_plan& p) {
          // Rank 0's first item to worker 0 moved to rank 1 (which holds other rows).
          auto it = p.pairs[0].items[0];
          p.pairs[0].items.erase(p.pairs[0].items.begin());
@@ -527,13 +534,15 @@ TEST(plan_transfer, hsdp_blocks_spread_over_replicas) {
   // Mesh {2, 2}: Shard(0) on mesh dim 0, replicated on mesh dim 1. Each block has
   // two holders; two tensors to one worker use all four ranks equally.
   const auto meta = meta_of({spec("a", {4}), spec("b", {4})});
-  const auto source = source_layout::uniform(meta, device_mesh{{2, 2}, {}}, {placement::shard(0), placement::replicate()});
+  const auto source =
+      source_layout::uniform(meta, device_mesh{{2, 2}, {}}, {placement::shard(0), placement::replicate()});
   const std::vector<dest_layout> workers{whole_tensors(meta)};
   const auto plan = plan_transfer(source, workers);
   ASSERT_TRUE(check_plan(source, workers, plan));
   for (int r = 0; r < 4; ++r) EXPECT_EQ(plan.egress[r], 8u) << "rank " << r;
   // And with the other mesh dim sharding.
-  const auto s2 = source_layout::uniform(meta, device_mesh{{2, 2}, {2, 3, 0, 1}}, {placement::replicate(), placement::shard(0)});
+  const auto s2 =
+      source_layout::uniform(meta, device_mesh{{2, 2}, {2, 3, 0, 1}}, {placement::replicate(), placement::shard(0)});
   const auto p2 = plan_transfer(s2, workers);
   ASSERT_TRUE(check_plan(s2, workers, p2));
   for (int r = 0; r < 4; ++r) EXPECT_EQ(p2.egress[r], 8u) << "rank " << r;
@@ -544,7 +553,9 @@ TEST(plan_transfer, hsdp_blocks_spread_over_replicas) {
 update_metadata llama(std::int64_t vocab, std::int64_t hidden, std::int64_t q, std::int64_t kv, std::int64_t inter,
                       int layers) {
   update_metadata m;
-  auto add = [&](std::string name, shape_t shape) { m.tensors.push_back({std::move(name), dtype::bfloat16, std::move(shape)}); };
+  auto add = [&](std::string name, shape_t shape) {
+    m.tensors.push_back({std::move(name), dtype::bfloat16, std::move(shape)});
+  };
   add("model.embed_tokens.weight", {vocab, hidden});
   for (int l = 0; l < layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -698,9 +709,15 @@ TEST(layout_digest, changes_with_every_input) {
       {"source name", [](small_case& c) { c.source.tensors[1].spec.name += "x"; }},
       {"placement kind", [](small_case& c) { c.source.tensors[0].placements[0] = placement::replicate(); }},
       {"placement dim", [](small_case& c) { c.source.tensors[0].placements[0] = placement::shard(1); }},
-      {"mesh shape", [](small_case& c) { c.source.mesh.shape = {2, 1}; }},
+      {"mesh shape",
+       [](small_case& c) {
+         c.source.mesh.shape = {2, 1};
+       }},
       {"mesh size", [](small_case& c) { c.source.mesh.shape = {4}; }},
-      {"mesh ranks", [](small_case& c) { c.source.mesh.ranks = {1, 0}; }},
+      {"mesh ranks",
+       [](small_case& c) {
+         c.source.mesh.ranks = {1, 0};
+       }},
       {"piece from offset", [](small_case& c) { c.workers[1].tensors[2].pieces[1].from.offset[0] += 1; }},
       {"piece from extent", [](small_case& c) { c.workers[1].tensors[2].pieces[1].from.extent[0] -= 1; }},
       {"piece at", [](small_case& c) { c.workers[0].tensors[2].pieces[2].at[0] += 1; }},
@@ -796,7 +813,8 @@ TEST(plan_transfer, empty_shards_pieces_and_scalars) {
   EXPECT_EQ(plan.ingress[1], 0u);
   EXPECT_EQ(plan.ingress[0], 3u * 2 * 4 + 8);
   for (int r = 0; r < 4; ++r)
-    for (const auto& it : plan.pair(r, 1).items) ADD_FAILURE() << "an item for the empty worker: " << it.src.to_string();
+    for (const auto& it : plan.pair(r, 1).items)
+      ADD_FAILURE() << "an item for the empty worker: " << it.src.to_string();
   // Local coordinates: rank 1's row is its row 0.
   ASSERT_FALSE(plan.pair(1, 0).items.empty());
   const auto& it = plan.pair(1, 0).items[0];
@@ -883,7 +901,8 @@ TEST(plan_transfer, property_about_100k_tensors_plan_with_consistent_sums) {
   cache.get(source, workers);
   const auto t3 = std::chrono::steady_clock::now();
   EXPECT_EQ(cache.computed(), 1u);
-  std::printf("[ plan ] cache hit (digest only) in %.1f ms\n", std::chrono::duration<double, std::milli>(t3 - t2).count());
+  std::printf("[ plan ] cache hit (digest only) in %.1f ms\n",
+              std::chrono::duration<double, std::milli>(t3 - t2).count());
 }
 
 }  // namespace

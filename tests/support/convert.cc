@@ -78,9 +78,7 @@ struct codec<dtype::float16> {
 };
 template <>
 struct codec<dtype::float8_e4m3fn> {
-  static float get(const std::byte* p) noexcept {
-    return fp8_e4m3fn_to_float(load<std::uint8_t>(p));
-  }
+  static float get(const std::byte* p) noexcept { return fp8_e4m3fn_to_float(load<std::uint8_t>(p)); }
   static void put(std::byte* p, float v) noexcept { store(p, float_to_fp8_e4m3fn(v)); }
 };
 template <>
@@ -89,9 +87,7 @@ struct codec<dtype::float8_e5m2> {
   static void put(std::byte* p, float v) noexcept { store(p, float_to_fp8_e5m2(v)); }
 };
 
-bool is_wide_float(dtype t) noexcept {
-  return t == dtype::float32 || t == dtype::bfloat16 || t == dtype::float16;
-}
+bool is_wide_float(dtype t) noexcept { return t == dtype::float32 || t == dtype::bfloat16 || t == dtype::float16; }
 bool is_fp8(dtype t) noexcept { return t == dtype::float8_e4m3fn || t == dtype::float8_e5m2; }
 
 // Both loops are the reference, not a hot path: one load, one scalar conversion and
@@ -99,22 +95,19 @@ bool is_fp8(dtype t) noexcept { return t == dtype::float8_e4m3fn || t == dtype::
 template <dtype S, dtype D>
 void dequantize_loop(const std::byte* src, std::byte* dst, std::size_t n, float scale) {
   const std::size_t s_size = element_size(S), d_size = element_size(D);
-  for (std::size_t i = 0; i < n; ++i)
-    codec<D>::put(dst + i * d_size, codec<S>::get(src + i * s_size) * scale);
+  for (std::size_t i = 0; i < n; ++i) codec<D>::put(dst + i * d_size, codec<S>::get(src + i * s_size) * scale);
 }
 
 template <dtype S, dtype D>
 void convert_loop(const std::byte* src, std::byte* dst, std::size_t n) {
   const std::size_t s_size = element_size(S), d_size = element_size(D);
-  for (std::size_t i = 0; i < n; ++i)
-    codec<D>::put(dst + i * d_size, codec<S>::get(src + i * s_size));
+  for (std::size_t i = 0; i < n; ++i) codec<D>::put(dst + i * d_size, codec<S>::get(src + i * s_size));
 }
 
 template <dtype S, dtype D>
 void quantize_loop(const std::byte* src, std::byte* dst, std::size_t n, float scale) {
   const std::size_t s_size = element_size(S);
-  for (std::size_t i = 0; i < n; ++i)
-    codec<D>::put(dst + i, codec<S>::get(src + i * s_size) / scale);
+  for (std::size_t i = 0; i < n; ++i) codec<D>::put(dst + i, codec<S>::get(src + i * s_size) / scale);
 }
 
 template <dtype S>
@@ -144,8 +137,8 @@ void quantize_from(dtype d, const std::byte* src, std::byte* dst, std::size_t n,
 }
 
 std::string describe(const tensor_view& v) {
-  return "'" + std::string(v.name) + "' (" + std::string(to_string(v.dtype)) + " " +
-         shape_to_string(v.shape) + " on " + to_string(v.device) + ")";
+  return "'" + std::string(v.name) + "' (" + std::string(to_string(v.dtype)) + " " + shape_to_string(v.shape) + " on " +
+         to_string(v.device) + ")";
 }
 
 std::string float_text(float f) {
@@ -155,12 +148,10 @@ std::string float_text(float f) {
 }
 
 // The checks shared by convert_tensor and quantize_fp8; returns the element count.
-std::size_t check_pair(const char* op, const tensor_view& src, const tensor_view& dst,
-                       bool supported, const char* expected_pairs) {
+std::size_t check_pair(const char* op, const tensor_view& src, const tensor_view& dst, bool supported,
+                       const char* expected_pairs) {
   const std::string what = std::string(op) + " from " + describe(src) + " to " + describe(dst);
-  auto fail = [&](const std::string& why) {
-    throw_error(errc::invalid_argument, what + ": " + why);
-  };
+  auto fail = [&](const std::string& why) { throw_error(errc::invalid_argument, what + ": " + why); };
   if (!src.device.is_cpu() || !dst.device.is_cpu())
     fail("both tensors must be in host memory (this is the CPU reference)");
   if (!supported) fail(std::string("unsupported dtype pair; expected ") + expected_pairs);
@@ -171,8 +162,7 @@ std::size_t check_pair(const char* op, const tensor_view& src, const tensor_view
   } catch (const error& e) {
     fail(e.message());
   }
-  if (n_src != n_dst)
-    fail("element counts differ: " + std::to_string(n_src) + " vs " + std::to_string(n_dst));
+  if (n_src != n_dst) fail("element counts differ: " + std::to_string(n_src) + " vs " + std::to_string(n_dst));
   if (n_src > 0 && (src.data == nullptr || dst.data == nullptr)) fail("null data pointer");
   const std::uint64_t s_bytes = static_cast<std::uint64_t>(n_src) * element_size(src.dtype);
   const std::uint64_t d_bytes = static_cast<std::uint64_t>(n_dst) * element_size(dst.dtype);
@@ -184,8 +174,7 @@ std::size_t check_pair(const char* op, const tensor_view& src, const tensor_view
 
 void check_quantize_scale(const std::string& what, float scale) {
   if (!(std::isfinite(scale) && scale > 0.0f))
-    throw_error(errc::invalid_argument,
-                what + ": the fp8 scale must be finite and > 0, got " + float_text(scale));
+    throw_error(errc::invalid_argument, what + ": the fp8 scale must be finite and > 0, got " + float_text(scale));
 }
 
 }  // namespace
@@ -273,26 +262,22 @@ float fp8_max(dtype t) noexcept {
   }
 }
 
-bool can_convert(dtype src, dtype dst) noexcept {
-  return is_wide_float(dst) && (is_wide_float(src) || is_fp8(src));
-}
+bool can_convert(dtype src, dtype dst) noexcept { return is_wide_float(dst) && (is_wide_float(src) || is_fp8(src)); }
 
 bool can_quantize(dtype src, dtype dst) noexcept { return is_wide_float(src) && is_fp8(dst); }
 
 // ---- tensors
 
 void convert_tensor(const tensor_view& src, const tensor_view& dst, float scale) {
-  const std::size_t n =
-      check_pair("convert_tensor", src, dst, can_convert(src.dtype, dst.dtype),
-                 "float32, bfloat16 or float16 to one of them, or float8_e4m3fn or float8_e5m2 "
-                 "to one of them (float to fp8 is quantize_fp8)");
+  const std::size_t n = check_pair("convert_tensor", src, dst, can_convert(src.dtype, dst.dtype),
+                                   "float32, bfloat16 or float16 to one of them, or float8_e4m3fn or float8_e5m2 "
+                                   "to one of them (float to fp8 is quantize_fp8)");
   const std::string what = "convert_tensor from " + describe(src) + " to " + describe(dst);
   if (is_fp8(src.dtype)) {
     check_quantize_scale(what, scale);
   } else if (scale != 1.0f) {
-    throw_error(
-        errc::invalid_argument,
-        what + ": a scale applies to fp8 sources only; expected 1, got " + float_text(scale));
+    throw_error(errc::invalid_argument,
+                what + ": a scale applies to fp8 sources only; expected 1, got " + float_text(scale));
   }
   if (n == 0) return;
   const std::byte* s = src.data;
@@ -336,21 +321,18 @@ void quantize_fp8(const tensor_view& src, const tensor_view& dst, float scale) {
 
 float fp8_scale(const tensor_view& src, dtype fp8) {
   const std::string what = "fp8_scale of " + describe(src) + " for " + std::string(to_string(fp8));
-  if (!src.device.is_cpu())
-    throw_error(errc::invalid_argument, what + ": the tensor must be in host memory");
+  if (!src.device.is_cpu()) throw_error(errc::invalid_argument, what + ": the tensor must be in host memory");
   if (!can_quantize(src.dtype, fp8))
-    throw_error(errc::invalid_argument,
-                what +
-                    ": expected a float32, bfloat16 or float16 tensor and an fp8 type "
-                    "(float8_e4m3fn or float8_e5m2)");
+    throw_error(errc::invalid_argument, what +
+                                            ": expected a float32, bfloat16 or float16 tensor and an fp8 type "
+                                            "(float8_e4m3fn or float8_e5m2)");
   std::int64_t n = 0;
   try {
     n = src.numel();
   } catch (const error& e) {
     throw_error(errc::invalid_argument, what + ": " + e.message());
   }
-  if (n > 0 && src.data == nullptr)
-    throw_error(errc::invalid_argument, what + ": null data pointer");
+  if (n > 0 && src.data == nullptr) throw_error(errc::invalid_argument, what + ": null data pointer");
   float amax = 0.0f;
   auto scan = [&]<dtype S>() {
     const std::size_t size = element_size(S);

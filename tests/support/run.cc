@@ -38,10 +38,10 @@ bool run(asio::io_context& io, std::chrono::milliseconds limit) {
   return true;
 }
 
-void run_to_completion(asio::io_context& io, asio::awaitable<void> work,
-                       std::chrono::milliseconds limit) {
+void run_to_completion(asio::io_context& io, asio::awaitable<void> work, std::chrono::milliseconds limit) {
   auto result = spawn(io, std::move(work));
-  if (!run_until(io, [&] { return result->done; }, limit))
+  if (!run_until(
+          io, [&] { return result->done; }, limit))
     throw refit::error(refit::errc::timeout, "test coroutine did not finish in time");
   if (result->error) std::rethrow_exception(result->error);
 }

@@ -40,12 +40,10 @@ bool run(asio::io_context& io, std::chrono::milliseconds limit = std::chrono::se
 
 /// Runs `io` until `done()` is true or `limit` passes; returns done().
 template <class Pred>
-bool run_until(asio::io_context& io, Pred done,
-               std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+bool run_until(asio::io_context& io, Pred done, std::chrono::milliseconds limit = std::chrono::seconds(60)) {
   io.restart();
   auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!done() && std::chrono::steady_clock::now() < deadline)
-    io.run_one_for(std::chrono::milliseconds(100));
+  while (!done() && std::chrono::steady_clock::now() < deadline) io.run_one_for(std::chrono::milliseconds(100));
   return done();
 }
 

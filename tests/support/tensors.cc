@@ -11,8 +11,7 @@ std::byte pattern_byte(std::uint64_t key, std::uint64_t i) {
   return static_cast<std::byte>(x * 0x94D049BB133111EBull >> 56);
 }
 
-void tensor_set::add(std::string name, dtype type, std::vector<std::int64_t> shape,
-                     std::uint64_t seed) {
+void tensor_set::add(std::string name, dtype type, std::vector<std::int64_t> shape, std::uint64_t seed) {
   tensor_spec spec{std::move(name), type, std::move(shape)};
   std::vector<std::byte> bytes(spec.nbytes());
   const std::uint64_t key = std::hash<std::string>{}(spec.name) ^ seed;
@@ -23,8 +22,7 @@ void tensor_set::add(std::string name, dtype type, std::vector<std::int64_t> sha
 
 std::vector<tensor_view> tensor_set::views() {
   std::vector<tensor_view> out;
-  for (std::size_t i = 0; i < meta.tensors.size(); ++i)
-    out.emplace_back(meta.tensors[i], data[i].data());
+  for (std::size_t i = 0; i < meta.tensors.size(); ++i) out.emplace_back(meta.tensors[i], data[i].data());
   return out;
 }
 
@@ -34,8 +32,8 @@ load_weights_fn capture::fn() {
     ++calls_;
     for (const auto& v : views) {
       auto bytes = v.bytes();
-      auto [it, inserted] = got_.try_emplace(std::string(v.name), v.spec(),
-                                             std::vector<std::byte>(bytes.begin(), bytes.end()));
+      auto [it, inserted] =
+          got_.try_emplace(std::string(v.name), v.spec(), std::vector<std::byte>(bytes.begin(), bytes.end()));
       if (!inserted) duplicates_.emplace_back(v.name);
     }
   };

@@ -3,10 +3,10 @@
 // q/k/v receives them through module_target, which the engine base asks to check
 // each update before any byte moves.
 #include <ATen/ATen.h>
-#include <asio/io_context.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
+#include <asio/io_context.hpp>
 
 #include <refit/engines/loopback/loopback.h>
 #include <refit/session.h>
@@ -85,10 +85,10 @@ TEST(libtorch_loopback, a_trainer_module_updates_a_fused_worker_module_in_place)
   ASSERT_TRUE(sent->done && !sent->error) << sent->message();
   ASSERT_TRUE(received->done && !received->error) << received->message();
 
-  at::Tensor expected = at::cat({trainer.attn->named_parameters()["q_proj.weight"],
-                                 trainer.attn->named_parameters()["k_proj.weight"],
-                                 trainer.attn->named_parameters()["v_proj.weight"]})
-                            .to(at::kFloat);
+  at::Tensor expected =
+      at::cat({trainer.attn->named_parameters()["q_proj.weight"], trainer.attn->named_parameters()["k_proj.weight"],
+               trainer.attn->named_parameters()["v_proj.weight"]})
+          .to(at::kFloat);
   EXPECT_TRUE(at::equal(worker.qkv_weight.detach(), expected));
   EXPECT_TRUE(at::equal(worker.norm.detach(), trainer.norm.detach().to(at::kFloat)));
   EXPECT_EQ(worker.qkv_weight.data_ptr(), address);

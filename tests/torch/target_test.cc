@@ -248,8 +248,9 @@ TEST(module_target, without_conversion_every_dtype_must_match) {
   module_target target(m.tensors, {.convert_dtypes = false});
   auto e = REFIT_THROWN(target.begin_update(update{{{"w", at::ones({2}, at::kBFloat16)}}}.metadata()));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
-  EXPECT_EQ(e.message(), "module_target: update tensor 'w' is bfloat16 but model tensor 'w' is float32 (dtype "
-                         "conversion is off)");
+  EXPECT_EQ(e.message(),
+            "module_target: update tensor 'w' is bfloat16 but model tensor 'w' is float32 (dtype "
+            "conversion is off)");
 }
 
 TEST(module_target, fp8_updates_need_a_libtorch_with_fp8) {
@@ -287,9 +288,9 @@ TEST(module_target, prefix_renames_replace_a_leading_prefix) {
 
 TEST(module_target, regex_renames_use_capture_groups_and_apply_in_order) {
   model m({{"model.blocks.3.attn.w", at::zeros({1})}});
-  module_target target(m.tensors, {.renames = {rename_rule::regex("^layers\\.(\\d+)\\.", "blocks.$1."),
-                                                rename_rule::prefix("", "model."),
-                                                rename_rule::regex("self_attn", "attn")}});
+  module_target target(m.tensors,
+                       {.renames = {rename_rule::regex("^layers\\.(\\d+)\\.", "blocks.$1."),
+                                    rename_rule::prefix("", "model."), rename_rule::regex("self_attn", "attn")}});
   EXPECT_EQ(target.model_name("layers.3.self_attn.w"), "model.blocks.3.attn.w");
   apply(target, {{{"layers.3.self_attn.w", at::full({1}, 4.0f)}}});
   EXPECT_EQ(m["model.blocks.3.attn.w"].item<float>(), 4.0f);
@@ -344,8 +345,9 @@ TEST(module_target, a_missing_fused_component_is_refused_by_name) {
   u.tensors.erase(u.tensors.begin() + 2);  // k_proj
   auto e = REFIT_THROWN(target.begin_update(u.metadata()));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
-  EXPECT_EQ(e.message(), "module_target: the update misses component '.k_proj' of fused model tensor "
-                         "'layers.0.self_attn.qkv_proj.weight'");
+  EXPECT_EQ(e.message(),
+            "module_target: the update misses component '.k_proj' of fused model tensor "
+            "'layers.0.self_attn.qkv_proj.weight'");
   EXPECT_TRUE(m.untouched());
 }
 
@@ -375,7 +377,9 @@ TEST(module_target, a_fused_component_given_twice_is_refused) {
   model m({{"l.qkv_proj", at::zeros({3, 1})}});
   module_target target(m.tensors, {.renames = {rename_rule::regex("^(a|b)\\.", "l.")},
                                    .fused = {{".qkv_proj", {".q_proj", ".k_proj", ".v_proj"}, {}}}});
-  update u{{{"a.q_proj", at::ones({1, 1})}, {"b.q_proj", at::ones({1, 1})}, {"l.k_proj", at::ones({1, 1})},
+  update u{{{"a.q_proj", at::ones({1, 1})},
+            {"b.q_proj", at::ones({1, 1})},
+            {"l.k_proj", at::ones({1, 1})},
             {"l.v_proj", at::ones({1, 1})}}};
   auto e = REFIT_THROWN(target.begin_update(u.metadata()));
   EXPECT_THAT(e.message(), HasSubstr("update tensors 'a.q_proj' and 'b.q_proj' both load into component '.q_proj' "
@@ -392,7 +396,8 @@ TEST(module_target, declared_component_sizes_place_a_partial_update_of_a_fused_t
   EXPECT_TRUE(at::equal(qkv.narrow(0, 6, 2), range(2, 2, 300)));
   EXPECT_TRUE(at::equal(qkv.narrow(0, 0, 6), at::zeros({6, 2})));
 
-  auto wrong = REFIT_THROWN(target.begin_update(update{{{"layers.0.self_attn.k_proj.weight", range(3, 2)}}}.metadata()));
+  auto wrong =
+      REFIT_THROWN(target.begin_update(update{{{"layers.0.self_attn.k_proj.weight", range(3, 2)}}}.metadata()));
   EXPECT_THAT(wrong.message(), HasSubstr("update tensor 'layers.0.self_attn.k_proj.weight' gives 3 rows of component "
                                          "'.k_proj' of model tensor 'layers.0.self_attn.qkv_proj.weight', its declared "
                                          "size makes 2"));
@@ -428,8 +433,8 @@ TEST(module_target, row_parallel_keeps_this_ranks_columns_and_the_whole_bias) {
 
 TEST(module_target, the_first_matching_shard_rule_wins_and_unmatched_tensors_are_replicated) {
   model m({{"a.w", at::zeros({1, 2})}, {"b.w", at::zeros({2, 2})}});
-  module_target target(m.tensors, {.shards = {{"^a", parallel_style::column}, {"w$", parallel_style::row}},
-                                   .tp_rank = 0, .tp_size = 2});
+  module_target target(
+      m.tensors, {.shards = {{"^a", parallel_style::column}, {"w$", parallel_style::row}}, .tp_rank = 0, .tp_size = 2});
   apply(target, {{{"a.w", range(2, 2)}, {"b.w", range(2, 4)}}});
   EXPECT_TRUE(at::equal(m["a.w"], range(1, 2)));
   EXPECT_TRUE(at::equal(m["b.w"], range(2, 4).narrow(1, 0, 2)));
@@ -445,8 +450,9 @@ TEST(module_target, a_split_dimension_not_divisible_by_tp_size_is_refused) {
   module_target target(m.tensors, {.shards = {{"up", parallel_style::column}}, .tp_rank = 0, .tp_size = 3});
   auto e = REFIT_THROWN(target.begin_update(update{{{"up.weight", range(4, 3)}}}.metadata()));
   EXPECT_EQ(e.kind(), errc::invalid_argument);
-  EXPECT_EQ(e.message(), "module_target: update tensor 'up.weight' [4, 3] is column-parallel but its dim 0 (4) is "
-                         "not divisible by tp_size 3");
+  EXPECT_EQ(e.message(),
+            "module_target: update tensor 'up.weight' [4, 3] is column-parallel but its dim 0 (4) is "
+            "not divisible by tp_size 3");
   EXPECT_TRUE(m.untouched());
 }
 
@@ -454,8 +460,9 @@ TEST(module_target, a_shard_that_does_not_fit_names_the_ranks_shape) {
   model m({{"down.weight", at::zeros({3, 2})}});
   module_target target(m.tensors, {.shards = {{"down", parallel_style::row}}, .tp_rank = 0, .tp_size = 2});
   auto e = REFIT_THROWN(target.begin_update(update{{{"down.weight", range(3, 8)}}}.metadata()));
-  EXPECT_EQ(e.message(), "module_target: shapes of update tensor 'down.weight' [3, 8] and model tensor 'down.weight' "
-                         "[3, 2] (rank 0 of 2 holds [3, 4]) do not match");
+  EXPECT_EQ(e.message(),
+            "module_target: shapes of update tensor 'down.weight' [3, 8] and model tensor 'down.weight' "
+            "[3, 2] (rank 0 of 2 holds [3, 4]) do not match");
 }
 
 TEST(module_target, a_column_parallel_scalar_is_refused) {
@@ -474,9 +481,9 @@ TEST(module_target, fused_and_column_parallel_shards_each_component_then_stacks_
                                    .tp_size = 2});
   update full = fused_update(/*q_rows=*/8, /*kv_rows=*/4, /*ff_rows=*/6);
   apply(target, full);
-  EXPECT_TRUE(at::equal(m["layers.0.self_attn.qkv_proj.weight"],
-                        at::cat({range(8, 2, 100).narrow(0, 4, 4), range(4, 2, 200).narrow(0, 2, 2),
-                                 range(4, 2, 300).narrow(0, 2, 2)})));
+  EXPECT_TRUE(at::equal(
+      m["layers.0.self_attn.qkv_proj.weight"],
+      at::cat({range(8, 2, 100).narrow(0, 4, 4), range(4, 2, 200).narrow(0, 2, 2), range(4, 2, 300).narrow(0, 2, 2)})));
   EXPECT_TRUE(at::equal(m["layers.0.mlp.gate_up_proj.weight"],
                         at::cat({range(6, 2, 400).narrow(0, 3, 3), range(6, 2, 500).narrow(0, 3, 3)})));
 }
@@ -500,8 +507,8 @@ TEST(module_target, vllm_llama_shards_split_a_decoder_layer_as_vllm_does) {
            {"layers.0.mlp.gate_up_proj.weight", at::zeros({6, 4})},
            {"layers.0.mlp.down_proj.weight", at::zeros({4, 3})},
            {"layers.0.input_layernorm.weight", at::zeros({4})}});
-  module_target target(m.tensors, {.fused = vllm_stacked_params(), .shards = vllm_llama_shards(), .tp_rank = 1,
-                                   .tp_size = 2});
+  module_target target(m.tensors,
+                       {.fused = vllm_stacked_params(), .shards = vllm_llama_shards(), .tp_rank = 1, .tp_size = 2});
   update u{{{"layers.0.self_attn.q_proj.weight", range(4, 4, 100)},
             {"layers.0.self_attn.k_proj.weight", range(2, 4, 200)},
             {"layers.0.self_attn.v_proj.weight", range(2, 4, 300)},
@@ -511,9 +518,9 @@ TEST(module_target, vllm_llama_shards_split_a_decoder_layer_as_vllm_does) {
             {"layers.0.mlp.down_proj.weight", range(4, 6, 700)},
             {"layers.0.input_layernorm.weight", at::ones({4})}}};
   apply(target, u);
-  EXPECT_TRUE(at::equal(m["layers.0.self_attn.qkv_proj.weight"],
-                        at::cat({range(4, 4, 100).narrow(0, 2, 2), range(2, 4, 200).narrow(0, 1, 1),
-                                 range(2, 4, 300).narrow(0, 1, 1)})));
+  EXPECT_TRUE(at::equal(
+      m["layers.0.self_attn.qkv_proj.weight"],
+      at::cat({range(4, 4, 100).narrow(0, 2, 2), range(2, 4, 200).narrow(0, 1, 1), range(2, 4, 300).narrow(0, 1, 1)})));
   EXPECT_TRUE(at::equal(m["layers.0.self_attn.o_proj.weight"], range(4, 4, 400).narrow(1, 2, 2)));
   EXPECT_TRUE(at::equal(m["layers.0.mlp.gate_up_proj.weight"],
                         at::cat({range(6, 4, 500).narrow(0, 3, 3), range(6, 4, 600).narrow(0, 3, 3)})));

@@ -13,9 +13,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-const dtype all_dtypes[] = {dtype::bool_,   dtype::uint8,    dtype::int8,    dtype::int16,
-                            dtype::int32,   dtype::int64,    dtype::float16, dtype::bfloat16,
-                            dtype::float32, dtype::float64,  dtype::float8_e4m3fn, dtype::float8_e5m2};
+const dtype all_dtypes[] = {dtype::bool_,   dtype::uint8,   dtype::int8,          dtype::int16,
+                            dtype::int32,   dtype::int64,   dtype::float16,       dtype::bfloat16,
+                            dtype::float32, dtype::float64, dtype::float8_e4m3fn, dtype::float8_e5m2};
 
 TEST(libtorch_dtype, every_refit_dtype_round_trips_with_the_same_element_size) {
   for (dtype t : all_dtypes) {

@@ -23,13 +23,12 @@ namespace refit::async {
 /// "<what>: no progress within <limit> ms" is thrown. An error of `op` propagates
 /// at once (not at the deadline). T must be default-constructible.
 template <class T>
-asio::awaitable<T> with_deadline(asio::awaitable<T> op, std::chrono::milliseconds limit,
-                                 std::string what) {
+asio::awaitable<T> with_deadline(asio::awaitable<T> op, std::chrono::milliseconds limit, std::string what) {
   namespace ex = asio::experimental;
   auto executor = co_await asio::this_coro::executor;
   asio::steady_timer timer(executor, limit);
-  auto group = ex::make_parallel_group(asio::co_spawn(executor, std::move(op), ex::deferred),
-                                       timer.async_wait(ex::deferred));
+  auto group =
+      ex::make_parallel_group(asio::co_spawn(executor, std::move(op), ex::deferred), timer.async_wait(ex::deferred));
   auto timed_out = [&] {
     throw_error(errc::timeout, what + ": no progress within " + std::to_string(limit.count()) + " ms");
   };

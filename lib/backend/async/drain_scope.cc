@@ -18,8 +18,7 @@ void drain_scope::done(std::exception_ptr error) {
 
 void drain_scope::spawn(asio::awaitable<void> work) {
   add();
-  asio::co_spawn(ex_, std::move(work),
-                 asio::bind_executor(ex_, [this](std::exception_ptr e) { done(e); }));
+  asio::co_spawn(ex_, std::move(work), asio::bind_executor(ex_, [this](std::exception_ptr e) { done(e); }));
 }
 
 asio::awaitable<void> drain_scope::join() {

@@ -22,8 +22,7 @@ void event::reset() {
 
 asio::awaitable<void> event::wait() {
   const std::uint64_t seen = generation_;
-  while (!set_ && generation_ == seen)
-    co_await timer_.async_wait(asio::experimental::as_tuple(asio::use_awaitable));
+  while (!set_ && generation_ == seen) co_await timer_.async_wait(asio::experimental::as_tuple(asio::use_awaitable));
 }
 
 }  // namespace refit::async

@@ -9,8 +9,8 @@
 
 #include <asio/associated_executor.hpp>
 #include <asio/async_result.hpp>
-#include <asio/executor_work_guard.hpp>
 #include <asio/awaitable.hpp>
+#include <asio/executor_work_guard.hpp>
 #include <asio/post.hpp>
 #include <asio/this_coro.hpp>
 #include <asio/use_awaitable.hpp>
@@ -26,16 +26,14 @@ namespace refit::async {
 /// values when it is written inside the co_await expression: GCC 12 may destroy such
 /// a temporary twice (seen as a shared_ptr released twice), so anything that owns
 /// memory lives in the coroutine frame and is captured by reference.
-template <class Executor, class Fn,
-          class Token = const asio::use_awaitable_t<>&>
+template <class Executor, class Fn, class Token = const asio::use_awaitable_t<>&>
 auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
   using result = std::invoke_result_t<Fn&>;
   if constexpr (std::is_void_v<result>) {
     return asio::async_initiate<Token, void(std::exception_ptr)>(
         [pool](auto handler, Fn fn) {
           auto home = asio::make_work_guard(asio::get_associated_executor(handler));
-          asio::post(pool, [handler = std::move(handler), fn = std::move(fn),
-                            home = std::move(home)]() mutable {
+          asio::post(pool, [handler = std::move(handler), fn = std::move(fn), home = std::move(home)]() mutable {
             std::exception_ptr error;
             try {
               fn();
@@ -45,9 +43,8 @@ auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
             auto ex = home.get_executor();
             // Moved, not copied: the pool thread keeps no reference to the result,
             // so it is created here and destroyed on the caller's side only.
-            asio::post(ex, [handler = std::move(handler), error = std::move(error)]() mutable {
-              std::move(handler)(error);
-            });
+            asio::post(
+                ex, [handler = std::move(handler), error = std::move(error)]() mutable { std::move(handler)(error); });
           });
         },
         token, std::move(fn));
@@ -55,8 +52,7 @@ auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
     return asio::async_initiate<Token, void(std::exception_ptr, result)>(
         [pool](auto handler, Fn fn) {
           auto home = asio::make_work_guard(asio::get_associated_executor(handler));
-          asio::post(pool, [handler = std::move(handler), fn = std::move(fn),
-                            home = std::move(home)]() mutable {
+          asio::post(pool, [handler = std::move(handler), fn = std::move(fn), home = std::move(home)]() mutable {
             std::exception_ptr error;
             std::optional<result> value;
             try {
@@ -65,10 +61,10 @@ auto offload(const Executor& pool, Fn fn, Token&& token = asio::use_awaitable) {
               error = std::current_exception();
             }
             auto ex = home.get_executor();
-            asio::post(ex, [handler = std::move(handler), error = std::move(error),
-                            value = std::move(value)]() mutable {
-              std::move(handler)(error, value ? std::move(*value) : result{});
-            });
+            asio::post(ex,
+                       [handler = std::move(handler), error = std::move(error), value = std::move(value)]() mutable {
+                         std::move(handler)(error, value ? std::move(*value) : result{});
+                       });
           });
         },
         token, std::move(fn));

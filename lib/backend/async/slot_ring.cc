@@ -21,8 +21,7 @@ asio::awaitable<std::size_t> slot_ring::acquire() {
 
 void slot_ring::release(std::size_t slot) {
   if (slot >= held_.size() || !held_[slot])
-    throw_error(errc::invalid_state,
-                "slot_ring: release of slot " + std::to_string(slot) + " that is not held");
+    throw_error(errc::invalid_state, "slot_ring: release of slot " + std::to_string(slot) + " that is not held");
   held_[slot] = false;
   ++generation_[slot];
   ++available_;

@@ -7,8 +7,8 @@
 
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
-#include <refit/backend/net.h>
 #include <refit/backend/engine.h>
+#include <refit/backend/net.h>
 
 namespace refit::links {
 
@@ -23,7 +23,8 @@ stream_free_init_info stream_free_init_info::read(json_reader& r) {
 asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
   timeout_ = info.timeout.value_or(config().timeout);
   rank_ = worker_rank(info, context().ranks, std::string(backend()));
-  auto j = co_await join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_, who());
+  auto j =
+      co_await join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_, who());
   auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(j.socket));
   co_await transport_closed();  // an earlier communicator's abort, before its staging is reused
   co_await joined(info, j.welcome);
@@ -35,8 +36,8 @@ asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
     const wire_params wire = info.wire;
     std::unique_ptr<staging_memory> staging =
         co_await async::offload(processing_executor(), [this, wire] { return make_staging(wire); });
-    pipeline_ = std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire,
-                                                   std::move(staging));
+    pipeline_ =
+        std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
   }
   socket_ = std::move(socket);
   last_seq_ = 0;
@@ -51,16 +52,17 @@ std::string worker_engine::staged_commit_refusal() const {
 
 asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, load_weights_fn load_weights) {
   if (!socket_)
-    throw_error(errc::invalid_state, who() + ": the connection to the trainer was closed by an earlier failure; "
-                                             "call init_transfer_engine again");
+    throw_error(errc::invalid_state, who() +
+                                         ": the connection to the trainer was closed by an earlier failure; "
+                                         "call init_transfer_engine again");
   std::exception_ptr failure;
   try {
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
     last_seq_ = co_await accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who());
     auto transport = make_transport();
     // No direct receive: the bytes arrive in one staging buffer per bucket.
-    co_await pipeline_->receive(info.metadata, std::move(plan), *transport, wrap(std::move(load_weights)),
-                                deferred(), mutable_stats(), nullptr);
+    co_await pipeline_->receive(info.metadata, std::move(plan), *transport, wrap(std::move(load_weights)), deferred(),
+                                mutable_stats(), nullptr);
     co_await confirm_update(*socket_, last_seq_, timeout_, who());
   } catch (...) {
     failure = std::current_exception();
@@ -80,8 +82,8 @@ void worker_engine::do_refuse_update(errc kind, const std::string& reason) noexc
     close_transport();
     std::shared_ptr<asio::ip::tcp::socket> s(socket_.release());
     asio::co_spawn(context().executor,
-                   links::refuse_update(s, last_seq_ + 1, kind, reason, std::min(timeout_, std::chrono::milliseconds(2000)),
-                                 who()),
+                   links::refuse_update(s, last_seq_ + 1, kind, reason,
+                                        std::min(timeout_, std::chrono::milliseconds(2000)), who()),
                    asio::detached);
   } catch (...) {  // could not start the refusal: the trainer fails at its deadline
   }
@@ -186,8 +188,9 @@ asio::awaitable<void> sender_base::confirm_all(const std::vector<member>& peers,
 
 std::pair<bucket_plan, std::uint64_t> sender_base::begin_update(const update_metadata& declared) {
   if (peers_.empty())
-    throw_error(errc::invalid_state, std::string(backend()) + " trainer: send_weights before init (or after a failed "
-                                                               "update; call init again)");
+    throw_error(errc::invalid_state, std::string(backend()) +
+                                         " trainer: send_weights before init (or after a failed "
+                                         "update; call init again)");
   declared.validate();
   stats_ = {};
   return {plan_buckets(declared, args_.wire), ++seq_};

@@ -14,9 +14,9 @@
 #include <asio/ip/tcp.hpp>
 
 #include <refit/backend/engine.h>
-#include <refit/engine.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/pipeline.h>
+#include <refit/engine.h>
 #include <refit/trainer.h>
 
 namespace refit::links {
@@ -96,7 +96,9 @@ class sender_base : public weight_sender {
   /// close(), then waits for transport_closed(): the failure path of a send.
   asio::awaitable<void> close_after_failure();
 
-  std::string rank_name(int rank) const { return std::string(backend()) + " trainer: worker rank " + std::to_string(rank); }
+  std::string rank_name(int rank) const {
+    return std::string(backend()) + " trainer: worker rank " + std::to_string(rank);
+  }
   /// Announces the update header to every worker at once.
   asio::awaitable<void> announce_all(const std::vector<member>& peers, std::array<std::byte, 48> header);
   /// Waits for every worker's confirmation of update `seq`.

@@ -92,8 +92,8 @@ struct rendezvous {
   wire_params wire;
   std::vector<int> expected;  // the ranks that may join
   std::string who, welcome;
-  std::vector<member> joined;   // welcomed
-  std::vector<int> claimed;     // welcomed or being welcomed
+  std::vector<member> joined;  // welcomed
+  std::vector<int> claimed;    // welcomed or being welcomed
   std::vector<std::weak_ptr<asio::ip::tcp::socket>> pending;
   std::string last_refusal;
   async::event changed;  // a worker joined or accepting stopped
@@ -130,8 +130,8 @@ asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<a
     refusal = "not a refit worker (bad magic)";
     code = errc::protocol_error;
   } else if (h.version != wire::protocol_version) {
-    refusal = "protocol version " + std::to_string(h.version) + ", trainer speaks " +
-              std::to_string(wire::protocol_version);
+    refusal =
+        "protocol version " + std::to_string(h.version) + ", trainer speaks " + std::to_string(wire::protocol_version);
     code = errc::protocol_error;
   } else if (std::find(r->expected.begin(), r->expected.end(), static_cast<int>(h.rank)) == r->expected.end()) {
     std::string ranks;
@@ -315,9 +315,9 @@ asio::awaitable<void> announce_update(asio::ip::tcp::socket& socket, const std::
                                       std::chrono::milliseconds timeout, std::string who) {
   const auto seq = wire::decode<wire::update>(header).seq;
   co_await net::write_all(socket, asio::buffer(header), timeout, who + ": update header");
-  throw_if_failed(co_await read_status(socket, timeout, who + ": waiting for the worker to accept update " +
-                                                            std::to_string(seq)),
-                  who + " refused the update");
+  throw_if_failed(
+      co_await read_status(socket, timeout, who + ": waiting for the worker to accept update " + std::to_string(seq)),
+      who + " refused the update");
 }
 
 asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std::uint64_t last_seq,
@@ -348,8 +348,7 @@ asio::awaitable<void> refuse_update(std::shared_ptr<asio::ip::tcp::socket> socke
     std::array<std::byte, 64 << 10> sink;
     const auto until = std::chrono::steady_clock::now() + linger;
     for (;;) {  // until the trainer closes (it fails on the status) or the linger ends
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
       if (left.count() <= 0) break;
       co_await async::with_deadline(socket->async_read_some(asio::buffer(sink), asio::use_awaitable), left,
                                     who + ": draining after a refusal");
@@ -367,9 +366,9 @@ asio::awaitable<void> confirm_update(asio::ip::tcp::socket& socket, std::uint64_
 
 asio::awaitable<void> await_confirmation(asio::ip::tcp::socket& socket, std::uint64_t seq,
                                          std::chrono::milliseconds timeout, std::string who) {
-  throw_if_failed(co_await read_status(socket, timeout, who + ": waiting for the worker to confirm update " +
-                                                            std::to_string(seq)),
-                  who + " failed the update");
+  throw_if_failed(
+      co_await read_status(socket, timeout, who + ": waiting for the worker to confirm update " + std::to_string(seq)),
+      who + " failed the update");
 }
 
 }  // namespace refit::links

@@ -17,8 +17,8 @@
 #include <asio/ip/tcp.hpp>
 
 #include <refit/backend/bucket_plan.h>
-#include <refit/engine.h>
 #include <refit/backend/json_reader.h>
+#include <refit/engine.h>
 #include <refit/metadata.h>
 
 namespace refit::links {
@@ -62,7 +62,7 @@ int worker_rank(const join_info& info, const parallel_ranks& ranks, const std::s
 struct member {
   int rank = 0;
   std::shared_ptr<asio::ip::tcp::socket> socket;
-  std::string address;          ///< the worker's address as this side sees it
+  std::string address;           ///< the worker's address as this side sees it
   std::uint16_t relay_port = 0;  ///< its relay listener; 0: none
 };
 

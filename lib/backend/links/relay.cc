@@ -14,8 +14,10 @@ topology topology::parse(const std::string& text, const std::string& what) {
     const long v = k.empty() ? 0 : std::strtol(k.c_str(), &end, 10);
     if (end && *end == '\0' && v >= 1 && v <= 1024) return {static_cast<int>(v)};
   }
-  throw_error(errc::invalid_argument, what + ": topology must be \"star\", \"chain\" or \"tree:K\" (K in [1, 1024]), "
-                                             "got \"" + valid_utf8(text.substr(0, 40)) + "\"");
+  throw_error(errc::invalid_argument, what +
+                                          ": topology must be \"star\", \"chain\" or \"tree:K\" (K in [1, 1024]), "
+                                          "got \"" +
+                                          valid_utf8(text.substr(0, 40)) + "\"");
 }
 
 topology topology::default_for(int workers) { return workers <= 2 ? topology{0} : topology{1}; }

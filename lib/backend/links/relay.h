@@ -38,10 +38,10 @@ struct topology {
 
 /// What the trainer tells a worker after the rendezvous in a relay topology.
 struct relay_position {
-  int upstream = 0;                ///< the rank it receives from (0: the trainer)
-  std::string upstream_address;    ///< where that worker relays (empty for the trainer)
+  int upstream = 0;              ///< the rank it receives from (0: the trainer)
+  std::string upstream_address;  ///< where that worker relays (empty for the trainer)
   std::uint16_t upstream_port = 0;
-  std::vector<int> children;       ///< the ranks it forwards to
+  std::vector<int> children;  ///< the ranks it forwards to
 
   json to_json() const;
   /// Reads to_json's output strictly; protocol_error naming `what` otherwise.

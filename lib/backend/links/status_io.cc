@@ -9,8 +9,7 @@
 namespace refit::links {
 
 asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t code, std::uint64_t seq,
-                                  std::string message, std::chrono::milliseconds deadline,
-                                  std::string what) {
+                                  std::string message, std::chrono::milliseconds deadline, std::string what) {
   wire::status s;
   s.code = code;
   s.seq = seq;
@@ -21,14 +20,18 @@ asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t c
   co_await net::write_all(socket, buffers, deadline, what);
 }
 
-asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
-                                            std::chrono::milliseconds deadline, std::string what) {
+asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket, std::chrono::milliseconds deadline,
+                                            std::string what) {
   std::array<std::byte, sizeof(wire::status)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), deadline, what);
   auto s = wire::decode<wire::status>(raw);
   if (s.magic != wire::status_magic)
-    throw_error(errc::protocol_error, what + ": expected a status message, got magic 0x" +
-                                          [&] { char b[16]; std::snprintf(b, sizeof b, "%08x", s.magic); return std::string(b); }());
+    throw_error(
+        errc::protocol_error, what + ": expected a status message, got magic 0x" + [&] {
+          char b[16];
+          std::snprintf(b, sizeof b, "%08x", s.magic);
+          return std::string(b);
+        }());
   if (s.message_bytes > wire::max_message)
     throw_error(errc::protocol_error, what + ": status message of " + std::to_string(s.message_bytes) +
                                           " bytes, limit " + std::to_string(wire::max_message));
@@ -39,8 +42,7 @@ asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
 
 void throw_if_failed(const status_message& s, const std::string& who) {
   if (s.code == 0) return;
-  auto kind = s.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(s.code)
-                                                                       : errc::protocol_error;
+  auto kind = s.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(s.code) : errc::protocol_error;
   throw_error(kind, who + ": " + s.message);
 }
 

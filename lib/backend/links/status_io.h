@@ -18,12 +18,11 @@ struct status_message {
 /// Strings by value: a coroutine started now may run after the caller's
 /// temporaries are gone (all_of over several sends).
 asio::awaitable<void> send_status(asio::ip::tcp::socket& socket, std::uint32_t code, std::uint64_t seq,
-                                  std::string message, std::chrono::milliseconds deadline,
-                                  std::string what);
+                                  std::string message, std::chrono::milliseconds deadline, std::string what);
 
 /// Reads one status; a wrong magic or an over-long message is protocol_error.
-asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket,
-                                            std::chrono::milliseconds deadline, std::string what);
+asio::awaitable<status_message> read_status(asio::ip::tcp::socket& socket, std::chrono::milliseconds deadline,
+                                            std::string what);
 
 /// Throws the error a non-zero status carries, prefixed with `who`.
 void throw_if_failed(const status_message& s, const std::string& who);

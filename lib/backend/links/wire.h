@@ -80,8 +80,7 @@ struct bucket_header {
 };
 
 // The structs have no padding, so their bytes are the wire bytes.
-static_assert(sizeof(hello) == 32 && sizeof(status) == 24 && sizeof(update) == 48 &&
-              sizeof(bucket_header) == 32);
+static_assert(sizeof(hello) == 32 && sizeof(status) == 24 && sizeof(update) == 48 && sizeof(bucket_header) == 32);
 
 template <class T>
 std::array<std::byte, sizeof(T)> encode(const T& v) {
@@ -115,8 +114,8 @@ inline std::string check_bucket_header(const bucket_header& h, std::uint64_t exp
 struct update_expectation {
   std::uint64_t last_seq = 0;  ///< the last update accepted (0: none yet)
   std::uint64_t tensors = 0;
-  std::uint64_t digest = 0;    ///< metadata_digest of its update info
-  std::uint64_t buckets = 0;   ///< of its own bucket plan
+  std::uint64_t digest = 0;   ///< metadata_digest of its update info
+  std::uint64_t buckets = 0;  ///< of its own bucket plan
   std::uint64_t payload_bytes = 0;
 };
 

@@ -18,8 +18,8 @@ std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uin
   const std::uint32_t len = (std::uint32_t(raw[0]) << 24) | (std::uint32_t(raw[1]) << 16) |
                             (std::uint32_t(raw[2]) << 8) | std::uint32_t(raw[3]);
   if (len > max_frame)
-    throw_error(errc::protocol_error, what + ": frame of " + std::to_string(len) + " bytes, limit " +
-                                          std::to_string(max_frame));
+    throw_error(errc::protocol_error,
+                what + ": frame of " + std::to_string(len) + " bytes, limit " + std::to_string(max_frame));
   return len;
 }
 
@@ -52,8 +52,8 @@ json parse_frame_body(std::string_view text, const std::string& what, std::size_
     if (request_id) *request_id = top_level_id(text);
     if (shape.depth > max_json_depth)
       throw_error(errc::protocol_error, what + ": JSON frame nests " + std::to_string(shape.depth) +
-                                            " levels deep, deeper than the limit of " +
-                                            std::to_string(max_json_depth) + " levels");
+                                            " levels deep, deeper than the limit of " + std::to_string(max_json_depth) +
+                                            " levels");
     throw_error(errc::protocol_error, what + ": JSON frame of about " + std::to_string(shape.values) +
                                           " values, limit " + std::to_string(max_values));
   }
@@ -84,7 +84,7 @@ control_request parse_request(json&& message, json& id) {
   request.method = r.required<std::string>("method");
   if (message.is_object() && message.contains("params")) {
     request.params = std::move(message["params"]);  // moved, not copied: it may be most of the frame
-    message["params"] = nullptr;                     // still a known member for finish()
+    message["params"] = nullptr;                    // still a known member for finish()
   } else {
     request.params = json::object();
   }
@@ -121,8 +121,9 @@ asio::awaitable<void> frame_stream::fill(std::size_t n, std::chrono::millisecond
         // An idle server waits as long as it likes for a frame to begin.
         got = co_await socket_.async_read_some(asio::buffer(in_.data() + at, in_.size() - at), asio::use_awaitable);
       } else {
-        const auto left = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                      until - std::chrono::steady_clock::now()));
+        const auto left =
+            std::max(std::chrono::milliseconds(1),
+                     std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()));
         got = co_await async::with_deadline(
             socket_.async_read_some(asio::buffer(in_.data() + at, in_.size() - at), asio::use_awaitable), left, what);
       }
@@ -137,8 +138,7 @@ asio::awaitable<void> frame_stream::fill(std::size_t n, std::chrono::millisecond
   }
 }
 
-asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, bool idle_ok,
-                                         const std::string& what) {
+asio::awaitable<json> frame_stream::read(std::chrono::milliseconds deadline, bool idle_ok, const std::string& what) {
   const std::string text = co_await read_text(deadline, idle_ok, what);
   co_return parse_frame_body(text, what, limits_.max_values);
 }
@@ -171,8 +171,8 @@ asio::awaitable<std::string> frame_stream::read_text(std::chrono::milliseconds d
     const std::size_t chunk = std::min<std::size_t>(len - at, std::max<std::size_t>(read_chunk, at));
     text.resize(at + chunk);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
-    co_await net::read_exact(socket_, asio::buffer(text.data() + at, chunk), std::max(left, std::chrono::milliseconds(1)),
-                             what);
+    co_await net::read_exact(socket_, asio::buffer(text.data() + at, chunk),
+                             std::max(left, std::chrono::milliseconds(1)), what);
   }
   co_return text;
 }

@@ -35,8 +35,8 @@ std::uint32_t decode_frame_length(std::span<const std::uint8_t, 4> raw, std::uin
 /// keeps nothing below the top level: bounded memory, no recursion), so that the
 /// answer can name the request and the caller's call fails with the reason
 /// instead of its connection closing; it stays null otherwise.
-json parse_frame_body(std::string_view text, const std::string& what,
-                      std::size_t max_values = default_max_frame_values, json* request_id = nullptr);
+json parse_frame_body(std::string_view text, const std::string& what, std::size_t max_values = default_max_frame_values,
+                      json* request_id = nullptr);
 
 /// A control request: {"id": uint64, "method": string, "params": any (default {})}.
 struct control_request {
@@ -93,7 +93,7 @@ class frame_stream {
 
   asio::ip::tcp::socket socket_;
   frame_limits limits_;
-  std::vector<char> in_;           // bytes read and not yet consumed: [in_begin_, in_.size())
+  std::vector<char> in_;  // bytes read and not yet consumed: [in_begin_, in_.size())
   std::size_t in_begin_ = 0;
   std::deque<std::shared_ptr<pending_write>> queue_;  // front: being written
   bool writing_ = false;

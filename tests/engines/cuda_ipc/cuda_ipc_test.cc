@@ -11,7 +11,6 @@
 namespace refit::testing {
 namespace {
 
-
 using ipc_harness_base = provider_harness<cuda_ipc::engine, cuda_ipc::sender>;
 struct ipc_harness : ipc_harness_base {
   ipc_harness(asio::io_context& io, model_target* model, std::string secret = {})
@@ -48,9 +47,9 @@ TEST(cuda_ipc_host, handles_are_opened_once_and_kept_across_sessions) {
     capture got;
     std::size_t open_during = 0;
     auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-    auto done = spawn(io, session_update(session, h.ipc_engine(),
-                                         h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(),
-                                         &open_during));
+    auto done =
+        spawn(io, session_update(session, h.ipc_engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),
+                                 got.fn(), &open_during));
     ASSERT_TRUE(run_until(io, [&] { return sent->done && done->done; })) << "a hang";
     ASSERT_FALSE(sent->error) << sent->message();
     ASSERT_FALSE(done->error) << done->message();
@@ -138,8 +137,8 @@ TEST(cuda_ipc_host, a_trainer_lost_mid_update_fails_the_worker_which_recovers) {
   run_to_completion(io, h->connect(small_wire()));
   capture got;
   auto sent2 = spawn(io, send_views(h->sender(), set.meta, set.views()));
-  auto received2 = spawn(io, receive_one(h->engine(), h->engine().parse_update_info(h->update_info_json(set.meta)),
-                                         got.fn()));
+  auto received2 =
+      spawn(io, receive_one(h->engine(), h->engine().parse_update_info(h->update_info_json(set.meta)), got.fn()));
   ASSERT_TRUE(run_until(io, [&] { return sent2->done && received2->done; })) << "a hang";
   EXPECT_FALSE(received2->error) << received2->message();
   EXPECT_NO_THROW(got.check_equals(set));
@@ -149,11 +148,11 @@ TEST(cuda_ipc_host, a_trainer_lost_mid_update_fails_the_worker_which_recovers) {
 }  // namespace refit::testing
 
 using refit::testing::engine_conformance;
-INSTANTIATE_TEST_SUITE_P(
-    cuda_ipc, engine_conformance,
-    ::testing::Values(refit::testing::harness_factory{"cuda_ipc_host",
-                                                      [](asio::io_context& io, refit::model_target* model) {
-                                                        return std::unique_ptr<refit::testing::engine_harness>(
-                                                            new refit::testing::ipc_harness(io, model));
-                                                      }}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(cuda_ipc, engine_conformance,
+                         ::testing::Values(refit::testing::harness_factory{
+                             "cuda_ipc_host",
+                             [](asio::io_context& io, refit::model_target* model) {
+                               return std::unique_ptr<refit::testing::engine_harness>(
+                                   new refit::testing::ipc_harness(io, model));
+                             }}),
+                         [](const auto& info) { return info.param.name; });

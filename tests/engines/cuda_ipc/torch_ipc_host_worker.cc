@@ -10,13 +10,13 @@
 
 #include <asio/io_context.hpp>
 
+#include <refit/control/worker_host.h>
 #include <refit/engines/cuda_ipc/torch_ipc.h>
+#include <refit/factory.h>
+#include <refit/integrity/auth.h>
+#include <refit/internal/hex.h>
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/digest.h"
-#include <refit/integrity/auth.h>
-#include <refit/control/worker_host.h>
-#include <refit/factory.h>
-#include <refit/internal/hex.h>
 
 namespace refit::testing {
 namespace {
@@ -60,10 +60,11 @@ int run(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2)
     if (std::string(argv[i]) == "--auth-secret-file") config.auth_secret = auth::read_secret_file(argv[i + 1]);
   engine_factory factory;
-  factory.register_backend("torch_ipc", cuda_ipc::torch_engine::capabilities_of(),
-                           [](const weight_transfer_config& c, const engine_context& ctx) {
-    return std::unique_ptr<weight_transfer_engine>(new cuda_ipc::torch_engine(c, ctx, cuda_ipc::host_ipc()));
-  });
+  factory.register_backend(
+      "torch_ipc", cuda_ipc::torch_engine::capabilities_of(),
+      [](const weight_transfer_config& c, const engine_context& ctx) {
+        return std::unique_ptr<weight_transfer_engine>(new cuda_ipc::torch_engine(c, ctx, cuda_ipc::host_ipc()));
+      });
   asio::io_context io;
   host_model model;
   control::worker_host host(config, engine_context{io.get_executor(), {}, {}, &model}, model.as_load_weights(),
@@ -74,8 +75,7 @@ int run(int argc, char** argv) {
     const auto hex = r.required<std::string>("hex");
     r.finish();
     auto mem = cuda_ipc::host_ipc()->make_exportable(1, std::max<std::uint64_t>(4096, hex.size() / 2));
-    if (!from_hex(hex, mem->slot(0).first(hex.size() / 2)))
-      r.fail("member 'hex' must be hex digits");
+    if (!from_hex(hex, mem->slot(0).first(hex.size() / 2))) r.fail("member 'hex' must be hex digits");
     auto [handle, gpu] = cuda_ipc::host_ipc()->export_buffer(*mem, 0);
     exported.push_back(std::move(mem));
     co_return json{{"handle", to_hex(handle)}, {"gpu", cuda_ipc::format_gpu_uuid(gpu)}};

@@ -154,8 +154,8 @@ TEST(torch_ipc_host, mappings_are_kept_while_the_trainer_offers_them) {
   EXPECT_EQ(w.engine->handles().opens(), 4u);
   EXPECT_EQ(w.engine->handles().size(), 2u) << "the first trainer's mappings were closed at finish";
   // Re-init closes everything.
-  run_to_completion(w.io, w.engine->init_transfer_engine(*w.engine->parse_init_info(
-                              json{{"buffer_bytes", 16 << 10}, {"num_buffers", 2}})));
+  run_to_completion(w.io, w.engine->init_transfer_engine(
+                              *w.engine->parse_init_info(json{{"buffer_bytes", 16 << 10}, {"num_buffers", 2}})));
   EXPECT_EQ(w.engine->handles().size(), 0u);
 }
 

@@ -38,7 +38,8 @@ class loopback_harness final : public engine_harness {
 using refit::testing::engine_conformance;
 INSTANTIATE_TEST_SUITE_P(loopback, engine_conformance,
                          ::testing::Values(refit::testing::harness_factory{
-                             "loopback", [](asio::io_context& io, refit::model_target* model) {
+                             "loopback",
+                             [](asio::io_context& io, refit::model_target* model) {
                                return std::unique_ptr<refit::testing::engine_harness>(
                                    new refit::testing::loopback_harness(io, model));
                              }}),

@@ -17,11 +17,11 @@
 #include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/engines/nccl/nccl_collective.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/fill.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
+#include <refit/engines/nccl/nccl_collective.h>
 #include "tests/cuda/test_kernels.h"
 #include "tests/support/run.h"
 
@@ -46,11 +46,13 @@ std::vector<std::byte> to_host(const std::byte* device, std::size_t n) {
   return out;
 }
 
-asio::awaitable<void> one_rank_round_trip(collective_provider& p, staging_memory& staging, std::vector<std::byte>& out) {
+asio::awaitable<void> one_rank_round_trip(collective_provider& p, staging_memory& staging,
+                                          std::vector<std::byte>& out) {
   auto comm = co_await p.join(p.new_group_id(), 0, 1, co_await asio::this_coro::executor, 10s);
   std::vector<std::byte> host(staging.slot(0).size());
   for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::byte>(i * 7 + 3);
-  std::vector<asio::const_buffer> pieces{asio::buffer(host.data(), 1000), asio::buffer(host.data() + 1000, host.size() - 1000)};
+  std::vector<asio::const_buffer> pieces{asio::buffer(host.data(), 1000),
+                                         asio::buffer(host.data() + 1000, host.size() - 1000)};
   co_await p.pack(pieces, staging.slot(0).data());
   co_await comm->broadcast(staging.slot(0).data(), host.size(), 10s);  // root: in place
   out = to_host(staging.slot(0).data(), host.size());
@@ -88,8 +90,10 @@ TEST_F(nccl_gpu, packing_batches_small_device_pieces_and_keeps_every_byte) {
   std::vector<asio::const_buffer> pieces;
   std::size_t at = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (i + 1 == sizes.size()) pieces.emplace_back(host_piece.data(), sizes[i]);
-    else pieces.emplace_back(source.bytes() + at, sizes[i]);
+    if (i + 1 == sizes.size())
+      pieces.emplace_back(host_piece.data(), sizes[i]);
+    else
+      pieces.emplace_back(source.bytes() + at, sizes[i]);
     at += sizes[i];
   }
   auto staging = p->make_staging(1, total);
@@ -127,7 +131,8 @@ asio::awaitable<void> tick(asio::steady_timer& t, std::chrono::microseconds* wor
     const auto due = std::chrono::steady_clock::now() + 1ms;
     t.expires_at(due);
     co_await t.async_wait(asio::use_awaitable);
-    *worst = std::max(*worst, std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - due));
+    *worst =
+        std::max(*worst, std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - due));
   }
 }
 

@@ -52,9 +52,8 @@ TEST(nccl_host, a_trainer_lost_mid_update_fails_the_worker_which_recovers) {
   auto info = h->engine().parse_update_info(h->update_info_json(set.meta));
   std::atomic<int> loads{0};
   auto sent = spawn(io, send_views(h->sender(), set.meta, set.views()));
-  auto received = spawn(io, receive_one(h->engine(), std::move(info), [&](std::span<const tensor_view> v) {
-    loads += static_cast<int>(v.size());
-  }));
+  auto received = spawn(io, receive_one(h->engine(), std::move(info),
+                                        [&](std::span<const tensor_view> v) { loads += static_cast<int>(v.size()); }));
   ASSERT_TRUE(run_until(io, [&] { return loads > 0 || received->done; }));
   h->sender().shutdown();  // aborts the communicator and closes the side channel
   ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
@@ -87,8 +86,8 @@ TEST(nccl_host, metadata_disagreeing_with_the_trainer_is_refused_before_any_broa
   declared.tensors[1].dtype = dtype::int32;
   capture got;
   auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-  auto received = spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(declared)),
-                                        got.fn()));
+  auto received =
+      spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(declared)), got.fn()));
   ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
   ASSERT_TRUE(received->error);
   EXPECT_EQ(received->kind(), static_cast<int>(errc::protocol_error)) << received->message();
@@ -175,8 +174,8 @@ TEST(nccl_host, the_trainer_packs_the_next_bucket_while_broadcasting_this_one) {
     for (int i = 0; i < 8; ++i) set.add("w" + std::to_string(i), dtype::float32, {4000});  // 8 buckets
     capture got;
     auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-    auto received = spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),
-                                          got.fn()));
+    auto received =
+        spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn()));
     ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
     ASSERT_FALSE(sent->error) << sent->message();
     ASSERT_FALSE(received->error) << received->message();
@@ -187,9 +186,11 @@ TEST(nccl_host, the_trainer_packs_the_next_bucket_while_broadcasting_this_one) {
     int overlapped = 0;
     for (int k = 0; k + 1 < 8; ++k) {
       ASSERT_LT(position(log, "pack" + std::to_string(k + 1) + " end"), log.size());
-      EXPECT_LT(position(log, "pack" + std::to_string(k) + " end"), position(log, "bcast" + std::to_string(k) + " begin"))
+      EXPECT_LT(position(log, "pack" + std::to_string(k) + " end"),
+                position(log, "bcast" + std::to_string(k) + " begin"))
           << "bucket " << k << " broadcast before it was packed";
-      if (position(log, "pack" + std::to_string(k + 1) + " begin") < position(log, "bcast" + std::to_string(k) + " end"))
+      if (position(log, "pack" + std::to_string(k + 1) + " begin") <
+          position(log, "bcast" + std::to_string(k) + " end"))
         ++overlapped;
     }
     if (buffers >= 2)
@@ -261,8 +262,8 @@ TEST(nccl_host, staged_commits_into_device_staging_are_refused_before_any_byte) 
   run_to_completion(io, h.connect(small_wire()));
   capture got;
   auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-  auto received = spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),
-                                        got.fn()));
+  auto received =
+      spawn(io, receive_one(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn()));
   ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
   EXPECT_FALSE(received->error) << received->message();
   EXPECT_NO_THROW(got.check_equals(set));

@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <refit/backend/async/all_of.h>
+#include <refit/backend/pipeline.h>
 #include <refit/engines/nccl/sharded.h>
 #include <refit/error.h>
-#include <refit/backend/pipeline.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 
@@ -18,7 +18,9 @@ using namespace std::chrono_literals;
 
 update_metadata checkpoint() {
   update_metadata m;
-  auto add = [&](std::string n, std::vector<std::int64_t> s) { m.tensors.push_back({std::move(n), dtype::bfloat16, std::move(s)}); };
+  auto add = [&](std::string n, std::vector<std::int64_t> s) {
+    m.tensors.push_back({std::move(n), dtype::bfloat16, std::move(s)});
+  };
   add("model.embed_tokens.weight", {100, 16});
   add("model.layers.0.input_layernorm.weight", {16});
   add("model.layers.0.self_attn.q_proj.weight", {16, 16});
@@ -37,10 +39,10 @@ struct exchange_setup {
   source_layout source;
   std::vector<dest_layout> dests;
   transfer_plan plan;
-  std::vector<std::vector<std::byte>> whole;                  // the global tensors
-  std::vector<std::vector<std::vector<std::byte>>> shards;    // [rank][tensor]
+  std::vector<std::vector<std::byte>> whole;                // the global tensors
+  std::vector<std::vector<std::vector<std::byte>>> shards;  // [rank][tensor]
   std::vector<update_metadata> locals;
-  std::vector<std::vector<std::vector<std::byte>>> held;      // [worker][tensor]
+  std::vector<std::vector<std::vector<std::byte>>> held;  // [worker][tensor]
 
   exchange_setup(int m, int n) {
     source = source_layout::uniform(meta, device_mesh{{m}}, {placement::shard(0)});
@@ -67,12 +69,14 @@ struct exchange_setup {
   }
   std::vector<tensor_place> shard_places(int r) {
     std::vector<tensor_place> out;
-    for (std::size_t i = 0; i < meta.tensors.size(); ++i) out.push_back({shards[r][i].data(), locals[r].tensors[i].shape, 2});
+    for (std::size_t i = 0; i < meta.tensors.size(); ++i)
+      out.push_back({shards[r][i].data(), locals[r].tensors[i].shape, 2});
     return out;
   }
   std::vector<tensor_place> dest_places(int w) {
     std::vector<tensor_place> out;
-    for (std::size_t t = 0; t < dests[w].tensors.size(); ++t) out.push_back({held[w][t].data(), dests[w].tensors[t].spec.shape, 2});
+    for (std::size_t t = 0; t < dests[w].tensors.size(); ++t)
+      out.push_back({held[w][t].data(), dests[w].tensors[t].spec.shape, 2});
     return out;
   }
   void check() const {
@@ -131,12 +135,13 @@ TEST_P(sharded_exchange, every_worker_gets_exactly_its_bytes) {
   comm_group g(m, n, frame);
   std::vector<std::shared_ptr<outcome>> all;
   for (int r = 0; r < m; ++r)
-    all.push_back(spawn(g.io, send_one(g.comms[r].get(), g.provider.get(), g.staging[r].get(), &s.plan, r,
-                                       s.shard_places(r), frame)));
+    all.push_back(spawn(
+        g.io, send_one(g.comms[r].get(), g.provider.get(), g.staging[r].get(), &s.plan, r, s.shard_places(r), frame)));
   for (int w = 0; w < n; ++w)
-    all.push_back(spawn(g.io, receive_one(g.comms[m + w].get(), g.staging[m + w].get(), &s.plan, w, s.dest_places(w),
-                                          frame)));
-  ASSERT_TRUE(run_until(g.io, [&] { return std::all_of(all.begin(), all.end(), [](auto& o) { return o->done; }); }, 20s));
+    all.push_back(
+        spawn(g.io, receive_one(g.comms[m + w].get(), g.staging[m + w].get(), &s.plan, w, s.dest_places(w), frame)));
+  ASSERT_TRUE(run_until(
+      g.io, [&] { return std::all_of(all.begin(), all.end(), [](auto& o) { return o->done; }); }, 20s));
   for (auto& o : all) ASSERT_FALSE(o->error) << o->message();
   s.check();
   // Several frames per pair at small frames: the rounds are the largest pair's.
@@ -144,18 +149,23 @@ TEST_P(sharded_exchange, every_worker_gets_exactly_its_bytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(layouts, sharded_exchange,
-                         ::testing::Values(std::make_tuple(2, 2, std::uint64_t(4096)), std::make_tuple(1, 4, std::uint64_t(1 << 20)),
-                                           std::make_tuple(3, 2, std::uint64_t(300)), std::make_tuple(2, 1, std::uint64_t(64))));
+                         ::testing::Values(std::make_tuple(2, 2, std::uint64_t(4096)),
+                                           std::make_tuple(1, 4, std::uint64_t(1 << 20)),
+                                           std::make_tuple(3, 2, std::uint64_t(300)),
+                                           std::make_tuple(2, 1, std::uint64_t(64))));
 
 TEST(sharded_exchange_faults, a_trainer_rank_that_aborts_fails_every_worker_with_a_typed_error) {
   exchange_setup s(2, 2);
   comm_group g(2, 2, 4096);
   g.comms[1]->abort();  // rank 1 is gone before it sends
   std::vector<std::shared_ptr<outcome>> got;
-  auto sent = spawn(g.io, send_one(g.comms[0].get(), g.provider.get(), g.staging[0].get(), &s.plan, 0, s.shard_places(0), 4096));
+  auto sent = spawn(
+      g.io, send_one(g.comms[0].get(), g.provider.get(), g.staging[0].get(), &s.plan, 0, s.shard_places(0), 4096));
   for (int w = 0; w < 2; ++w)
-    got.push_back(spawn(g.io, receive_one(g.comms[2 + w].get(), g.staging[2 + w].get(), &s.plan, w, s.dest_places(w), 4096)));
-  ASSERT_TRUE(run_until(g.io, [&] { return sent->done && got[0]->done && got[1]->done; }, 20s));
+    got.push_back(
+        spawn(g.io, receive_one(g.comms[2 + w].get(), g.staging[2 + w].get(), &s.plan, w, s.dest_places(w), 4096)));
+  ASSERT_TRUE(run_until(
+      g.io, [&] { return sent->done && got[0]->done && got[1]->done; }, 20s));
   for (auto& o : got) {
     ASSERT_TRUE(o->error);
     const auto k = static_cast<errc>(o->kind());

@@ -31,13 +31,11 @@ struct group_of_workers {
   std::vector<std::unique_ptr<capture>> got;
   json init;
 
-  group_of_workers(int n, const std::string& topology, bool checksums,
-                   std::chrono::milliseconds timeout = 5s)
-  {
+  group_of_workers(int n, const std::string& topology, bool checksums, std::chrono::milliseconds timeout = 5s) {
     reset_captures(n);
     sender = std::make_unique<tcp::sender>(tcp_config(timeout), trainer_context{io.get_executor(), {}});
-    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0},     {"world_size", n + 1},
-                 {"buffer_bytes", 16 << 10},     {"num_buffers", 2},     {"checksums", checksums},
+    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", n + 1},
+                 {"buffer_bytes", 16 << 10},      {"num_buffers", 2}, {"checksums", checksums},
                  {"topology", topology}};
     init = sender->prepare(args);
     for (int i = 0; i < n; ++i)
@@ -74,22 +72,25 @@ struct group_of_workers {
   }
   // One update: the send and every worker's receive; their outcomes.
   std::pair<std::shared_ptr<outcome>, std::vector<std::shared_ptr<outcome>>> update(tensor_set& set,
-                                                                                   load_weights_fn extra = {}) {
+                                                                                    load_weights_fn extra = {}) {
     auto sent = spawn(io, send_views(*sender, set.meta, set.views()));
     std::vector<std::shared_ptr<outcome>> received;
     json info = json::object();
     write_update_metadata(set.meta, info);
     for (std::size_t i = 0; i < workers.size(); ++i) {
       load_weights_fn load = got[i]->fn();
-      if (extra && i == 1) load = [inner = load, extra](std::span<const tensor_view> v) {
-        extra(v);
-        inner(v);
-      };
+      if (extra && i == 1)
+        load = [inner = load, extra](std::span<const tensor_view> v) {
+          extra(v);
+          inner(v);
+        };
       received.push_back(spawn(io, receive(*workers[i], workers[i]->parse_update_info(info), load)));
     }
-    EXPECT_TRUE(run_until(io, [&] {
-      return sent->done && std::all_of(received.begin(), received.end(), [](auto& r) { return r->done; });
-    }, 30s)) << "a hang";
+    EXPECT_TRUE(run_until(
+        io,
+        [&] { return sent->done && std::all_of(received.begin(), received.end(), [](auto& r) { return r->done; }); },
+        30s))
+        << "a hang";
     return {sent, received};
   }
 };
@@ -163,8 +164,12 @@ TEST(tcp_relay, a_lost_middle_worker_fails_its_successors_at_once_and_the_chain_
   EXPECT_NE(sent->message().find("rank"), std::string::npos) << sent->message();
 
   // Re-init (worker 2 too): the chain forms again and delivers.
-  g.init = g.sender->prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 4},
-                              {"buffer_bytes", 16 << 10}, {"num_buffers", 2}, {"topology", "chain"}});
+  g.init = g.sender->prepare({{"master_address", "127.0.0.1"},
+                              {"master_port", 0},
+                              {"world_size", 4},
+                              {"buffer_bytes", 16 << 10},
+                              {"num_buffers", 2},
+                              {"topology", "chain"}});
   g.connect();
   g.reset_captures(3);
   auto [sent2, received2] = g.update(set);
@@ -188,12 +193,13 @@ TEST(tcp_relay, a_refusal_down_the_chain_reaches_the_trainer_naming_the_worker) 
     if (i == 2) meta.tensors[1].dtype = dtype::int32;  // worker 3 thinks otherwise
     json info = json::object();
     write_update_metadata(meta, info);
-    received.push_back(spawn(g.io, group_of_workers::receive(*g.workers[i], g.workers[i]->parse_update_info(info),
-                                                             g.got[i]->fn())));
+    received.push_back(
+        spawn(g.io, group_of_workers::receive(*g.workers[i], g.workers[i]->parse_update_info(info), g.got[i]->fn())));
   }
-  ASSERT_TRUE(run_until(g.io, [&] {
-    return sent->done && std::all_of(received.begin(), received.end(), [](auto& r) { return r->done; });
-  }, 30s));
+  ASSERT_TRUE(run_until(
+      g.io,
+      [&] { return sent->done && std::all_of(received.begin(), received.end(), [](auto& r) { return r->done; }); },
+      30s));
   ASSERT_TRUE(sent->error);
   EXPECT_EQ(sent->kind(), static_cast<int>(errc::protocol_error)) << sent->message();
   EXPECT_NE(sent->message().find("downstream worker rank 3 refused the update"), std::string::npos) << sent->message();

@@ -20,7 +20,9 @@ using namespace std::chrono_literals;
 // A Llama-like checkpoint: vocab 100 (padded to 128 for tp 2), hidden 16, GQA k/v.
 update_metadata checkpoint(int layers = 2) {
   update_metadata m;
-  auto add = [&](std::string n, std::vector<std::int64_t> s) { m.tensors.push_back({std::move(n), dtype::bfloat16, std::move(s)}); };
+  auto add = [&](std::string n, std::vector<std::int64_t> s) {
+    m.tensors.push_back({std::move(n), dtype::bfloat16, std::move(s)});
+  };
   add("model.embed_tokens.weight", {100, 16});
   for (int i = 0; i < layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -139,8 +141,8 @@ struct sharded_group {
     for (int r = 0; r < m; ++r) trainers.push_back({{"address", "127.0.0.1"}, {"port", 0}});
     for (int r = 0; r < m; ++r) {
       senders.push_back(std::make_unique<tcp::sharded_sender>(config(timeout), trainer_context{io.get_executor(), {}}));
-      json args = {{"rank", r}, {"trainers", trainers}, {"workers", n}, {"layout", spec},
-                   {"buffer_bytes", 4096}, {"checksums", checksums}};
+      json args = {{"rank", r},      {"trainers", trainers}, {"workers", n},
+                   {"layout", spec}, {"buffer_bytes", 4096}, {"checksums", checksums}};
       auto info = senders.back()->prepare(args);
       trainers[r]["port"] = info["trainers"][r]["port"];
       init = info;
@@ -234,7 +236,8 @@ TEST(tcp_sharded, two_ranks_to_two_workers_every_byte_verified) {
     for (int w = 0; w < 2; ++w) {
       const auto expected = model.expected(layouts.workers[w]);
       ASSERT_EQ(g.models[w]->tensors_.size(), expected.size());
-      for (const auto& [name, bytes] : expected) EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
+      for (const auto& [name, bytes] : expected)
+        EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
       // The model was told of its own (local, fused) tensors.
       EXPECT_EQ(g.models[w]->announced_.tensors.size(), layouts.workers[w].tensors.size());
       // Each worker received only what it keeps: its tensors' bytes less padding.
@@ -261,7 +264,8 @@ TEST(tcp_sharded, one_rank_to_four_workers_sends_each_a_quarter) {
   const auto total = model.meta.total_bytes();
   for (int w = 0; w < 4; ++w) {
     const auto expected = model.expected(layouts.workers[w]);
-    for (const auto& [name, bytes] : expected) EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
+    for (const auto& [name, bytes] : expected)
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
     // Norms are replicated (every worker holds them), the rest is a quarter.
     EXPECT_LT(g.engines[w]->last_update_stats().bytes, total * 3 / 10) << "worker " << w;
   }
@@ -310,7 +314,8 @@ TEST(tcp_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_with_a_ty
     EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
   }
   // A failure after direct writes marks the weights dirty; never clean and claimed.
-  for (int w = 0; w < 2; ++w) EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
+  for (int w = 0; w < 2; ++w)
+    EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
 }
 
 TEST(tcp_sharded, staged_commits_land_whole_or_not_at_all) {

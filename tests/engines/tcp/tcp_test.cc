@@ -64,8 +64,8 @@ class corrupting_proxy {
   }
 
  private:
-  asio::awaitable<void> pump(std::shared_ptr<asio::ip::tcp::socket> from,
-                             std::shared_ptr<asio::ip::tcp::socket> to, bool corrupt) {
+  asio::awaitable<void> pump(std::shared_ptr<asio::ip::tcp::socket> from, std::shared_ptr<asio::ip::tcp::socket> to,
+                             bool corrupt) {
     std::vector<std::byte> buf(65536);
     std::uint64_t seen = 0;
     std::error_code ec;
@@ -104,7 +104,7 @@ corrupted_update corrupt_bucket_1(const char* commit) {
   tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
   tcp::engine engine(tcp_config(), engine_context{io.get_executor()});
   json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2},
-               {"buffer_bytes", 16384}, {"num_buffers", 2}, {"checksums", true}};
+               {"buffer_bytes", 16384},         {"num_buffers", 2}, {"checksums", true}};
   json init = sender.prepare(args);
   corrupting_proxy proxy(io, init["master_port"].get<std::uint16_t>(), 24 + 48 + 2 * 32 + 16384 + 100);
   spawn(io, proxy.run());
@@ -276,22 +276,22 @@ TEST(tcp_integrity, checksum_setting_must_match_between_trainer_and_worker) {
 }  // namespace refit::testing
 
 using refit::testing::engine_conformance;
-INSTANTIATE_TEST_SUITE_P(
-    tcp, engine_conformance,
-    ::testing::Values(refit::testing::harness_factory{"tcp",
-                                                      [](asio::io_context& io, refit::model_target* model) {
-                                                        return std::unique_ptr<refit::testing::engine_harness>(
-                                                            new refit::testing::tcp_harness(io, model, false));
-                                                      }},
-                      refit::testing::harness_factory{"tcp_checksums",
-                                                      [](asio::io_context& io, refit::model_target* model) {
-                                                        return std::unique_ptr<refit::testing::engine_harness>(
-                                                            new refit::testing::tcp_harness(io, model, true));
-                                                      }},
-                      refit::testing::harness_factory{"tcp_auth",
-                                                      [](asio::io_context& io, refit::model_target* model) {
-                                                        return std::unique_ptr<refit::testing::engine_harness>(
-                                                            new refit::testing::tcp_harness(io, model, true,
-                                                                                            "shared secret"));
-                                                      }}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(tcp, engine_conformance,
+                         ::testing::Values(
+                             refit::testing::harness_factory{"tcp",
+                                                             [](asio::io_context& io, refit::model_target* model) {
+                                                               return std::unique_ptr<refit::testing::engine_harness>(
+                                                                   new refit::testing::tcp_harness(io, model, false));
+                                                             }},
+                             refit::testing::harness_factory{"tcp_checksums",
+                                                             [](asio::io_context& io, refit::model_target* model) {
+                                                               return std::unique_ptr<refit::testing::engine_harness>(
+                                                                   new refit::testing::tcp_harness(io, model, true));
+                                                             }},
+                             refit::testing::harness_factory{"tcp_auth",
+                                                             [](asio::io_context& io, refit::model_target* model) {
+                                                               return std::unique_ptr<refit::testing::engine_harness>(
+                                                                   new refit::testing::tcp_harness(io, model, true,
+                                                                                                   "shared secret"));
+                                                             }}),
+                         [](const auto& info) { return info.param.name; });

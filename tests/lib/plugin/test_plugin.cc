@@ -9,10 +9,10 @@
 #include <string>
 
 #include <refit/backend/engine.h>
-#include <refit/backend/json_reader.h>
-#include <refit/metadata.h>
-#include <refit/backend/plugin.h>
 #include <refit/backend/infos.h>
+#include <refit/backend/json_reader.h>
+#include <refit/backend/plugin.h>
+#include <refit/metadata.h>
 
 namespace refit_test_plugin {
 
@@ -79,8 +79,7 @@ class sender final : public weight_sender {
     stats_ = {};
     std::size_t i = 0;
     while (auto v = source.next()) {
-      if (i >= declared.tensors.size())
-        throw_error(errc::invalid_argument, "test_plugin: more tensors than declared");
+      if (i >= declared.tensors.size()) throw_error(errc::invalid_argument, "test_plugin: more tensors than declared");
       check_matches_declared(declared.tensors[i], *v, i);
       stats_.bytes += v->nbytes();
       ++i;
@@ -101,8 +100,8 @@ class throwing_engine final : public backend::typed_engine<plugin_init_info, plu
  public:
   throwing_engine(const weight_transfer_config& config, const engine_context& context)
       : typed_engine(config, context, capabilities_of()) {
-    throw_error(errc::unsupported, "test_plugin: this engine needs " +
-                                       std::to_string(config.processing_threads + 100) + " widgets");
+    throw_error(errc::unsupported,
+                "test_plugin: this engine needs " + std::to_string(config.processing_threads + 100) + " widgets");
   }
   static engine_capabilities capabilities_of() { return {}; }
   std::string_view backend() const noexcept override { return "test_plugin_throwing"; }
@@ -133,24 +132,26 @@ REFIT_DEFINE_PLUGIN(refit_test_plugin_throwing_entry, refit_test_plugin::throwin
                     refit_test_plugin::throwing_sender)
 
 namespace {
-int never_create(const refit::weight_transfer_config*, const refit::engine_context*,
-                 refit::weight_transfer_engine**, char* err, std::size_t err_len) {
+int never_create(const refit::weight_transfer_config*, const refit::engine_context*, refit::weight_transfer_engine**,
+                 char* err, std::size_t err_len) {
   refit::plugin_detail::write_message(err, err_len, "must not be called");
   return static_cast<int>(refit::errc::load_failed);
 }
 }  // namespace
 
 // Refuses to load, as a plugin whose hardware is missing would.
-extern "C" __attribute__((visibility("default"))) int refit_test_plugin_refusing_entry(
-    const char*, refit_plugin_v2* out, char* err, std::size_t err_len) {
+extern "C" __attribute__((visibility("default"))) int refit_test_plugin_refusing_entry(const char*,
+                                                                                       refit_plugin_v2* out, char* err,
+                                                                                       std::size_t err_len) {
   out->build = refit_build_stamp();
   refit::plugin_detail::write_message(err, err_len, "test_plugin: no widget driver on this machine");
   return static_cast<int>(refit::errc::unsupported);
 }
 
 // Claims success but was built by another compiler: its build stamp differs.
-extern "C" __attribute__((visibility("default"))) int refit_test_plugin_other_build_entry(
-    const char*, refit_plugin_v2* out, char*, std::size_t) {
+extern "C" __attribute__((visibility("default"))) int refit_test_plugin_other_build_entry(const char*,
+                                                                                          refit_plugin_v2* out, char*,
+                                                                                          std::size_t) {
   out->build = "refit plugin ABI 1; gcc 9.9.9; libstdc++ 9 cxx11-abi 0; C++ 201703L; asio 101800; json 3.7";
   out->create_engine = &never_create;
   out->create_sender = nullptr;
@@ -158,8 +159,9 @@ extern "C" __attribute__((visibility("default"))) int refit_test_plugin_other_bu
 }
 
 // Says nothing of how it was built.
-extern "C" __attribute__((visibility("default"))) int refit_test_plugin_unstamped_entry(
-    const char*, refit_plugin_v2* out, char*, std::size_t) {
+extern "C" __attribute__((visibility("default"))) int refit_test_plugin_unstamped_entry(const char*,
+                                                                                        refit_plugin_v2* out, char*,
+                                                                                        std::size_t) {
   out->build = nullptr;
   out->create_engine = &never_create;
   return 0;
