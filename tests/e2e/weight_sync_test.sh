@@ -75,4 +75,15 @@ if err=$("$bin" --workers 0 2>&1); then fail "--workers 0 accepted"; fi
 echo "$err" | grep -q "workers" || fail "no message for --workers 0: $err"
 if err=$("$bin" --model-bytes 12Q 2>&1); then fail "bad size accepted"; fi
 echo "$err" | grep -q "unknown unit" || fail "no message for a bad size: $err"
+# --help prints the usage (examples/weight_sync:flags_test checks it names every
+# flag) and exits 0; an unknown flag exits 2 with the usage on stderr.
+usage=$("$bin" --help) || fail "--help exited non-zero"
+for f in --workers --role --rank --slice-tp --tp-rank --stats-file; do
+  printf '%s\n' "$usage" | grep -q -- "^  $f " || fail "--help does not describe $f: $usage"
+done
+rc=0
+err=$("$bin" --no-such-flag 2>&1) || rc=$?
+[ $rc -eq 2 ] || fail "an unknown flag: exit status $rc, expected 2"
+echo "$err" | grep -q "unknown flag '--no-such-flag'" || fail "no message for an unknown flag: $err"
+echo "$err" | grep -q -- "--stats-file PATH" || fail "no usage after an unknown flag: $err"
 echo "1 passed, 0 failed"

@@ -1,0 +1,54 @@
+// What the roles of the main job share (flags.h has the command line):
+//   worker.cc   --role worker: a model in host memory behind a control::worker_host
+//   trainer.cc  the job: start or --connect workers, send rounds, verify, print JSON
+//   sharded.cc  --trainers/--tp: FSDP-sharded trainer ranks to tensor-parallel
+//               workers, and --role trainer-rank (one of those ranks)
+//   verify.h    every round's check of every worker's tensors (all jobs)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <refit/tensor.h>
+#include "examples/common/worker_process.h"
+#include "examples/weight_sync/flags.h"
+#include "examples/weight_sync/model.h"
+
+namespace refit::example::weight_sync {
+
+/// --role worker: serves the control verbs until its trainer shuts it down.
+int run_worker(const options& o);
+/// The one-trainer job (--workers N); prints the JSON line, returns the exit status.
+int run_trainer(const options& o);
+/// The sharded job (--trainers M and/or --tp N); the same.
+int run_sharded_trainer(const options& o);
+/// --role trainer-rank: one rank > 0 of the sharded job.
+int run_trainer_rank(const options& o);
+
+/// Starts this binary as worker `index` of the job and reads its control port.
+worker_process start_worker(const options& o, int index);
+
+/// Bytes [offset, offset + out.size()) of tensor `index`'s weights in round `round`:
+/// 64-bit words x + k * C (k the word's index in the whole tensor), so a rank that
+/// holds a shard of a tensor makes exactly the bytes the whole tensor has there.
+void fill_pattern(std::span<std::byte> out, std::size_t index, int round, std::uint64_t offset);
+
+/// The trainer's copy of the model: one arena, tensors back to back.
+struct trainer_model {
+  model_layout layout;
+  std::vector<std::byte> arena;
+  std::vector<tensor_view> views;
+
+  explicit trainer_model(model_layout l);
+  /// New weights for round `r`: a cheap pattern that differs per tensor and round.
+  void step(int r);
+};
+
+/// "kind: message" for a refit::error, what() for another exception.
+std::string describe(std::exception_ptr e);
+
+}  // namespace refit::example::weight_sync

@@ -1,0 +1,251 @@
+// The one-trainer job: starts --workers worker processes of this binary (or
+// drives running ones, --connect), sends --updates rounds of changed weights
+// through the control plane and a refit backend, verifies every tensor on every
+// worker after each round, and prints one JSON line. The fault suite and the
+// benchmarks drive it with --connect, --first-round, --hold-before-finish-ms.
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <asio/co_spawn.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
+
+#include <refit/backend/infos.h>
+#include <refit/control/worker_group.h>
+#include <refit/error.h>
+#include <refit/factory.h>
+#include <refit/integrity/fingerprint.h>
+#include "examples/weight_sync/job.h"
+#include "examples/weight_sync/verify.h"
+
+namespace refit::example::weight_sync {
+
+// Starts this binary as a worker and reads the control port it prints.
+worker_process start_worker(const options& o, int index) {
+  std::vector<std::string> args = {"weight_sync",
+                                   "--role",
+                                   "worker",
+                                   "--engine",
+                                   o.engine,
+                                   "--timeout-ms",
+                                   std::to_string(o.timeout_ms),
+                                   "--process-cost",
+                                   std::to_string(o.process_cost),
+                                   "--commit",
+                                   std::string(to_string(o.commit)),
+                                   "--listen",
+                                   o.listen};
+  if (o.no_direct) args.push_back("--no-direct");
+  if (o.sharded_job() && o.broadcast) {  // today's tensor parallelism: the whole stream, sliced on arrival
+    args.push_back("--slice-tp");
+    args.push_back(std::to_string(o.tp));
+    args.push_back("--tp-rank");
+    args.push_back(std::to_string(index));
+  }
+  if (!o.secret_file.empty()) {
+    args.push_back("--auth-secret-file");
+    args.push_back(o.secret_file);
+  }
+  return start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "worker " + std::to_string(index));
+}
+
+namespace {
+
+struct totals {
+  double seconds = 0, receive_s = 0, process_s = 0, overlap = 0;
+  double lag_init_ms = 0, lag_update_ms = 0;  // workers' largest event-loop stalls
+  double lag_update_p99_ms = 0;
+  int overlap_samples = 0;
+  std::vector<double> update_seconds;  // each update's time (the first pays for first touches)
+  // The whole worker_group::update call: also its update_info JSON before the
+  // workers are called (what a Python trainer's figure includes).
+  std::vector<double> update_call_seconds;
+  std::uint64_t peak_rss = 0;
+  verification check;
+};
+
+asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_process>& procs, trainer_model& model,
+                                   totals& t) {
+  auto ex = co_await asio::this_coro::executor;
+  const auto timeout = std::chrono::milliseconds(o.timeout_ms);
+  std::vector<control::worker_endpoint> endpoints;
+  for (std::size_t i = 0; i < procs.size(); ++i) {
+    const std::string host = i < o.connect.size() && !o.connect[i].host.empty() ? o.connect[i].host : o.listen;
+    endpoints.push_back({host, procs[i].port});
+  }
+  // Errors name the worker by index and data rank.
+  control::worker_group workers(ex, timeout, o.secret, std::move(endpoints), [](std::size_t i) {
+    return "worker " + std::to_string(i) + " (rank " + std::to_string(i + 1) + ")";
+  });
+  co_await workers.connect();
+
+  weight_transfer_config config;
+  config.backend = o.engine;
+  config.timeout = timeout;
+  config.auth_secret = o.secret;
+  auto sender = engine_factory::instance().create_sender(config, trainer_context{ex, {}});
+  json trainer_args = {{"master_address", o.listen},     {"master_port", o.master_port}, {"world_size", o.workers + 1},
+                       {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"checksums", o.checksums},
+                       {"timeout_ms", o.timeout_ms}};
+  if (!o.topology.empty()) trainer_args["topology"] = o.topology;
+  // Each worker is its own inference engine here, so each gets its own rank (the
+  // group's default); proxies in front of the trainer are advertised instead.
+  control::init_options init;
+  if (!o.advertise.empty())
+    init.adjust = [&o](std::size_t i, json& info) {
+      info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
+    };
+  const json empty = json::object();
+  // Workers of this binary answer loop_lag (their event loop's largest stall);
+  // other workers (--connect) may not.
+  bool probed = true;
+  try {
+    co_await workers.call_all("loop_lag", empty);
+  } catch (const error&) {
+    probed = false;
+  }
+  co_await workers.init(*sender, trainer_args, init);
+  if (probed)
+    for (const auto& lag : co_await workers.call_all("loop_lag", empty))
+      t.lag_init_ms = std::max(t.lag_init_ms, lag["max_ms"].get<double>());
+  if (!o.quiet) std::fprintf(stderr, "[refit] %d workers connected over %s\n", o.workers, o.engine.c_str());
+
+  json layout_info = json::object();
+  write_update_metadata(model.layout.meta, layout_info);
+  if (o.load_model) co_await workers.call_all("load_model", layout_info);
+  control::update_options update;
+  update.commit = o.commit;
+  update.verify = false;  // checked below, after the loop-lag probe, counting every difference
+  update.hold_before_finish = std::chrono::milliseconds(o.hold_before_finish_ms);
+  const std::uint64_t bytes = model.layout.meta.total_bytes();
+  for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
+    model.step(round);
+    auto expected = fingerprint_all(model.views);
+    if (probed) co_await workers.call_all("loop_lag", empty);
+    const auto call_start = std::chrono::steady_clock::now();
+    const auto result = co_await workers.update(*sender, model.layout.meta, model.views, round, update);
+    t.update_call_seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - call_start).count());
+    const double seconds = result.seconds;
+    t.seconds += seconds;
+    t.update_seconds.push_back(seconds);
+    if (probed)
+      for (const auto& lag : co_await workers.call_all("loop_lag", empty)) {
+        t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
+        t.lag_update_p99_ms = std::max(t.lag_update_p99_ms, lag["p99_ms"].get<double>());
+      }
+    for (const auto& w : result.workers) {
+      const json& s = w.stats;
+      t.receive_s += s["receive_s"].get<double>() / o.workers;
+      t.process_s += s["process_s"].get<double>() / o.workers;
+      t.overlap += s["overlap"].get<double>();
+      ++t.overlap_samples;
+    }
+    // Every tensor on every worker against the trainer's own.
+    const std::size_t bad = co_await verify_round(workers, std::move(expected), round, t.check);
+    if (!o.quiet)
+      std::fprintf(stderr, "[refit] update %d (%d/%d): %.2f GB -> %d workers in %.2f s (%.2f GB/s per worker), %s\n",
+                   round, round - o.first_round + 1, o.updates, bytes / 1e9, o.workers, seconds, bytes / seconds / 1e9,
+                   verdict(bad).c_str());
+  }
+  const auto stats = co_await workers.call_all("worker_stats", empty);
+  for (const auto& s : stats) t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
+  if (o.connect.empty()) {  // workers this trainer started end with it
+    try {
+      co_await workers.call_all("shutdown", empty);
+    } catch (const error&) {
+    }
+  }
+  sender->shutdown();
+  workers.close();
+}
+
+model_layout layout_for(const options& o) {
+  if (!o.one_tensor) return make_layout(o.model_bytes, o.layers, o.vocab);
+  if (o.model_bytes < 2) throw_error(errc::invalid_argument, "--one-tensor: --model-bytes must be at least 2");
+  model_layout l;
+  l.layers = 0;
+  l.meta.tensors.push_back({"weight", dtype::bfloat16, {static_cast<std::int64_t>(o.model_bytes / 2)}});
+  return l;
+}
+
+}  // namespace
+
+int run_trainer(const options& o) {
+  if (o.print_layout) {
+    json layout = json::object();
+    write_update_metadata(layout_for(o).meta, layout);
+    std::cout << layout.dump() << std::endl;
+    return 0;
+  }
+  trainer_model model(layout_for(o));
+  const auto& meta = model.layout.meta;
+  if (!o.quiet)
+    std::fprintf(stderr, "[refit] model: %zu tensors, %.2f GB bf16 (hidden %lld, %d layers); %d workers, engine %s\n",
+                 meta.tensors.size(), meta.total_bytes() / 1e9, static_cast<long long>(model.layout.hidden), o.layers,
+                 o.workers, o.engine.c_str());
+  std::vector<worker_process> procs;
+  totals t;
+  std::string failure;
+  try {
+    if (o.connect.empty())
+      for (int i = 0; i < o.workers; ++i) procs.push_back(start_worker(o, i));
+    else
+      for (const auto& e : o.connect) procs.push_back(worker_process{-1, e.port});
+    asio::io_context io;
+    std::exception_ptr error;
+    asio::co_spawn(io, trainer_main(o, procs, model, t), [&](std::exception_ptr e) { error = e; });
+    io.run();
+    if (error) std::rethrow_exception(error);
+  } catch (...) {
+    failure = describe(std::current_exception());
+  }
+  if (!failure.empty()) {
+    t.check.verified = false;
+    std::fprintf(stderr, "[refit] error: %s\n", failure.c_str());
+  }
+  for (auto& p : procs) {
+    if (p.pid < 0) continue;  // --connect: not ours
+    if (!failure.empty()) kill(p.pid, SIGTERM);
+    reap_worker(p.pid, std::chrono::milliseconds(o.timeout_ms));  // killed if it does not exit in time
+  }
+  if (!t.check.first_mismatch.empty())
+    std::fprintf(stderr, "[refit] first mismatch: %s\n", t.check.first_mismatch.c_str());
+  const double bytes = static_cast<double>(meta.total_bytes());
+  json result = {{"engine", o.engine},
+                 {"workers", o.workers},
+                 {"tensors", meta.tensors.size()},
+                 {"bytes", meta.total_bytes()},
+                 {"updates", o.updates},
+                 {"seconds", t.seconds},
+                 {"update_seconds", t.update_seconds},
+                 {"update_call_seconds", t.update_call_seconds},
+                 {"gbps", t.seconds > 0 ? bytes * o.updates / t.seconds / 1e9 : 0.0},
+                 {"receive_s", t.receive_s},
+                 {"process_s", t.process_s},
+                 {"overlap", t.overlap_samples ? t.overlap / t.overlap_samples : 0.0},
+                 {"buffer_bytes", o.buffer_bytes},
+                 {"num_buffers", o.num_buffers},
+                 {"process_cost", o.process_cost},
+                 {"direct_receive", !o.no_direct && o.commit == commit_mode::in_place},
+                 {"checksums", o.checksums},
+                 {"commit", to_string(o.commit)},
+                 {"authenticated", !o.secret.empty()},
+                 {"first_round", o.first_round},
+                 {"rounds_verified", t.check.verified ? t.check.rounds_done : 0},
+                 {"worker_peak_rss_bytes", t.peak_rss},
+                 {"worker_loop_lag_ms",
+                  {{"init", t.lag_init_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
+                 {"verified", failure.empty() && t.check.verified}};
+  if (!failure.empty()) result["error"] = failure;
+  std::cout << result.dump() << std::endl;
+  return failure.empty() && t.check.verified ? 0 : 1;
+}
+
+}  // namespace refit::example::weight_sync
