@@ -224,7 +224,10 @@ for t in topos:
             failures.append(f"{t} costs {r:.3f}x of {base} at {n} workers, more than {limit}x")
 for c in costs:
     print("cost: " + c)
-summary = {"rate": rate, "model": model, "median_s_per_update": {f"{t}@{n}": med[(n, t)] for n in ns for t in topos},
+import datetime, subprocess
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+summary = {"rate": rate, "model": model, "date": datetime.date.today().isoformat(), "commit": commit,
+           "median_s_per_update": {f"{t}@{n}": med[(n, t)] for n in ns for t in topos},
            "runs": runs, "failures": failures}
 if json_out:
     json.dump(summary, open(json_out, "w"), indent=1)

@@ -188,7 +188,9 @@ for k in keys:
     print(f"  {k:44s} {s['median']:9.3f} [{s['min']:.3f}-{s['max']:.3f}]{mark}")
 if not mooncake:
     print("  Mooncake: not measured: " + open(f"{d}/mooncake_missing").read().strip())
-report = {"model": model, "rounds": rounds, "summary": summary, "per_round": per_round,
+import datetime, subprocess
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+report = {"model": model, "rounds": rounds, "date": datetime.date.today().isoformat(), "commit": commit, "summary": summary, "per_round": per_round,
           "unmet": [k for k, t in targets.items() if k in summary and summary[k]["median"] < t]}
 if json_out:
     json.dump(report, open(json_out, "w"), indent=1)
