@@ -5,6 +5,12 @@
 Run by `./refit wheel` with the interpreter the extension was built for (its
 version decides the wheel's tags and the extension's file name). No setuptools:
 a wheel is a zip with a dist-info folder (PEP 427), written here directly.
+
+The package's metadata (name, version, description, license, requires-python,
+dependencies, entry points) is python/pyproject.toml's [project] table, its one
+source: the version also goes into refit/_build.py, where refit.__version__ reads
+it. The wheel carries the extension's type stubs (refit/_refit.pyi, made here by
+nanobind.stubgen from the built extension) and refit/py.typed (PEP 561).
 """
 
 import argparse
@@ -16,11 +22,62 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import tomllib
 import zipfile
 
-NAME = "refit"
-VERSION = "0.1.0"
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_project():
+    """python/pyproject.toml's [project] table."""
+    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def metadata(project, version, description):
+    """The wheel's METADATA (core metadata 2.1) from the [project] table."""
+    lines = [
+        "Metadata-Version: 2.1",
+        f"Name: {project['name']}",
+        f"Version: {version}",
+        f"Summary: {project['description']}",
+        f"License: {project['license']}",
+        f"Requires-Python: {project['requires-python']}",
+    ]
+    lines += [f"Requires-Dist: {d}" for d in project.get("dependencies", [])]
+    for extra, deps in project.get("optional-dependencies", {}).items():
+        lines.append(f"Provides-Extra: {extra}")
+        lines += [f'Requires-Dist: {d}; extra == "{extra}"' for d in deps]
+    lines.append("Description-Content-Type: text/markdown")
+    return "\n".join(lines) + "\n\n" + description
+
+
+def entry_points(project):
+    """entry_points.txt from [project.entry-points]."""
+    out = []
+    for group, points in project.get("entry-points", {}).items():
+        out.append(f"[{group}]")
+        out += [f"{name} = {target}" for name, target in points.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def stubs(package_files):
+    """refit/_refit.pyi: nanobind.stubgen run on the built extension, imported as
+    refit._refit from a copy of the package as the wheel holds it (private members
+    included: the package's wrappers call them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for arc, data in package_files.items():
+            path = os.path.join(tmp, arc)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        out = os.path.join(tmp, "_refit.pyi")
+        env = dict(os.environ, PYTHONPATH=tmp, PYTHONNOUSERSITE="1")
+        subprocess.run([sys.executable, "-m", "nanobind.stubgen", "-q", "-P", "-m", "refit._refit", "-o", out],
+                       check=True, env=env, cwd=tmp)
+        with open(out, "rb") as f:
+            return f.read()
 
 
 def record_hash(data):
@@ -35,12 +92,14 @@ def main():
     parser.add_argument("--cuda", action="store_true", help="the extension was built with --config=cuda")
     args = parser.parse_args()
 
+    project = read_project()
+    name = project["name"]
     # The CUDA build carries a local version label: both wheels can sit in dist/.
-    version = VERSION + ("+cuda" if args.cuda else "")
+    version = project["version"] + ("+cuda" if args.cuda else "")
     tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     ext_suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    wheel_name = f"{NAME}-{version}-{tag}-{tag}-{platform}.whl"
+    wheel_name = f"{name}-{version}-{tag}-{tag}-{platform}.whl"
 
     files = {}  # archive path -> bytes
     package = os.path.join(HERE, "refit")
@@ -63,32 +122,23 @@ def main():
 
     build = "cuda" if args.cuda else "cpu"
     files["refit/_build.py"] = (
-        f'"""How this wheel was built (written by build_wheel.py)."""\nBUILD = {build!r}\nPYTHON = {tag!r}\n'
+        f'"""How this wheel was built (written by build_wheel.py)."""\n'
+        f"BUILD = {build!r}\nPYTHON = {tag!r}\nVERSION = {version!r}\n"
     ).encode()
+    files["refit/_refit.pyi"] = stubs(files)
+    files["refit/py.typed"] = b""  # PEP 561: type checkers read the package's annotations and stubs
 
-    dist_info = f"{NAME}-{version}.dist-info"
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    dist_info = f"{name}-{version}.dist-info"
+    with open(os.path.join(HERE, project["readme"]), encoding="utf-8") as f:
         description = f.read()
-    files[f"{dist_info}/METADATA"] = (
-        "Metadata-Version: 2.1\n"
-        f"Name: {NAME}\n"
-        f"Version: {version}\n"
-        "Summary: refit's C++ weight-transfer engines for PyTorch trainers and vLLM workers\n"
-        f"Requires-Python: =={sys.version_info[0]}.{sys.version_info[1]}.*\n"
-        "Requires-Dist: numpy\n"
-        "Provides-Extra: torch\n"
-        "Requires-Dist: torch; extra == \"torch\"\n"
-        "Description-Content-Type: text/markdown\n"
-        "\n" + description
-    ).encode()
+    files[f"{dist_info}/METADATA"] = metadata(project, version, description).encode()
     files[f"{dist_info}/WHEEL"] = (
         "Wheel-Version: 1.0\n"
         "Generator: refit build_wheel.py\n"
         "Root-Is-Purelib: false\n"
         f"Tag: {tag}-{tag}-{platform}\n"
     ).encode()
-    # vLLM finds the backend in every worker through this entry point.
-    files[f"{dist_info}/entry_points.txt"] = b"[vllm.general_plugins]\nrefit = refit.vllm:register\n"
+    files[f"{dist_info}/entry_points.txt"] = entry_points(project).encode()
     record = [f"{arc},{record_hash(data)},{len(data)}" for arc, data in files.items()]
     record.append(f"{dist_info}/RECORD,,")
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()

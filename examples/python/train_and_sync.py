@@ -32,6 +32,7 @@ def start_workers(binary, n, timeout_ms):
     for i in range(n):
         p = subprocess.Popen([binary, "--role", "worker", "--listen", "127.0.0.1", "--timeout-ms", str(timeout_ms)],
                              stdout=subprocess.PIPE, text=True, env=env)
+        assert p.stdout is not None  # stdout=PIPE
         line = p.stdout.readline().split()
         if len(line) != 2 or line[0] != "REFIT_WORKER_PORT":
             p.kill()

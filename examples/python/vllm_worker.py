@@ -63,7 +63,9 @@ def worker(port_file):
     load_general_plugins()  # refit.vllm:register, through the wheel's entry point
     model = ServedModel(**ARCH)
     config = VllmConfig(parallel_config=ParallelConfig(), weight_transfer_config=WeightTransferConfig(backend="refit"))
-    engine = WeightTransferEngineFactory.create_engine(config.weight_transfer_config, config, torch.device("cpu"), model)
+    engine = WeightTransferEngineFactory.create_engine(
+        config.weight_transfer_config, config, torch.device("cpu"), model
+    )
     state = {"active": False, "version": None}
     lock = threading.Lock()
 
@@ -93,7 +95,7 @@ def worker(port_file):
 
         def do_POST(self):  # noqa: N802 - vLLM's order (vllm/v1/worker/gpu_worker.py)
             n = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(n)) if n else None
+            body = json.loads(self.rfile.read(n)) if n else {}
             path = self.path.strip("/")
             try:
                 with lock:

@@ -27,13 +27,24 @@ and :class:`WorkerHost` (refit's control plane, driven by a trainer's
 vLLM backend is :mod:`refit.vllm`.
 """
 
+from __future__ import annotations
+
 import asyncio as _asyncio
 import atexit as _atexit
+from collections.abc import Callable as _Callable
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import Any as _Any
+from typing import Self
 
 try:
     from ._build import BUILD as _BUILD  # written into the wheel by build_wheel.py
-except ImportError:  # a source tree
+    from ._build import VERSION as __version__
+except ImportError:  # a source tree: the version is python/pyproject.toml's
     _BUILD = "cpu"
+    from ._version import source_tree_version as _source_tree_version
+
+    __version__ = _source_tree_version()
 if _BUILD == "cuda":
     # The CUDA build links libnccl.so.2. torch brings its own (newer) NCCL under the
     # same soname: load torch first so that one serves both; loading refit first
@@ -44,7 +55,7 @@ if _BUILD == "cuda":
         pass
 
 from . import _refit
-from ._errors import (  # noqa: F401
+from ._errors import (
     AlreadyRegisteredError,
     AuthError,
     CancelledError,
@@ -64,12 +75,46 @@ from ._errors import (  # noqa: F401
     error_class,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "Engine", "Sender", "WorkerGroup", "WorkerHost", "Error", "backends", "describe", "fingerprints",
-    "register_plugin", "error_class", "sharded_init_info",
+    "Engine",
+    "Sender",
+    "WorkerGroup",
+    "WorkerHost",
+    "backends",
+    "describe",
+    "fingerprints",
+    "register_plugin",
+    "sharded_init_info",
+    "Tensors",
+    "LoadWeights",
+    "Info",
+    "error_class",
+    "Error",
+    "AlreadyRegisteredError",
+    "AuthError",
+    "CancelledError",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "InvalidStateError",
+    "IoError",
+    "LoadFailedError",
+    "NotRegisteredError",
+    "PeerLostError",
+    "ProcessingFailedError",
+    "ProtocolError",
+    "ResourceExhaustedError",
+    "TimeoutError",
+    "UnsupportedError",
 ]
+
+# What the API takes and gives (dicts are JSON-like: vLLM's infos, refit's stats).
+Tensors = _Mapping[str, _Any] | _Iterable[tuple[str, _Any]]
+"""``{name: tensor}`` or ``(name, tensor)`` pairs (``model.named_parameters()``);
+a tensor is anything with ``__dlpack__``."""
+LoadWeights = _Callable[[list[tuple[str, _Any]]], None]
+"""``load_weights(batch)``: a list of ``(name, tensor)`` views, valid during the call."""
+Info = dict[str, _Any]
+"""An init_info, update_info, trainer_args, state or stats dict."""
 
 backends = _refit.backends
 describe = _refit.describe
@@ -80,7 +125,7 @@ register_plugin = _refit.register_plugin
 _atexit.register(_refit._shutdown)
 
 
-def _resolve(future, result, exc):
+def _resolve(future: _asyncio.Future[_Any], result: _Any, exc: BaseException | None) -> None:
     if future.done():  # cancelled meanwhile
         return
     if exc is not None:
@@ -89,8 +134,8 @@ def _resolve(future, result, exc):
         future.set_result(result)
 
 
-async def _run(start, *args):
-    """Awaits a C++ operation started with ``start(*args, done)``."""
+async def _run(start: _Callable[..., _Any], **kwargs: _Any) -> _Any:
+    """Awaits a C++ operation started with ``start(**kwargs, done=done)``."""
     loop = _asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -100,7 +145,7 @@ async def _run(start, *args):
         except RuntimeError:  # the asyncio loop is closed: nobody waits any more
             pass
 
-    call = start(*args, done)
+    call = start(**kwargs, done=done)
     try:
         return await future
     except _asyncio.CancelledError:
@@ -147,102 +192,138 @@ class Engine:
     refused update closes the data path: ``init`` again before the next one.
     """
 
-    def __init__(self, backend="tcp", *, device="cpu", timeout_ms=60000, commit="in_place", auth_secret_file=None,
-                 processing_threads=1, socket_buffer_bytes=0, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1,
-                 tensors=None, framework="auto", max_stage_bytes=0, check_update=None):
-        self._impl = _refit._Engine(backend, str(device), int(timeout_ms), commit, auth_secret_file,
-                                    processing_threads, socket_buffer_bytes, tp_rank, tp_size, dp_rank, dp_size,
-                                    tensors, framework, int(max_stage_bytes), check_update)
+    def __init__(
+        self,
+        backend: str = "tcp",
+        *,
+        device: _Any = "cpu",
+        timeout_ms: int = 60000,
+        commit: str = "in_place",
+        auth_secret_file: str | None = None,
+        processing_threads: int = 1,
+        socket_buffer_bytes: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        tensors: _Mapping[str, _Any] | None = None,
+        framework: str = "auto",
+        max_stage_bytes: int = 0,
+        check_update: _Callable[[Info], None] | None = None,
+    ) -> None:
+        self._impl = _refit._Engine(
+            backend=backend,
+            device=str(device),
+            timeout_ms=int(timeout_ms),
+            commit=commit,
+            auth_secret_file=auth_secret_file,
+            processing_threads=processing_threads,
+            socket_buffer_bytes=socket_buffer_bytes,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            tensors=tensors,
+            framework=framework,
+            max_stage_bytes=int(max_stage_bytes),
+            check_update=check_update,
+        )
         self._tensors = tensors  # referenced for as long as the engine writes them
 
     @property
-    def backend(self):
+    def backend(self) -> str:
         return self._impl.backend
 
     @property
-    def defers_processing(self):
+    def defers_processing(self) -> bool:
         """True when receive returns once every byte arrived and load_weights may still
         run: drain() (or finish_weight_update) is its completion."""
         return self._impl.defers_processing
 
-    def state(self):
+    def state(self) -> Info:
         """The engine's state: initialized, receiving, processing_pending, weights_dirty,
         dirty_reason, session_active, weight_version, last_update (stats)."""
         return self._impl.state()
 
     @property
-    def weight_version(self):
+    def weight_version(self) -> int | None:
         return self.state()["weight_version"]
 
     @property
-    def weights_dirty(self):
+    def weights_dirty(self) -> bool:
         return self.state()["weights_dirty"]
 
     @property
-    def dirty_reason(self):
+    def dirty_reason(self) -> str:
         return self.state()["dirty_reason"]
 
     @property
-    def last_update_stats(self):
+    def last_update_stats(self) -> Info:
         return self.state()["last_update"]
 
-    def init(self, init_info):
-        self._impl.init(init_info)
+    def init(self, init_info: Info) -> None:
+        self._impl.init(init_info=init_info)
 
-    async def init_async(self, init_info):
-        await _run(_keep(self, self._impl._start_init), init_info)
+    async def init_async(self, init_info: Info) -> None:
+        await _run(_keep(self, self._impl._start_init), init_info=init_info)
 
-    def receive(self, update_info, load_weights=None):
-        self._impl.receive(update_info, load_weights)
+    def receive(self, update_info: Info, load_weights: LoadWeights | None = None) -> None:
+        self._impl.receive(update_info=update_info, load_weights=load_weights)
 
-    async def receive_async(self, update_info, load_weights=None):
-        await _run(_keep(self, self._impl._start_receive), update_info, load_weights)
+    async def receive_async(self, update_info: Info, load_weights: LoadWeights | None = None) -> None:
+        await _run(_keep(self, self._impl._start_receive), update_info=update_info, load_weights=load_weights)
 
-    def drain(self):
+    def drain(self) -> None:
         """Waits for deferred processing; raises the first error it hit, once."""
         self._impl.drain()
 
-    async def drain_async(self):
+    async def drain_async(self) -> None:
         await _run(_keep(self, self._impl._start_drain))
 
     # vLLM's names for the same
     drain_pending = drain
     drain_pending_async = drain_async
 
-    def start_weight_update(self):
+    def start_weight_update(self) -> None:
         self._impl.start_weight_update()
 
-    def update_weights(self, update_info, load_weights=None):
-        self._impl.update_weights(update_info, load_weights)
+    def update_weights(self, update_info: Info, load_weights: LoadWeights | None = None) -> None:
+        self._impl.update_weights(update_info=update_info, load_weights=load_weights)
 
-    async def update_weights_async(self, update_info, load_weights=None):
-        await _run(_keep(self, self._impl._start_update_weights), update_info, load_weights)
+    async def update_weights_async(self, update_info: Info, load_weights: LoadWeights | None = None) -> None:
+        await _run(_keep(self, self._impl._start_update_weights), update_info=update_info, load_weights=load_weights)
 
-    def finish_weight_update(self, version=None):
-        self._impl.finish_weight_update(version)
+    def finish_weight_update(self, version: int | None = None) -> None:
+        self._impl.finish_weight_update(version=version)
 
-    async def finish_weight_update_async(self, version=None):
-        await _run(_keep(self, self._impl._start_finish_weight_update), version)
+    async def finish_weight_update_async(self, version: int | None = None) -> None:
+        await _run(_keep(self, self._impl._start_finish_weight_update), version=version)
 
-    def abort_weight_update(self, why=""):
-        self._impl.abort_weight_update(why)
+    def abort_weight_update(self, why: str = "") -> None:
+        self._impl.abort_weight_update(why=why)
 
-    async def abort_weight_update_async(self, why=""):
-        await _run(_keep(self, self._impl._start_abort_weight_update), why)
+    async def abort_weight_update_async(self, why: str = "") -> None:
+        await _run(_keep(self, self._impl._start_abort_weight_update), why=why)
 
-    def fingerprint(self, names=None):
+    def fingerprint(self, names: _Iterable[str] | None = None) -> dict[str, int]:
         """{name: 64-bit fingerprint} of the engine's tensors (all, or ``names``)."""
-        return self._impl.fingerprint(list(names or []))
+        return self._impl.fingerprint(names=list(names or []))
 
-    def shutdown(self):
+    def shutdown(self) -> None:
+        """Closes the engine's connections and releases its memory; idempotent."""
         self._impl.shutdown()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()  # a short call on refit's loop: it does not wait for peers
 
 
 class Sender:
@@ -256,43 +337,64 @@ class Sender:
     ``num_buffers``, ``timeout_ms``, ``topology``.
     """
 
-    def __init__(self, backend="tcp", *, device="cpu", timeout_ms=60000, auth_secret_file=None, socket_buffer_bytes=0):
-        self._impl = _refit._Sender(backend, str(device), int(timeout_ms), auth_secret_file, socket_buffer_bytes)
+    def __init__(
+        self,
+        backend: str = "tcp",
+        *,
+        device: _Any = "cpu",
+        timeout_ms: int = 60000,
+        auth_secret_file: str | None = None,
+        socket_buffer_bytes: int = 0,
+    ) -> None:
+        self._impl = _refit._Sender(
+            backend=backend,
+            device=str(device),
+            timeout_ms=int(timeout_ms),
+            auth_secret_file=auth_secret_file,
+            socket_buffer_bytes=socket_buffer_bytes,
+        )
 
     @property
-    def backend(self):
+    def backend(self) -> str:
         return self._impl.backend
 
-    def prepare(self, trainer_args=None):
-        return self._impl.prepare(trainer_args or {})
+    def prepare(self, trainer_args: Info | None = None) -> Info:
+        return self._impl.prepare(trainer_args=trainer_args or {})
 
-    def connect_workers(self):
+    def connect_workers(self) -> None:
         self._impl.connect_workers()
 
-    async def connect_workers_async(self):
+    async def connect_workers_async(self) -> None:
         await _run(_keep(self, self._impl._start_connect_workers))
 
-    def send_weights(self, tensors, metadata=None):
-        self._impl.send_weights(tensors, metadata)
+    def send_weights(self, tensors: Tensors, metadata: Info | None = None) -> None:
+        self._impl.send_weights(tensors=tensors, metadata=metadata)
 
-    async def send_weights_async(self, tensors, metadata=None):
-        await _run(_keep(self, self._impl._start_send_weights), tensors, metadata)
+    async def send_weights_async(self, tensors: Tensors, metadata: Info | None = None) -> None:
+        await _run(_keep(self, self._impl._start_send_weights), tensors=tensors, metadata=metadata)
 
     @property
-    def last_send_stats(self):
+    def last_send_stats(self) -> Info:
         return self._impl.last_send_stats()
 
-    def shutdown(self):
+    def shutdown(self) -> None:
+        """Closes the sender's connections to the workers; idempotent."""
         self._impl.shutdown()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    async def __aenter__(self) -> Self:
+        return self
 
-def sharded_init_info(infos):
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()  # a short call on refit's loop: it does not wait for peers
+
+
+def sharded_init_info(infos: _Iterable[Info]) -> Info:
     """The workers' init_info of a ``tcp_sharded`` job from what every trainer rank's
     :meth:`Sender.prepare` returned (in rank order): each rank knows only its own
     listen port (``"port": 0`` in trainer_args takes any free one), the workers need
@@ -321,10 +423,12 @@ def sharded_init_info(infos):
     return merged
 
 
-def _keep(owner, start):
-    def bound(*args):
-        *rest, done = args
-        return start(*rest, lambda result, exc, _owner=owner: done(result, exc))
+def _keep(owner: object, start: _Callable[..., _Any]) -> _Callable[..., _Any]:
+    """``start`` whose completion keeps ``owner`` alive until it is called."""
+
+    def bound(*, done: _Callable[[_Any, BaseException | None], None], **kwargs: _Any) -> _Any:
+        return start(**kwargs, done=lambda result, exc, _owner=owner: done(result, exc))
+
     return bound
 
 
@@ -337,62 +441,121 @@ class WorkerGroup:
     the trainer's. The first error names the worker.
     """
 
-    def __init__(self, endpoints, *, timeout_ms=60000, auth_secret_file=None):
-        self._impl = _refit._WorkerGroup(list(endpoints), int(timeout_ms), auth_secret_file)
+    def __init__(
+        self,
+        endpoints: _Iterable[str | tuple[str, int]],
+        *,
+        timeout_ms: int = 60000,
+        auth_secret_file: str | None = None,
+    ) -> None:
+        self._impl = _refit._WorkerGroup(
+            endpoints=list(endpoints), timeout_ms=int(timeout_ms), auth_secret_file=auth_secret_file
+        )
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._impl)
 
-    def connect(self):
+    def connect(self) -> None:
         self._impl.connect()
 
-    async def connect_async(self):
+    async def connect_async(self) -> None:
         await _run(_keep(self, self._impl._start_connect))
 
-    def init(self, sender, trainer_args=None, *, ranks="per_worker"):
+    def init(self, sender: Sender, trainer_args: Info | None = None, *, ranks: str = "per_worker") -> Info:
         """sender.prepare(trainer_args), every worker's init alongside
         sender.connect_workers(); returns the init_info. ``ranks="shared"``: the workers
         are the ranks of one tensor-parallel engine. ``world_size`` defaults to the
         group's size + 1 (the trainer is rank 0)."""
-        return self._impl.init(sender._impl, self._trainer_args(trainer_args), ranks)
+        return self._impl.init(sender=sender._impl, trainer_args=self._trainer_args(trainer_args), ranks=ranks)
 
-    async def init_async(self, sender, trainer_args=None, *, ranks="per_worker"):
-        return await _run(_keep((self, sender), self._impl._start_init), sender._impl,
-                          self._trainer_args(trainer_args), ranks)
+    async def init_async(
+        self, sender: Sender, trainer_args: Info | None = None, *, ranks: str = "per_worker"
+    ) -> Info:
+        return await _run(
+            _keep((self, sender), self._impl._start_init),
+            sender=sender._impl,
+            trainer_args=self._trainer_args(trainer_args),
+            ranks=ranks,
+        )
 
-    def _trainer_args(self, trainer_args):
+    def _trainer_args(self, trainer_args: Info | None) -> Info:
         args = dict(trainer_args or {})
         args.setdefault("world_size", len(self) + 1)
         return args
 
-    def update(self, sender, tensors, version, *, verify=True, commit=None, update_info=None, expected=None,
-               metadata=None):
+    def update(
+        self,
+        sender: Sender,
+        tensors: Tensors,
+        version: int,
+        *,
+        verify: bool = True,
+        commit: str | None = None,
+        update_info: Info | None = None,
+        expected: _Mapping[str, int] | None = None,
+        metadata: Info | None = None,
+    ) -> Info:
         """One update of every worker; returns {"version", "seconds", "verified", "workers"}."""
-        return self._impl.update(sender._impl, tensors, int(version), verify, commit, update_info, expected, metadata)
+        return self._impl.update(
+            sender=sender._impl,
+            tensors=tensors,
+            version=int(version),
+            verify=verify,
+            commit=commit,
+            update_info=update_info,
+            expected=expected,
+            metadata=metadata,
+        )
 
-    async def update_async(self, sender, tensors, version, *, verify=True, commit=None, update_info=None,
-                           expected=None, metadata=None):
-        return await _run(_keep((self, sender), self._impl._start_update), sender._impl, tensors, int(version), verify,
-                          commit, update_info, expected, metadata)
+    async def update_async(
+        self,
+        sender: Sender,
+        tensors: Tensors,
+        version: int,
+        *,
+        verify: bool = True,
+        commit: str | None = None,
+        update_info: Info | None = None,
+        expected: _Mapping[str, int] | None = None,
+        metadata: Info | None = None,
+    ) -> Info:
+        return await _run(
+            _keep((self, sender), self._impl._start_update),
+            sender=sender._impl,
+            tensors=tensors,
+            version=int(version),
+            verify=verify,
+            commit=commit,
+            update_info=update_info,
+            expected=expected,
+            metadata=metadata,
+        )
 
-    def call_all(self, method, params=None):
+    def call_all(self, method: str, params: Info | None = None) -> list[_Any]:
         """``method`` on every worker at once; the answers by worker."""
-        return self._impl.call_all(method, params or {})
+        return self._impl.call_all(method=method, params=params or {})
 
-    async def call_all_async(self, method, params=None):
-        return await _run(_keep(self, self._impl._start_call_all), method, params or {})
+    async def call_all_async(self, method: str, params: Info | None = None) -> list[_Any]:
+        return await _run(_keep(self, self._impl._start_call_all), method=method, params=params or {})
 
-    def fingerprint_differences(self, expected, version):
-        return self._impl.fingerprint_differences(expected, int(version))
+    def fingerprint_differences(self, expected: _Mapping[str, int], version: int) -> list[list[str]]:
+        return self._impl.fingerprint_differences(expected=expected, version=int(version))
 
-    def close(self):
+    def close(self) -> None:
+        """Closes the control connections to the workers; idempotent."""
         self._impl.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()  # a short call on refit's loop: it does not wait for peers
 
 
 class WorkerHost:
@@ -411,36 +574,71 @@ class WorkerHost:
     all or nothing (see :class:`Engine`); ``max_stage_bytes`` bounds their stage.
     """
 
-    def __init__(self, backend="tcp", *, host="127.0.0.1", port=0, tensors=None, load_weights=None, timeout_ms=60000,
-                 commit="in_place", auth_secret_file=None, processing_threads=1, framework="auto",
-                 on_update_started=None, on_update_finished=None, on_update_failed=None, session_timeout_ms=None,
-                 max_stage_bytes=0):
-        self._impl = _refit._WorkerHost(backend, host, int(port), tensors, load_weights, int(timeout_ms), commit,
-                                        auth_secret_file, processing_threads, framework, on_update_started,
-                                        on_update_finished, on_update_failed,
-                                        None if session_timeout_ms is None else int(session_timeout_ms),
-                                        int(max_stage_bytes))
+    def __init__(
+        self,
+        backend: str = "tcp",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tensors: _Mapping[str, _Any] | None = None,
+        load_weights: LoadWeights | None = None,
+        timeout_ms: int = 60000,
+        commit: str = "in_place",
+        auth_secret_file: str | None = None,
+        processing_threads: int = 1,
+        framework: str = "auto",
+        on_update_started: _Callable[[str], None] | None = None,
+        on_update_finished: _Callable[[int, Info], None] | None = None,
+        on_update_failed: _Callable[[str], None] | None = None,
+        session_timeout_ms: int | None = None,
+        max_stage_bytes: int = 0,
+    ) -> None:
+        self._impl = _refit._WorkerHost(
+            backend=backend,
+            host=host,
+            port=int(port),
+            tensors=tensors,
+            load_weights=load_weights,
+            timeout_ms=int(timeout_ms),
+            commit=commit,
+            auth_secret_file=auth_secret_file,
+            processing_threads=processing_threads,
+            framework=framework,
+            on_update_started=on_update_started,
+            on_update_finished=on_update_finished,
+            on_update_failed=on_update_failed,
+            session_timeout_ms=None if session_timeout_ms is None else int(session_timeout_ms),
+            max_stage_bytes=int(max_stage_bytes),
+        )
         self._tensors = tensors
 
     @property
-    def port(self):
+    def port(self) -> int:
         return self._impl.port
 
-    def weight_info(self):
+    def weight_info(self) -> Info:
         return self._impl.weight_info()
 
-    def fingerprint(self, names=None):
-        return self._impl.fingerprint(list(names or []))
+    def fingerprint(self, names: _Iterable[str] | None = None) -> dict[str, int]:
+        return self._impl.fingerprint(names=list(names or []))
 
-    def add_method(self, name, fn):
+    def add_method(self, name: str, fn: _Callable[[Info], Info]) -> None:
         """Serves ``name``: ``fn(params: dict) -> dict``, called on refit's loop."""
-        self._impl.add_method(name, fn)
+        self._impl.add_method(name=name, fn=fn)
 
-    def stop(self):
+    def stop(self) -> None:
+        """Stops serving: closes the listener and every connection, aborts an open
+        session and releases the engine; idempotent."""
         self._impl.stop()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()  # a short call on refit's loop: it does not wait for peers

@@ -25,34 +25,121 @@ class Error(Exception):
         return f"{self.message} [{self.kind}]"
 
 
-def _kind(name, kind, *bases):
-    cls = type(name, (Error, *bases), {"kind": kind, "__doc__": f"refit error kind '{kind}'."})
-    cls.__module__ = "refit"
-    return cls
+class TimeoutError(Error, builtins.TimeoutError):
+    """A wait on a peer passed its deadline. Kind ``timeout``."""
+
+    kind = "timeout"
 
 
-TimeoutError = _kind("TimeoutError", "timeout", builtins.TimeoutError)
-PeerLostError = _kind("PeerLostError", "peer_lost", ConnectionError)
-InvalidArgumentError = _kind("InvalidArgumentError", "invalid_argument", ValueError)
-ProtocolError = _kind("ProtocolError", "protocol_error")
-NotRegisteredError = _kind("NotRegisteredError", "not_registered", LookupError)
-AlreadyRegisteredError = _kind("AlreadyRegisteredError", "already_registered")
-InvalidStateError = _kind("InvalidStateError", "invalid_state")
-LoadFailedError = _kind("LoadFailedError", "load_failed")
-ProcessingFailedError = _kind("ProcessingFailedError", "processing_failed")
-IntegrityError = _kind("IntegrityError", "integrity_error")
-IoError = _kind("IoError", "io_error", OSError)
-CancelledError = _kind("CancelledError", "cancelled")
-UnsupportedError = _kind("UnsupportedError", "unsupported", NotImplementedError)
-AuthError = _kind("AuthError", "auth_error", PermissionError)
-ResourceExhaustedError = _kind("ResourceExhaustedError", "resource_exhausted")
+class PeerLostError(Error, ConnectionError):
+    """The peer (trainer or worker) closed or reset the connection. Kind ``peer_lost``."""
 
-_BY_KIND = {
-    cls.kind: cls
-    for cls in (TimeoutError, PeerLostError, InvalidArgumentError, ProtocolError, NotRegisteredError,
-                AlreadyRegisteredError, InvalidStateError, LoadFailedError, ProcessingFailedError,
-                IntegrityError, IoError, CancelledError, UnsupportedError, AuthError, ResourceExhaustedError)
-}
+    kind = "peer_lost"
+
+
+class InvalidArgumentError(Error, ValueError):
+    """Bad input: init_info or update_info JSON, names, dtypes, shapes, sizes. Kind ``invalid_argument``."""
+
+    kind = "invalid_argument"
+
+
+class ProtocolError(Error):
+    """The peer sent bytes that break refit's wire protocol. Kind ``protocol_error``."""
+
+    kind = "protocol_error"
+
+
+class NotRegisteredError(Error, LookupError):
+    """An unknown backend name (the message lists the registered ones). Kind ``not_registered``."""
+
+    kind = "not_registered"
+
+
+class AlreadyRegisteredError(Error):
+    """A backend name registered twice. Kind ``already_registered``."""
+
+    kind = "already_registered"
+
+
+class InvalidStateError(Error):
+    """An operation out of order (receive before init, finish without start, ...). Kind ``invalid_state``."""
+
+    kind = "invalid_state"
+
+
+class LoadFailedError(Error):
+    """A plugin library or its entry point could not be loaded. Kind ``load_failed``."""
+
+    kind = "load_failed"
+
+
+class ProcessingFailedError(Error):
+    """Post-processing of received weights (``load_weights``) failed. Kind ``processing_failed``."""
+
+    kind = "processing_failed"
+
+
+class IntegrityError(Error):
+    """A checksum or fingerprint mismatch. Kind ``integrity_error``."""
+
+    kind = "integrity_error"
+
+
+class IoError(Error, OSError):
+    """An operating-system I/O failure. Kind ``io_error``."""
+
+    kind = "io_error"
+
+
+class CancelledError(Error):
+    """The operation was cancelled (shutdown, or the awaiting task cancelled). Kind ``cancelled``."""
+
+    kind = "cancelled"
+
+
+class UnsupportedError(Error, NotImplementedError):
+    """Not available in this build or on this machine. Kind ``unsupported``."""
+
+    kind = "unsupported"
+
+
+class AuthError(Error, PermissionError):
+    """Shared-secret authentication failed (either side's verdict). Kind ``auth_error``."""
+
+    kind = "auth_error"
+
+
+class ResourceExhaustedError(Error):
+    """A limit was reached: stage size, connections, descriptors, requests in flight. Kind ``resource_exhausted``."""
+
+    kind = "resource_exhausted"
+
+
+ERRORS = (
+    TimeoutError,
+    PeerLostError,
+    InvalidArgumentError,
+    ProtocolError,
+    NotRegisteredError,
+    AlreadyRegisteredError,
+    InvalidStateError,
+    LoadFailedError,
+    ProcessingFailedError,
+    IntegrityError,
+    IoError,
+    CancelledError,
+    UnsupportedError,
+    AuthError,
+    ResourceExhaustedError,
+)
+"""Every kind's class (Error itself aside)."""
+
+_BY_KIND = {cls.kind: cls for cls in ERRORS}
+
+# Public under refit's name (tracebacks say refit.TimeoutError, pickles load from refit).
+for _cls in (Error, *ERRORS):
+    _cls.__module__ = "refit"
+del _cls
 
 
 def error_class(kind):

@@ -208,7 +208,7 @@ void call_hook(const char* name, F fn) {
   }
 }
 
-nb::object stats_to_python(const update_stats& s) { return to_python(s.to_json()); }
+nb::dict stats_to_python(const update_stats& s) { return nb::cast<nb::dict>(to_python(s.to_json())); }
 
 // ------------------------------------------------------------------ worker engine
 
@@ -340,7 +340,7 @@ class py_engine {
     return fingerprints_to_python(list);
   }
 
-  nb::object state() {
+  nb::dict state() {
     json j = on_loop([this] {
       json s;
       s["backend"] = std::string(engine_->backend());
@@ -354,7 +354,7 @@ class py_engine {
       s["last_update"] = engine_->last_update_stats().to_json();
       return s;
     });
-    return to_python(j);
+    return nb::cast<nb::dict>(to_python(j));
   }
 
   void shutdown() {
@@ -400,11 +400,11 @@ class py_sender {
   }
 
   std::string backend() const { return std::string(sender_->backend()); }
-  nb::object prepare(nb::handle trainer_args) {
+  nb::dict prepare(nb::handle trainer_args) {
     json args = to_json(trainer_args);
     if (args.is_null()) args = json::object();
     json info = on_loop([&] { return sender_->prepare(args); });
-    return to_python(info);
+    return nb::cast<nb::dict>(to_python(info));
   }
   asio::awaitable<void> connect_workers() { co_await sender_->connect_workers(); }
 
@@ -415,7 +415,7 @@ class py_sender {
     co_await sender->send_weights(*declared, source);
   }
 
-  nb::object last_send_stats() {
+  nb::dict last_send_stats() {
     auto stats = on_loop([this] { return sender_->last_send_stats(); });
     return stats_to_python(stats);
   }
@@ -650,9 +650,9 @@ class py_worker_host {
       return 0;
     });
   }
-  nb::object weight_info() {
+  nb::dict weight_info() {
     json j = on_loop([this] { return host_->weight_info(); });
-    return to_python(j);
+    return nb::cast<nb::dict>(to_python(j));
   }
   nb::dict fingerprint(const std::vector<std::string>& names) {
     if (!held_) throw_error(errc::unsupported, "fingerprint: this WorkerHost has no tensors of its own");
@@ -732,9 +732,9 @@ NB_MODULE(_refit, m) {
         auto held = held_tensors::from_python(tensors, "describe");
         json out;
         write_update_metadata(held.metadata(), out);
-        return to_python(out);
+        return nb::cast<nb::dict>(to_python(out));
       },
-      nb::arg("tensors"));
+      nb::arg("tensors"), "vLLM's update info of `tensors`: {\"names\", \"dtype_names\", \"shapes\"}.");
   m.def(
       "fingerprints",
       [](nb::handle tensors, std::optional<std::vector<std::string>> names) {
@@ -763,7 +763,7 @@ NB_MODULE(_refit, m) {
       .def_prop_ro("backend", &py_engine::backend)
       .def_prop_ro("defers_processing", &py_engine::defers_processing)
       .def("state", &py_engine::state)
-      .def("fingerprint", &py_engine::fingerprint)
+      .def("fingerprint", &py_engine::fingerprint, nb::arg("names"))
       .def("shutdown", &py_engine::shutdown)
       .def("start_weight_update",
            [](py_engine& e) {
@@ -772,9 +772,14 @@ NB_MODULE(_refit, m) {
                return 0;
              });
            })
-      .def("init", [](py_engine& e, nb::handle info) { block_on(e.init(to_json(info))); })
-      .def("_start_init", [](py_engine& e, nb::handle info,
-                             nb::object done) { return start_void(e.init(to_json(info)), std::move(done)); })
+      .def(
+          "init", [](py_engine& e, nb::handle info) { block_on(e.init(to_json(info))); }, nb::arg("init_info"))
+      .def(
+          "_start_init",
+          [](py_engine& e, nb::handle info, nb::object done) {
+            return start_void(e.init(to_json(info)), std::move(done));
+          },
+          nb::arg("init_info"), nb::arg("done"))
       .def(
           "receive",
           [](py_engine& e, nb::handle info, nb::object load_weights) {
@@ -792,8 +797,10 @@ NB_MODULE(_refit, m) {
           },
           nb::arg("update_info"), nb::arg("load_weights").none(), nb::arg("done"))
       .def("drain", [](py_engine& e) { block_on(e.drain(), e.slot().get()); })
-      .def("_start_drain",
-           [](py_engine& e, nb::object done) { return start_void(e.drain(), std::move(done), e.slot()); })
+      .def(
+          "_start_drain",
+          [](py_engine& e, nb::object done) { return start_void(e.drain(), std::move(done), e.slot()); },
+          nb::arg("done"))
       .def(
           "update_weights",
           [](py_engine& e, nb::handle info, nb::object load_weights) {
@@ -818,10 +825,14 @@ NB_MODULE(_refit, m) {
             return start_void(e.finish(v), std::move(done), e.slot());
           },
           nb::arg("version").none(), nb::arg("done"))
-      .def("abort_weight_update", [](py_engine& e, const std::string& why) { block_on(e.abort(why)); })
-      .def("_start_abort_weight_update", [](py_engine& e, const std::string& why, nb::object done) {
-        return start_void(e.abort(why), std::move(done));
-      });
+      .def(
+          "abort_weight_update", [](py_engine& e, const std::string& why) { block_on(e.abort(why)); }, nb::arg("why"))
+      .def(
+          "_start_abort_weight_update",
+          [](py_engine& e, const std::string& why, nb::object done) {
+            return start_void(e.abort(why), std::move(done));
+          },
+          nb::arg("why"), nb::arg("done"));
 
   nb::class_<py_sender>(m, "_Sender")
       .def(nb::init<const std::string&, const std::string&, std::int64_t, const std::optional<std::string>&,
@@ -831,8 +842,10 @@ NB_MODULE(_refit, m) {
       .def_prop_ro("backend", &py_sender::backend)
       .def("prepare", &py_sender::prepare, nb::arg("trainer_args").none())
       .def("connect_workers", [](py_sender& s) { block_on(s.connect_workers()); })
-      .def("_start_connect_workers",
-           [](py_sender& s, nb::object done) { return start_void(s.connect_workers(), std::move(done)); })
+      .def(
+          "_start_connect_workers",
+          [](py_sender& s, nb::object done) { return start_void(s.connect_workers(), std::move(done)); },
+          nb::arg("done"))
       .def(
           "send_weights",
           [](py_sender& s, nb::handle tensors, nb::handle metadata) {
@@ -857,15 +870,16 @@ NB_MODULE(_refit, m) {
       .def("__len__", &py_worker_group::size)
       .def("close", &py_worker_group::close)
       .def("connect", [](py_worker_group& g) { block_on(g.connect()); })
-      .def("_start_connect",
-           [](py_worker_group& g, nb::object done) { return start_void(g.connect(), std::move(done)); })
+      .def(
+          "_start_connect",
+          [](py_worker_group& g, nb::object done) { return start_void(g.connect(), std::move(done)); }, nb::arg("done"))
       .def(
           "init",
           [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks) {
             json a = to_json(args);
             if (a.is_null()) a = json::object();
             json out = block_on(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)));
-            return to_py(out);
+            return nb::cast<nb::dict>(to_py(out));
           },
           nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"))
       .def(
@@ -885,7 +899,7 @@ NB_MODULE(_refit, m) {
             auto options = make_update_options(verify, commit, update_info, expected);
             json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                         version, std::move(options)));
-            return to_py(out);
+            return nb::cast<nb::dict>(to_py(out));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
           nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none())
@@ -908,7 +922,7 @@ NB_MODULE(_refit, m) {
             json p = to_json(params);
             if (p.is_null()) p = json::object();
             json out = block_on(py_worker_group::call_all(&g.group(), method, std::move(p)));
-            return to_py(out);
+            return nb::cast<nb::list>(to_py(out));
           },
           nb::arg("method"), nb::arg("params").none())
       .def(
@@ -919,10 +933,13 @@ NB_MODULE(_refit, m) {
             return start<json>(py_worker_group::call_all(&g.group(), method, std::move(p)), to_py, std::move(done));
           },
           nb::arg("method"), nb::arg("params").none(), nb::arg("done"))
-      .def("fingerprint_differences", [to_py](py_worker_group& g, nb::handle expected, std::int64_t version) {
-        json out = block_on(py_worker_group::differences(&g.group(), fingerprints_from_python(expected), version));
-        return to_py(out);
-      });
+      .def(
+          "fingerprint_differences",
+          [to_py](py_worker_group& g, nb::handle expected, std::int64_t version) {
+            json out = block_on(py_worker_group::differences(&g.group(), fingerprints_from_python(expected), version));
+            return nb::cast<nb::list>(to_py(out));
+          },
+          nb::arg("expected"), nb::arg("version"));
 
   nb::class_<py_worker_host>(m, "_WorkerHost")
       .def(nb::init<const std::string&, const std::string&, int, nb::handle, nb::object, std::int64_t,
@@ -936,6 +953,6 @@ NB_MODULE(_refit, m) {
       .def_prop_ro("port", &py_worker_host::port)
       .def("stop", &py_worker_host::stop)
       .def("weight_info", &py_worker_host::weight_info)
-      .def("fingerprint", &py_worker_host::fingerprint)
-      .def("add_method", &py_worker_host::add_method);
+      .def("fingerprint", &py_worker_host::fingerprint, nb::arg("names"))
+      .def("add_method", &py_worker_host::add_method, nb::arg("name"), nb::arg("fn"));
 }

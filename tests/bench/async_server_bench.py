@@ -118,7 +118,10 @@ def main():
           % (args.rounds, args.interval_us, args.mode, args.model_bytes))
     rows = [("request p50 idle / init / update (ms)", ["idle_p50", "init_p50", "update_p50"]),
             ("request p99 idle / init / update (ms)", ["idle_p99", "init_p99", "update_p99"]),
-            ("p99 over 3 x idle p99 + 1 ms: init / update (target < 1)", ["init_p99_over_limit", "update_p99_over_limit"]),
+            (
+                "p99 over 3 x idle p99 + 1 ms: init / update (target < 1)",
+                ["init_p99_over_limit", "update_p99_over_limit"],
+            ),
             ("update time: server / main job (s)", ["update_s", "main_job_update_s"]),
             ("update time over the main job's (target <= 1.1)", ["update_over_main_job"]),
             ("server loop's largest stall (ms)", ["server_loop_lag_ms"]),

@@ -22,6 +22,7 @@ import time
 
 from layout import tensor_sizes
 
+
 def engine():
     from mooncake.engine import TransferEngine
 
@@ -81,7 +82,7 @@ def main():
             ctypes.memset(src, 0x41 + u, nbytes)  # new weights each update
             errors = []
 
-            def send(peer):
+            def send(peer, errors=errors):
                 dsts = [peer["ptr"] + o for o in offsets]
                 rc = te.batch_transfer_sync_write(peer["session"], srcs, dsts, sizes)
                 if rc != 0:

@@ -94,14 +94,17 @@ def main():
     def col(key, sub=None):
         return [r[key][sub] if sub else r[key] for r in rounds]
 
-    gb = lambda xs: [x / 1e9 for x in xs]
+    def gb(xs):
+        return [x / 1e9 for x in xs]
+
     print(f"\nmodel {rounds[0]['A']['bytes'] / 1e9:.2f} GB bf16, {a.layers} layers; {a.rounds} rounds, "
           f"median [min-max]; steady-state update (median of updates 2..{a.updates})")
     print(f"{'':28s} {'GB per worker':>24s} {'update s':>24s}")
     for key, name in (("A", "sharded M=2 N=2"), ("B", "broadcast+slice N=2"), ("C", "sharded M=1 N=4"),
                       ("D", "broadcast+slice N=4")):
         print(f"{name:28s} {fmt(gb(col(key, 'bytes_per_worker'))):>24s} {fmt(col(key, 'seconds')):>24s}")
-    print(f"M=2 N=2 / broadcast: bytes {fmt(col('bytes_ratio_22'))} (limit 0.55), wall {fmt(col('wall_ratio_22'))} (limit 0.6)")
+    print(f"M=2 N=2 / broadcast: bytes {fmt(col('bytes_ratio_22'))} (limit 0.55), "
+          f"wall {fmt(col('wall_ratio_22'))} (limit 0.6)")
     print(f"M=1 N=4 / broadcast: bytes {fmt(col('bytes_ratio_14'))} (limit 0.3), wall {fmt(col('wall_ratio_14'))}")
     print(f"loopback limit (independent pairs, GB/s): 2 pairs {fmt(col('LA'), 2)}, 4 pairs {fmt(col('LC'), 2)}")
     print(f"per-link efficiency (sharded aggregate / limit): M=2 N=2 {fmt(col('eff_22'), 2)}, "

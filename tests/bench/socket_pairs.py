@@ -85,7 +85,7 @@ def main():
     for pid in pids:
         _, status = os.waitpid(pid, 0)
         failed += status != 0
-    runs = [json.loads(l) for l in lines.splitlines()]
+    runs = [json.loads(line) for line in lines.splitlines()]
     if failed or len(runs) != pairs:
         sys.exit(f"socket_pairs: {failed} of {2 * pairs} processes failed")
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)

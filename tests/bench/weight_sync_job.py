@@ -11,7 +11,7 @@ def run(tool, binary, args, timeout=900):
     fails or does not verify every byte."""
     cmd = [binary] + args
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         sys.exit(f"{tool}: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     r = json.loads(lines[-1])

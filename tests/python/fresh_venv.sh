@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The wheel in a fresh venv, as a user installs it:
 #   1. a venv made from nothing: `pip install WHEEL` (which brings numpy, its one
-#      dependency), then a tcp round trip of numpy arrays and the vLLM plugin's entry
-#      point listed;
+#      dependency), then a tcp round trip of numpy arrays, the vLLM plugin's entry
+#      point listed, the type stubs and py.typed installed, the version the
+#      metadata's;
 #   2. the same fresh venv given torch and vLLM from the project venv VENV through a
 #      .pth file (they are not installed again: 1.3 GiB), refit itself still the one
 #      pip installed from the wheel: both examples run in it, the PyTorch trainer
@@ -37,7 +38,13 @@ engine.receive(refit.describe(src), lambda batch: got.update({n: a.copy() for n,
 assert all(got[k].tobytes() == src[k].tobytes() for k in src)
 eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "refit"]
 assert eps and eps[0].value == "refit.vllm:register", eps
-print("fresh venv: pip install of the wheel and a numpy round trip: ok; vllm.general_plugins entry point:", eps[0].value)
+import os
+here = os.path.dirname(refit.__file__)
+for typed in ("_refit.pyi", "py.typed"):  # the extension's stubs and PEP 561's marker
+    assert os.path.isfile(os.path.join(here, typed)), f"the wheel did not install refit/{typed}"
+assert refit.__version__ == md.version("refit"), (refit.__version__, md.version("refit"))
+print("fresh venv: pip install of the wheel and a numpy round trip: ok; vllm.general_plugins entry point:", eps[0].value,
+      "; refit/_refit.pyi and refit/py.typed installed; version", refit.__version__)
 PY
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -93,7 +93,7 @@ def test_load_weights_gets_views_of_refits_memory_not_copies():
     seen = []
 
     def load(batch):
-        for name, t in batch:
+        for _name, t in batch:
             seen.append((t.data_ptr(), t.is_contiguous(), t.device.type))
 
     with refit.Sender("tcp", timeout_ms=10000) as sender:
@@ -450,7 +450,6 @@ def test_a_sender_reads_every_tensor_afresh_each_update():
     # faster; a parameter given new memory, a new dtype or shape must still be sent
     # as it is now.
     layer = torch.nn.Linear(8, 4)
-    src = dict(layer.named_parameters())
     with refit.Sender("tcp", timeout_ms=10000) as sender:
         engine = refit.Engine("tcp", timeout_ms=10000, framework="torch")
         connect(sender, [engine])

@@ -67,7 +67,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         allow_module_level=True,
     )
 
-import refit.vllm as rv
 import vllm.plugins
 from vllm.config import ParallelConfig, VllmConfig, WeightTransferConfig
 from vllm.distributed.weight_transfer import (
@@ -86,6 +85,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+import refit.vllm as rv
 
 TIMEOUT_MS = 20000  # refit's timeout for every operation here
 JOIN_S = 60  # a test thread that takes longer is a hang
@@ -336,8 +337,11 @@ def trainer_info(**kwargs: Any) -> rv.RefitTrainerInitInfo:
 
 
 def _without_refit(monkeypatch) -> None:
+    """A process where refit was never registered (the test's own business:
+    refit.vllm itself never reads vLLM's private registry)."""
     for factory in (WeightTransferEngineFactory, WeightTransferTrainerFactory):
         monkeypatch.setattr(factory, "_registry", {k: v for k, v in factory._registry.items() if k != "refit"})
+    monkeypatch.setattr(rv, "_registered", False)
 
 
 def test_entry_point_registers_through_load_general_plugins(monkeypatch):
@@ -366,6 +370,22 @@ def test_register_is_idempotent(monkeypatch):
     assert WeightTransferTrainerFactory._registry["refit"]() is rv.RefitTrainerWeightTransferEngine
     with pytest.raises(ValueError, match="already registered"):  # vLLM's own guard stays
         WeightTransferEngineFactory.register_engine("refit", "refit.vllm", "RefitWeightTransferEngine")
+
+
+def test_register_leaves_a_refit_registered_by_another_copy(monkeypatch):
+    # Another copy of the module (another import path) registered first: vLLM's
+    # public ValueError is taken as "done", the first registration stays.
+    _without_refit(monkeypatch)
+    WeightTransferEngineFactory.register_engine("refit", "refit.vllm._worker", "RefitWeightTransferEngine")
+    rv.register()
+    rv.register()
+    assert WeightTransferEngineFactory._registry["refit"]() is rv.RefitWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["refit"]() is rv.RefitTrainerWeightTransferEngine
+
+
+def test_register_does_not_read_vllms_private_registry():
+    source = inspect.getsource(rv)
+    assert "_registry" not in source, "refit.vllm must use only vLLM's public factory API"
 
 
 def test_weight_transfer_config_accepts_refit():
@@ -457,7 +477,11 @@ def test_parse_update_info():
     assert info.names == ["w1", "w2"] and info.dtype_names == ["float32", "bfloat16"]
     assert info.shapes == [[100, 100], [50]]
     assert info.commit is None and info.extra == {}
-    assert info.to_refit() == {"names": ["w1", "w2"], "dtype_names": ["float32", "bfloat16"], "shapes": [[100, 100], [50]]}
+    assert info.to_refit() == {
+        "names": ["w1", "w2"],
+        "dtype_names": ["float32", "bfloat16"],
+        "shapes": [[100, 100], [50]],
+    }
     assert engine.parse_update_info({}).names == []  # empty: reuse the previous metadata
     staged = engine.parse_update_info({"names": ["w"], "dtype_names": ["int8"], "shapes": [[3]], "commit": "staged"})
     assert staged.to_refit()["commit"] == "staged"
@@ -503,7 +527,7 @@ def test_worker_engine_init_start_update_finish():
         for chunk in chunks:
             meta = refit.describe(chunk)
             assert meta["dtype_names"] == [str(t.dtype).split(".")[-1] for _, t in chunk]  # vLLM's spelling
-            run_concurrently(lambda: engine.update_weights(meta), lambda: sender.send_weights(chunk))
+            run_concurrently(lambda m=meta: engine.update_weights(m), lambda c=chunk: sender.send_weights(c))
         engine.finish_weight_update()
         assert_received(model, expected_of(trainer))
         assert model.order == [n for n, _ in named]  # incremental, in send order

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -357,7 +356,8 @@ def test_trainer_lost_mid_update(env, state, fault):
 
 @pytest.mark.parametrize("pause", [False, True])
 def test_requests_are_answered_while_an_update_runs(env, state, pause):
-    """Completions sent while an update is held mid-stream are all answered. With /pause?mode=keep they run after /resume, wholly on the new weights.
+    """Completions sent while an update is held mid-stream are all answered. With
+    /pause?mode=keep they run after /resume, wholly on the new weights.
     Without a pause a request may straddle the update: vLLM steps it with the old
     weights until finish_weight_update commits, then with the new ones (seen
     here: the first tokens of the old output, then others). Either way the model

@@ -144,7 +144,13 @@ asio::awaitable<void> handshake(std::shared_ptr<rendezvous> r, std::shared_ptr<a
               " checksums, trainer " + std::to_string(r->wire.buffer_bytes) + " x " +
               std::to_string(r->wire.num_buffers) + (r->wire.checksums ? " with" : " without") + " checksums";
   } else if (std::find(r->claimed.begin(), r->claimed.end(), static_cast<int>(h.rank)) != r->claimed.end()) {
-    refusal = "rank " + std::to_string(h.rank) + " is already connected";
+    // The usual cause: several workers were given the same init_info (one
+    // prepare() result) unchanged, so they all claim rank_offset + 0.
+    refusal = "rank " + std::to_string(h.rank) +
+              " is already connected: another worker joined with the same rank. Each worker needs its own "
+              "rank, rank_offset + its local rank (tp_rank): give worker i (0, 1, ...) the trainer's init_info "
+              "with \"rank_offset\": 1 + i, as vLLM's engines do, or one engine tp_rank i of tp_size N "
+              "(refit's WorkerGroup.init does the former for you)";
   }
   if (!refusal.empty()) {
     // The refused worker gets the reason; the trainer keeps waiting for valid ones.

@@ -56,10 +56,24 @@ __all__ = [
 ]
 
 
+# Whether register() ran to its end in this process: vLLM calls its general
+# plugins more than once per process, and importing this module registers too.
+_registered = False
+
+
 def register() -> None:
     """Registers "refit" with vLLM's worker-side and trainer-side weight-transfer
     factories (lazily, by module path). Safe to call any number of times, from any
-    process: vLLM's ``vllm.general_plugins`` entry point, or by hand."""
+    process: vLLM's ``vllm.general_plugins`` entry point, or by hand.
+
+    Only vLLM's public API is used: ``register_engine``, which raises ValueError
+    for a name registered before (in 0.32 and 0.33). A later call in the same
+    process returns at once; a "refit" registered by another copy of this module
+    (e.g. imported under another path) is left as it is.
+    """
+    global _registered
+    if _registered:
+        return
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -71,9 +85,10 @@ def register() -> None:
     ):
         try:
             factory.register_engine(BACKEND, module, class_name)
-        except ValueError as e:  # vLLM's answer to a name registered before
+        except ValueError as e:  # vLLM's documented answer to a name registered before
             if "already registered" not in str(e):
                 raise
+    _registered = True
 
 
 register()

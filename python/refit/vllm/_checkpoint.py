@@ -139,7 +139,9 @@ class CheckpointIndex:
         for name, dtype, shape in zip(names, dtype_names, shapes):
             want = self.tensors.get(name)
             if want is None:
-                problems.append(f"{name!r} is not a weight of this model (its checkpoint {self.folder} has no such tensor)")
+                problems.append(
+                    f"{name!r} is not a weight of this model (its checkpoint {self.folder} has no such tensor)"
+                )
                 continue
             shape = tuple(int(d) for d in shape)
             if shape != want.shape:
@@ -189,5 +191,7 @@ def fused_modules(model: Any) -> dict[str, str]:
             for part in parts:
                 out[str(part)] = str(fused)
     except (TypeError, ValueError):
-        logger.warning("refit: the model's packed_modules_mapping is not a mapping of lists; layers are checked unfused")
+        logger.warning(
+            "refit: the model's packed_modules_mapping is not a mapping of lists; layers are checked unfused"
+        )
     return out

@@ -30,7 +30,9 @@ def source_metadata(source: Any) -> list[ParamMeta]:
     """The source's declared parameters, in either API."""
     meta = getattr(source, "metadata", None)
     if meta is None:
-        raise TypeError(f"{type(source).__name__} is not a vLLM WeightSource: it has no metadata; refit needs {SUPPORTED}")
+        raise TypeError(
+            f"{type(source).__name__} is not a vLLM WeightSource: it has no metadata; refit needs {SUPPORTED}"
+        )
     if callable(meta):  # 0.32: a method
         meta = meta()
     return list(meta)

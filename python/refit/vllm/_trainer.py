@@ -341,16 +341,16 @@ async def _rendezvous_async(sender: refit.Sender, init_worker: Callable[[], None
     worker = asyncio.ensure_future(loop.run_in_executor(exe, init_worker))
     accept = asyncio.ensure_future(sender.connect_workers_async())
     await asyncio.wait({worker, accept}, return_when=asyncio.FIRST_EXCEPTION)
-    if worker.done() and worker.exception() is not None:
+    if worker.done() and (error := worker.exception()) is not None:
         if not accept.done():
             accept.cancel()
         try:
             await accept
         except BaseException:  # cancelled, or failed for the same reason
             pass
-        raise worker.exception()
-    if accept.done() and accept.exception() is not None:
+        raise error
+    if accept.done() and (error := accept.exception()) is not None:
         worker.cancel()  # stops waiting for it; the RPC thread ends on its own
-        raise accept.exception()
+        raise error
     await accept
     await worker

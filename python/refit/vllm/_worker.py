@@ -330,6 +330,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         update_info = self._with_metadata(update_info)
         session = self._session
         if session is None:
+            assert self._init is not None  # _engine() found the engine init_transfer_engine built
             reload = _reload.LayerwiseReload(
                 self.model, self.model_config, _reload.applies_to(self.model, self._init.layerwise_reload)
             )
