@@ -150,7 +150,8 @@ def run(model_name: str, lr: float, warmup: int, steps: int, costs: bool) -> dic
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | lr | phase | kind | changed (median [min-max]) | sparse | sparse-gaps | bitmap | xor+zstd-1 | xor+lz4 |",
+    lines = ["| model | lr | phase | kind | changed (median [min-max]) | sparse | sparse-gaps | bitmap "
+             "| xor+zstd-1 | xor+lz4 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for phase, kinds in r["phases"].items():
