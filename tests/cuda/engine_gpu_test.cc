@@ -17,6 +17,7 @@
 #include <refit/cuda/fill.h>
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
+#include <refit/error.h>
 #include <asio/steady_timer.hpp>
 #include <asio/this_coro.hpp>
 #include "examples/torch_ipc/digest.h"

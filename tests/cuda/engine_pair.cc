@@ -9,6 +9,7 @@
 
 #include <asio/steady_timer.hpp>
 
+#include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/cuda/device.h>
