@@ -1,0 +1,185 @@
+// lib/backend/delta.h: every encoding decodes to exactly the bytes encoded, in place
+// or not; the choice is the smallest; corrupt payloads are refused with
+// protocol_error, sparse and bitmap ones before a byte of `out` changes.
+#include <refit/backend/delta.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "tests/lib/expect.h"
+
+namespace refit::backend::delta {
+namespace {
+
+std::vector<std::byte> random_bytes(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+// `base` with about `fraction` of its elements changed, scattered at random.
+std::vector<std::byte> perturb(const std::vector<std::byte>& base, std::size_t elem, double fraction,
+                               std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::bernoulli_distribution pick(fraction);
+  std::vector<std::byte> next = base;
+  for (std::size_t i = 0; i < base.size() / elem; ++i)
+    if (pick(rng)) next[i * elem] = static_cast<std::byte>(static_cast<std::uint8_t>(next[i * elem]) ^ 1);
+  return next;
+}
+
+std::size_t count_changed(const std::vector<std::byte>& a, const std::vector<std::byte>& b, std::size_t elem) {
+  std::size_t c = 0;
+  for (std::size_t i = 0; i < a.size() / elem; ++i) c += std::memcmp(&a[i * elem], &b[i * elem], elem) != 0;
+  return c;
+}
+
+encode_result round_trip(const std::vector<std::byte>& base, const std::vector<std::byte>& next, std::size_t elem,
+                         const encode_options& o = {}) {
+  std::vector<std::byte> wire{std::byte{0xAB}};  // encode appends
+  const auto r = encode(base, next, elem, wire, o);
+  EXPECT_EQ(r.bytes, wire.size() - 1);
+  EXPECT_EQ(r.changed, count_changed(base, next, elem));
+  std::span<const std::byte> payload(wire.data() + 1, r.bytes);
+  std::vector<std::byte> out(base.size());
+  decode(r.kind, payload, base, out, elem);
+  EXPECT_TRUE(out == next) << name(r.kind) << " did not decode to the encoded bytes";
+  std::vector<std::byte> in_place = base;
+  decode(r.kind, payload, in_place, in_place, elem);
+  EXPECT_TRUE(in_place == next) << name(r.kind) << " in place did not decode to the encoded bytes";
+  EXPECT_LE(r.bytes, base.size()) << "an encoding larger than the full bytes was chosen";
+  return r;
+}
+
+TEST(Delta, NothingChangedIsAnEmptySparsePayload) {
+  auto base = random_bytes(4096, 1);
+  auto r = round_trip(base, base, 2);
+  EXPECT_EQ(r.kind, encoding::sparse);
+  EXPECT_EQ(r.bytes, 0u);
+  EXPECT_EQ(r.changed, 0u);
+}
+
+TEST(Delta, FewChangesAreSparse) {
+  auto base = random_bytes(1 << 20, 2);
+  auto next = perturb(base, 2, 0.001, 3);
+  auto r = round_trip(base, next, 2);
+  EXPECT_EQ(r.kind, encoding::sparse);
+  // Each changed bf16: its 2 value bytes and a gap of at most 3 bytes.
+  EXPECT_LE(r.bytes, r.changed * 5);
+  EXPECT_GT(r.changed, 0u);
+}
+
+TEST(Delta, ModerateChangesBeatSparseWithBitmapOrZstd) {
+  auto base = random_bytes(1 << 20, 4);
+  auto next = perturb(base, 2, 0.2, 5);
+  auto r = round_trip(base, next, 2);
+  EXPECT_NE(r.kind, encoding::sparse);
+  EXPECT_NE(r.kind, encoding::full);
+  // Without zstd: the bitmap, exactly 1/16 of the elements plus the values.
+  auto b = round_trip(base, next, 2, {.allow_zstd = false});
+  EXPECT_EQ(b.kind, encoding::bitmap);
+  EXPECT_EQ(b.bytes, (base.size() / 2 + 7) / 8 + b.changed * 2);
+  EXPECT_LE(r.bytes, b.bytes);
+}
+
+TEST(Delta, XorZstdWinsOnSmallValueChanges) {
+  // bf16 weights nudged by one ulp in their low bits (an optimizer step): the XOR
+  // is mostly zeros and one-bit patterns, which zstd packs below sparse or bitmap.
+  auto base = random_bytes(1 << 20, 6);
+  auto next = perturb(base, 2, 0.1, 7);
+  auto r = round_trip(base, next, 2);
+  EXPECT_EQ(r.kind, encoding::xor_zstd);
+}
+
+TEST(Delta, EverythingChangedFallsBackToFull) {
+  auto base = random_bytes(1 << 16, 8);
+  auto next = random_bytes(1 << 16, 9);
+  auto r = round_trip(base, next, 2);
+  EXPECT_EQ(r.kind, encoding::full);
+  EXPECT_EQ(r.bytes, base.size());
+}
+
+TEST(Delta, EveryElementSizeAndOddLengths) {
+  for (std::size_t elem : {1u, 2u, 4u, 8u}) {
+    for (std::size_t n : {1u, 3u, 7u, 9u, 1001u}) {
+      auto base = random_bytes(n * elem, static_cast<std::uint32_t>(n + elem));
+      for (double f : {0.0, 0.05, 0.5, 1.0}) {
+        auto next = perturb(base, elem, f, static_cast<std::uint32_t>(n * 7 + elem));
+        round_trip(base, next, elem);
+        round_trip(base, next, elem, {.allow_zstd = false});
+      }
+    }
+  }
+}
+
+TEST(Delta, TheLastElementChangesInEveryForm) {
+  auto base = random_bytes(2 * 1000, 10);
+  auto next = base;
+  next.back() ^= std::byte{0x80};
+  EXPECT_EQ(round_trip(base, next, 2).changed, 1u);
+  next = base;
+  next.front() ^= std::byte{0x01};
+  EXPECT_EQ(round_trip(base, next, 2).changed, 1u);
+}
+
+TEST(Delta, BadArgumentsAreInvalidArgument) {
+  std::vector<std::byte> a(8), b(6), out;
+  EXPECT_EQ(REFIT_THROWN(encode(a, b, 2, out)).kind(), errc::invalid_argument);
+  EXPECT_EQ(REFIT_THROWN(encode(a, a, 3, out)).kind(), errc::invalid_argument);
+  std::vector<std::byte> o(6);
+  EXPECT_EQ(REFIT_THROWN(decode(encoding::sparse, {}, a, o, 2)).kind(), errc::invalid_argument);
+  EXPECT_EQ(REFIT_THROWN(encoding_from_wire(4)).kind(), errc::protocol_error);
+  EXPECT_EQ(encoding_from_wire(3), encoding::xor_zstd);
+}
+
+// A corrupt payload: protocol_error, and `out` (the live base, in place) unchanged.
+void expect_refused_untouched(encoding kind, std::vector<std::byte> payload, std::size_t n_bytes, const char* what) {
+  auto base = random_bytes(n_bytes, 11);
+  auto live = base;
+  auto e = REFIT_THROWN(decode(kind, payload, live, live, 2));
+  EXPECT_EQ(e.kind(), errc::protocol_error) << what;
+  EXPECT_TRUE(live == base) << what << ": the target changed before the payload was refused";
+}
+
+TEST(Delta, CorruptSparseAndBitmapAreRefusedBeforeAByteChanges) {
+  using B = std::byte;
+  // sparse: gap 3 then a value, then a gap past the end of 8 elements.
+  expect_refused_untouched(encoding::sparse, {B{3}, B{1}, B{2}, B{9}, B{1}, B{2}}, 16, "gap past the end");
+  expect_refused_untouched(encoding::sparse, {B{1}, B{1}}, 16, "value cut short");
+  expect_refused_untouched(encoding::sparse, {B{0x80}}, 16, "gap cut short");
+  expect_refused_untouched(encoding::sparse, std::vector<B>(11, B{0xff}), 16, "gap over 64 bits");
+  // bitmap: 8 elements -> one map byte.
+  expect_refused_untouched(encoding::bitmap, {}, 16, "no map");
+  expect_refused_untouched(encoding::bitmap, {B{0x03}, B{1}, B{2}}, 16, "2 marked, 1 value");
+  expect_refused_untouched(encoding::bitmap, {B{0x01}, B{1}, B{2}, B{3}, B{4}}, 16, "1 marked, 2 values");
+  // 5 elements: bits 5..7 of the map must be zero.
+  expect_refused_untouched(encoding::bitmap, {B{0x20}, B{1}, B{2}}, 10, "bit past the end");
+  expect_refused_untouched(encoding::full, {B{1}}, 16, "full of the wrong size");
+}
+
+TEST(Delta, CorruptZstdFramesAreRefused) {
+  auto base = random_bytes(1 << 18, 12);
+  auto next = perturb(base, 2, 0.1, 13);
+  std::vector<std::byte> wire;
+  auto r = encode(base, next, 2, wire);
+  ASSERT_EQ(r.kind, encoding::xor_zstd);
+  std::vector<std::byte> out(base.size());
+  // Cut short, trailing bytes, a frame for another size, garbage.
+  std::vector<std::byte> cut(wire.begin(), wire.begin() + static_cast<std::ptrdiff_t>(wire.size() / 2));
+  EXPECT_EQ(REFIT_THROWN(decode(encoding::xor_zstd, cut, base, out, 2)).kind(), errc::protocol_error);
+  auto trailing = wire;
+  trailing.push_back(std::byte{0});
+  EXPECT_EQ(REFIT_THROWN(decode(encoding::xor_zstd, trailing, base, out, 2)).kind(), errc::protocol_error);
+  std::vector<std::byte> smaller_base(base.begin(), base.end() - 2), smaller_out(smaller_base.size());
+  EXPECT_EQ(REFIT_THROWN(decode(encoding::xor_zstd, wire, smaller_base, smaller_out, 2)).kind(), errc::protocol_error);
+  auto garbage = random_bytes(wire.size(), 14);
+  EXPECT_EQ(REFIT_THROWN(decode(encoding::xor_zstd, garbage, base, out, 2)).kind(), errc::protocol_error);
+  // The intact frame still decodes.
+  decode(encoding::xor_zstd, wire, base, out, 2);
+  EXPECT_TRUE(out == next);
+}
+
+}  // namespace
+}  // namespace refit::backend::delta
