@@ -13,6 +13,7 @@
 
 #include <asio/io_context.hpp>
 
+#include <refit/adapters/vllm.h>
 #include <refit/backend/infos.h>
 #include <refit/control/worker_host.h>
 #include <refit/error.h>
@@ -51,7 +52,7 @@ class worker_model final : public model_target {
     const auto digest = metadata_digest(meta);
     std::lock_guard lock(mutex_);
     if (digest == sliced_digest_) return;
-    slice_ = tensor_parallel_layout(meta, slice_tp_, tp_rank_, tp_layout_options::vllm_llama());
+    slice_ = tensor_parallel_layout(meta, slice_tp_, tp_rank_, vllm_llama_layout());
     pieces_.clear();
     for (std::size_t d = 0; d < slice_.tensors.size(); ++d) {
       const auto& t = slice_.tensors[d];

@@ -53,7 +53,7 @@ fingerprint_list fingerprints_from_json(const json& j) {
   if (algorithm != fingerprint_algorithm)
     r.fail("algorithm is '" + algorithm + "', expected '" + fingerprint_algorithm + "'");
   json tensors = r.required<json>("tensors");
-  // The rest of the worker's weight_fingerprint answer (lib/control/worker_host.h):
+  // The rest of the worker's weight_fingerprint answer (docs/control-plane.md):
   // read for their types, not used here.
   (void)r.maybe<std::int64_t>("weight_version");
   (void)r.maybe<std::string>("state");

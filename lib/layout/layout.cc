@@ -304,30 +304,21 @@ void validate(std::span<const dest_layout> workers, const source_layout& source)
   for (std::size_t w = 0; w < workers.size(); ++w) validate_one(workers[w], source, index, w);
 }
 
-// ---------------------------------------------------------------- vLLM's rules
+// ---------------------------------------------------------------- tensor-parallel rules
 
-std::vector<fused_param> vllm_stacked_params() {
-  return {
-      {".qkv_proj", {".q_proj", ".k_proj", ".v_proj"}, {}},
-      {".gate_up_proj", {".gate_proj", ".up_proj"}, {}},
-  };
+namespace {
+
+// The destination presets read_dest_layouts accepts, by name.
+std::map<std::string, std::function<tp_layout_options()>>& tp_presets() {
+  static std::map<std::string, std::function<tp_layout_options()>> presets{
+      {"replicated", [] { return tp_layout_options{}; }}};
+  return presets;
 }
 
-std::vector<shard_rule> vllm_llama_shards() {
-  return {
-      {"\\.(qkv_proj|gate_up_proj|q_proj|k_proj|v_proj|gate_proj|up_proj)\\.", parallel_style::column},
-      {"\\.(o_proj|down_proj)\\.", parallel_style::row},
-  };
-}
+}  // namespace
 
-std::vector<shard_rule> vllm_vocab_shards() { return {{"(^|\\.)(embed_tokens|lm_head)\\.", parallel_style::vocab}}; }
-
-tp_layout_options tp_layout_options::vllm_llama() {
-  tp_layout_options o;
-  o.fused = vllm_stacked_params();
-  o.shards = vllm_llama_shards();
-  for (auto& r : vllm_vocab_shards()) o.shards.push_back(std::move(r));
-  return o;
+void register_tp_preset(const std::string& name, std::function<tp_layout_options()> options) {
+  tp_presets()[name] = std::move(options);
 }
 
 namespace {
@@ -565,12 +556,16 @@ json write_source_layout(const source_layout& layout) {
 std::vector<dest_layout> read_dest_layouts(json_reader& r, const update_metadata& global) {
   std::vector<dest_layout> out;
   if (auto preset = r.maybe<std::string>("preset")) {
-    if (*preset != "vllm_llama" && *preset != "replicated")
-      r.fail("member '" + r.member_path("preset") + "': expected \"vllm_llama\" or \"replicated\", got " +
-             in_quotes(*preset));
+    const auto& presets = tp_presets();
+    const auto found = presets.find(*preset);
+    if (found == presets.end()) {
+      std::string known;
+      for (const auto& [name, rules] : presets) known += (known.empty() ? "" : " or ") + in_quotes(name);
+      r.fail("member '" + r.member_path("preset") + "': expected " + known + ", got " + in_quotes(*preset));
+    }
     const int tp = r.required<int>("tp_size");
     if (tp < 1 || tp > 4096) r.fail("member '" + r.member_path("tp_size") + "' must be in [1, 4096]");
-    auto options = *preset == "vllm_llama" ? tp_layout_options::vllm_llama() : tp_layout_options{};
+    auto options = found->second();
     options.vocab_padding = r.optional<std::int64_t>("vocab_padding", options.vocab_padding);
     options.ignore = r.optional<std::vector<std::string>>("ignore", {});
     for (int w = 0; w < tp; ++w) out.push_back(tensor_parallel_layout(global, tp, w, options));

@@ -152,7 +152,7 @@ void validate(const dest_layout& dest, const source_layout& source, std::size_t 
 /// Every worker's layout (worker w named as w).
 void validate(std::span<const dest_layout> workers, const source_layout& source);
 
-// ---------------------------------------------------------------- vLLM's rules
+// ---------------------------------------------------------------- tensor-parallel rules
 
 /// How a model tensor is split across tensor-parallel ranks (vLLM's layers).
 enum class parallel_style {
@@ -185,19 +185,6 @@ struct fused_param {
   std::vector<std::int64_t> sizes;
 };
 
-/// vLLM's stacked_params_mapping for Llama-style models (Llama, Qwen2/3, Mistral):
-/// (".qkv_proj", ".q_proj"/".k_proj"/".v_proj") and (".gate_up_proj",
-/// ".gate_proj"/".up_proj").
-std::vector<fused_param> vllm_stacked_params();
-
-/// vLLM's tensor-parallel layout of a Llama-style decoder layer: qkv_proj and
-/// gate_up_proj (and unfused q/k/v/gate/up_proj) column-parallel, o_proj and
-/// down_proj row-parallel. Embeddings and lm_head are not covered (replicated);
-/// vllm_vocab_shards() adds them.
-std::vector<shard_rule> vllm_llama_shards();
-/// embed_tokens and lm_head vocab-parallel (VocabParallelEmbedding, ParallelLMHead).
-std::vector<shard_rule> vllm_vocab_shards();
-
 /// What a tensor-parallel destination layout is built from.
 struct tp_layout_options {
   tp_layout_options() = default;
@@ -208,11 +195,13 @@ struct tp_layout_options {
   std::int64_t vocab_padding = 64;
   /// Checkpoint names matching one of these regexes are not sent to the worker.
   std::vector<std::string> ignore;
-
-  /// The vLLM Llama/Qwen preset: vllm_stacked_params, vllm_llama_shards and
-  /// vllm_vocab_shards.
-  static tp_layout_options vllm_llama();
 };
+
+/// Makes `name` a destination preset of read_dest_layouts ({"preset": name,
+/// "tp_size": N}): `options()` gives its rules. "replicated" (no rules) is built
+/// in; a framework's adapter registers its own, e.g. lib/adapters/vllm.h's
+/// "vllm_llama". Registering a name again replaces it.
+void register_tp_preset(const std::string& name, std::function<tp_layout_options()> options);
 
 /// Worker `tp_rank` of `tp_size`'s tensors when a checkpoint of `global` (Hugging
 /// Face names, global shapes) loads with `options`: fused tensors in order of

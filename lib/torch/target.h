@@ -36,6 +36,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <refit/adapters/vllm.h>
 #include <refit/engine.h>
 #include <refit/layout/layout.h>
 #include <refit/metadata.h>
@@ -44,9 +45,9 @@
 
 namespace refit::libtorch {
 
-// vLLM's loading rules live in the core's layout model (lib/layout.h), shared with
-// sharded transfers: the same presets slice a broadcast here and plan a sharded
-// transfer there.
+// vLLM's loading rules are the vLLM adapter's (lib/adapters/vllm.h), in the core's
+// layout model, shared with sharded transfers: the same presets slice a broadcast
+// here and plan a sharded transfer there.
 using refit::fused_param;
 using refit::parallel_style;
 using refit::shard_rule;

@@ -39,6 +39,7 @@
 #include <refit/control/internal/frame.h>
 #include <refit/control/worker_group.h>
 #include <refit/engines/tcp/tcp.h>
+#include "tests/support/wait.h"
 
 namespace refit::bench {
 namespace {
@@ -160,6 +161,7 @@ struct load {
   std::vector<double> latencies_ms;  // the polling clients' answers
   std::uint64_t flood_answers = 0, flood_sent = 0;
   std::shared_ptr<control::frame_stream> flood_stream;
+  std::atomic<int> ready{0};  // pollers answered once, and the flood connected
 
   // From any thread: stops the load, the flood's pending read included.
   void finish() {
@@ -179,10 +181,15 @@ struct load {
       t.expires_after(std::chrono::milliseconds(offset_ms));
       co_await t.async_wait(asio::use_awaitable);
       const std::string method = "weight_info";
+      bool polling = false;
       while (!stop) {
         const auto t0 = clock_type::now();
         co_await c.call(method);
         latencies_ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
+        if (!polling) {
+          polling = true;
+          ++ready;
+        }
         t.expires_at(t0 + std::chrono::milliseconds(poll_ms));
         co_await t.async_wait(asio::use_awaitable);
       }
@@ -199,6 +206,7 @@ struct load {
       co_await auth::as_client(s, "", 10s, "flood");
       auto f = std::make_shared<control::frame_stream>(std::move(s));
       flood_stream = f;
+      ++ready;
       std::string frame;
       {
         const std::string body = json{{"id", 1}, {"method", "weight_info"}}.dump();
@@ -277,7 +285,8 @@ int run(const options& o) {
       asio::co_spawn(l.io, l.poller(port, o.poll_ms, (i * o.poll_ms) / std::max(1, o.clients)), asio::detached);
     asio::co_spawn(l.io, l.flood(port, o.pipeline), asio::detached);
     std::thread load_thread([&l] { l.io.run(); });
-    std::this_thread::sleep_for(300ms);  // every client connected and polling
+    // Every client connected and polling (a client that fails shows in the errors).
+    testing::poll_until([&] { return l.ready.load() >= o.clients + 1; }, 10s);
     for (int r = 0; r < o.rounds; ++r)
       run_sync([&]() -> asio::awaitable<void> { loaded.push_back(co_await t.update()); }());
     run_sync([&]() -> asio::awaitable<void> { lag_loaded = co_await t.call("loop_lag"); }());

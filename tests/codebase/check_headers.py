@@ -4,7 +4,8 @@
     python3 tests/codebase/check_headers.py [--installed DIR] [--backend-installed DIR]
 
 The tree says which kind a header of lib/ is:
-  public     lib/*.h, lib/model/, lib/integrity/, lib/layout/, lib/control/*.h
+  public     lib/*.h, lib/model/, lib/integrity/, lib/layout/, lib/control/*.h,
+             lib/adapters/
   backend    lib/backend/
   internal   lib/internal/, lib/control/internal/
   (lib/cuda/ and lib/torch/ are optional layers on top; examples/, tests/ and
@@ -38,7 +39,7 @@ def kind(rel):
         return "backend"
     if parts[0] in ("cuda", "torch"):
         return "layer"
-    if len(parts) == 1 or parts[0] in ("model", "integrity", "layout", "control"):
+    if len(parts) == 1 or parts[0] in ("model", "integrity", "layout", "control", "adapters"):
         return "public"
     return "unknown"
 

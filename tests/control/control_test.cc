@@ -6,64 +6,22 @@
 
 #include <refit/backend/handshake.h>
 #include <refit/backend/net.h>
-#include <refit/control/client.h>
 #include <refit/control/internal/frame.h>
-#include <refit/control/worker_host.h>
-#include <refit/engines/tcp/tcp.h>
-#include "tests/support/run.h"
-#include "tests/support/tensors.h"
+#include "tests/support/control_fixture.h"
 
 namespace refit::testing {
 namespace {
 
 using namespace std::chrono_literals;
 
-weight_transfer_config tcp_config() {
-  weight_transfer_config c;
-  c.backend = "tcp";
-  c.timeout = 5s;
-  return c;
-}
-
 // A worker host with a tcp engine, a client to it and a tcp trainer, on one loop.
-class control_test : public ::testing::Test {
+class control_test : public control_fixture {
  protected:
   void SetUp() override {
-    factory_.register_engine<tcp::engine, tcp::sender>("tcp");
-    host_ =
-        std::make_unique<control::worker_host>(tcp_config(), engine_context{io_.get_executor()}, got_.fn(), factory_);
-    port_ = host_->listen("127.0.0.1", 0);
-    spawn(io_, host_->serve());
-    client_ = std::make_unique<control::client>(io_.get_executor(), 5s);
-    run_to_completion(io_, client_->connect("127.0.0.1", port_));
-    sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
+    start_host(tcp_config(), engine_context{io_.get_executor()}, got_.fn());
+    client_ = trainer_;
   }
-  void TearDown() override {
-    client_->close();
-    host_->stop();
-    sender_->shutdown();
-    EXPECT_TRUE(run(io_, 5s)) << "stop() leaves nothing running";
-  }
-
-  json call(const std::string& method, json params = json::object()) {
-    json result;
-    run_to_completion(io_, call_into(method, std::move(params), result));
-    return result;
-  }
-  asio::awaitable<void> call_into(std::string method, json params, json& out) {
-    out = co_await client_->call(method, std::move(params));
-  }
-  // Calls and expects a refit::error of `kind`; returns its message.
-  std::string call_error(const std::string& method, json params, errc kind) {
-    try {
-      call(method, std::move(params));
-    } catch (const error& e) {
-      EXPECT_EQ(e.kind(), kind) << e.message();
-      return e.message();
-    }
-    ADD_FAILURE() << method << " succeeded";
-    return {};
-  }
+  void TearDown() override { EXPECT_TRUE(stop_all()) << "stop() leaves nothing running"; }
 
   asio::awaitable<void> init_both() {
     using namespace asio::experimental::awaitable_operators;
@@ -93,13 +51,8 @@ class control_test : public ::testing::Test {
     co_await trainer_send_weights(*sender_, meta, views);
   }
 
-  asio::io_context io_;
-  engine_factory factory_;
   capture got_;
-  std::unique_ptr<control::worker_host> host_;
-  std::uint16_t port_ = 0;
-  std::unique_ptr<control::client> client_;
-  std::unique_ptr<tcp::sender> sender_;
+  control::client* client_ = nullptr;  // the trainer's
 };
 
 TEST_F(control_test, full_update_through_the_verbs_records_the_version) {

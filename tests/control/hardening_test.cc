@@ -25,13 +25,9 @@
 
 #include <refit/backend/handshake.h>
 #include <refit/backend/net.h>
-#include <refit/control/client.h>
 #include <refit/control/internal/frame.h>
-#include <refit/control/worker_host.h>
-#include <refit/engines/tcp/tcp.h>
 #include <refit/internal/engine_access.h>
-#include "tests/support/run.h"
-#include "tests/support/tensors.h"
+#include "tests/support/control_fixture.h"
 
 namespace refit::testing {
 namespace {
@@ -56,13 +52,6 @@ std::uint64_t retained_bytes() { return __sanitizer_get_current_allocated_bytes(
 std::uint64_t retained_bytes() { return rss_bytes(); }
 #endif
 
-weight_transfer_config tcp_config(std::chrono::milliseconds timeout = 5s) {
-  weight_transfer_config c;
-  c.backend = "tcp";
-  c.timeout = timeout;
-  return c;
-}
-
 // A model that refuses any update with a tensor named "forbidden".
 class picky_model final : public model_target {
  public:
@@ -73,108 +62,21 @@ class picky_model final : public model_target {
   }
 };
 
-class hardening_test : public ::testing::Test {
+class hardening_test : public control_fixture {
  protected:
   void start(weight_transfer_config config = tcp_config(), control::host_limits limits = {}) {
-    factory_.register_engine<tcp::engine, tcp::sender>("tcp");
     load_weights_fn load = [this, copy = got_.fn()](std::span<const tensor_view> views) {
       if (before_load_) before_load_();
       copy(views);
     };
-    host_ = std::make_unique<control::worker_host>(config, engine_context{io_.get_executor(), {}, {}, &model_},
-                                                   std::move(load), factory_, limits);
-    port_ = host_->listen("127.0.0.1", 0);
-    spawn(io_, host_->serve());
-    trainer_ = connect();
-    sender_ = std::make_unique<tcp::sender>(config, trainer_context{io_.get_executor(), {}});
-  }
-  void TearDown() override {
-    for (auto& c : clients_) c->close();
-    if (host_) host_->stop();
-    if (sender_) sender_->shutdown();
-    run(io_, 5s);
-  }
-  control::client* connect() {
-    clients_.push_back(std::make_unique<control::client>(io_.get_executor(), 5s));
-    run_to_completion(io_, clients_.back()->connect("127.0.0.1", port_));
-    return clients_.back().get();
-  }
-  json call(control::client* c, const std::string& method, json params = json::object()) {
-    json result;
-    run_to_completion(io_, call_into(c, method, std::move(params), &result));
-    return result;
-  }
-  static asio::awaitable<void> call_into(control::client* c, std::string method, json params, json* out) {
-    *out = co_await c->call(method, std::move(params));
-  }
-  std::string call_error(control::client* c, const std::string& method, json params, errc kind) {
-    try {
-      call(c, method, std::move(params));
-    } catch (const error& e) {
-      EXPECT_EQ(e.kind(), kind) << e.message();
-      return e.message();
-    }
-    ADD_FAILURE() << method << " succeeded";
-    return {};
-  }
-  // init_weight_transfer_engine through `client` (the trainer's by default) for
-  // `sender`'s init info (the trainer's sender by default).
-  void init(control::client* client = nullptr, tcp::sender* sender = nullptr) {
-    client = client ? client : trainer_;
-    sender = sender ? sender : sender_.get();
-    json args = {{"master_address", "127.0.0.1"},
-                 {"master_port", 0},
-                 {"world_size", 2},
-                 {"buffer_bytes", 16384},
-                 {"num_buffers", 2}};
-    json params = {{"init_info", sender->prepare(args)}};
-    auto accepted = spawn(io_, sender->connect_workers());
-    call(client, "init_weight_transfer_engine", params);
-    ASSERT_TRUE(run_until(
-        io_, [&] { return accepted->done; }, 10s));
-    ASSERT_FALSE(accepted->error) << accepted->message();
-  }
-  json update_body(const tensor_set& set, const char* commit = nullptr) {
-    json info = json::object();
-    write_update_metadata(set.meta, info);
-    if (commit) info["commit"] = commit;
-    return {{"update_info", info}};
-  }
-  // One chunk through the trainer's connection (or `client`), the bytes through
-  // the trainer's sender (or `sender`).
-  void chunk(tensor_set& set, const char* commit = nullptr, control::client* client = nullptr,
-             tcp::sender* sender = nullptr) {
-    client = client ? client : trainer_;
-    sender = sender ? sender : sender_.get();
-    auto views = set.views();
-    auto sent = spawn(io_, trainer_send_weights(*sender, set.meta, views));
-    call(client, "update_weights", update_body(set, commit));
-    ASSERT_TRUE(run_until(
-        io_, [&] { return sent->done; }, 10s));
-    ASSERT_FALSE(sent->error) << sent->message();
-  }
-  // start, one chunk, finish at `version`.
-  void full_update(tensor_set& set, std::int64_t version, const char* commit = nullptr,
-                   control::client* client = nullptr, tcp::sender* sender = nullptr) {
-    client = client ? client : trainer_;
-    call(client, "start_weight_update");
-    chunk(set, commit, client, sender);
-    call(client, "finish_weight_update", {{"weight_version", version}});
+    start_host(config, engine_context{io_.get_executor(), {}, {}, &model_}, std::move(load), limits);
   }
   // Whether load_weights ever saw a tensor named `name`.
   bool loaded(const std::string& name) const { return got_.received().count(name) > 0; }
-  json info() { return call(trainer_, "weight_info"); }
 
-  asio::io_context io_;
-  engine_factory factory_;
   capture got_;
   std::function<void()> before_load_;  // runs before every load_weights (on the processing executor)
   picky_model model_;
-  std::unique_ptr<control::worker_host> host_;
-  std::uint16_t port_ = 0;
-  std::vector<std::unique_ptr<control::client>> clients_;
-  control::client* trainer_ = nullptr;
-  std::unique_ptr<tcp::sender> sender_;
 };
 
 tensor_set small_set(int n = 4) {

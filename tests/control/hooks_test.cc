@@ -13,54 +13,13 @@
 
 #include <refit/backend/handshake.h>
 #include <refit/backend/net.h>
-#include <refit/control/client.h>
 #include <refit/control/internal/frame.h>
-#include <refit/control/worker_host.h>
-#include <refit/engines/tcp/tcp.h>
-#include <refit/integrity/fingerprint.h>
-#include "tests/support/run.h"
-#include "tests/support/tensors.h"
+#include "tests/support/control_fixture.h"
 
 namespace refit::testing {
 namespace {
 
 using namespace std::chrono_literals;
-
-weight_transfer_config tcp_config() {
-  weight_transfer_config c;
-  c.backend = "tcp";
-  c.timeout = 5s;
-  return c;
-}
-
-// A model that keeps what it is sent (for weight_fingerprint) and refuses any update
-// with a tensor named "forbidden".
-class holding_model final : public model_target {
- public:
-  void load_weights(std::span<const tensor_view> weights) override {
-    std::lock_guard lock(mutex_);
-    for (const auto& w : weights) {
-      auto& [spec, bytes] = held_[std::string(w.name)];
-      spec = w.spec();
-      bytes.assign(w.bytes().begin(), w.bytes().end());
-    }
-  }
-  void begin_update(const update_metadata& meta) override {
-    for (const auto& t : meta.tensors)
-      if (t.name == "forbidden")
-        throw_error(errc::invalid_argument, "holding model: no tensor may be named 'forbidden'");
-  }
-  std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names) override {
-    std::lock_guard lock(mutex_);
-    std::vector<tensor_view> views;
-    for (auto& [name, held] : held_) views.emplace_back(held.first, held.second.data());
-    return fingerprint_all(views, names);
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<std::string, std::pair<tensor_spec, std::vector<std::byte>>> held_;
-};
 
 tensor_set small_set(int n = 4, std::uint64_t seed = 1) {
   tensor_set set;
@@ -68,7 +27,7 @@ tensor_set small_set(int n = 4, std::uint64_t seed = 1) {
   return set;
 }
 
-class hooks_test : public ::testing::Test {
+class hooks_test : public control_fixture {
  protected:
   // What the hooks saw, in order; `throw_in` names a hook that throws.
   std::vector<std::string> events_;
@@ -76,9 +35,6 @@ class hooks_test : public ::testing::Test {
   std::string throw_in_;
 
   void start(weight_transfer_config config = tcp_config()) {
-    factory_.register_engine<tcp::engine, tcp::sender>("tcp");
-    host_ = std::make_unique<control::worker_host>(config, engine_context{io_.get_executor(), {}, {}, &model_},
-                                                   model_.as_load_weights(), factory_);
     control::update_hooks hooks;
     hooks.on_update_started = [this](const std::string& owner) {
       events_.push_back("started by " + owner);
@@ -95,84 +51,11 @@ class hooks_test : public ::testing::Test {
       info_in_hook_.push_back(host_->weight_info());
       if (throw_in_ == "failed") throw std::runtime_error("the failure hook failed too");
     };
-    host_->set_hooks(std::move(hooks));
-    port_ = host_->listen("127.0.0.1", 0);
-    spawn(io_, host_->serve());
-    trainer_ = connect();
-    sender_ = std::make_unique<tcp::sender>(config, trainer_context{io_.get_executor(), {}});
+    start_host(config, engine_context{io_.get_executor(), {}, {}, &model_}, model_.as_load_weights(), {},
+               std::move(hooks));
   }
-  void TearDown() override {
-    for (auto& c : clients_) c->close();
-    if (host_) host_->stop();
-    if (sender_) sender_->shutdown();
-    run(io_, 5s);
-  }
-  control::client* connect() {
-    clients_.push_back(std::make_unique<control::client>(io_.get_executor(), 5s));
-    run_to_completion(io_, clients_.back()->connect("127.0.0.1", port_));
-    return clients_.back().get();
-  }
-  json call(control::client* c, const std::string& method, json params = json::object()) {
-    json result;
-    run_to_completion(io_, call_into(c, method, std::move(params), &result));
-    return result;
-  }
-  static asio::awaitable<void> call_into(control::client* c, std::string method, json params, json* out) {
-    *out = co_await c->call(method, std::move(params));
-  }
-  std::string call_error(control::client* c, const std::string& method, json params, errc kind) {
-    try {
-      call(c, method, std::move(params));
-    } catch (const error& e) {
-      EXPECT_EQ(e.kind(), kind) << e.message();
-      return e.message();
-    }
-    ADD_FAILURE() << method << " succeeded";
-    return {};
-  }
-  void init() {
-    json args = {{"master_address", "127.0.0.1"},
-                 {"master_port", 0},
-                 {"world_size", 2},
-                 {"buffer_bytes", 16384},
-                 {"num_buffers", 2}};
-    json params = {{"init_info", sender_->prepare(args)}};
-    auto accepted = spawn(io_, sender_->connect_workers());
-    call(trainer_, "init_weight_transfer_engine", params);
-    ASSERT_TRUE(run_until(
-        io_, [&] { return accepted->done; }, 10s));
-    ASSERT_FALSE(accepted->error) << accepted->message();
-  }
-  static json update_body(const tensor_set& set, const char* commit = nullptr) {
-    json info = json::object();
-    write_update_metadata(set.meta, info);
-    if (commit) info["commit"] = commit;
-    return {{"update_info", info}};
-  }
-  // One chunk through the trainer's connection, the bytes through the sender.
-  void chunk(tensor_set& set, const char* commit = nullptr) {
-    auto views = set.views();
-    auto sent = spawn(io_, trainer_send_weights(*sender_, set.meta, views));
-    call(trainer_, "update_weights", update_body(set, commit));
-    ASSERT_TRUE(run_until(
-        io_, [&] { return sent->done; }, 10s));
-    ASSERT_FALSE(sent->error) << sent->message();
-  }
-  void full_update(tensor_set& set, std::optional<std::int64_t> version) {
-    call(trainer_, "start_weight_update");
-    chunk(set);
-    call(trainer_, "finish_weight_update", version ? json{{"weight_version", *version}} : json::object());
-  }
-  json info() { return call(trainer_, "weight_info"); }
 
-  asio::io_context io_;
-  engine_factory factory_;
   holding_model model_;
-  std::unique_ptr<control::worker_host> host_;
-  std::uint16_t port_ = 0;
-  std::vector<std::unique_ptr<control::client>> clients_;
-  control::client* trainer_ = nullptr;
-  std::unique_ptr<tcp::sender> sender_;
 };
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

@@ -8,60 +8,13 @@
 #include <mutex>
 
 #include <refit/backend/async/all_of.h>
-#include <refit/control/client.h>
 #include <refit/control/worker_group.h>
-#include <refit/control/worker_host.h>
-#include <refit/engines/tcp/tcp.h>
-#include <refit/integrity/fingerprint.h>
-#include "tests/support/run.h"
-#include "tests/support/tensors.h"
+#include "tests/support/control_fixture.h"
 
 namespace refit::testing {
 namespace {
 
 using namespace std::chrono_literals;
-
-weight_transfer_config tcp_config() {
-  weight_transfer_config c;
-  c.backend = "tcp";
-  c.timeout = 5s;
-  return c;
-}
-
-// A worker's model: a copy of every tensor it is given, fingerprinted on request.
-// With `tamper`, that tensor's first byte is flipped as it is loaded (a worker that
-// holds other bytes than it was sent).
-class test_model final : public model_target {
- public:
-  explicit test_model(std::string tamper = {}) : tamper_(std::move(tamper)) {}
-
-  void load_weights(std::span<const tensor_view> views) override {
-    std::lock_guard lock(mutex_);
-    for (const auto& v : views) {
-      auto& slot = tensors_[std::string(v.name)];
-      slot.spec = tensor_spec{std::string(v.name), v.dtype, std::vector<std::int64_t>(v.shape.begin(), v.shape.end())};
-      auto bytes = v.bytes();
-      slot.bytes.assign(bytes.begin(), bytes.end());
-      if (slot.spec.name == tamper_ && !slot.bytes.empty()) slot.bytes[0] ^= std::byte{1};
-    }
-  }
-
-  fingerprint_list fingerprint(const std::vector<std::string>& names) override {
-    std::lock_guard lock(mutex_);
-    std::vector<tensor_view> views;
-    for (auto& [name, t] : tensors_) views.emplace_back(t.spec, t.bytes.data());
-    return fingerprint_all(views, names);
-  }
-
- private:
-  struct tensor {
-    tensor_spec spec;
-    std::vector<std::byte> bytes;
-  };
-  std::string tamper_;
-  std::mutex mutex_;
-  std::map<std::string, tensor> tensors_;
-};
 
 // An engine that refuses every init (registered as "tcp" for one worker).
 class refusing_engine final : public backend::engine {
@@ -95,7 +48,7 @@ struct worker {
     spawn(io, host->serve());
   }
   engine_factory factory;
-  test_model model;
+  holding_model model;
   std::unique_ptr<control::worker_host> host;
   std::uint16_t port = 0;
 };

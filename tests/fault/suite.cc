@@ -86,6 +86,7 @@
 #include <refit/control/client.h>
 #include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
+#include "tests/support/wait.h"
 
 extern char** environ;
 
@@ -138,15 +139,17 @@ process start(const std::vector<std::string>& args, const std::string& log) {
 
 // Waits for the process to exit, up to `limit`; nullopt if it did not (a hang).
 std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds limit) {
-  const auto until = clock_type::now() + limit;
-  for (;;) {
-    int status = 0;
-    pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid) return status;
-    if (r < 0) return -1;
-    if (clock_type::now() >= until) return std::nullopt;
-    std::this_thread::sleep_for(10ms);
-  }
+  std::optional<int> result;
+  testing::poll_until(
+      [&] {
+        int status = 0;
+        const pid_t r = waitpid(pid, &status, WNOHANG);
+        if (r == pid) result = status;
+        if (r < 0) result = -1;
+        return result.has_value();
+      },
+      limit, 10ms);
+  return result;
 }
 
 int count_entries(const std::string& dir) {
@@ -625,17 +628,19 @@ class suite {
   // its trainer is gone: at once when its connection closes, else when its owner's
   // silence reaches the worker's session timeout (the --timeout-ms here).
   std::optional<json> settled_info(worker& w) {
-    const auto until = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 4);
-    while (clock_type::now() < until) {
-      try {
-        json info = run_sync(call(*w.client, "weight_info"));
-        if (!info["receiving"].get<bool>() && !info["session_active"].get<bool>()) return info;
-      } catch (const error&) {
-        return std::nullopt;
-      }
-      std::this_thread::sleep_for(20ms);
-    }
-    return std::nullopt;
+    std::optional<json> settled;
+    testing::poll_until(
+        [&] {
+          try {
+            json info = run_sync(call(*w.client, "weight_info"));
+            if (info["receiving"].get<bool>() || info["session_active"].get<bool>()) return false;
+            settled = std::move(info);
+          } catch (const error&) {
+          }
+          return true;  // settled, or it stopped answering
+        },
+        std::chrono::milliseconds(o_.timeout_ms * 4), 20ms);
+    return settled;
   }
 
   // Polls until every worker has received its chunk and waits for the finish

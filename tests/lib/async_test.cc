@@ -639,7 +639,8 @@ TEST(lag_probe, reports_the_largest_stall_of_the_loop_and_resets) {
   auto quiet = probe.take();
   EXPECT_GT(quiet.samples, 10u);
   EXPECT_LT(quiet.max_ms, 40.0);
-  asio::post(io, [] { std::this_thread::sleep_for(40ms); });  // a handler that blocks the loop
+  // The sleep is what is measured (a handler that blocks the loop), not a wait.
+  asio::post(io, [] { std::this_thread::sleep_for(40ms); });
   testing::run_until(
       io, [] { return false; }, 100ms);
   auto stalled = probe.take();

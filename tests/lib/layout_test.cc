@@ -1,6 +1,7 @@
 // Unit and property tests of lib/layout.h: torch.chunk's split, placements, boxes,
 // the trainer's mesh layouts (DTensor semantics), vLLM's tensor-parallel
 // destination layouts, destination validation, and the byte-run walkers.
+#include <refit/adapters/vllm.h>
 #include <refit/layout/layout.h>
 
 #include <algorithm>
@@ -507,7 +508,7 @@ const dest_tensor* find_tensor(const dest_layout& l, const std::string& name) {
 
 TEST(tensor_parallel_layout, vllm_llama_names_and_order) {
   const auto global = llama({.layers = 1});
-  const auto d = tensor_parallel_layout(global, 2, 0, tp_layout_options::vllm_llama());
+  const auto d = tensor_parallel_layout(global, 2, 0, vllm_llama_layout());
   std::vector<std::string> names;
   for (const auto& t : d.tensors) names.push_back(t.spec.name);
   EXPECT_THAT(names,
@@ -526,7 +527,7 @@ TEST(tensor_parallel_layout, vllm_llama_tp2_pieces) {
   const auto source = source_layout::single(global);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("tp rank " + std::to_string(r));
-    const auto d = tensor_parallel_layout(global, 2, r, tp_layout_options::vllm_llama());
+    const auto d = tensor_parallel_layout(global, 2, r, vllm_llama_layout());
     validate(d, source, static_cast<std::size_t>(r));
     for (int layer = 0; layer < 2; ++layer) {
       const std::string p = "model.layers." + std::to_string(layer) + ".";
@@ -599,7 +600,7 @@ TEST(tensor_parallel_layout, pieces_reproduce_vllm_sharded_weights) {
   }
   const int tp = 2;
   for (int r = 0; r < tp; ++r) {
-    const auto d = tensor_parallel_layout(global, tp, r, tp_layout_options::vllm_llama());
+    const auto d = tensor_parallel_layout(global, tp, r, vllm_llama_layout());
     for (const auto& t : d.tensors) {
       std::vector<float> got(numel_of(t.spec.shape), -1.0f);
       for (const auto& p : t.pieces) {
@@ -654,21 +655,21 @@ TEST(tensor_parallel_layout, vocab_padding_edge_cases) {
   // Vocabulary smaller than a rank's share: the last rank holds only padding.
   auto global = meta_of({spec("model.embed_tokens.weight", {10, 4})});
   const auto source = source_layout::single(global);
-  auto r1 = tensor_parallel_layout(global, 2, 1, tp_layout_options::vllm_llama());
+  auto r1 = tensor_parallel_layout(global, 2, 1, vllm_llama_layout());
   ASSERT_EQ(r1.tensors.size(), 1u);
   EXPECT_EQ(r1.tensors[0].spec.shape, (shape_t{32, 4}));
   EXPECT_TRUE(r1.tensors[0].pieces.empty());
   validate(r1, source, 1);
-  auto r0 = tensor_parallel_layout(global, 2, 0, tp_layout_options::vllm_llama());
+  auto r0 = tensor_parallel_layout(global, 2, 0, vllm_llama_layout());
   EXPECT_THAT(r0.tensors[0].pieces,
               ElementsAre(dest_piece{"model.embed_tokens.weight", make_box({0, 0}, {10, 4}), {0, 0}}));
   // A multiple of the padding splits exactly.
   global = meta_of({spec("lm_head.weight", {128, 4})});
-  auto d = tensor_parallel_layout(global, 4, 3, tp_layout_options::vllm_llama());
+  auto d = tensor_parallel_layout(global, 4, 3, vllm_llama_layout());
   EXPECT_EQ(d.tensors[0].spec.shape, (shape_t{32, 4}));
   EXPECT_THAT(d.tensors[0].pieces, ElementsAre(dest_piece{"lm_head.weight", make_box({96, 0}, {32, 4}), {0, 0}}));
   // Another padding.
-  auto opts = tp_layout_options::vllm_llama();
+  auto opts = vllm_llama_layout();
   opts.vocab_padding = 16;
   global = meta_of({spec("lm_head.weight", {100, 4})});
   d = tensor_parallel_layout(global, 4, 3, opts);  // pads to 112, 28 a rank
@@ -678,7 +679,7 @@ TEST(tensor_parallel_layout, vocab_padding_edge_cases) {
 
 TEST(tensor_parallel_layout, tp_size_one_gives_whole_tensors) {
   const auto global = llama({.vocab = 128, .layers = 2});
-  const auto d = tensor_parallel_layout(global, 1, 0, tp_layout_options::vllm_llama());
+  const auto d = tensor_parallel_layout(global, 1, 0, vllm_llama_layout());
   validate(d, source_layout::single(global));
   std::int64_t pieces = 0;
   for (const auto& t : d.tensors) {
@@ -699,7 +700,7 @@ TEST(tensor_parallel_layout, tp_size_one_gives_whole_tensors) {
   EXPECT_EQ(find_tensor(d, "model.layers.1.self_attn.qkv_proj.weight")->spec.shape, (shape_t{16, 8}));
   EXPECT_EQ(find_tensor(d, "model.layers.1.mlp.gate_up_proj.weight")->spec.shape, (shape_t{24, 8}));
   // Not a multiple of the padding: whole rows plus padding even at tp 1 (vLLM pads too).
-  const auto d100 = tensor_parallel_layout(llama({.vocab = 100, .layers = 1}), 1, 0, tp_layout_options::vllm_llama());
+  const auto d100 = tensor_parallel_layout(llama({.vocab = 100, .layers = 1}), 1, 0, vllm_llama_layout());
   EXPECT_EQ(find_tensor(d100, "lm_head.weight")->spec.shape, (shape_t{128, 8}));
   EXPECT_EQ(find_tensor(d100, "lm_head.weight")->pieces[0].from, make_box({0, 0}, {100, 8}));
 }
@@ -719,7 +720,7 @@ TEST(tensor_parallel_layout, ignore_scalars_and_custom_rules) {
   auto global = llama({.layers = 1});
   global.tensors.push_back(spec("model.layers.0.self_attn.rotary_emb.inv_freq", {4}, dtype::float32));
   global.tensors.push_back(spec("model.step", {}, dtype::int64));
-  auto opts = tp_layout_options::vllm_llama();
+  auto opts = vllm_llama_layout();
   opts.ignore = {"rotary_emb\\.inv_freq$"};
   const auto d = tensor_parallel_layout(global, 2, 1, opts);
   EXPECT_EQ(find_tensor(d, "model.layers.0.self_attn.rotary_emb.inv_freq"), nullptr);
@@ -740,7 +741,7 @@ TEST(tensor_parallel_layout, ignore_scalars_and_custom_rules) {
 }
 
 TEST(tensor_parallel_layout, refuses_bad_inputs) {
-  const auto opts = tp_layout_options::vllm_llama();
+  const auto opts = vllm_llama_layout();
   auto kind_of = [](auto&& f) { return REFIT_THROWN(f()).kind(); };
   // Column dim not divisible.
   {
@@ -1121,7 +1122,7 @@ TEST(layout_json, dest_layouts_preset_and_explicit) {
     json_reader r(j, "dest");
     const auto ws = read_dest_layouts(r, global);
     ASSERT_EQ(ws.size(), 2u);
-    for (int w = 0; w < 2; ++w) EXPECT_EQ(ws[w], tensor_parallel_layout(global, 2, w, tp_layout_options::vllm_llama()));
+    for (int w = 0; w < 2; ++w) EXPECT_EQ(ws[w], tensor_parallel_layout(global, 2, w, vllm_llama_layout()));
   }
   {
     const json j = json::parse(R"j({"workers": [[{"name": "x", "dtype": "bfloat16", "shape": [2, 8],

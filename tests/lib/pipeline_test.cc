@@ -320,7 +320,8 @@ class checked_transport final : public bucket_transport {
   }
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer>) override {
     return [this, index = b.index] {
-      if (index % 2 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // uneven: order is not free
+      // Simulated work, not a wait: uneven checks, so the order they finish in is not free.
+      if (index % 2 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
       ++checked;
       if (fail_at && *fail_at == index)
         throw_error(errc::integrity_error, "bucket " + std::to_string(index) + ": checksum differs");

@@ -4,6 +4,7 @@
 #include <refit/session.h>
 
 #include <atomic>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
 #include <asio/io_context.hpp>
 
 #include <refit/engines/loopback/loopback.h>
@@ -166,9 +168,12 @@ TEST_F(session_test, a_chunk_arriving_while_the_previous_one_is_processed_waits_
   session.start_weight_update();
   tensor_set a = chunk(0), b = chunk(1);
   capture got_a, got_b;
-  std::atomic<bool> release{false};
-  load_weights_fn slow = [&release, inner = got_a.fn()](std::span<const tensor_view> w) {
-    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  load_weights_fn slow = [released, inner = got_a.fn()](std::span<const tensor_view> w) {
+    // Held until the test releases it (at most 10 s: a test that fails first
+    // must not leave this thread blocked).
+    released.wait_for(std::chrono::seconds(10));
     inner(w);
   };
   auto recv_a = spawn(io, update_json(session, metadata_json(a.meta), slow));
@@ -181,7 +186,7 @@ TEST_F(session_test, a_chunk_arriving_while_the_previous_one_is_processed_waits_
   poll(io);
   EXPECT_FALSE(recv_b->done) << "chunk b was taken (or refused) while chunk a was still being processed: "
                              << recv_b->message();
-  release = true;
+  release.set_value();
   EXPECT_TRUE(testing::run(io));
   EXPECT_FALSE(sent_a->error) << sent_a->message();
   EXPECT_FALSE(recv_b->error) << recv_b->message();

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,6 +18,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
 #include <asio/io_context.hpp>
 
 #include <refit/engines/loopback/loopback.h>
@@ -359,15 +361,17 @@ TEST(tensor_map_target, try_read_is_refused_while_an_update_holds_the_lock) {
   EXPECT_EQ(e.kind(), errc::invalid_state);
 
   // A blocked read() sees the new version with its bytes, once finished.
-  std::atomic<bool> got{false};
+  std::promise<void> got_promise;
+  std::future<void> got = got_promise.get_future();
   std::optional<std::int64_t> seen;
   std::thread reader([&] {
     auto r = target->read();
     seen = r.version();
-    got = true;
+    got_promise.set_value();
   });
-  for (int i = 0; i < 20 && !got; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  EXPECT_FALSE(got) << "read() must wait while the update holds the lock";
+  // The read's completion, awaited for 100 ms: it must not come while the lock is held.
+  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+      << "read() must wait while the update holds the lock";
   for (std::size_t t = 0; t < model_layout().tensors.size(); ++t)
     fill_all(target->destination(model_layout().tensors[t])->bytes(), 1, t);
   target->finish(1);
@@ -530,13 +534,15 @@ TEST(tensor_map_target, double_buffered_guards_keep_their_generation) {
 
   copy.set_version(2);
   auto v2 = copy.views();
-  std::atomic<bool> written{false};
+  std::promise<void> written_promise;
+  std::future<void> written = written_promise.get_future();
   std::thread loader([&] {
     target->load_weights(v2);  // into the copy `old` still reads
-    written = true;
+    written_promise.set_value();
   });
-  for (int i = 0; i < 20 && !written; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  EXPECT_FALSE(written) << "the update must wait for the guard of generation 0";
+  // The load's completion, awaited for 100 ms: it must not come while the guard lives.
+  EXPECT_EQ(written.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+      << "the update must wait for the guard of generation 0";
   expect_version(old, 0);
   expect_version(target->read(), 1);  // current readers are never blocked
   old.release();

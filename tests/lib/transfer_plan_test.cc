@@ -24,6 +24,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <refit/adapters/vllm.h>
 #include <refit/error.h>
 #include <refit/layout/layout.h>
 
@@ -576,7 +577,7 @@ update_metadata llama(std::int64_t vocab, std::int64_t hidden, std::int64_t q, s
 
 std::vector<dest_layout> tp_workers(const update_metadata& global, int tp) {
   std::vector<dest_layout> out;
-  for (int r = 0; r < tp; ++r) out.push_back(tensor_parallel_layout(global, tp, r, tp_layout_options::vllm_llama()));
+  for (int r = 0; r < tp; ++r) out.push_back(tensor_parallel_layout(global, tp, r, vllm_llama_layout()));
   return out;
 }
 

@@ -4,6 +4,7 @@
 // a reference slicing of the whole model.
 #include <gtest/gtest.h>
 
+#include <refit/adapters/vllm.h>
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engines/nccl/sharded.h>
@@ -46,7 +47,7 @@ struct exchange_setup {
 
   exchange_setup(int m, int n) {
     source = source_layout::uniform(meta, device_mesh{{m}}, {placement::shard(0)});
-    for (int w = 0; w < n; ++w) dests.push_back(tensor_parallel_layout(meta, n, w, tp_layout_options::vllm_llama()));
+    for (int w = 0; w < n; ++w) dests.push_back(tensor_parallel_layout(meta, n, w, vllm_llama_layout()));
     plan = plan_transfer(source, dests);
     for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
       whole.emplace_back(meta.tensors[i].nbytes());

@@ -10,6 +10,7 @@
 #include <refit/backend/net.h>
 
 #include "tests/conformance/conformance.h"
+#include "tests/support/wait.h"
 
 namespace refit::testing {
 namespace {
@@ -175,7 +176,8 @@ TEST(tcp_leaks, failed_updates_leave_no_descriptors_threads_or_stage_behind) {
   }
   EXPECT_EQ(open_descriptors(), fds) << "sockets leaked across failed updates";
   // Pools are joined when their engines and senders go; allow for the exiting ones.
-  for (int i = 0; i < 100 && live_threads() > threads; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // The kernel's thread list has no event to wait on: poll it, up to 1 s.
+  poll_until([&] { return live_threads() <= threads; }, std::chrono::seconds(1));
   EXPECT_LE(live_threads(), threads) << "threads leaked across failed updates";
 }
 
