@@ -250,6 +250,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
           std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
     }
     worker_ = worker::create(ucp_, context().executor);
+    worker::engaged progressing(worker_);
 
     // The offer: this worker's address and every slot's extent and key.
     wire::writer body;
@@ -305,6 +306,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
                                          "call init_transfer_engine again");
   std::exception_ptr failure;
   try {
+    worker::engaged progressing(worker_);
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
     last_seq_ = co_await links::accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who());
     transport t(*socket_, worker_, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, who());

@@ -41,6 +41,7 @@ void sender::close_transport() noexcept {
 asio::awaitable<void> sender::connected() {
   if (!ucp_) ucp_ = std::make_shared<ucx::context>();
   worker_ = worker::create(ucp_, context_.executor);
+  worker::engaged progressing(worker_);
   for (const auto& m : peers_) {
     auto p = std::make_unique<peer>();
     p->rank = m.rank;
@@ -187,6 +188,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
   try {
+    worker::engaged progressing(worker_);
     // Every tensor the source yields is walked (and checked) before a byte leaves.
     std::vector<std::vector<asio::const_buffer>> payloads(plan.buckets.size());
     send_cursor cursor(declared, plan, source);

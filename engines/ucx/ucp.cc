@@ -187,9 +187,7 @@ worker::worker(std::shared_ptr<context> ctx, asio::any_io_executor executor)
 }
 
 std::shared_ptr<worker> worker::create(std::shared_ptr<context> ctx, asio::any_io_executor executor) {
-  std::shared_ptr<worker> w(new worker(std::move(ctx), std::move(executor)));
-  w->kick();
-  return w;
+  return std::shared_ptr<worker>(new worker(std::move(ctx), std::move(executor)));
 }
 
 worker::~worker() { close(); }
@@ -209,6 +207,17 @@ void worker::kick() {
   asio::post(executor_, [w = weak_from_this()] {
     if (auto self = w.lock()) self->drive();
   });
+}
+
+worker::engaged::engaged(std::shared_ptr<worker> w) : worker_(std::move(w)) {
+  ++worker_->engaged_;
+  worker_->kick();
+}
+
+worker::engaged::~engaged() {
+  if (--worker_->engaged_ > 0 || !worker_->fd_ || !worker_->fd_->waiting) return;
+  std::error_code ignored;
+  worker_->fd_->fd.cancel(ignored);
 }
 
 void worker::drive() {
@@ -237,7 +246,7 @@ void worker::wait_for_events() {
     kick();
     return;
   }
-  if (fd_->waiting) return;
+  if (fd_->waiting || engaged_ == 0) return;
   fd_->waiting = true;
   fd_->fd.async_wait(asio::posix::stream_descriptor::wait_read, [w = weak_from_this()](std::error_code ec) {
     auto self = w.lock();

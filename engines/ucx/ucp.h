@@ -87,6 +87,20 @@ class worker : public std::enable_shared_from_this<worker> {
   std::vector<std::byte> address() const;
   /// Runs progress soon (after posting an operation).
   void kick();
+  /// While one of these lives, the worker waits on its event fd and progresses
+  /// what comes; with none, it leaves the executor idle (an io_context with nothing
+  /// else to do returns from run()) and what arrives waits for the next one. Held
+  /// for the length of an init, an update or a trainer's send.
+  class engaged {
+   public:
+    explicit engaged(std::shared_ptr<worker> w);
+    ~engaged();
+    engaged(const engaged&) = delete;
+    engaged& operator=(const engaged&) = delete;
+
+   private:
+    std::shared_ptr<worker> worker_;
+  };
   /// Stops the event-fd wait and destroys the worker (cancelling what is left);
   /// idempotent. Endpoints must be closed first.
   void close() noexcept;
@@ -110,6 +124,7 @@ class worker : public std::enable_shared_from_this<worker> {
   ucp_worker_h worker_ = nullptr;
   std::unique_ptr<fd_waiter> fd_;
   bool drive_posted_ = false;
+  int engaged_ = 0;
 };
 
 /// What UCX chose for an endpoint: its lanes' transports and whether one-sided
