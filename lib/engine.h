@@ -128,6 +128,10 @@ struct engine_capabilities {
   bool defers_processing = false;
   /// Needs a GPU (CUDA builds).
   bool needs_gpu = false;
+  /// Joins //engines:all (and so the Python module and the examples) only in
+  /// builds that ask for it (`--config=<backend>`): it links a system library
+  /// the default build does not (ucx: libucx).
+  bool opt_in_build = false;
 
   json to_json() const;
   friend bool operator==(const engine_capabilities&, const engine_capabilities&) = default;

@@ -84,9 +84,10 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   ~engine() override;
   std::string_view backend() const noexcept override { return "ucx"; }
   /// Direct receive (into the model's memory by a tagged receive), staged
-  /// commits, processing deferred. No checksums, relays or sharding yet.
+  /// commits, processing deferred. No checksums, relays or sharding yet; host
+  /// memory only; in //engines:all with --config=ucx only.
   static engine_capabilities capabilities_of() {
-    return {.direct_receive = true, .staged_commit = true, .defers_processing = true};
+    return {.direct_receive = true, .staged_commit = true, .defers_processing = true, .opt_in_build = true};
   }
   int rank() const noexcept { return rank_; }
   /// What UCX chose for this worker's data, once initialised (null before).

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 
 #include <asio/experimental/awaitable_operators.hpp>
 
@@ -196,6 +197,50 @@ TEST(ucx, a_worker_process_killed_mid_update_is_peer_lost_naming_its_rank) {
   EXPECT_EQ(sent->kind(), static_cast<int>(errc::peer_lost)) << sent->message();
   EXPECT_NE(sent->message().find("worker rank 1"), std::string::npos) << sent->message();
   EXPECT_LT(took, config.timeout) << "detected before the deadline, not by it";
+}
+
+int open_descriptors() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) n += e.exists() ? 1 : 0;
+  return n;
+}
+
+// Registrations, endpoints, UCX workers and contexts are released on every path:
+// after updates, refused inits and lost trainers, as many descriptors are open as
+// before.
+TEST(ucx, inits_updates_and_failures_leave_no_descriptors_behind) {
+  auto round = [](int i) {
+    asio::io_context io;
+    ucx_harness h(io, nullptr);
+    tensor_set set;
+    for (int t = 0; t < 8; ++t) set.add("w" + std::to_string(t), dtype::float32, {3000});
+    if (i % 3 == 2) {  // a refused init
+      json init = h.sender().prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+      init["require_transports"] = {"rc"};
+      auto info = h.engine().parse_init_info(init);
+      auto t = spawn(io, h.sender().connect_workers());
+      auto w = spawn(io, h.engine().init_transfer_engine(*info));
+      EXPECT_TRUE(run_until(io, [&] { return t->done && w->done; })) << "a hang";
+      EXPECT_TRUE(w->error);
+      return;
+    }
+    run_to_completion(io, h.connect(small_wire()));
+    std::atomic<int> loads{0};
+    auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+    auto received = spawn(io, receive_update(
+                                  h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),
+                                  [&](std::span<const tensor_view> v) { loads += static_cast<int>(v.size()); }, true));
+    if (i % 3 == 1) {  // the trainer goes mid-update
+      EXPECT_TRUE(run_until(io, [&] { return loads > 0 || received->done; }));
+      h.sender().shutdown();
+    }
+    EXPECT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+    EXPECT_EQ(received->error, i % 3 == 1) << received->message();
+  };
+  round(0);  // first use: UCX loads its modules, once per process
+  const int fds = open_descriptors();
+  for (int i = 0; i < 12; ++i) round(i);
+  EXPECT_EQ(open_descriptors(), fds) << "descriptors leaked across inits, updates and failures";
 }
 
 TEST(ucx, checksums_are_refused_by_both_sides) {
