@@ -90,8 +90,9 @@ class engine final : public backend::typed_engine<init_info, update_info> {
     return {.direct_receive = true, .staged_commit = true, .defers_processing = true, .opt_in_build = true};
   }
   int rank() const noexcept { return rank_; }
-  /// What UCX chose for this worker's data, once initialised (null before).
-  json transport_info() const;
+  /// What UCX chose for this worker's data, once initialised (null before):
+  /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank"}.
+  json transport_info() const override;
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;

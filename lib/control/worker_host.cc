@@ -139,7 +139,9 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       note_error("init_weight_transfer_engine", failure);
       std::rethrow_exception(failure);
     }
-    co_return json::object();
+    json answer = json::object();
+    if (auto t = engine_->transport_info(); !t.is_null()) answer["transport"] = std::move(t);
+    co_return answer;
   });
   add_verb("start_weight_update", [this](connection& caller, json params) -> asio::awaitable<json> {
     auto r = params_reader(params, "start_weight_update");
@@ -416,7 +418,8 @@ json worker_host::weight_info() const {
       {"default_commit", to_string(config_.commit)},
       {"last_update", engine_->last_update_stats().to_json()},
       {"connections", connections_.size()},
-      {"accept_errors", accept_errors_}};
+      {"accept_errors", accept_errors_},
+      {"transport", engine_->transport_info()}};
   info["session_owner"] = session_.active() && owner_ ? json(owner_name()) : json(nullptr);
   info["session_timeout_ms"] = limits_.session_timeout.count();
   info["session_chunks"] = session_.active() ? json(session_.chunks()) : json(nullptr);

@@ -2,6 +2,7 @@
 // transfer verbs of vLLM's RL API over framed JSON, with vLLM's request bodies:
 //
 //   init_weight_transfer_engine  {"init_info": {...}}
+//       -> {} or {"transport": ...} (weight_transfer_engine::transport_info())
 //   start_weight_update          {}
 //   update_weights               {"update_info": {...}}
 //   finish_weight_update         {"weight_version": int}   (optional member)
@@ -13,7 +14,8 @@
 //           "receiving", "commit", "default_commit",
 //           "last_update": stats, "last_error", "last_hook_error",
 //           "last_refused_connection", "connections", "accept_errors",
-//           "last_accept_error", ...}
+//           "last_accept_error", "transport" (what the engine's transport chose;
+//           null for most), ...}
 //       "commit" is the commit mode of the chunk being received, else of the last
 //       chunk applied (its update_info's "commit", else the config's), else the
 //       config's; "default_commit" is always the config's (worker_host::weight_info()

@@ -9,6 +9,10 @@
 
 #include <asio/experimental/awaitable_operators.hpp>
 
+#include <refit/control/client.h>
+#include <refit/control/worker_host.h>
+#include <refit/factory.h>
+
 #include "tests/conformance/conformance.h"
 
 namespace {
@@ -213,7 +217,7 @@ TEST(ucx, inits_updates_and_failures_leave_no_descriptors_behind) {
     asio::io_context io;
     ucx_harness h(io, nullptr);
     tensor_set set;
-    for (int t = 0; t < 8; ++t) set.add("w" + std::to_string(t), dtype::float32, {3000});
+    for (int t = 0; t < 32; ++t) set.add("w" + std::to_string(t), dtype::float32, {4000});
     if (i % 3 == 2) {  // a refused init
       json init = h.sender().prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
       init["require_transports"] = {"rc"};
@@ -235,12 +239,52 @@ TEST(ucx, inits_updates_and_failures_leave_no_descriptors_behind) {
       h.sender().shutdown();
     }
     EXPECT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
-    EXPECT_EQ(received->error, i % 3 == 1) << received->message();
+    // (A trainer shut down mid-update may still have delivered it all: no error then.)
+    if (i % 3 != 1) EXPECT_FALSE(received->error) << received->message();
   };
   round(0);  // first use: UCX loads its modules, once per process
   const int fds = open_descriptors();
   for (int i = 0; i < 12; ++i) round(i);
   EXPECT_EQ(open_descriptors(), fds) << "descriptors leaked across inits, updates and failures";
+}
+
+// The control plane carries what UCX chose: in the init answer and in weight_info.
+asio::awaitable<void> init_through_host(ucx::sender& sender, control::client& client, json params, json& answer) {
+  using namespace asio::experimental::awaitable_operators;
+  auto call = [&]() -> asio::awaitable<void> {
+    answer = co_await client.call("init_weight_transfer_engine", std::move(params));
+  };
+  co_await (sender.connect_workers() && call());
+}
+
+asio::awaitable<void> call_into(control::client& client, std::string method, json& out) {
+  out = co_await client.call(method, json::object());
+}
+
+TEST(ucx, the_init_answer_and_weight_info_carry_the_transports) {
+  asio::io_context io;
+  engine_factory factory;
+  factory.register_engine<ucx::engine, ucx::sender>("ucx");
+  capture got;
+  control::worker_host host(ucx_config(), engine_context{io.get_executor()}, got.fn(), factory);
+  const auto port = host.listen("127.0.0.1", 0);
+  spawn(io, host.serve());
+  control::client client(io.get_executor(), std::chrono::seconds(5));
+  run_to_completion(io, client.connect("127.0.0.1", port));
+  ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
+  small_wire().write(args);
+  json answer, info;
+  run_to_completion(io, init_through_host(sender, client, {{"init_info", sender.prepare(args)}}, answer));
+  run_to_completion(io, call_into(client, "weight_info", info));
+  ASSERT_TRUE(answer.contains("transport")) << answer.dump();
+  EXPECT_EQ(answer["transport"]["mode"], shared_memory ? "put" : "tag") << answer.dump();
+  EXPECT_EQ(info["transport"], answer["transport"]) << info.dump();
+  EXPECT_EQ(answer["transport"]["rank"], 1);
+  client.close();
+  host.stop();
+  sender.shutdown();
+  EXPECT_TRUE(run(io, std::chrono::seconds(5))) << "nothing left running";
 }
 
 TEST(ucx, checksums_are_refused_by_both_sides) {
