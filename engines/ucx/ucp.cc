@@ -137,9 +137,8 @@ std::shared_ptr<request_state> worker::track(ucp_request_param_t& param, bool re
 asio::awaitable<std::size_t> worker::wait(ucs_status_ptr_t request, std::shared_ptr<request_state> state,
                                           std::chrono::milliseconds limit, std::string what) {
   if (!UCS_PTR_IS_PTR(request)) {
-    // Completed (or failed) at once: the callback will not run, its box goes here.
-    // (user_data is only reachable through the params, which the caller kept; the
-    // state still owns nothing else.)
+    // Completed (or failed) at once: the callback will not run (the caller, which
+    // holds the params, has deleted their user_data box).
     const ucs_status_t s = UCS_PTR_STATUS(request);
     if (s != UCS_OK) throw_status(s, what);
     co_return 0;

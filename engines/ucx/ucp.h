@@ -107,7 +107,9 @@ class worker : public std::enable_shared_from_this<worker> {
 
   /// Completes when `request` (what a *_nbx call returned, with its callback's
   /// user data from track()) completes; throws its failure, or timeout after
-  /// `limit` (cancelling the request where UCX can). `what` names the wait.
+  /// `limit` (cancelling the request where UCX can). `what` names the wait. When
+  /// the call completed at once (no request), the caller deletes the params'
+  /// user_data box (the callback never runs).
   asio::awaitable<std::size_t> wait(ucs_status_ptr_t request, std::shared_ptr<request_state> state,
                                     std::chrono::milliseconds limit, std::string what);
   /// A fresh request_state and the op params that route its callback here.
