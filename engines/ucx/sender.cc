@@ -27,8 +27,11 @@ json sender::transport_info() const {
 }
 
 void sender::close_transport() noexcept {
+  // Keys, endpoints and the worker are released now (keys first, while their worker
+  // lives); a stream still holding its peer finds the endpoint closed (check_open)
+  // before it touches a key again.
   for (auto& p : peers_by_rank_) {
-    p->regions.clear();  // keys before their endpoint
+    p->regions.clear();
     if (p->ep) p->ep->close();
   }
   peers_by_rank_.clear();
@@ -43,17 +46,18 @@ asio::awaitable<void> sender::connected() {
   worker_ = worker::create(ucp_, context_.executor);
   worker::engaged progressing(worker_);
   for (const auto& m : peers_) {
-    auto p = std::make_unique<peer>();
+    auto p = std::make_shared<peer>();
     p->rank = m.rank;
     p->socket = m.socket;
     peers_by_rank_.push_back(std::move(p));
   }
   std::vector<asio::awaitable<void>> ops;
-  for (auto& p : peers_by_rank_) ops.push_back(connect_one(*p));
+  for (auto& p : peers_by_rank_) ops.push_back(connect_one(p, worker_));
   co_await async::all_of(std::move(ops));
 }
 
-asio::awaitable<void> sender::connect_one(peer& p) {
+asio::awaitable<void> sender::connect_one(std::shared_ptr<peer> keep, std::shared_ptr<worker> w) {
+  peer& p = *keep;
   const std::string who = rank_name(p.rank);
   const auto timeout = args_.timeout;
   std::array<std::byte, sizeof(wire::offer_header)> raw;
@@ -69,7 +73,7 @@ asio::awaitable<void> sender::connect_one(peer& p) {
   try {
     wire::reader r{body};
     const auto address = r.bytes(h.address_bytes);
-    p.ep = std::make_unique<endpoint>(worker_, address, who);
+    p.ep = std::make_unique<endpoint>(w, address, who);
     for (std::uint32_t i = 0; i < h.regions && r.ok; ++i) {
       region g;
       g.base = r.get<std::uint64_t>();
@@ -127,8 +131,10 @@ asio::awaitable<wire::grant> read_grant(asio::ip::tcp::socket& s, std::chrono::m
 
 }  // namespace
 
-asio::awaitable<void> sender::stream_to(peer& p, const std::vector<std::vector<asio::const_buffer>>& payloads,
+asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, std::shared_ptr<worker> w,
+                                        const std::vector<std::vector<asio::const_buffer>>& payloads,
                                         const bucket_plan& plan, std::uint64_t seq) {
+  peer& p = *keep;
   const auto timeout = args_.timeout;
   for (const bucket& b : plan.buckets) {
     const std::string what = rank_name(p.rank) + ": bucket " + std::to_string(b.index);
@@ -155,10 +161,10 @@ asio::awaitable<void> sender::stream_to(peer& p, const std::vector<std::vector<a
           g.remote - it->second.base > it->second.bytes - g.payload_bytes)
         throw_error(errc::protocol_error, what + ": the grant lies outside the worker's registered memory");
       if (g.payload_bytes > 0)
-        co_await put_all(*worker_, *p.ep, payload, g.remote, *it->second.rkey, timeout, what + ": put");
+        co_await put_all(*w, *p.ep, payload, g.remote, *it->second.rkey, timeout, what + ": put");
     } else if (g.mode == wire::mode_tag) {
       if ((g.tag >> 32) != seq) throw_error(errc::protocol_error, what + ": the grant is for another update");
-      co_await tag_send(*worker_, *p.ep, payload, g.tag, timeout, what + ": tagged send");
+      co_await tag_send(*w, *p.ep, payload, g.tag, timeout, what + ": tagged send");
     } else {
       throw_error(errc::protocol_error, what + ": unknown grant mode " + std::to_string(g.mode));
     }
@@ -200,7 +206,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     co_await announce_all(peers_, links::update_header(seq, declared, plan));
     std::vector<asio::awaitable<void>> streams;
     for (auto& p : peers_by_rank_)
-      streams.push_back(guarded(stream_to(*p, payloads, plan, seq), p->socket, rank_name(p->rank)));
+      streams.push_back(guarded(stream_to(p, worker_, payloads, plan, seq), p->socket, rank_name(p->rank)));
     co_await async::all_of(std::move(streams));
     co_await confirm_all(peers_, seq);
   } catch (...) {

@@ -2,12 +2,14 @@
 
 #include <sys/epoll.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
 #include <asio/posix/stream_descriptor.hpp>
 #include <asio/post.hpp>
+#include <asio/use_awaitable.hpp>
 
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/event.h>
@@ -345,12 +347,17 @@ transport_report endpoint::transports() const {
 }
 
 asio::awaitable<void> endpoint::flush(std::chrono::milliseconds limit, std::string what) {
+  check_open(what);
   ucp_request_param_t p{};
   auto state = worker_->track(p, false);
   ucs_status_ptr_t r = ucp_ep_flush_nbx(ep_, &p);
   if (!UCS_PTR_IS_PTR(r)) delete static_cast<state_box*>(p.user_data);
   co_await worker_->wait(r, state, limit, what);
   if (*failure_ != UCS_OK) throw_status(*failure_, what);
+}
+
+void endpoint::check_open(const std::string& what) const {
+  if (!ep_ || !worker_->get()) throw_error(errc::cancelled, what + ": the UCX endpoint was closed");
 }
 
 void endpoint::close() noexcept {
@@ -379,15 +386,25 @@ remote_key::~remote_key() {
 
 asio::awaitable<void> put_all(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces, std::uint64_t remote,
                               const remote_key& rkey, std::chrono::milliseconds limit, std::string what) {
+  // Over cma (and other copy-based transports) a put copies inside ucp_put_nbx,
+  // on this event loop: at most max_put bytes per turn of the loop, so that other
+  // handlers wait well under a millisecond for each.
+  constexpr std::size_t max_put = 4u << 20;
   for (const auto& piece : pieces) {
-    if (piece.size() == 0) continue;
-    ucp_request_param_t p{};
-    // No callback: the flush below completes them all; a request is released by
-    // UCX when it completes.
-    ucs_status_ptr_t r = ucp_put_nbx(ep.get(), piece.data(), piece.size(), remote, rkey.get(), &p);
-    if (UCS_PTR_IS_ERR(r)) throw_status(UCS_PTR_STATUS(r), what + " (ucp_put_nbx)");
-    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
-    remote += piece.size();
+    const auto* data = static_cast<const std::byte*>(piece.data());
+    for (std::size_t at = 0; at < piece.size();) {
+      const std::size_t n = std::min(max_put, piece.size() - at);
+      ep.check_open(what);
+      ucp_request_param_t p{};
+      // No callback: the flush below completes them all; a request is released by
+      // UCX when it completes.
+      ucs_status_ptr_t r = ucp_put_nbx(ep.get(), data + at, n, remote, rkey.get(), &p);
+      if (UCS_PTR_IS_ERR(r)) throw_status(UCS_PTR_STATUS(r), what + " (ucp_put_nbx)");
+      if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+      remote += n;
+      at += n;
+      if (n == max_put) co_await asio::post(w.executor(), asio::use_awaitable);
+    }
   }
   w.kick();
   co_await ep.flush(limit, what + " (flush)");
@@ -395,6 +412,7 @@ asio::awaitable<void> put_all(worker& w, endpoint& ep, std::span<const asio::con
 
 asio::awaitable<void> tag_send(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces, std::uint64_t tag,
                                std::chrono::milliseconds limit, std::string what) {
+  ep.check_open(what);
   ucp_request_param_t p{};
   auto state = w.track(p, false);
   state->iov = iov_of(pieces);

@@ -160,6 +160,8 @@ class endpoint {
   asio::awaitable<void> flush(std::chrono::milliseconds limit, std::string what);
   /// Closes now (forced: nothing waits for the peer); idempotent.
   void close() noexcept;
+  /// Throws cancelled naming `what` once the endpoint or its worker was closed.
+  void check_open(const std::string& what) const;
 
  private:
   std::shared_ptr<worker> worker_;

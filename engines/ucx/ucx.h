@@ -144,13 +144,16 @@ class sender final : public links::sender_base {
     std::map<std::uint32_t, region> regions;
     endpoint_report report;
   };
-  asio::awaitable<void> connect_one(peer& p);
-  asio::awaitable<void> stream_to(peer& p, const std::vector<std::vector<asio::const_buffer>>& payloads,
-                                  const bucket_plan& plan, std::uint64_t seq);
+  asio::awaitable<void> connect_one(std::shared_ptr<peer> p, std::shared_ptr<worker> w);
+  // The peer and the UCX worker are held: a shutdown() mid-update closes them
+  // (the send then fails) but frees nothing a stream still uses.
+  asio::awaitable<void> stream_to(std::shared_ptr<peer> p, std::shared_ptr<worker> w,
+                                  const std::vector<std::vector<asio::const_buffer>>& payloads, const bucket_plan& plan,
+                                  std::uint64_t seq);
 
   std::shared_ptr<ucx::context> ucp_;
   std::shared_ptr<worker> worker_;
-  std::vector<std::unique_ptr<peer>> peers_by_rank_;
+  std::vector<std::shared_ptr<peer>> peers_by_rank_;
 };
 
 }  // namespace refit::ucx

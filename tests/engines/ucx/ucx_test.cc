@@ -101,6 +101,29 @@ TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
   EXPECT_NO_THROW(got.check_equals(set));
 }
 
+// A bucket larger than what one turn of the trainer's loop puts (4 MiB) arrives
+// whole, in order.
+TEST(ucx, a_bucket_of_several_put_turns_arrives_whole) {
+  asio::io_context io;
+  ucx_harness h(io, nullptr);
+  wire_params wire;
+  wire.buffer_bytes = 16 << 20;
+  wire.num_buffers = 2;
+  run_to_completion(io, h.connect(wire));
+  tensor_set set;
+  set.add("a", dtype::float32, {5 << 18});  // 5 MiB
+  set.add("b", dtype::float32, {5 << 18});
+  capture got;
+  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+  auto received =
+      spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(), true));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  ASSERT_FALSE(sent->error) << sent->message();
+  ASSERT_FALSE(received->error) << received->message();
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_EQ(h.engine().last_update_stats().buckets, 1u);
+}
+
 TEST(ucx, required_transports_that_ucx_did_not_choose_refuse_init_on_both_sides) {
   asio::io_context io;
   ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
