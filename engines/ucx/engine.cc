@@ -231,7 +231,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
   rank_ = links::worker_rank(info, context().ranks, "ucx");
   auto j = co_await links::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_,
                                 who());
-  auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(j.socket));
+  auto socket = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
   std::exception_ptr failure;
   try {
     // UCX's context (it loads its transport modules) and the registered staging
@@ -304,22 +304,24 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     throw_error(errc::invalid_state, who() +
                                          ": the connection to the trainer was closed by an earlier failure; "
                                          "call init_transfer_engine again");
+  const auto socket = socket_;
+  const auto w = worker_;
   std::exception_ptr failure;
   try {
-    worker::engaged progressing(worker_);
+    worker::engaged progressing(w);
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-    last_seq_ = co_await links::accept_update(*socket_, last_seq_, info.metadata, plan, timeout_, who());
-    transport t(*socket_, worker_, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, who());
+    last_seq_ = co_await links::accept_update(*socket, last_seq_, info.metadata, plan, timeout_, who());
+    transport t(*socket, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, who());
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                                 receive_target());
-    co_await links::confirm_update(*socket_, last_seq_, timeout_, who());
+    co_await links::confirm_update(*socket, last_seq_, timeout_, who());
   } catch (...) {
     failure = std::current_exception();
   }
   if (failure) {
     // The trainer learns why; then, as the stream position is unknown, the
     // connection and the UCX worker close (nothing lands in staging afterwards).
-    if (socket_) co_await links::tell_failure(*socket_, failure, last_seq_);
+    if (socket->is_open()) co_await links::tell_failure(*socket, failure, last_seq_);
     close();
     std::rethrow_exception(failure);
   }
@@ -328,7 +330,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
   if (!socket_) return;
   try {
-    std::shared_ptr<asio::ip::tcp::socket> s(socket_.release());
+    std::shared_ptr<asio::ip::tcp::socket> s = std::exchange(socket_, nullptr);
     asio::co_spawn(context().executor,
                    links::refuse_update(s, last_seq_ + 1, kind, reason,
                                         std::min(timeout_, std::chrono::milliseconds(2000)), who()),

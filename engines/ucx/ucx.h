@@ -108,7 +108,9 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::shared_ptr<worker> worker_;
   registered_staging* staging_ = nullptr;  // owned by pipeline_
   std::vector<std::uint32_t> announced_;   // regions whose keys the trainer has
-  std::unique_ptr<asio::ip::tcp::socket> socket_;
+  // Shared with an update in flight: a shutdown() while it waits on the trainer
+  // closes the socket and the UCX worker but frees neither under it.
+  std::shared_ptr<asio::ip::tcp::socket> socket_;
   std::unique_ptr<receive_pipeline> pipeline_;
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
