@@ -16,7 +16,8 @@ json engine_capabilities::to_json() const {
           {"relay", relay},
           {"sharded", sharded},
           {"defers_processing", defers_processing},
-          {"needs_gpu", needs_gpu}};
+          {"needs_gpu", needs_gpu},
+          {"opt_in_build", opt_in_build}};
 }
 
 weight_transfer_engine::~weight_transfer_engine() = default;

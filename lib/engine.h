@@ -128,6 +128,10 @@ struct engine_capabilities {
   bool defers_processing = false;
   /// Needs a GPU (CUDA builds).
   bool needs_gpu = false;
+  /// Joins //engines:all (and so the Python module and the examples) only in
+  /// builds that ask for it (`--config=<backend>`): it links a system library
+  /// the default build does not (ucx: libucx).
+  bool opt_in_build = false;
 
   json to_json() const;
   friend bool operator==(const engine_capabilities&, const engine_capabilities&) = default;
@@ -207,6 +211,10 @@ class weight_transfer_engine {
   /// Statistics of the last completed update (processing times are final after
   /// drain_pending()).
   virtual const update_stats& last_update_stats() const noexcept = 0;
+  /// What the engine's transport chose once initialised (ucx: the transports UCX
+  /// picked for the data, put or tagged), or null for engines with nothing to
+  /// report. The control plane's init answer and weight_info carry it.
+  virtual json transport_info() const { return nullptr; }
 
   virtual bool initialized() const noexcept = 0;
   /// Buckets whose deferred processing has not finished yet.

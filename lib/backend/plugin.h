@@ -27,7 +27,7 @@
 /// Bumped whenever a type that crosses the boundary changes (engine_capabilities,
 /// weight_transfer_config, engine_context, trainer_context, the engine and sender
 /// interfaces, refit_plugin_v2).
-#define REFIT_PLUGIN_ABI_VERSION 2
+#define REFIT_PLUGIN_ABI_VERSION 3
 
 #define REFIT_PLUGIN_STR2(x) #x
 #define REFIT_PLUGIN_STR(x) REFIT_PLUGIN_STR2(x)

@@ -63,8 +63,11 @@ int main(int argc, char** argv) {
     if (!c) continue;
     std::cout << "| `" << name << "` | " << yes(c->direct_receive) << " | " << yes(c->staged_commit) << " | "
               << yes(c->checksums) << " | " << yes(c->relay) << " | " << yes(c->sharded) << " | "
-              << yes(c->device_memory) << " | " << (c->needs_gpu ? "`--cuda` wheel" : "yes") << " | "
-              << (verified.count(name) ? "yes" : "no") << " |\n";
+              << yes(c->device_memory) << " | "
+              << (c->needs_gpu      ? "`--cuda` wheel"
+                  : c->opt_in_build ? "no"
+                                    : "yes")
+              << " | " << (verified.count(name) ? "yes" : "no") << " |\n";
   }
   return 0;
 }

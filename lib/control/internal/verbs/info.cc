@@ -19,7 +19,8 @@ json weight_info_of(const worker_state& w) {
       {"default_commit", to_string(w.config.commit)},
       {"last_update", engine.last_update_stats().to_json()},
       {"connections", w.server.connection_count()},
-      {"accept_errors", w.server.accept_errors()}};
+      {"accept_errors", w.server.accept_errors()},
+      {"transport", engine.transport_info()}};
   const bool owned = session.active() && w.owner.has_owner();
   info["session_owner"] = owned ? json(w.owner.name()) : json(nullptr);
   info["session_timeout_ms"] = w.owner.timeout().count();

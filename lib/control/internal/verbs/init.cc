@@ -42,7 +42,9 @@ asio::awaitable<json> init_weight_transfer_engine(worker_state& w, rpc_connectio
     w.note_error("init_weight_transfer_engine", failure);
     std::rethrow_exception(failure);
   }
-  co_return json::object();
+  json answer = json::object();
+  if (auto t = w.engine->transport_info(); !t.is_null()) answer["transport"] = std::move(t);
+  co_return answer;
 }
 
 }  // namespace refit::control::internal::verbs

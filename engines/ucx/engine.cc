@@ -1,0 +1,359 @@
+// The UCX worker: join the trainer over the authenticated side channel, register
+// the staging slots and offer them (address and remote keys), then per bucket grant
+// the trainer a destination the pipeline has acquired and wait for its "done".
+#include <algorithm>
+#include <cstdlib>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+
+#include <refit/backend/async/offload.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/links/wire.h>
+#include <refit/backend/net.h>
+#include <refit/engines/ucx/ucx.h>
+#include "ucp.h"   // private to this engine
+#include "wire.h"  // private to this engine
+
+namespace refit::ucx {
+
+init_info init_info::read(json_reader& r) {
+  init_info info;
+  static_cast<links::join_info&>(info) = links::join_info::read(r);
+  if (info.wire.checksums)
+    r.fail("member 'checksums' is not supported by this engine (puts cross no byte stream to checksum)");
+  info.require_transports = r.optional<std::vector<std::string>>("require_transports", {});
+  return info;
+}
+
+json endpoint_report::to_json() const {
+  return {{"transports", transports},
+          {"put_transports", put_transports},
+          {"mode", mode},
+          {"peer_failure_handling", peer_failure_handling}};
+}
+
+endpoint_report endpoint_report::from_json(const json& j, const std::string& what) {
+  json_reader r(j, what);
+  endpoint_report out;
+  out.transports = r.required<std::vector<std::string>>("transports");
+  out.put_transports = r.required<std::vector<std::string>>("put_transports");
+  out.mode = r.required<std::string>("mode");
+  out.peer_failure_handling = r.required<bool>("peer_failure_handling");
+  r.finish();
+  if (out.mode != "put" && out.mode != "tag") r.fail("member 'mode' is '" + out.mode + "', expected put or tag");
+  return out;
+}
+
+namespace {
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out.empty() ? "none" : out;
+}
+
+bool matches(const std::string& wanted, const std::string& t) {
+  if (wanted == t) return true;
+  if (wanted == "sm") return t == "cma" || t == "posix" || t == "sysv" || t == "xpmem" || t == "knem";
+  if (wanted == "rdma") return t.starts_with("rc") || t.starts_with("dc") || t.starts_with("ud");
+  return t.starts_with(wanted + "_");  // "rc" matches rc_mlx5 and rc_verbs
+}
+}  // namespace
+
+std::string check_required(const endpoint_report& report, const std::vector<std::string>& required) {
+  if (required.empty()) return {};
+  const auto& data = report.mode == "put" ? report.put_transports : report.transports;
+  for (const auto& want : required)
+    for (const auto& t : data)
+      if (matches(want, t)) return {};
+  return "require_transports [" + joined(required) + "] not met: UCX carries the data over " + joined(data) + " (" +
+         (report.mode == "put" ? "one-sided puts" : "two-sided tagged sends: puts would be emulated") +
+         "; the endpoint's transports: " + joined(report.transports) + "; set UCX_TLS/UCX_NET_DEVICES or fix the " +
+         "RDMA setup)";
+}
+
+// Staging slots registered with UCX (and the assembly buffer for tensors larger
+// than a slot, registered whenever it grows). Region ids: slot i is i; each
+// assembly allocation takes the next id from slot_count() on.
+class registered_staging final : public staging_memory {
+ public:
+  registered_staging(std::shared_ptr<context> ctx, std::size_t count, std::uint64_t bytes)
+      : ctx_(std::move(ctx)), slot_bytes_(bytes), next_id_(static_cast<std::uint32_t>(count)) {
+    for (std::size_t i = 0; i < count; ++i) {
+      slots_.push_back(allocate(bytes));
+      regs_.push_back(std::make_unique<registration>(ctx_, slots_.back().get(), bytes));
+    }
+  }
+  refit::device device() const noexcept override { return device::cpu(); }
+  std::size_t slot_count() const noexcept override { return slots_.size(); }
+  std::span<std::byte> slot(std::size_t index) override {
+    return {slots_.at(index).get(), static_cast<std::size_t>(slot_bytes_)};
+  }
+  std::span<std::byte> assembly(std::uint64_t bytes) override {
+    if (bytes > assembly_bytes_) {
+      assembly_reg_.reset();  // unregistered and freed first: peak memory is the new size
+      assembly_.reset();
+      assembly_bytes_ = 0;
+      assembly_ = allocate(bytes);
+      assembly_reg_ = std::make_unique<registration>(ctx_, assembly_.get(), bytes);
+      assembly_id_ = next_id_++;
+      assembly_bytes_ = bytes;
+    }
+    return {assembly_.get(), static_cast<std::size_t>(bytes)};
+  }
+  std::uint64_t allocated_bytes() const noexcept override { return slot_bytes_ * slots_.size() + assembly_bytes_; }
+
+  /// The registered region holding [p, p + n), if any.
+  std::pair<std::uint32_t, const registration*> find(const std::byte* p, std::uint64_t n) const {
+    for (std::size_t i = 0; i < regs_.size(); ++i)
+      if (regs_[i]->contains(p, n)) return {static_cast<std::uint32_t>(i), regs_[i].get()};
+    if (assembly_reg_ && assembly_reg_->contains(p, n)) return {assembly_id_, assembly_reg_.get()};
+    return {0, nullptr};
+  }
+  const registration& slot_registration(std::size_t i) const { return *regs_.at(i); }
+
+ private:
+  struct free_deleter {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  using buffer = std::unique_ptr<std::byte[], free_deleter>;
+  static buffer allocate(std::uint64_t bytes) {
+    const std::uint64_t rounded = (bytes + 4095) / 4096 * 4096;
+    auto* p = static_cast<std::byte*>(std::aligned_alloc(4096, static_cast<std::size_t>(rounded)));
+    if (!p) throw_error(errc::resource_exhausted, "ucx worker: cannot allocate " + std::to_string(bytes) + " bytes");
+    std::memset(p, 0, static_cast<std::size_t>(rounded));  // faulted in now, not under the first put
+    return buffer(p);
+  }
+
+  std::shared_ptr<context> ctx_;
+  std::uint64_t slot_bytes_;
+  // Buffers before registrations: a registration goes before its memory.
+  std::vector<buffer> slots_;
+  buffer assembly_;
+  std::uint64_t assembly_bytes_ = 0;
+  std::vector<std::unique_ptr<registration>> regs_;
+  std::unique_ptr<registration> assembly_reg_;
+  std::uint32_t assembly_id_ = 0;
+  std::uint32_t next_id_;
+};
+
+namespace {
+
+std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32) | (index & 0xffffffffu); }
+
+// One update's buckets: a grant each (a registered slot for the trainer's puts, or
+// a tagged receive posted into wherever the pipeline wants the bytes), then the
+// trainer's "done".
+class transport final : public bucket_transport {
+ public:
+  transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
+            std::vector<std::uint32_t>& announced, bool puts, std::uint64_t seq, std::chrono::milliseconds timeout,
+            std::string who)
+      : socket_(s), worker_(std::move(w)), staging_(staging), announced_(announced), puts_(puts), seq_(seq),
+        timeout_(timeout), who_(std::move(who)) {}
+
+  asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
+    const std::string what = who_ + ": bucket " + std::to_string(b.index);
+    wire::grant g;
+    g.index = b.index;
+    g.payload_bytes = b.payload_bytes;
+    std::vector<std::byte> key;
+    std::unique_ptr<tag_receive> posted;
+    const registration* reg = nullptr;
+    std::uint32_t id = 0;
+    if (b.payload_bytes == 0) {
+      reg = &staging_.slot_registration(0);  // nothing is put; any granted region will do
+    } else if (puts_ && dest.size() == 1) {
+      std::tie(id, reg) = staging_.find(static_cast<const std::byte*>(dest[0].data()), dest[0].size());
+    }
+    if (reg) {
+      g.mode = wire::mode_put;
+      g.region = id;
+      g.remote = b.payload_bytes == 0 ? reinterpret_cast<std::uint64_t>(reg->base())
+                                      : reinterpret_cast<std::uint64_t>(dest[0].data());
+      if (std::find(announced_.begin(), announced_.end(), id) == announced_.end()) {
+        key = reg->packed_rkey();
+        g.rkey_bytes = static_cast<std::uint32_t>(key.size());
+        g.region_base = reinterpret_cast<std::uint64_t>(reg->base());
+        g.region_bytes = reg->bytes();
+        announced_.push_back(id);
+      }
+    } else {
+      // Not a registered slot (the model's memory, the stage) or puts would be
+      // emulated: the bytes come as one tagged message, received in place.
+      g.mode = wire::mode_tag;
+      g.tag = tag_of(seq_, b.index);
+      posted = std::make_unique<tag_receive>(worker_, dest, g.tag, what + " (tagged receive)");
+    }
+    const auto raw = wire::encode(g);
+    std::vector<asio::const_buffer> out{asio::buffer(raw)};
+    if (!key.empty()) out.push_back(asio::buffer(key));
+    co_await net::write_all(socket_, out, timeout_, what + ": granting its destination");
+    std::array<std::byte, sizeof(wire::done)> d;
+    co_await net::read_exact(socket_, asio::buffer(d), timeout_, what + ": waiting for the trainer's puts");
+    const auto done = wire::decode<wire::done>(d);
+    if (done.magic != wire::done_magic || done.index != b.index)
+      throw_error(errc::protocol_error, what + ": expected the trainer's done for bucket " + std::to_string(b.index));
+    if (posted) co_await posted->wait(timeout_);
+  }
+
+ private:
+  asio::ip::tcp::socket& socket_;
+  std::shared_ptr<worker> worker_;
+  registered_staging& staging_;
+  std::vector<std::uint32_t>& announced_;
+  bool puts_;
+  std::uint64_t seq_;
+  std::chrono::milliseconds timeout_;
+  std::string who_;
+};
+
+}  // namespace
+
+engine::engine(const weight_transfer_config& config, const engine_context& context)
+    : typed_engine(config, context, capabilities_of()) {}
+
+engine::~engine() {
+  close();
+  pipeline_.reset();  // registrations before the context
+}
+
+json engine::transport_info() const {
+  if (!initialized_) return nullptr;
+  json j = report_.to_json();
+  j["rank"] = rank_;
+  return j;
+}
+
+asio::awaitable<void> engine::init(const init_info& info) {
+  close();
+  timeout_ = info.timeout.value_or(config().timeout);
+  rank_ = links::worker_rank(info, context().ranks, "ucx");
+  auto j = co_await links::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_,
+                                who());
+  auto socket = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
+  std::exception_ptr failure;
+  try {
+    // UCX's context (it loads its transport modules) and the registered staging
+    // are made once, off the event loop, and kept across inits.
+    if (!ucp_) ucp_ = co_await async::offload(processing_executor(), [] { return std::make_shared<ucx::context>(); });
+    if (!pipeline_ || !(pipeline_->params() == info.wire)) {
+      pipeline_.reset();  // the old staging goes first: peak memory is one set
+      staging_ = nullptr;
+      const wire_params wire = info.wire;
+      auto ctx = ucp_;
+      std::unique_ptr<registered_staging> staging = co_await async::offload(processing_executor(), [ctx, wire] {
+        return std::make_unique<registered_staging>(ctx, wire.num_buffers, wire.buffer_bytes);
+      });
+      staging_ = staging.get();
+      pipeline_ =
+          std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
+    }
+    worker_ = worker::create(ucp_, context().executor);
+    worker::engaged progressing(worker_);
+
+    // The offer: this worker's address and every slot's extent and key.
+    wire::writer body;
+    const auto address = worker_->address();
+    body.bytes(address);
+    announced_.clear();
+    for (std::size_t i = 0; i < staging_->slot_count(); ++i) {
+      const auto& reg = staging_->slot_registration(i);
+      body.put(reinterpret_cast<std::uint64_t>(reg.base()));
+      body.put(reg.bytes());
+      body.put(static_cast<std::uint32_t>(reg.packed_rkey().size()));
+      body.bytes(reg.packed_rkey());
+      announced_.push_back(static_cast<std::uint32_t>(i));
+    }
+    wire::offer_header h;
+    h.bytes = static_cast<std::uint32_t>(body.out.size());
+    h.address_bytes = static_cast<std::uint32_t>(address.size());
+    h.regions = static_cast<std::uint32_t>(staging_->slot_count());
+    const auto raw = wire::encode(h);
+    std::vector<asio::const_buffer> out{asio::buffer(raw), asio::buffer(body.out)};
+    co_await net::write_all(*socket, out, timeout_, who() + ": offering its UCX address and staging");
+
+    // What UCX chose, as the trainer's endpoint sees it; refused here when it is not
+    // what this worker requires (the trainer is told why).
+    auto st = co_await links::read_status(*socket, timeout_, who() + ": waiting for the trainer's UCX endpoint");
+    links::throw_if_failed(st, who() + ": the trainer");
+    report_ = endpoint_report::from_json(parse_json_text(st.message, who() + ": UCX endpoint report"),
+                                         who() + ": UCX endpoint report");
+    if (auto unmet = check_required(report_, info.require_transports); !unmet.empty()) {
+      co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::unsupported), 0, who() + ": " + unmet,
+                                  timeout_, who() + ": refusing the transports");
+      throw_error(errc::unsupported, who() + ": " + unmet);
+    }
+    co_await links::send_status(*socket, 0, 0, {}, timeout_, who() + ": accepting the transports");
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    std::error_code ignored;
+    socket->close(ignored);
+    close();
+    std::rethrow_exception(failure);
+  }
+  socket_ = std::move(socket);
+  last_seq_ = 0;
+  initialized_ = true;
+}
+
+asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
+  if (!socket_)
+    throw_error(errc::invalid_state, who() +
+                                         ": the connection to the trainer was closed by an earlier failure; "
+                                         "call init_transfer_engine again");
+  const auto socket = socket_;
+  const auto w = worker_;
+  std::exception_ptr failure;
+  try {
+    worker::engaged progressing(w);
+    bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
+    last_seq_ = co_await links::accept_update(*socket, last_seq_, info.metadata, plan, timeout_, who());
+    transport t(*socket, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, who());
+    co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
+                                receive_target());
+    co_await links::confirm_update(*socket, last_seq_, timeout_, who());
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    // The trainer learns why; then, as the stream position is unknown, the
+    // connection and the UCX worker close (nothing lands in staging afterwards).
+    if (socket->is_open()) co_await links::tell_failure(*socket, failure, last_seq_);
+    close();
+    std::rethrow_exception(failure);
+  }
+}
+
+void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
+  if (!socket_) return;
+  try {
+    std::shared_ptr<asio::ip::tcp::socket> s = std::exchange(socket_, nullptr);
+    asio::co_spawn(context().executor,
+                   links::refuse_update(s, last_seq_ + 1, kind, reason,
+                                        std::min(timeout_, std::chrono::milliseconds(2000)), who()),
+                   asio::detached);
+  } catch (...) {  // could not start the refusal: the trainer fails at its deadline
+  }
+  close();
+}
+
+void engine::close() noexcept {
+  if (socket_) {
+    std::error_code ignored;
+    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+    socket_->close(ignored);
+    socket_.reset();
+  }
+  if (worker_) {
+    worker_->close();
+    worker_.reset();
+  }
+  initialized_ = false;
+}
+
+void engine::do_shutdown() { close(); }
+
+}  // namespace refit::ucx

@@ -1,0 +1,339 @@
+#include <refit/engines/ucx/ucx.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include <asio/experimental/awaitable_operators.hpp>
+
+#include <refit/control/client.h>
+#include <refit/control/worker_host.h>
+#include <refit/factory.h>
+
+#include "tests/conformance/conformance.h"
+
+namespace {
+// UCX reads its settings when the first context is made: set them before any test.
+const bool ucx_env = [] {
+  setenv("UCX_TLS", REFIT_TEST_UCX_TLS, 1);
+  setenv("UCX_NET_DEVICES", "lo", 1);  // else UCX's tcp uses every interface
+  return true;
+}();
+const bool shared_memory = std::string(REFIT_TEST_UCX_TLS).starts_with("sm");
+}  // namespace
+
+namespace refit::testing {
+namespace {
+
+weight_transfer_config ucx_config(std::string secret = {}) {
+  weight_transfer_config config;
+  config.backend = "ucx";
+  config.timeout = std::chrono::seconds(5);
+  config.auth_secret = std::move(secret);
+  return config;
+}
+
+class ucx_harness final : public engine_harness {
+ public:
+  ucx_harness(asio::io_context& io, model_target* model, std::string secret = {}) {
+    sender_ = std::make_unique<ucx::sender>(ucx_config(secret), trainer_context{io.get_executor(), {}});
+    engine_ = std::make_unique<ucx::engine>(ucx_config(secret), engine_context{io.get_executor(), {}, {}, model});
+  }
+  asio::awaitable<void> connect(const wire_params& wire) override {
+    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
+    wire.write(args);
+    auto info = engine_->parse_init_info(sender_->prepare(args));
+    using namespace asio::experimental::awaitable_operators;
+    co_await (sender_->connect_workers() && engine_->init_transfer_engine(*info));
+  }
+  weight_transfer_engine& engine() override { return *engine_; }
+  weight_sender& sender() override { return *sender_; }
+  ucx::engine& ucx_engine() { return *engine_; }
+  ucx::sender& ucx_sender() { return *sender_; }
+
+ private:
+  std::unique_ptr<ucx::sender> sender_;
+  std::unique_ptr<ucx::engine> engine_;
+};
+
+wire_params small_wire() {
+  wire_params w;
+  w.buffer_bytes = 64 << 10;
+  w.num_buffers = 2;
+  return w;
+}
+
+TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
+  asio::io_context io;
+  ucx_harness h(io, nullptr);
+  run_to_completion(io, h.connect(small_wire()));
+  const json worker = h.ucx_engine().transport_info();
+  const json trainer = h.ucx_sender().transport_info();
+  ASSERT_TRUE(worker.is_object()) << worker.dump();
+  json same = worker;
+  same.erase("rank");
+  EXPECT_EQ(trainer.at("1"), same) << "both sides report the same endpoint";
+  const auto transports = worker.at("transports").get<std::vector<std::string>>();
+  if (shared_memory) {
+    // cma carries puts between processes on one host: one-sided.
+    EXPECT_EQ(worker.at("mode"), "put") << worker.dump();
+    EXPECT_NE(std::find(transports.begin(), transports.end(), "cma"), transports.end()) << worker.dump();
+  } else {
+    // UCX's tcp has no put lane (puts would be emulated): tagged sends.
+    EXPECT_EQ(worker.at("mode"), "tag") << worker.dump();
+    EXPECT_NE(std::find(transports.begin(), transports.end(), "tcp"), transports.end()) << worker.dump();
+    EXPECT_TRUE(worker.at("peer_failure_handling").get<bool>()) << worker.dump();
+  }
+  // Data moves either way, with buckets of several tensors and split tensors.
+  tensor_set set;
+  for (int i = 0; i < 6; ++i) set.add("w" + std::to_string(i), dtype::float32, {5000});
+  set.add("big", dtype::float32, {100000});  // larger than a buffer: split, assembled
+  capture got;
+  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+  auto received =
+      spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(), true));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  ASSERT_FALSE(sent->error) << sent->message();
+  ASSERT_FALSE(received->error) << received->message();
+  EXPECT_NO_THROW(got.check_equals(set));
+}
+
+// A bucket larger than what one turn of the trainer's loop puts (4 MiB) arrives
+// whole, in order.
+TEST(ucx, a_bucket_of_several_put_turns_arrives_whole) {
+  asio::io_context io;
+  ucx_harness h(io, nullptr);
+  wire_params wire;
+  wire.buffer_bytes = 16 << 20;
+  wire.num_buffers = 2;
+  run_to_completion(io, h.connect(wire));
+  tensor_set set;
+  set.add("a", dtype::float32, {5 << 18});  // 5 MiB
+  set.add("b", dtype::float32, {5 << 18});
+  capture got;
+  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+  auto received =
+      spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(), true));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  ASSERT_FALSE(sent->error) << sent->message();
+  ASSERT_FALSE(received->error) << received->message();
+  EXPECT_NO_THROW(got.check_equals(set));
+  EXPECT_EQ(h.engine().last_update_stats().buckets, 1u);
+}
+
+TEST(ucx, required_transports_that_ucx_did_not_choose_refuse_init_on_both_sides) {
+  asio::io_context io;
+  ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
+  ucx::engine engine(ucx_config(), engine_context{io.get_executor()});
+  json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+  init["require_transports"] = {"rc", "dc"};
+  auto info = engine.parse_init_info(init);
+  auto t = spawn(io, sender.connect_workers());
+  auto w = spawn(io, engine.init_transfer_engine(*info));
+  ASSERT_TRUE(run_until(io, [&] { return t->done && w->done; })) << "a hang";
+  ASSERT_TRUE(w->error);
+  EXPECT_EQ(w->kind(), static_cast<int>(errc::unsupported)) << w->message();
+  EXPECT_NE(w->message().find("require_transports [rc, dc] not met"), std::string::npos) << w->message();
+  EXPECT_NE(w->message().find(shared_memory ? "cma" : "tcp"), std::string::npos) << "names what UCX offered";
+  ASSERT_TRUE(t->error);
+  EXPECT_EQ(t->kind(), static_cast<int>(errc::unsupported)) << t->message();
+  EXPECT_NE(t->message().find("worker rank 1"), std::string::npos) << t->message();
+  EXPECT_FALSE(engine.initialized());
+}
+
+TEST(ucx, a_trainer_lost_mid_update_fails_the_worker_which_recovers) {
+  asio::io_context io;
+  auto h = std::make_unique<ucx_harness>(io, nullptr);
+  run_to_completion(io, h->connect(small_wire()));
+  tensor_set set;
+  for (int i = 0; i < 32; ++i) set.add("w" + std::to_string(i), dtype::float32, {4000});
+  std::atomic<int> loads{0};
+  auto sent = spawn(io, send_views(h->sender(), set.meta, set.views()));
+  auto received = spawn(io, receive_update(
+                                h->engine(), h->engine().parse_update_info(h->update_info_json(set.meta)),
+                                [&](std::span<const tensor_view> v) { loads += static_cast<int>(v.size()); }, true));
+  ASSERT_TRUE(run_until(io, [&] { return loads > 0 || received->done; }));
+  h->sender().shutdown();
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, ucx_config().timeout) << "within the deadline";
+  ASSERT_TRUE(received->error);
+  EXPECT_EQ(received->kind(), static_cast<int>(errc::peer_lost)) << received->message();
+  EXPECT_NE(received->message().find("ucx worker rank 1"), std::string::npos) << received->message();
+
+  h = std::make_unique<ucx_harness>(io, nullptr);
+  run_to_completion(io, h->connect(small_wire()));
+  capture got;
+  auto sent2 = spawn(io, send_views(h->sender(), set.meta, set.views()));
+  auto received2 = spawn(
+      io, receive_update(h->engine(), h->engine().parse_update_info(h->update_info_json(set.meta)), got.fn(), true));
+  ASSERT_TRUE(run_until(io, [&] { return sent2->done && received2->done; })) << "a hang";
+  EXPECT_FALSE(received2->error) << received2->message();
+  EXPECT_NO_THROW(got.check_equals(set));
+}
+
+// A worker process killed (SIGKILL) in the middle of an update: the trainer's send
+// fails with peer_lost naming the rank, well within its deadline.
+TEST(ucx, a_worker_process_killed_mid_update_is_peer_lost_naming_its_rank) {
+  tensor_set set;
+  for (int i = 0; i < 64; ++i) set.add("w" + std::to_string(i), dtype::float32, {4000});
+  asio::io_context io;
+  auto config = ucx_config();
+  ucx::sender sender(config, trainer_context{io.get_executor(), {}});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
+  small_wire().write(args);
+  const json init = sender.prepare(args);
+  const json info_json = [&] {
+    json j = json::object();
+    write_update_metadata(set.meta, j);
+    return j;
+  }();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // The worker: its own loop and UCX context; it dies at its third load.
+    asio::io_context wio;
+    ucx::engine engine(config, engine_context{wio.get_executor()});
+    auto info = engine.parse_init_info(init);
+    auto w = spawn(wio, engine.init_transfer_engine(*info));
+    if (!run_until(wio, [&] { return w->done; }) || w->error) _exit(3);
+    int loads = 0;
+    auto r = spawn(wio, receive_update(
+                            engine, engine.parse_update_info(info_json),
+                            [&](std::span<const tensor_view>) {
+                              if (++loads == 3) kill(getpid(), SIGKILL);
+                            },
+                            true));
+    run_until(wio, [&] { return r->done; });
+    _exit(4);  // not reached: the process is killed
+  }
+  auto connected = spawn(io, sender.connect_workers());
+  ASSERT_TRUE(run_until(io, [&] { return connected->done; })) << "a hang";
+  ASSERT_FALSE(connected->error) << connected->message();
+  const auto start = std::chrono::steady_clock::now();
+  auto sent = spawn(io, send_views(sender, set.meta, set.views()));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done; })) << "a hang";
+  const auto took = std::chrono::steady_clock::now() - start;
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "the worker was killed, status " << status;
+  ASSERT_TRUE(sent->error);
+  EXPECT_EQ(sent->kind(), static_cast<int>(errc::peer_lost)) << sent->message();
+  EXPECT_NE(sent->message().find("worker rank 1"), std::string::npos) << sent->message();
+  EXPECT_LT(took, config.timeout) << "detected before the deadline, not by it";
+}
+
+int open_descriptors() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) n += e.exists() ? 1 : 0;
+  return n;
+}
+
+// Registrations, endpoints, UCX workers and contexts are released on every path:
+// after updates, refused inits and lost trainers, as many descriptors are open as
+// before.
+TEST(ucx, inits_updates_and_failures_leave_no_descriptors_behind) {
+  auto round = [](int i) {
+    asio::io_context io;
+    ucx_harness h(io, nullptr);
+    tensor_set set;
+    for (int t = 0; t < 32; ++t) set.add("w" + std::to_string(t), dtype::float32, {4000});
+    if (i % 3 == 2) {  // a refused init
+      json init = h.sender().prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+      init["require_transports"] = {"rc"};
+      auto info = h.engine().parse_init_info(init);
+      auto t = spawn(io, h.sender().connect_workers());
+      auto w = spawn(io, h.engine().init_transfer_engine(*info));
+      EXPECT_TRUE(run_until(io, [&] { return t->done && w->done; })) << "a hang";
+      EXPECT_TRUE(w->error);
+      return;
+    }
+    run_to_completion(io, h.connect(small_wire()));
+    std::atomic<int> loads{0};
+    auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+    auto received = spawn(io, receive_update(
+                                  h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)),
+                                  [&](std::span<const tensor_view> v) { loads += static_cast<int>(v.size()); }, true));
+    if (i % 3 == 1) {  // the trainer goes mid-update
+      EXPECT_TRUE(run_until(io, [&] { return loads > 0 || received->done; }));
+      h.sender().shutdown();
+    }
+    EXPECT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+    // (A trainer shut down mid-update may still have delivered it all: no error then.)
+    if (i % 3 != 1) EXPECT_FALSE(received->error) << received->message();
+  };
+  round(0);  // first use: UCX loads its modules, once per process
+  const int fds = open_descriptors();
+  for (int i = 0; i < 12; ++i) round(i);
+  EXPECT_EQ(open_descriptors(), fds) << "descriptors leaked across inits, updates and failures";
+}
+
+// The control plane carries what UCX chose: in the init answer and in weight_info.
+asio::awaitable<void> init_through_host(ucx::sender& sender, control::client& client, json params, json& answer) {
+  using namespace asio::experimental::awaitable_operators;
+  auto call = [&]() -> asio::awaitable<void> {
+    answer = co_await client.call("init_weight_transfer_engine", std::move(params));
+  };
+  co_await (sender.connect_workers() && call());
+}
+
+asio::awaitable<void> call_into(control::client& client, std::string method, json& out) {
+  out = co_await client.call(method, json::object());
+}
+
+TEST(ucx, the_init_answer_and_weight_info_carry_the_transports) {
+  asio::io_context io;
+  engine_factory factory;
+  factory.register_engine<ucx::engine, ucx::sender>("ucx");
+  capture got;
+  control::worker_host host(ucx_config(), engine_context{io.get_executor()}, got.fn(), factory);
+  const auto port = host.listen("127.0.0.1", 0);
+  spawn(io, host.serve());
+  control::client client(io.get_executor(), std::chrono::seconds(5));
+  run_to_completion(io, client.connect("127.0.0.1", port));
+  ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
+  small_wire().write(args);
+  json answer, info;
+  run_to_completion(io, init_through_host(sender, client, {{"init_info", sender.prepare(args)}}, answer));
+  run_to_completion(io, call_into(client, "weight_info", info));
+  ASSERT_TRUE(answer.contains("transport")) << answer.dump();
+  EXPECT_EQ(answer["transport"]["mode"], shared_memory ? "put" : "tag") << answer.dump();
+  EXPECT_EQ(info["transport"], answer["transport"]) << info.dump();
+  EXPECT_EQ(answer["transport"]["rank"], 1);
+  client.close();
+  host.stop();
+  sender.shutdown();
+  EXPECT_TRUE(run(io, std::chrono::seconds(5))) << "nothing left running";
+}
+
+TEST(ucx, checksums_are_refused_by_both_sides) {
+  asio::io_context io;
+  ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
+  EXPECT_THROW(sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"checksums", true}}), error);
+  ucx::engine engine(ucx_config(), engine_context{io.get_executor()});
+  EXPECT_THROW(engine.parse_init_info({{"master_address", "127.0.0.1"}, {"master_port", 1}, {"checksums", true}}),
+               error);
+}
+
+}  // namespace
+}  // namespace refit::testing
+
+using refit::testing::engine_conformance;
+INSTANTIATE_TEST_SUITE_P(
+    ucx, engine_conformance,
+    ::testing::Values(refit::testing::harness_factory{"ucx",
+                                                      [](asio::io_context& io, refit::model_target* model) {
+                                                        return std::unique_ptr<refit::testing::engine_harness>(
+                                                            new refit::testing::ucx_harness(io, model));
+                                                      }},
+                      refit::testing::harness_factory{"ucx_auth",
+                                                      [](asio::io_context& io, refit::model_target* model) {
+                                                        return std::unique_ptr<refit::testing::engine_harness>(
+                                                            new refit::testing::ucx_harness(io, model,
+                                                                                            "shared secret"));
+                                                      }}),
+    [](const auto& info) { return info.param.name; });
