@@ -1,12 +1,17 @@
 // The UCX trainer: accept the workers (links), make an endpoint to each from its
 // offer, then per bucket write where the worker granted (puts, flushed) or send it
 // tagged, and only then say "done".
+#include <poll.h>
+
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
 #include <refit/engines/ucx/ucx.h>
+#include <asio/experimental/deferred.hpp>
+#include <asio/experimental/parallel_group.hpp>
+#include <asio/steady_timer.hpp>
 #include "ucp.h"   // private to this engine
 #include "wire.h"  // private to this engine
 
@@ -107,6 +112,37 @@ asio::awaitable<void> sender::connect_one(std::shared_ptr<peer> keep, std::share
 
 namespace {
 
+// Awaits `op` (a bucket's puts and their flush, or its tagged send) unless the
+// worker hangs up first. UCX 1.13's shared-memory transports have no peer failure
+// handling: a worker that dies mid-put leaves a flush that never completes, and
+// only its TCP side channel says it is gone. The worker never half-closes that
+// connection during an update, so POLLRDHUP there (checked every 20 ms; grants
+// that arrive meanwhile do not trigger it) means it is lost: peer_lost at once,
+// not a timeout at the deadline.
+asio::awaitable<void> unless_hung_up(asio::awaitable<void> op, asio::ip::tcp::socket& s, std::string what) {
+  namespace ex = asio::experimental;
+  auto executor = co_await asio::this_coro::executor;
+  const int fd = s.native_handle();
+  auto watch = [](int fd, std::string what) -> asio::awaitable<void> {
+    asio::steady_timer t(co_await asio::this_coro::executor);
+    for (;;) {
+      pollfd p{fd, POLLRDHUP, 0};
+      if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
+        throw_error(errc::peer_lost, what + ": the worker closed its connection while the bytes were in flight");
+      t.expires_after(std::chrono::milliseconds(20));
+      co_await t.async_wait(asio::use_awaitable);
+    }
+  };
+  auto group = ex::make_parallel_group(asio::co_spawn(executor, std::move(op), ex::deferred),
+                                       asio::co_spawn(executor, watch(fd, what), ex::deferred));
+  auto [order, op_error, watch_error] = co_await group.async_wait(ex::wait_for_one(), asio::use_awaitable);
+  if (order[0] == 0) {
+    if (op_error) std::rethrow_exception(op_error);
+    co_return;
+  }
+  if (watch_error) std::rethrow_exception(watch_error);
+}
+
 // A grant, or the worker's status saying why it fails (both start with a magic).
 asio::awaitable<wire::grant> read_grant(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout,
                                         const std::string& what) {
@@ -161,10 +197,12 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, std::shared_
           g.remote - it->second.base > it->second.bytes - g.payload_bytes)
         throw_error(errc::protocol_error, what + ": the grant lies outside the worker's registered memory");
       if (g.payload_bytes > 0)
-        co_await put_all(*w, *p.ep, payload, g.remote, *it->second.rkey, timeout, what + ": put");
+        co_await unless_hung_up(put_all(*w, *p.ep, payload, g.remote, *it->second.rkey, timeout, what + ": put"),
+                                *p.socket, what + ": put");
     } else if (g.mode == wire::mode_tag) {
       if ((g.tag >> 32) != seq) throw_error(errc::protocol_error, what + ": the grant is for another update");
-      co_await tag_send(*w, *p.ep, payload, g.tag, timeout, what + ": tagged send");
+      co_await unless_hung_up(tag_send(*w, *p.ep, payload, g.tag, timeout, what + ": tagged send"), *p.socket,
+                              what + ": tagged send");
     } else {
       throw_error(errc::protocol_error, what + ": unknown grant mode " + std::to_string(g.mode));
     }
