@@ -241,8 +241,10 @@ asio::awaitable<void> engine::init(const init_info& info) {
       pipeline_.reset();  // the old staging goes first: peak memory is one set
       staging_ = nullptr;
       const wire_params wire = info.wire;
+      // Captured by reference (they live in this frame): GCC 12 may destroy an
+      // owning capture of a lambda written inside co_await twice (async/offload.h).
       auto ctx = ucp_;
-      std::unique_ptr<registered_staging> staging = co_await async::offload(processing_executor(), [ctx, wire] {
+      std::unique_ptr<registered_staging> staging = co_await async::offload(processing_executor(), [&ctx, &wire] {
         return std::make_unique<registered_staging>(ctx, wire.num_buffers, wire.buffer_bytes);
       });
       staging_ = staging.get();
