@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <refit/backend/links/wire.h>
+
 namespace refit::ucx::wire {
 
 inline constexpr std::uint32_t offer_magic = 0x4f435552;  // "RUCO"
@@ -58,13 +60,10 @@ struct done {
 
 static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 16);
 
-template <class T>
-std::array<std::byte, sizeof(T)> encode(const T& v) {
-  std::array<std::byte, sizeof(T)> out;
-  std::memcpy(out.data(), &v, sizeof(T));
-  return out;
-}
+// The bytes of a header struct: the links' encoder (the structs have no padding).
+using links::wire::encode;
 
+/// A header struct from the front of `in` (at least sizeof(T) bytes).
 template <class T>
 T decode(std::span<const std::byte> in) {
   T v;
