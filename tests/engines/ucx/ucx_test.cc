@@ -66,6 +66,19 @@ wire_params small_wire() {
   return w;
 }
 
+// The harness's trainer sends `set`, its worker receives it (direct receive): both
+// end without error and the worker holds exactly the set.
+void send_and_check(asio::io_context& io, ucx_harness& h, tensor_set& set) {
+  capture got;
+  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
+  auto received =
+      spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(), true));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  ASSERT_FALSE(sent->error) << sent->message();
+  ASSERT_FALSE(received->error) << received->message();
+  EXPECT_NO_THROW(got.check_equals(set));
+}
+
 TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
   asio::io_context io;
   ucx_harness h(io, nullptr);
@@ -91,14 +104,7 @@ TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
   tensor_set set;
   for (int i = 0; i < 6; ++i) set.add("w" + std::to_string(i), dtype::float32, {5000});
   set.add("big", dtype::float32, {100000});  // larger than a buffer: split, assembled
-  capture got;
-  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-  auto received =
-      spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(), true));
-  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
-  ASSERT_FALSE(sent->error) << sent->message();
-  ASSERT_FALSE(received->error) << received->message();
-  EXPECT_NO_THROW(got.check_equals(set));
+  ASSERT_NO_FATAL_FAILURE(send_and_check(io, h, set));
 }
 
 // A bucket larger than what one turn of the trainer's loop puts (4 MiB) arrives
@@ -113,14 +119,7 @@ TEST(ucx, a_bucket_of_several_put_turns_arrives_whole) {
   tensor_set set;
   set.add("a", dtype::float32, {5 << 18});  // 5 MiB
   set.add("b", dtype::float32, {5 << 18});
-  capture got;
-  auto sent = spawn(io, send_views(h.sender(), set.meta, set.views()));
-  auto received =
-      spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(set.meta)), got.fn(), true));
-  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
-  ASSERT_FALSE(sent->error) << sent->message();
-  ASSERT_FALSE(received->error) << received->message();
-  EXPECT_NO_THROW(got.check_equals(set));
+  ASSERT_NO_FATAL_FAILURE(send_and_check(io, h, set));
   EXPECT_EQ(h.engine().last_update_stats().buckets, 1u);
 }
 
