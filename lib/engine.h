@@ -128,9 +128,9 @@ struct engine_capabilities {
   bool defers_processing = false;
   /// Needs a GPU (CUDA builds).
   bool needs_gpu = false;
-  /// Joins //engines:all (and so the Python module and the examples) only in
-  /// builds that ask for it (`--config=<backend>`): it links a system library
-  /// the default build does not (ucx: libucx).
+  /// Left out of //engines:all (and so of the Python module and the examples)
+  /// in CUDA builds unless asked for (`--config=<backend>`): it links a system
+  /// library the GPU machines those builds go to may lack (ucx: libucx).
   bool opt_in_build = false;
 
   json to_json() const;

@@ -1,5 +1,5 @@
 // Joins the process-wide factory; linked in through //engines:all (alwayslink) in
-// builds with --config=ucx, and by whatever depends on it directly.
+// builds but CUDA ones (.bazelrc), and by whatever depends on it directly.
 #include <refit/engines/ucx/ucx.h>
 #include <refit/factory.h>
 

@@ -85,7 +85,7 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::string_view backend() const noexcept override { return "ucx"; }
   /// Direct receive (into the model's memory by a tagged receive), staged
   /// commits, processing deferred. No checksums, relays or sharding yet; host
-  /// memory only; in //engines:all with --config=ucx only.
+  /// memory only; not in CUDA builds' //engines:all unless asked (.bazelrc).
   static engine_capabilities capabilities_of() {
     return {.direct_receive = true, .staged_commit = true, .defers_processing = true, .opt_in_build = true};
   }

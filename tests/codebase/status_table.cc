@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
               << yes(c->checksums) << " | " << yes(c->relay) << " | " << yes(c->sharded) << " | "
               << yes(c->device_memory) << " | "
               << (c->needs_gpu      ? "`--cuda` wheel"
-                  : c->opt_in_build ? "no"
+                  : c->opt_in_build ? "CPU wheel"
                                     : "yes")
               << " | " << (verified.count(name) ? "yes" : "no") << " |\n";
   }
