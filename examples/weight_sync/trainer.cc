@@ -67,6 +67,7 @@ struct totals {
   // workers are called (what a Python trainer's figure includes).
   std::vector<double> update_call_seconds;
   std::uint64_t peak_rss = 0;
+  json transports = json::array();  // what each worker's transport chose (ucx), from the last update's stats
   verification check;
 };
 
@@ -140,8 +141,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
         t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
         t.lag_update_p99_ms = std::max(t.lag_update_p99_ms, lag["p99_ms"].get<double>());
       }
+    t.transports = json::array();
     for (const auto& w : result.workers) {
       const json& s = w.stats;
+      if (s.contains("transport")) t.transports.push_back(s["transport"]);
       t.receive_s += s["receive_s"].get<double>() / o.workers;
       t.process_s += s["process_s"].get<double>() / o.workers;
       t.overlap += s["overlap"].get<double>();
@@ -243,6 +246,7 @@ int run_trainer(const options& o) {
                  {"worker_loop_lag_ms",
                   {{"init", t.lag_init_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
                  {"verified", failure.empty() && t.check.verified}};
+  if (!t.transports.empty()) result["transports"] = t.transports;
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
   return failure.empty() && t.check.verified ? 0 : 1;

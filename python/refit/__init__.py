@@ -242,7 +242,8 @@ class Engine:
 
     def state(self) -> Info:
         """The engine's state: initialized, receiving, processing_pending, weights_dirty,
-        dirty_reason, session_active, weight_version, last_update (stats)."""
+        dirty_reason, session_active, weight_version, last_update (stats), transport
+        (what the engine's transport chose, e.g. ucx's transports and mode; else None)."""
         return self._impl.state()
 
     @property

@@ -352,6 +352,7 @@ class py_engine {
       s["session_active"] = session_->active();
       s["weight_version"] = session_->weight_version() ? json(*session_->weight_version()) : json(nullptr);
       s["last_update"] = engine_->last_update_stats().to_json();
+      s["transport"] = engine_->transport_info();  // null unless the engine reports one (ucx)
       return s;
     });
     return nb::cast<nb::dict>(to_python(j));

@@ -45,6 +45,12 @@ std::string worker_state::weight_state() const {
   return session.active() || session.finishing() ? "updating" : "clean";
 }
 
+json worker_state::update_stats() const {
+  json stats = engine->last_update_stats().to_json();
+  if (auto t = engine->transport_info(); !t.is_null()) stats["transport"] = std::move(t);
+  return stats;
+}
+
 void worker_state::note_hook_error(const char* hook, std::exception_ptr e) noexcept {
   try {
     last_hook_error = std::string(hook) + ": " + std::string(errc_name(error_kind_of(e))) + ": " + error_message_of(e);

@@ -24,6 +24,9 @@ struct worker_state {
   void note_error(const std::string& method, std::exception_ptr e);
   /// "clean", "updating" or "dirty" (weight_info's "state").
   std::string weight_state() const;
+  /// The last update's receive stats, with "transport" (what the engine's
+  /// transport chose, as in the init answer) where the engine reports one.
+  json update_stats() const;
 
   // The hooks: what one throws is recorded (last_hook_error) and returned, never thrown.
   std::exception_ptr update_started() noexcept;

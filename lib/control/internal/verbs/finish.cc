@@ -23,7 +23,7 @@ asio::awaitable<json> finish_weight_update(worker_state& w, rpc_connection& call
     std::rethrow_exception(failure);
   }
   w.last_error.clear();
-  json stats = w.engine->last_update_stats().to_json();
+  json stats = w.update_stats();
   if (w.engine->weights_dirty()) {
     w.update_failed("finish_weight_update: the session finished with the weights dirty: " + w.engine->dirty_reason());
   } else if (std::exception_ptr failed = w.update_finished(stats)) {

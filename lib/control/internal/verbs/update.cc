@@ -44,7 +44,7 @@ asio::awaitable<json> update_weights(worker_state& w, rpc_connection& caller, js
     std::rethrow_exception(failure);
   }
   if (w.owner.left()) co_await w.owner.end_after_owner_left();
-  co_return json{{"stats", w.engine->last_update_stats().to_json()}};
+  co_return json{{"stats", w.update_stats()}};
 }
 
 }  // namespace refit::control::internal::verbs
