@@ -3,6 +3,10 @@
 import os
 import threading
 
+# UCX's tcp transport otherwise uses every interface this machine has (the ucx
+# engine's tests stay on loopback); read when UCX makes its context.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 import pytest
 
 try:

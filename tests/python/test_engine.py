@@ -39,14 +39,20 @@ def numpy_model():
     }
 
 
+# The host-memory engines of the default wheel: tcp, and ucx (UCX picks shared
+# memory here: one-sided puts into the worker's registered staging).
+HOST_BACKENDS = ["tcp", "ucx"]
+
+
 def test_backends_lists_the_built_in_engines():
-    assert {"tcp", "loopback"} <= set(refit.backends())
+    assert {"tcp", "loopback", "ucx"} <= set(refit.backends())
 
 
-def test_numpy_round_trip_of_mixed_dtypes_and_shapes():
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_numpy_round_trip_of_mixed_dtypes_and_shapes(backend):
     src = numpy_model()
-    with refit.Sender("tcp", timeout_ms=10000) as sender:
-        engine = refit.Engine("tcp", timeout_ms=10000, framework="numpy")
+    with refit.Sender(backend, timeout_ms=10000) as sender:
+        engine = refit.Engine(backend, timeout_ms=10000, framework="numpy")
         connect(sender, [engine])
         rec = Recorder()
         transfer(sender, [engine], src, rec)
@@ -107,12 +113,39 @@ def test_load_weights_gets_views_of_refits_memory_not_copies():
     assert len({p for p, _, _ in seen}) <= 2
 
 
-def test_receive_straight_into_given_tensors_and_fingerprints():
+def test_ucx_reports_what_ucx_chose_and_refuses_transports_it_did_not():
+    """The ucx engine's state says which transports carry the data (shared memory
+    here, with one-sided puts); require_transports it cannot meet fails init on
+    both sides, naming what UCX offered, instead of falling back silently."""
+    src = {"w": np.arange(1 << 12, dtype=np.float32)}
+    with refit.Sender("ucx", timeout_ms=10000) as sender:
+        engine = refit.Engine("ucx", timeout_ms=10000, framework="numpy")
+        assert engine.state()["transport"] is None
+        connect(sender, [engine])
+        transport = engine.state()["transport"]
+        assert transport["rank"] == 1 and transport["mode"] in ("put", "tag")
+        assert transport["transports"], transport
+        rec = Recorder()
+        transfer(sender, [engine], src, rec)
+        assert rec.got["w"].tobytes() == src["w"].tobytes()
+        assert engine.last_update_stats["bytes"] == src["w"].nbytes
+    with refit.Sender("ucx", timeout_ms=10000) as sender:
+        engine = refit.Engine("ucx", timeout_ms=10000)
+        info = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
+        accept = Background(sender.connect_workers)
+        with pytest.raises(refit.UnsupportedError, match="require_transports \\[rc_mlx5\\] not met"):
+            engine.init(dict(info, rank_offset=1, require_transports=["rc_mlx5"]))
+        with pytest.raises(refit.Error, match="require_transports"):
+            accept.join()
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_receive_straight_into_given_tensors_and_fingerprints(backend):
     src = numpy_model()
     dest = {k: np.zeros_like(v) for k, v in src.items()}
     addresses = {k: v.ctypes.data for k, v in dest.items()}
-    with refit.Sender("tcp", timeout_ms=10000) as sender:
-        engine = refit.Engine("tcp", timeout_ms=10000, tensors=dest)
+    with refit.Sender(backend, timeout_ms=10000) as sender:
+        engine = refit.Engine(backend, timeout_ms=10000, tensors=dest)
         connect(sender, [engine])
         transfer(sender, [engine], src)
         for k in src:
@@ -151,7 +184,8 @@ def test_session_verbs_record_the_version():
             engine.finish_weight_update(8)
 
 
-def test_a_staged_session_lands_whole_at_finish_and_an_aborted_one_not_at_all():
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_a_staged_session_lands_whole_at_finish_and_an_aborted_one_not_at_all(backend):
     """commit="staged": no load_weights runs during update_weights; finish calls each
     chunk's own load_weights, in order, then records the version; an aborted session
     (or one whose chunk failed) leaves the weights and the version as they were."""
@@ -169,8 +203,8 @@ def test_a_staged_session_lands_whole_at_finish_and_an_aborted_one_not_at_all():
         return load
 
     got = {}
-    with refit.Sender("tcp", timeout_ms=10000) as sender:
-        engine = refit.Engine("tcp", timeout_ms=10000, commit="staged", framework="numpy")
+    with refit.Sender(backend, timeout_ms=10000) as sender:
+        engine = refit.Engine(backend, timeout_ms=10000, commit="staged", framework="numpy")
         connect(sender, [engine])
         engine.start_weight_update()
         for tag, chunk in (("first", first), ("second", second)):

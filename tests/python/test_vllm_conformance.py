@@ -574,8 +574,9 @@ def test_empty_first_update_is_refused():
 
 
 # refit's backends that work without a GPU; loopback connects a sender and its
-# engines in one process (its trainer_args name the channel).
-BACKENDS = {"tcp": {}, "loopback": {"channel": "vllm-conformance"}}
+# engines in one process (its trainer_args name the channel); ucx moves the bytes
+# over UCX (shared memory here).
+BACKENDS = {"tcp": {}, "ucx": {}, "loopback": {"channel": "vllm-conformance"}}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

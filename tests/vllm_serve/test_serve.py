@@ -58,7 +58,8 @@ def env(tmp_path_factory):
     wrong.write_bytes(os.urandom(32))
     wrong.chmod(0o600)
     log = os.environ.get("REFIT_VLLM_SERVE_LOG") or str(root / "vllm_serve.log")
-    server = Server(model, log, env={"REFIT_AUTH_SECRET_FILE": str(secret)})
+    # UCX_NET_DEVICES: UCX's tcp transport stays on loopback (the ucx backend's test).
+    server = Server(model, log, env={"REFIT_AUTH_SECRET_FILE": str(secret), "UCX_NET_DEVICES": "lo"})
     server.start()
     try:
         yield {"server": server, "model": model, "secret": str(secret), "wrong_secret": str(wrong)}
@@ -77,13 +78,13 @@ def state(env):
     return {"now": now, "original": original, "original_completion": now.completion}
 
 
-def vllm_trainer(env, tensors, source=None, **worker_options):
+def vllm_trainer(env, tensors, source=None, refit_backend="tcp", **worker_options):
     """vLLM's own trainer path: WeightTransferTrainerFactory.trainer_init with refit's
     init info, vLLM's HTTP client, a WeightSource (over `tensors` by default)."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
     info = RefitTrainerInitInfo(
-        master_address="127.0.0.1", world_size=2, rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
+        master_address="127.0.0.1", world_size=2, rank=0, timeout_ms=TRAINER_TIMEOUT_MS, refit_backend=refit_backend,
         auth_secret_file=worker_options.pop("auth_secret_file", env["secret"]),
         worker_options={"timeout_ms": DEADLINE_MS, **worker_options},
     )
@@ -202,6 +203,28 @@ def test_other_weights_change_output_and_original_weights_restore_it(env, state,
     finally:
         if trainer is not None:
             trainer.shutdown()
+
+
+def test_the_ucx_backend_updates_the_server(env, state):
+    """refit_backend="ucx" (UCX picks shared memory here): other weights change the
+    completion, the original weights pushed back restore it token for token."""
+    server = env["server"]
+    other = checkpoint_tensors(env["model"], seed=7)
+    trainer = vllm_trainer(env, other, refit_backend="ucx")
+    try:
+        trainer.send_weights("ucx-1")
+        assert server.weight_version() == "ucx-1"
+        changed = server.complete(PROMPT)
+        assert changed.tokens != state["original_completion"].tokens or (
+            changed.logprobs != state["original_completion"].logprobs)
+        trainer.source = DictSource.make(state["original"])
+        trainer.send_weights("ucx-2")
+        restored = server.complete(PROMPT)
+        assert restored.tokens == state["original_completion"].tokens
+        assert restored.logprobs == state["original_completion"].logprobs
+        landed(env, state, state["original"], "ucx-2")
+    finally:
+        trainer.shutdown()
 
 
 # ------------------------------------------------------------------ refusals

@@ -33,7 +33,7 @@ BACKEND = "refit"
 
 # The backends whose trainer arguments are the rendezvous of a trainer-to-worker
 # group: {"master_address", "master_port", "world_size"} (refit's join info).
-_GROUP_BACKENDS = frozenset({"tcp", "nccl"})
+_GROUP_BACKENDS = frozenset({"tcp", "ucx", "nccl"})
 
 
 class InferenceServerError(RuntimeError):
