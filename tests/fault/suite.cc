@@ -34,6 +34,14 @@
 // The other kinds run as a star (--topology star); every recovery update uses the
 // engine's default topology (a chain from 3 workers on).
 //
+// --engine ucx runs the same processes over the ucx engine. Its bytes do not cross
+// the proxies (UCX moves them: shared memory here); its side channel does (the
+// update header, a grant and a "done" per bucket), so the proxies still kill,
+// stall and hold at a point inside the update: the suite first measures, with two
+// clean updates, how many side-channel bytes each worker gets at init and per
+// update, and aims into the update's part. Kinds that need the data to cross a
+// proxy (corrupt, slow, the chain kinds) do not run for ucx.
+//
 // After each fault: every side that should see an error saw one within its
 // deadline (detected), every process finished or answered in time and every
 // session ended (no hang), and every worker is exactly at the old or the new
@@ -44,7 +52,7 @@
 // (recovery). Worker descriptors and threads are compared at the start and the
 // end (nothing leaks across failures).
 //
-//   bazel run //tests/fault:suite -- [--rounds N] [--seed S] [--short]
+//   bazel run //tests/fault:suite -- [--rounds N] [--seed S] [--short] [--engine tcp|ucx]
 //
 // Progress goes to stderr; the last stdout line is one JSON object with
 // faults_injected, faults_detected, lost_updates, hangs and the rest. Exit status
@@ -103,6 +111,9 @@ struct options {
   int workers = 3;
   std::string model_bytes = "24M";
   std::int64_t timeout_ms = 1500;
+  std::string engine = "tcp";
+  /// Whether the data crosses the proxies (tcp); otherwise only the side channel.
+  bool data_proxied() const { return engine == "tcp"; }
 };
 
 void say(const std::string& line) { std::fprintf(stderr, "[fault] %s\n", line.c_str()); }
@@ -194,6 +205,7 @@ class proxy {
   std::chrono::milliseconds stall{0};
   double throttle_bytes_per_s = 0;
   bool fired = false;
+  std::uint64_t downstream_bytes = 0;  // forwarded to the worker so far
 
   void start() { asio::co_spawn(io_, serve(), asio::detached); }
   void stop() {
@@ -262,6 +274,7 @@ class proxy {
         }
       }
       seen += n;
+      if (downstream) downstream_bytes += n;
       co_await asio::async_write(*to, asio::buffer(buf.data(), n), asio::redirect_error(asio::use_awaitable, ec));
       if (ec) break;
     }
@@ -325,7 +338,10 @@ class suite {
     std::vector<std::string> kinds = {"kill_trainer",  "kill_worker", "corrupt",       "stall",
                                       "impostor",      "slow",        "stale_trainer", "staged_kill_after_chunk",
                                       "frozen_trainer"};
-    if (o_.workers >= 3) {
+    if (!o_.data_proxied()) {
+      std::erase_if(kinds, [](const std::string& k) { return k == "corrupt" || k == "slow"; });
+      calibrate();
+    } else if (o_.workers >= 3) {
       kinds.push_back("chain_kill_middle");
       kinds.push_back("chain_corrupt");
     }
@@ -381,6 +397,7 @@ class suite {
             {"seed", o_.seed},
             {"workers", o_.workers},
             {"model_bytes", o_.model_bytes},
+            {"engine", o_.engine},
             {"timeout_ms", o_.timeout_ms},
             {"seconds", seconds},
             {"passed", ok}};
@@ -396,8 +413,8 @@ class suite {
 
   worker start_worker(int index) {
     worker w;
-    w.proc = start({o_.binary, "--role", "worker", "--timeout-ms", std::to_string(o_.timeout_ms), "--auth-secret-file",
-                    secret_file_},
+    w.proc = start({o_.binary, "--role", "worker", "--engine", o_.engine, "--timeout-ms", std::to_string(o_.timeout_ms),
+                    "--auth-secret-file", secret_file_},
                    dir_ + "/worker" + std::to_string(index) + ".log");
     std::string line;
     const auto until = clock_type::now() + 10s;
@@ -537,6 +554,7 @@ class suite {
   };
   running_trainer start_trainer(const std::vector<std::string>& extra, const std::string& log) {
     std::vector<std::string> args = {o_.binary,        "--quiet",
+                                     "--engine",       o_.engine,
                                      "--model-bytes",  o_.model_bytes,
                                      "--layers",       "2",
                                      "--vocab",        "4000",
@@ -600,12 +618,51 @@ class suite {
     return wait_trainer(t, std::chrono::milliseconds(o_.timeout_ms * 6) + 20s, proxies);
   }
 
+  // Over an engine whose data does not cross the proxies: how many side-channel
+  // bytes each worker gets at init and per update, from two clean trainers through
+  // proxies (1 update, then 2), each verified.
+  void calibrate() {
+    std::vector<std::uint64_t> totals[2];
+    for (int updates = 1; updates <= 2; ++updates) {
+      const std::uint16_t master = free_port();
+      std::vector<std::unique_ptr<proxy>> proxies;
+      std::string advertise;
+      for (std::size_t i = 0; i < workers_.size(); ++i) {
+        proxies.push_back(std::make_unique<proxy>(io_, master));
+        advertise += (advertise.empty() ? "" : ",") + std::to_string(proxies.back()->port());
+      }
+      for (auto& p : proxies) p->start();
+      const int round = version_ + 1;
+      auto r =
+          run_trainer({"--first-round", std::to_string(round), "--updates", std::to_string(updates), "--master-port",
+                       std::to_string(master), "--advertise-port", advertise, "--auth-secret-file", secret_file_},
+                      &proxies, dir_ + "/trainer-calibrate-" + std::to_string(updates) + ".log");
+      if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))
+        throw_error(errc::io_error,
+                    "calibration over " + o_.engine + " failed: " + (r.last.is_object() ? r.last.dump() : "no JSON"));
+      version_ = round + updates - 1;
+      fingerprints_[version_] = fingerprint_of(workers_[0]);
+      for (auto& p : proxies) totals[updates - 1].push_back(p->downstream_bytes);
+    }
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      if (totals[1][i] <= totals[0][i] || totals[0][i] <= totals[1][i] - totals[0][i])
+        throw_error(errc::io_error, "calibration over " + o_.engine + ": worker " + std::to_string(i) +
+                                        "'s side channel carried " + std::to_string(totals[0][i]) + " and " +
+                                        std::to_string(totals[1][i]) + " bytes for 1 and 2 updates");
+      side_update_.push_back(totals[1][i] - totals[0][i]);
+      side_init_.push_back(totals[0][i] - side_update_.back());
+      say("calibrated worker " + std::to_string(i) + ": " + std::to_string(side_init_.back()) +
+          " side-channel bytes at init, " + std::to_string(side_update_.back()) + " per update");
+    }
+  }
+
   // A full update by a new trainer that every worker must verify.
   bool recover(const std::string& why) {
     const int round = ++version_;
-    auto r = run_trainer(
-        {"--first-round", std::to_string(round), "--updates", "1", "--checksums", "--auth-secret-file", secret_file_},
-        nullptr, dir_ + "/trainer-" + std::to_string(round) + "-recover.log");
+    std::vector<std::string> args = {"--first-round",      std::to_string(round), "--updates", "1",
+                                     "--auth-secret-file", secret_file_};
+    if (o_.data_proxied()) args.push_back("--checksums");  // the ucx engine has none yet
+    auto r = run_trainer(args, nullptr, dir_ + "/trainer-" + std::to_string(round) + "-recover.log");
     const bool ok = r.exited && WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0 && r.last.is_object() &&
                     r.last.value("verified", false);
     if (!ok) {
@@ -801,7 +858,10 @@ class suite {
     // buffers between trainer and proxy hold, so a killed trainer truly cuts it.
     const double fraction = std::uniform_real_distribution<double>(0.05, 0.5)(rng_);
     const std::uint64_t model = 24ull << 20;
-    const std::uint64_t at = 300 + static_cast<std::uint64_t>(fraction * model);
+    // Over ucx, into the update's part of the side channel (measured: calibrate()).
+    const std::uint64_t at = o_.data_proxied()
+                                 ? 300 + static_cast<std::uint64_t>(fraction * model)
+                                 : side_init_[target] + static_cast<std::uint64_t>(fraction * side_update_[target]);
     const int round = version_ + 1;
     const std::string name = kind + "#" + std::to_string(r_.scenarios) + " (" + commit + ", worker " +
                              std::to_string(target) + ", byte " + std::to_string(at) + ")";
@@ -860,8 +920,9 @@ class suite {
                                       "--commit",           commit,
                                       "--master-port",      std::to_string(master),
                                       "--advertise-port",   advertise,
-                                      "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_,
-                                      "--topology",         chain ? "chain" : "star"};
+                                      "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
+    // The ucx engine has no relays yet: its default (a star) needs no flag.
+    if (o_.data_proxied()) extra.insert(extra.end(), {"--topology", chain ? "chain" : "star"});
     if (kind == "corrupt" || kind == "chain_corrupt") extra.push_back("--checksums");
     if (kind == "stale_trainer") {
       extra.push_back("--hold-before-finish-ms");
@@ -1079,6 +1140,8 @@ class suite {
   std::string dir_, secret_file_, wrong_secret_file_, secret_;
   std::vector<worker> workers_;
   int version_ = 0;
+  // Side-channel bytes each worker gets at init and per update (calibrate()).
+  std::vector<std::uint64_t> side_init_, side_update_;
   bool stale_finished_ = false;
   std::map<int, fingerprint_list> fingerprints_;
   report r_;
@@ -1114,10 +1177,12 @@ int main(int argc, char** argv) {
       o.timeout_ms = std::max(200, std::atoi(value().c_str()));
     else if (a == "--short")
       o.rounds = 1;
+    else if (a == "--engine")
+      o.engine = value();
     else {
       std::fprintf(stderr,
                    "usage: suite --binary PATH/weight_sync [--rounds N] [--seed S] [--workers N] [--timeout-ms MS] "
-                   "[--short]\n");
+                   "[--short] [--engine tcp|ucx]\n");
       return 2;
     }
   }
@@ -1130,7 +1195,7 @@ int main(int argc, char** argv) {
     if (getcwd(cwd, sizeof cwd)) o.binary = std::string(cwd) + "/" + o.binary;
   }
   say("seed " + std::to_string(o.seed) + ", " + std::to_string(o.rounds) + " round(s) of every fault, " +
-      std::to_string(o.workers) + " workers");
+      std::to_string(o.workers) + " workers, engine " + o.engine);
   try {
     suite s(o);
     json r = s.run();

@@ -7,7 +7,10 @@ set -euo pipefail
 # grows with it (the suite scales its stalls and waits from it).
 extra=()
 [ -n "${REFIT_SANITIZER:-}" ] && extra=(--timeout-ms 5000)
-out=$("$1" --binary "$2" --short "${extra[@]}") || { echo "$out"; echo "FAIL: the suite exited non-zero" >&2; exit 1; }
+# Further arguments go to the suite (suite_ucx_test: --engine ucx).
+suite=$1 binary=$2
+shift 2
+out=$("$suite" --binary "$binary" --short "${extra[@]}" "$@") || { echo "$out"; echo "FAIL: the suite exited non-zero" >&2; exit 1; }
 last=$(printf '%s\n' "$out" | tail -n 1)
 python3 - "$last" <<'PY'
 import json, sys
