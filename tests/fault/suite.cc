@@ -1009,6 +1009,16 @@ class suite {
     if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
     stats["injected"] = stats["injected"].get<int>() + 1;
 
+    // Why the trainer's result holds no error: it reported success, or it printed
+    // no result at all (it crashed: under a sanitizer, a report ends the process).
+    auto no_trainer_error = [&]() -> std::string {
+      if (result.last.is_object()) return "the trainer reported success";
+      std::string status = !result.exited               ? "it did not exit"
+                           : WIFEXITED(result.status)   ? "exit status " + std::to_string(WEXITSTATUS(result.status))
+                           : WIFSIGNALED(result.status) ? "killed by signal " + std::to_string(WTERMSIG(result.status))
+                                                        : "status " + std::to_string(result.status);
+      return "the trainer printed no result (" + status + "; its log is in " + dir_ + ")";
+    };
     // What each side reported.
     bool detected = true;
     std::vector<std::string> missed;
@@ -1052,7 +1062,7 @@ class suite {
       const std::string e = worker_error(target);
       if (e.find("integrity_error") == std::string::npos && e.find("protocol_error") == std::string::npos)
         missed.push_back("worker " + std::to_string(target) + " did not report the corruption: '" + e + "'");
-      if (trainer_error.empty()) missed.push_back("the trainer reported success");
+      if (trainer_error.empty()) missed.push_back(no_trainer_error());
     } else if (kind == "chain_kill_middle") {
       if (!killed_worker) missed.push_back("the kill point was never reached");
       if (trainer_error.find(rank) == std::string::npos)
@@ -1073,12 +1083,12 @@ class suite {
       for (std::size_t i = 1; i < workers_.size(); ++i)
         if (worker_error(i).empty())
           missed.push_back("worker " + std::to_string(i) + " (sent the corrupted byte) reported no error");
-      if (trainer_error.empty()) missed.push_back("the trainer reported success");
+      if (trainer_error.empty()) missed.push_back(no_trainer_error());
     } else if (kind == "stall") {
       const std::string e = worker_error(target);
       if (e.find("timeout") == std::string::npos)
         missed.push_back("worker " + std::to_string(target) + " did not time out: '" + e + "'");
-      if (trainer_error.empty()) missed.push_back("the trainer reported success");
+      if (trainer_error.empty()) missed.push_back(no_trainer_error());
     } else if (kind == "impostor") {
       if (trainer_error.find("auth_error") == std::string::npos)
         missed.push_back("the impostor trainer was not refused: '" + trainer_error + "'");
