@@ -5,9 +5,6 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
-#include <refit/backend/links/status_io.h>
-#include <refit/backend/links/wire.h>
-#include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
 #include <refit/engines/ucx/ucx.h>
 #include "downstream.h"  // private to this engine
