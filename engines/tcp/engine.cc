@@ -14,6 +14,7 @@
 #include <refit/backend/async/event.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/links/relay_io.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/net.h>
@@ -27,31 +28,6 @@ namespace wire = links::wire;
 namespace {
 
 using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
-
-// Bytes to one child; if it fails, the child's own reason (it says why before it
-// closes) is the error where it gave one.
-asio::awaitable<void> to_child(socket_ptr child, std::vector<asio::const_buffer> bytes,
-                               std::chrono::milliseconds timeout, std::string what) {
-  std::exception_ptr failure;
-  try {
-    co_await net::write_all(*child, bytes, timeout, what, net::loop_bytes_per_call);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) co_await links::rethrow_with_peer_reason(*child, failure, what);
-}
-
-// The same bytes to every child at once; the first error wins, naming the child.
-// The sockets are held (by value) until the writes end, even if the engine closes.
-asio::awaitable<void> to_children(std::vector<socket_ptr> children, std::vector<int> ranks,
-                                  std::vector<asio::const_buffer> bytes, std::chrono::milliseconds timeout,
-                                  std::string what) {
-  std::vector<asio::awaitable<void>> writes;
-  for (std::size_t i = 0; i < children.size(); ++i)
-    writes.push_back(
-        to_child(children[i], bytes, timeout, what + " to downstream worker rank " + std::to_string(ranks[i])));
-  co_await async::all_of(std::move(writes));
-}
 
 // Forwards to the children what was just received, while the next bytes are read:
 // one forward in flight at a time, so each child's stream stays in order.
@@ -70,7 +46,7 @@ class forwarder {
     state_->idle.reset();
     // The completion touches only the shared state: it may come after this
     // forwarder is gone (a failed receive that closes the children).
-    asio::co_spawn(ex_, to_children(children_, ranks_, std::move(bytes), timeout_, what_),
+    asio::co_spawn(ex_, links::write_to_children(children_, ranks_, std::move(bytes), timeout_, what_),
                    [s = state_](std::exception_ptr e) {
                      s->error = e;
                      s->idle.set();
@@ -137,7 +113,7 @@ class transport final : public bucket_transport {
     expected_ = h.checksum;
     if (!children_.empty()) {
       std::vector<asio::const_buffer> header{asio::buffer(raw)};  // (GCC 12: no braced list in co_await)
-      co_await to_children(children_, child_ranks_, std::move(header), timeout_, what(b) + " header");
+      co_await links::write_to_children(children_, child_ranks_, std::move(header), timeout_, what(b) + " header");
     }
   }
 
@@ -319,68 +295,17 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
   const std::string source =
       position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-  if (children.empty()) {
-    last_seq_ = co_await links::accept_update(socket, last_seq_, info.metadata, plan, timeout_, source);
-  } else {
-    // The header goes down the tree; this worker accepts only once its children did.
-    std::array<std::byte, sizeof(wire::update)> raw;
-    co_await net::read_exact(socket, asio::buffer(raw), timeout_, source + ": waiting for the update header");
-    auto u = wire::decode<wire::update>(raw);
-    if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
-    const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
-                                            plan.buckets.size(), plan.payload_bytes};
-    std::string refusal = wire::check_update_header(u, expected);
-    errc code = errc::protocol_error;
-    if (refusal.empty()) {
-      std::vector<asio::const_buffer> header{asio::buffer(raw)};
-      co_await to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
-      for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
-        auto st = co_await links::read_status(
-            *children[i], timeout_,
-            me + ": waiting for downstream worker rank " + std::to_string(child_ranks[i]) + " to accept");
-        if (st.code != 0) {
-          code = st.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(st.code) : errc::protocol_error;
-          refusal = "downstream worker rank " + std::to_string(child_ranks[i]) + " refused the update: " + st.message;
-        }
-      }
-    }
-    if (!refusal.empty()) {
-      co_await links::send_status(socket, static_cast<std::uint32_t>(code), u.seq, me + ": " + refusal, timeout_,
-                                  me + ": refusing the update");
-      throw_error(code, me + ": " + refusal);
-    }
-    co_await links::send_status(socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
-    last_seq_ = u.seq;
-  }
+  // With children the header goes down the tree; this worker accepts only once
+  // its children did.
+  last_seq_ = co_await links::accept_update_for_subtree(socket, children, child_ranks, last_seq_, info.metadata, plan,
+                                                        timeout_, me, source);
 
   transport t(socket, timeout_, source, pipeline_->params().checksums, children, child_ranks);
   // The plan just checked against the trainer's header is the one received with.
   co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                               receive_target());
   // Every child confirms (its subtree has every byte, verified) before this one does.
-  for (std::size_t i = 0; i < children.size(); ++i) {
-    std::exception_ptr failure;
-    errc kind = errc::peer_lost;
-    std::string message;
-    try {
-      co_await links::await_confirmation(*children[i], last_seq_, timeout_,
-                                         me + ": downstream worker rank " + std::to_string(child_ranks[i]));
-    } catch (const error& e) {
-      failure = std::current_exception();
-      kind = e.kind();
-      message = e.message();
-    }
-    if (failure) {
-      // The upstream learns which worker failed, and why.
-      try {
-        co_await links::send_status(socket, static_cast<std::uint32_t>(kind), last_seq_, message, timeout_,
-                                    me + ": failing the update");
-      } catch (const error&) {
-      }
-      std::rethrow_exception(failure);
-    }
-  }
-  co_await links::confirm_update(socket, last_seq_, timeout_, me);
+  co_await links::confirm_update_for_subtree(socket, children, child_ranks, last_seq_, timeout_, me);
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {

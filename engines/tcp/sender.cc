@@ -17,6 +17,7 @@
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/links/relay_io.h>
 #include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
 
@@ -76,30 +77,9 @@ asio::awaitable<void> sender::connect_workers() {
   auto members = co_await links::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
                                                 world_size_, "tcp trainer");
   const int workers = world_size_ - 1;
-  if (!topology_.star()) {
-    // Every worker learns where it sits: whom it receives from (the trainer or a
-    // worker's relay listener) and whom it forwards to.
-    std::vector<asio::awaitable<void>> tell;
-    // (send_status takes its strings by reference: they live here until all_of ends.)
-    std::vector<std::string> texts(members.size()), whats(members.size());
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      const auto& m = members[i];
-      links::relay_position p;
-      p.upstream = topology_.parent(m.rank);
-      p.children = topology_.children(m.rank, workers);
-      if (p.upstream != 0) {
-        const auto& up = members.at(static_cast<std::size_t>(p.upstream - 1));  // sorted by rank, 1..N
-        if (up.relay_port == 0)
-          throw_error(errc::protocol_error, rank_name(up.rank) + " has no relay listener (is it an older refit?)");
-        p.upstream_address = up.address;
-        p.upstream_port = up.relay_port;
-      }
-      texts[i] = p.to_json().dump();
-      whats[i] = rank_name(m.rank) + ": telling it its place in the " + topology_.to_string();
-      tell.push_back(links::send_status(*m.socket, 0, 0, texts[i], timeout_, whats[i]));
-    }
-    co_await async::all_of(std::move(tell));
-  }
+  // Every worker learns where it sits: whom it receives from (the trainer or a
+  // worker's relay listener) and whom it forwards to.
+  if (!topology_.star()) co_await links::tell_positions(members, topology_, timeout_, "tcp trainer");
   // Each direct child's socket moves to its own strand of the I/O pool, where its
   // streams run; the other workers' side channels stay open, unused, until the next
   // init or a failure closes them.

@@ -1,27 +1,34 @@
 // The UCX worker: join the trainer over the authenticated side channel, register
-// the staging slots and offer them (address and remote keys), then per bucket grant
-// the trainer a destination the pipeline has acquired and wait for its "done".
+// the staging slots and offer them (address and remote keys) to whoever sends to
+// it (the trainer, or in a chain or tree the worker relaying to it), then per
+// bucket grant it a destination the pipeline has acquired, wait for its "done",
+// and send the bucket on to this worker's own children, if any.
 #include <algorithm>
 #include <cstdlib>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 
+#include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
+#include <refit/backend/checksum.h>
+#include <refit/backend/links/relay_io.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/net.h>
 #include <refit/engines/ucx/ucx.h>
-#include "ucp.h"   // private to this engine
-#include "wire.h"  // private to this engine
+#include <refit/internal/hex.h>
+#include "downstream.h"  // private to this engine
+#include "ucp.h"         // private to this engine
+#include "wire.h"        // private to this engine
 
 namespace refit::ucx {
 
 init_info init_info::read(json_reader& r) {
   init_info info;
   static_cast<links::join_info&>(info) = links::join_info::read(r);
-  if (info.wire.checksums)
-    r.fail("member 'checksums' is not supported by this engine (puts cross no byte stream to checksum)");
+  info.topology = links::topology::parse(r.optional<std::string>("topology", "star"),
+                                         r.context() + ": member '" + r.member_path("topology") + "'");
   info.require_transports = r.optional<std::vector<std::string>>("require_transports", {});
   return info;
 }
@@ -141,16 +148,20 @@ namespace {
 
 std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32) | (index & 0xffffffffu); }
 
-// One update's buckets: a grant each (a registered slot for the trainer's puts, or
+// One update's buckets: a grant each (a registered slot for the sender's puts, or
 // a tagged receive posted into wherever the pipeline wants the bytes), then the
-// trainer's "done".
+// sender's "done" (with the bucket's checksum, when asked for, verified by
+// check() on the processing executor before the bucket is loaded). With
+// children, the bucket then goes on to each of them from where it landed, before
+// receive() returns: the pipeline neither processes nor releases its slot (nor
+// grants it again) before every child's flush completed.
 class transport final : public bucket_transport {
  public:
   transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
             std::vector<std::uint32_t>& announced, bool puts, std::uint64_t seq, std::chrono::milliseconds timeout,
-            std::string who)
+            std::string who, bool checksums, const std::vector<std::shared_ptr<downstream>>& children)
       : socket_(s), worker_(std::move(w)), staging_(staging), announced_(announced), puts_(puts), seq_(seq),
-        timeout_(timeout), who_(std::move(who)) {}
+        timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children) {}
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = who_ + ": bucket " + std::to_string(b.index);
@@ -194,7 +205,32 @@ class transport final : public bucket_transport {
     const auto done = wire::decode<wire::done>(d);
     if (done.magic != wire::done_magic || done.index != b.index)
       throw_error(errc::protocol_error, what + ": expected the trainer's done for bucket " + std::to_string(b.index));
+    if (checksums_ != ((done.flags & wire::done_checksum) != 0))
+      throw_error(errc::protocol_error, what + (checksums_ ? ": the done carries no checksum, but checksums are on"
+                                                           : ": the done carries a checksum, but checksums are off"));
+    expected_ = done.checksum;
     if (posted) co_await posted->wait(timeout_);
+    if (!children_.empty()) {
+      // The bucket goes on to every child at once; the first failure names it.
+      const std::vector<asio::const_buffer> payload(dest.begin(), dest.end());
+      std::optional<std::uint64_t> sum;
+      if (checksums_) sum = expected_;  // the trainer's, passed on unchanged
+      std::vector<asio::awaitable<void>> sends;
+      for (const auto& c : children_)
+        sends.push_back(with_peer_reason(send_bucket(worker_, c, b.index, payload, seq_, sum, timeout_), c));
+      co_await async::all_of(std::move(sends));
+    }
+  }
+
+  std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
+    if (!checksums_) return {};
+    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_,
+            what = who_ + ": bucket " + std::to_string(b.index)] {
+      const std::uint64_t got = checksum(dest);
+      if (got != expected)
+        throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
+                                               to_hex(expected) + " (corrupted on the way)");
+    };
   }
 
  private:
@@ -206,6 +242,9 @@ class transport final : public bucket_transport {
   std::uint64_t seq_;
   std::chrono::milliseconds timeout_;
   std::string who_;
+  bool checksums_;
+  const std::vector<std::shared_ptr<downstream>>& children_;
+  std::uint64_t expected_ = 0;
 };
 
 }  // namespace
@@ -229,9 +268,17 @@ asio::awaitable<void> engine::init(const init_info& info) {
   close();
   timeout_ = info.timeout.value_or(config().timeout);
   rank_ = links::worker_rank(info, context().ranks, "ucx");
+  position_ = {};
+  // In a relay topology the hello says where this worker's children may connect.
+  links::relay_listener relay;
+  if (!info.topology.star())
+    relay = [this](const asio::ip::address& local) {
+      relay_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context().executor, local.to_string(), 0));
+      return relay_->local_endpoint().port();
+    };
   auto j = co_await links::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_,
-                                who());
-  auto socket = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
+                                who(), relay);
+  socket_ = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
   std::exception_ptr failure;
   try {
     // UCX's context (it loads its transport modules) and the registered staging
@@ -253,52 +300,94 @@ asio::awaitable<void> engine::init(const init_info& info) {
     }
     worker_ = worker::create(ucp_, context().executor);
     worker::engaged progressing(worker_);
-
-    // The offer: this worker's address and every slot's extent and key.
-    wire::writer body;
-    const auto address = worker_->address();
-    body.bytes(address);
-    announced_.clear();
-    for (std::size_t i = 0; i < staging_->slot_count(); ++i) {
-      const auto& reg = staging_->slot_registration(i);
-      body.put(reinterpret_cast<std::uint64_t>(reg.base()));
-      body.put(reg.bytes());
-      body.put(static_cast<std::uint32_t>(reg.packed_rkey().size()));
-      body.bytes(reg.packed_rkey());
-      announced_.push_back(static_cast<std::uint32_t>(i));
-    }
-    wire::offer_header h;
-    h.bytes = static_cast<std::uint32_t>(body.out.size());
-    h.address_bytes = static_cast<std::uint32_t>(address.size());
-    h.regions = static_cast<std::uint32_t>(staging_->slot_count());
-    const auto raw = wire::encode(h);
-    std::vector<asio::const_buffer> out{asio::buffer(raw), asio::buffer(body.out)};
-    co_await net::write_all(*socket, out, timeout_, who() + ": offering its UCX address and staging");
-
-    // What UCX chose, as the trainer's endpoint sees it; refused here when it is not
-    // what this worker requires (the trainer is told why).
-    auto st = co_await links::read_status(*socket, timeout_, who() + ": waiting for the trainer's UCX endpoint");
-    links::throw_if_failed(st, who() + ": the trainer");
-    report_ = endpoint_report::from_json(parse_json_text(st.message, who() + ": UCX endpoint report"),
-                                         who() + ": UCX endpoint report");
-    if (auto unmet = check_required(report_, info.require_transports); !unmet.empty()) {
-      co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::unsupported), 0, who() + ": " + unmet,
-                                  timeout_, who() + ": refusing the transports");
-      throw_error(errc::unsupported, who() + ": " + unmet);
-    }
-    co_await links::send_status(*socket, 0, 0, {}, timeout_, who() + ": accepting the transports");
+    if (!info.topology.star()) co_await join_relay(info);
+    // This worker's offer goes upstream while its children's offers come in: the
+    // endpoints to them are made on this worker's own UCX worker.
+    std::vector<asio::awaitable<void>> both;
+    both.push_back(offer_upstream(info));
+    for (auto& c : children_) both.push_back(connect_downstream(c, worker_, timeout_));
+    co_await async::all_of(std::move(both));
   } catch (...) {
     failure = std::current_exception();
   }
   if (failure) {
-    std::error_code ignored;
-    socket->close(ignored);
     close();
     std::rethrow_exception(failure);
   }
-  socket_ = std::move(socket);
   last_seq_ = 0;
   initialized_ = true;
+}
+
+asio::awaitable<void> engine::join_relay(const init_info& info) {
+  // The trainer says where this worker sits once every worker has joined.
+  auto st = co_await links::read_status(*socket_, timeout_,
+                                        who() + ": waiting for its place in the " + info.topology.to_string());
+  links::throw_if_failed(st, who() + ": the trainer");
+  position_ = links::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
+                                               who() + ": relay position");
+  std::sort(position_.children.begin(), position_.children.end());
+  // Connect upstream and accept the children at once: a chain forms in one step.
+  auto connect_upstream = [](engine* self, links::relay_position p, wire_params wire) -> asio::awaitable<void> {
+    auto j = co_await links::join(p.upstream_address, p.upstream_port, self->rank_, wire, self->config().auth_secret,
+                                  self->timeout_, self->who() + ": upstream worker rank " + std::to_string(p.upstream));
+    self->upstream_ = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
+  };
+  auto accept_children = [](engine* self, std::vector<int> ranks, wire_params wire) -> asio::awaitable<void> {
+    auto members = co_await links::accept_members(*self->relay_, self->context().executor, self->config().auth_secret,
+                                                  self->timeout_, wire, ranks, self->who() + " (relay)");
+    // In the order of `ranks` (accept_members sorts by rank, as are they).
+    for (auto& m : members) {
+      auto c = std::make_shared<downstream>();
+      c->rank = m.rank;
+      c->name = self->who() + ": downstream worker rank " + std::to_string(m.rank);
+      c->socket = m.socket;
+      self->children_.push_back(std::move(c));
+    }
+  };
+  std::vector<asio::awaitable<void>> both;
+  if (position_.upstream != 0) both.push_back(connect_upstream(this, position_, info.wire));
+  if (!position_.children.empty()) both.push_back(accept_children(this, position_.children, info.wire));
+  co_await async::all_of(std::move(both));
+  if (position_.children.empty()) relay_.reset();  // nobody will connect
+}
+
+asio::awaitable<void> engine::offer_upstream(const init_info& info) {
+  const auto socket = upstream();
+  const std::string to =
+      position_.upstream == 0 ? "the trainer" : "upstream worker rank " + std::to_string(position_.upstream);
+  // The offer: this worker's address and every slot's extent and key.
+  wire::writer body;
+  const auto address = worker_->address();
+  body.bytes(address);
+  announced_.clear();
+  for (std::size_t i = 0; i < staging_->slot_count(); ++i) {
+    const auto& reg = staging_->slot_registration(i);
+    body.put(reinterpret_cast<std::uint64_t>(reg.base()));
+    body.put(reg.bytes());
+    body.put(static_cast<std::uint32_t>(reg.packed_rkey().size()));
+    body.bytes(reg.packed_rkey());
+    announced_.push_back(static_cast<std::uint32_t>(i));
+  }
+  wire::offer_header h;
+  h.bytes = static_cast<std::uint32_t>(body.out.size());
+  h.address_bytes = static_cast<std::uint32_t>(address.size());
+  h.regions = static_cast<std::uint32_t>(staging_->slot_count());
+  const auto raw = wire::encode(h);
+  std::vector<asio::const_buffer> out{asio::buffer(raw), asio::buffer(body.out)};
+  co_await net::write_all(*socket, out, timeout_, who() + ": offering its UCX address and staging to " + to);
+
+  // What UCX chose, as the sender's endpoint sees it; refused here when it is not
+  // what this worker requires (the sender is told why).
+  auto st = co_await links::read_status(*socket, timeout_, who() + ": waiting for the UCX endpoint of " + to);
+  links::throw_if_failed(st, who() + ": " + to);
+  report_ = endpoint_report::from_json(parse_json_text(st.message, who() + ": UCX endpoint report"),
+                                       who() + ": UCX endpoint report");
+  if (auto unmet = check_required(report_, info.require_transports); !unmet.empty()) {
+    co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::unsupported), 0, who() + ": " + unmet,
+                                timeout_, who() + ": refusing the transports");
+    throw_error(errc::unsupported, who() + ": " + unmet);
+  }
+  co_await links::send_status(*socket, 0, 0, {}, timeout_, who() + ": accepting the transports");
 }
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
@@ -306,33 +395,48 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     throw_error(errc::invalid_state, who() +
                                          ": the connection to the trainer was closed by an earlier failure; "
                                          "call init_transfer_engine again");
-  const auto socket = socket_;
+  // Held: a disconnect closes them, never frees them under a read.
+  const auto from = upstream();
   const auto w = worker_;
+  const auto children = children_;
+  std::vector<links::socket_ptr> child_sockets;
+  for (const auto& c : children) child_sockets.push_back(c->socket);
+  const std::vector<int> child_ranks = position_.children;
+  const std::string me = who();
+  // What reads from upstream names it: a lost relay shows up as that rank.
+  const std::string source =
+      position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   std::exception_ptr failure;
   try {
     worker::engaged progressing(w);
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-    last_seq_ = co_await links::accept_update(*socket, last_seq_, info.metadata, plan, timeout_, who());
-    transport t(*socket, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, who());
+    last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
+                                                          plan, timeout_, me, source);
+    transport t(*from, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, source,
+                pipeline_->params().checksums, children);
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                                 receive_target());
-    co_await links::confirm_update(*socket, last_seq_, timeout_, who());
+    co_await links::confirm_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, timeout_, me);
   } catch (...) {
     failure = std::current_exception();
   }
   if (failure) {
-    // The trainer learns why; then, as the stream position is unknown, the
-    // connection and the UCX worker close (nothing lands in staging afterwards).
-    if (socket->is_open()) co_await links::tell_failure(*socket, failure, last_seq_);
+    // The upstream (the trainer or the worker relaying to this one) learns why,
+    // so its error names this worker's reason (say, which child was lost); then,
+    // as the stream position is unknown, the connections and the UCX worker close
+    // (nothing lands in staging afterwards, and the children fail at once).
+    if (from->is_open()) co_await links::tell_failure(*from, failure, last_seq_);
     close();
     std::rethrow_exception(failure);
   }
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
-  if (!socket_) return;
+  if (!upstream()) return;
   try {
-    std::shared_ptr<asio::ip::tcp::socket> s = std::exchange(socket_, nullptr);
+    // The refusal goes upstream; children (whose header never comes) are closed.
+    std::shared_ptr<asio::ip::tcp::socket> s =
+        upstream_ ? std::exchange(upstream_, nullptr) : std::exchange(socket_, nullptr);
     asio::co_spawn(context().executor,
                    links::refuse_update(s, last_seq_ + 1, kind, reason,
                                         std::min(timeout_, std::chrono::milliseconds(2000)), who()),
@@ -343,11 +447,21 @@ void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
 }
 
 void engine::close() noexcept {
-  if (socket_) {
+  // Children's keys and endpoints before the UCX worker they live on.
+  for (auto& c : children_) c->close();
+  children_.clear();
+  for (auto* s : {socket_.get(), upstream_.get()}) {
+    if (!s) continue;
     std::error_code ignored;
-    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    socket_->close(ignored);
-    socket_.reset();
+    s->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+    s->close(ignored);
+  }
+  socket_.reset();
+  upstream_.reset();
+  if (relay_) {
+    std::error_code ignored;
+    relay_->close(ignored);
+    relay_.reset();
   }
   if (worker_) {
     worker_->close();

@@ -385,6 +385,7 @@ void endpoint::close() noexcept {
 }
 
 remote_key::remote_key(const endpoint& ep, std::span<const std::byte> packed, const std::string& what) {
+  ep.check_open(what);
   if (auto s = ucp_ep_rkey_unpack(ep.get(), packed.data(), &rkey_); s != UCS_OK)
     throw_status(s, what + ": the worker's remote key does not unpack (ucp_ep_rkey_unpack)");
 }
@@ -438,6 +439,8 @@ asio::awaitable<void> tag_send(worker& w, endpoint& ep, std::span<const asio::co
 tag_receive::tag_receive(std::shared_ptr<worker> w, std::span<const asio::mutable_buffer> dest, std::uint64_t tag,
                          std::string what)
     : worker_(std::move(w)), what_(std::move(what)) {
+  // A worker closed under an update (a disconnect) takes no more receives.
+  if (!worker_->get()) throw_error(errc::cancelled, what_ + ": the UCX worker was closed");
   ucp_request_param_t p{};
   state_ = worker_->track(p, true);
   for (const auto& d : dest) {

@@ -20,8 +20,20 @@
 //                                 memory, the stage, a split tensor's assembly)
 //   trainer -> worker   done      sent only after the puts were flushed
 //                                 (ucp_ep_flush_nbx: remotely complete) or the tagged
-//                                 send completed: the worker may read the bucket
+//                                 send completed: the worker may read the bucket;
+//                                 with checksums it carries the bucket's checksum,
+//                                 verified before the bucket is loaded
 //   worker  -> trainer  status    the update's confirmation (links)
+//
+// Relay topologies (chain, tree:K; links/relay.h): after the rendezvous the
+// trainer tells each worker its place; a worker joins its parent's relay listener
+// (links::join, authenticated as with the trainer) and makes the offer there, so
+// the parent's UCX worker holds the endpoint to it. The trainer then sends only to
+// its children; a worker that received bucket k (the "done" arrived) sends it on
+// to each child with the same grant/put/flush/done steps (downstream.h) from its
+// own memory, before bucket k goes to processing, passing the trainer's checksum
+// on. It accepts an update once its children accepted and confirms once they
+// confirmed.
 //
 // The worker's UCX progress runs on its event loop, woken by the UCX worker's event
 // fd (ucp_worker_get_efd / ucp_worker_arm waited on by asio), with no thread and no
@@ -34,9 +46,12 @@
 #include <string>
 #include <vector>
 
+#include <asio/thread_pool.hpp>
+
 #include <refit/backend/engine.h>
 #include <refit/backend/links/engine_base.h>
 #include <refit/backend/links/links.h>
+#include <refit/backend/links/relay.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
 #include <refit/json.h>
@@ -49,14 +64,18 @@ class worker;
 class endpoint;
 class remote_key;
 class registered_staging;
+struct downstream;
 
-/// Worker init info: links::join_info (checksums refused: a put crosses no byte
-/// stream a checksum would guard) plus "require_transports": [str] (optional): the
-/// UCX transports (as ucx_info names them: "rc_mlx5", "dc_mlx5", "ud_verbs",
-/// "cma", "posix", "sysv", "tcp", or "sm" for any of cma/posix/sysv/xpmem/knem,
-/// "rdma" for any InfiniBand/RoCE one) of which the endpoint must use at least one
-/// for its data; otherwise init fails with errc::unsupported naming what UCX chose.
+/// Worker init info: links::join_info plus "topology" ("star", "chain",
+/// "tree:K"; the trainer's prepare() writes it) and "require_transports": [str]
+/// (optional): the UCX transports (as ucx_info names them: "rc_mlx5", "dc_mlx5",
+/// "ud_verbs", "cma", "posix", "sysv", "tcp", or "sm" for any of
+/// cma/posix/sysv/xpmem/knem, "rdma" for any InfiniBand/RoCE one) of which the
+/// endpoint to this worker (from the trainer, or from the worker relaying to it)
+/// must use at least one for its data; otherwise init fails with errc::unsupported
+/// naming what UCX chose.
 struct init_info final : refit::init_info, links::join_info {
+  links::topology topology;
   std::vector<std::string> require_transports;
   static init_info read(json_reader& r);
 };
@@ -84,12 +103,25 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   ~engine() override;
   std::string_view backend() const noexcept override { return "ucx"; }
   /// Direct receive (into the model's memory by a tagged receive), staged
-  /// commits, processing deferred. No checksums, relays or sharding yet; host
-  /// memory only; not in CUDA builds' //engines:all unless asked (.bazelrc).
+  /// commits, checksums, relays (chain, tree:K), processing deferred. No sharding
+  /// yet; host memory only; not in CUDA builds' //engines:all unless asked (.bazelrc).
   static engine_capabilities capabilities_of() {
-    return {.direct_receive = true, .staged_commit = true, .defers_processing = true, .opt_in_build = true};
+    return {.direct_receive = true,
+            .staged_commit = true,
+            .checksums = true,
+            .relay = true,
+            .defers_processing = true,
+            .opt_in_build = true};
   }
   int rank() const noexcept { return rank_; }
+  /// The rank it receives from (0: the trainer) and those it forwards to.
+  int upstream_rank() const noexcept { return position_.upstream; }
+  const std::vector<int>& children() const noexcept { return position_.children; }
+  /// Closes every connection and the UCX worker now: an update in flight fails,
+  /// as do its upstream and children, and init_transfer_engine must run again. For
+  /// a server that must cut refit off at once (and tests that stand a dead process
+  /// in for it); unlike shutdown() it is allowed while buckets are processed.
+  void disconnect() noexcept { close(); }
   /// What UCX chose for this worker's data, once initialised (null before):
   /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank"}.
   json transport_info() const override;
@@ -103,6 +135,9 @@ class engine final : public backend::typed_engine<init_info, update_info> {
  private:
   std::string who() const { return "ucx worker rank " + std::to_string(rank_); }
   void close() noexcept;
+  asio::awaitable<void> join_relay(const init_info& info);
+  asio::awaitable<void> offer_upstream(const init_info& info);
+  std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
 
   std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
   std::shared_ptr<worker> worker_;
@@ -111,6 +146,10 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   // Shared with an update in flight: a shutdown() while it waits on the trainer
   // closes the socket and the UCX worker but frees neither under it.
   std::shared_ptr<asio::ip::tcp::socket> socket_;
+  std::shared_ptr<asio::ip::tcp::socket> upstream_;    // to the upstream worker (relay topologies)
+  std::vector<std::shared_ptr<downstream>> children_;  // in position_.children order
+  std::unique_ptr<asio::ip::tcp::acceptor> relay_;     // where children connect
+  links::relay_position position_;
   std::unique_ptr<receive_pipeline> pipeline_;
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
@@ -119,7 +158,10 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   bool initialized_ = false;
 };
 
-/// Trainer side; trainer_args as links::trainer_args (checksums refused).
+/// Trainer side; trainer_args as links::trainer_args plus "topology" ("star",
+/// "chain", "tree:K"; default star for one or two workers, else chain) as the tcp
+/// engine's. With checksums, every bucket's checksum is computed in one pass over
+/// the update (on a thread of the sender's) before its first byte is sent.
 class sender final : public links::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
@@ -127,35 +169,29 @@ class sender final : public links::sender_base {
   std::string_view backend() const noexcept override { return "ucx"; }
   static engine_capabilities capabilities_of() { return engine::capabilities_of(); }
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
-  /// What UCX chose for each worker, by rank (empty before connect_workers).
+  /// What UCX chose for each worker the trainer sends to itself (all of them in
+  /// a star, its children in a chain or tree), by rank (empty before
+  /// connect_workers).
   json transport_info() const;
 
  protected:
+  bool relays() const noexcept override { return true; }
+  bool verifies_checksums() const noexcept override { return true; }
   asio::awaitable<void> connected() override;
   void close_transport() noexcept override;
 
  private:
-  struct region {
-    std::uint64_t base = 0, bytes = 0;
-    std::unique_ptr<remote_key> rkey;
-  };
-  struct peer {
-    int rank = 0;
-    std::shared_ptr<asio::ip::tcp::socket> socket;
-    std::unique_ptr<endpoint> ep;
-    std::map<std::uint32_t, region> regions;
-    endpoint_report report;
-  };
-  asio::awaitable<void> connect_one(std::shared_ptr<peer> p, std::shared_ptr<worker> w);
-  // The peer and the UCX worker are held: a shutdown() mid-update closes them
+  // The peers and the UCX worker are held: a shutdown() mid-update closes them
   // (the send then fails) but frees nothing a stream still uses.
-  asio::awaitable<void> stream_to(std::shared_ptr<peer> p, std::shared_ptr<worker> w,
-                                  const std::vector<std::vector<asio::const_buffer>>& payloads, const bucket_plan& plan,
+  asio::awaitable<void> stream_to(std::shared_ptr<downstream> p, std::shared_ptr<worker> w,
+                                  const std::vector<std::vector<asio::const_buffer>>& payloads,
+                                  const std::vector<std::uint64_t>& checksums, const bucket_plan& plan,
                                   std::uint64_t seq);
 
   std::shared_ptr<ucx::context> ucp_;
   std::shared_ptr<worker> worker_;
-  std::vector<std::shared_ptr<peer>> peers_by_rank_;
+  std::vector<std::shared_ptr<downstream>> peers_by_rank_;
+  std::unique_ptr<asio::thread_pool> hash_pool_;  // the checksums, off the event loop
 };
 
 }  // namespace refit::ucx

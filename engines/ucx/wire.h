@@ -51,14 +51,19 @@ struct grant {
   std::uint64_t region_bytes = 0;
 };
 
+inline constexpr std::uint32_t done_checksum = 1;  ///< done::flags: `checksum` is set
+
 /// The bucket's bytes are in the worker's memory (puts flushed, or the send done).
+/// With checksums (wire params), `checksum` is the trainer's XXH3-64 of the
+/// bucket's payload (backend/checksum.h), passed on unchanged by every relay.
 struct done {
   std::uint32_t magic = done_magic;
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;
   std::uint64_t index = 0;
+  std::uint64_t checksum = 0;
 };
 
-static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 16);
+static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 24);
 
 // The bytes of a header struct: the links' encoder (the structs have no padding).
 using links::wire::encode;

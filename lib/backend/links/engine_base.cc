@@ -8,6 +8,7 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/engine.h>
+#include <refit/backend/links/relay_io.h>
 #include <refit/backend/net.h>
 
 namespace refit::links {
@@ -108,15 +109,24 @@ json sender_base::prepare(const json& trainer_args) {
   const std::string name(backend());
   json_reader r(trainer_args, name + " trainer_args");
   auto args = trainer_args::read(r, config_.timeout);
+  topology t;
+  if (relays()) {
+    const auto text = r.maybe<std::string>("topology");
+    t = text ? topology::parse(*text, name + " trainer_args: member 'topology'")
+             : topology::default_for(args.world_size - 1);
+  }
   r.finish();
-  if (args.wire.checksums)
+  if (args.wire.checksums && !verifies_checksums())
     throw_error(errc::invalid_argument, name + " trainer_args: member 'checksums' is not supported by " + name +
                                             " (its bytes cross no byte stream to checksum)");
   shutdown();
   args_ = args;
+  topology_ = t;
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, args_.address, args_.port));
   prepared();
-  return worker_init_info(args_, acceptor_->local_endpoint().port());
+  json info = worker_init_info(args_, acceptor_->local_endpoint().port());
+  if (!topology_.star()) info["topology"] = topology_.to_string();
+  return info;
 }
 
 asio::awaitable<void> sender_base::connect_workers() {
@@ -124,10 +134,17 @@ asio::awaitable<void> sender_base::connect_workers() {
   if (!acceptor_ || !acceptor_->is_open())
     throw_error(errc::invalid_state, name + " trainer: connect_workers before prepare");
   close();
-  peers_ = co_await accept_workers(*acceptor_, context_.executor, config_.auth_secret, args_.timeout, args_.wire,
-                                   args_.world_size, name + " trainer", welcome());
+  auto members = co_await accept_workers(*acceptor_, context_.executor, config_.auth_secret, args_.timeout, args_.wire,
+                                         args_.world_size, name + " trainer", welcome());
+  // In a relay topology every worker learns its place; the trainer keeps sending
+  // to its own children only (the others' side channels stay open, unused, until
+  // the next init or a failure closes them).
+  const std::vector<int> direct = topology_.children(0, args_.world_size - 1);
+  for (auto& m : members)
+    (std::find(direct.begin(), direct.end(), m.rank) != direct.end() ? peers_ : relayed_).push_back(m);
   std::exception_ptr failure;
   try {
+    if (!topology_.star()) co_await tell_positions(members, topology_, args_.timeout, name + " trainer");
     co_await transport_closed();  // an earlier communicator's abort
     co_await connected();
   } catch (...) {
@@ -143,11 +160,13 @@ asio::awaitable<void> sender_base::connect_workers() {
 void sender_base::close() noexcept {
   close_transport();
   std::error_code ignored;
-  for (auto& p : peers_) {
-    p.socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    p.socket->close(ignored);
+  for (auto* list : {&peers_, &relayed_}) {
+    for (auto& p : *list) {
+      p.socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+      p.socket->close(ignored);
+    }
+    list->clear();
   }
-  peers_.clear();
 }
 
 asio::awaitable<void> sender_base::close_after_failure() {

@@ -15,6 +15,7 @@
 
 #include <refit/backend/engine.h>
 #include <refit/backend/links/links.h>
+#include <refit/backend/links/relay.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
 #include <refit/trainer.h>
@@ -83,6 +84,12 @@ class sender_base : public weight_sender {
  protected:
   /// After the trainer args were read (and checksums refused): allocate buffers.
   virtual void prepared() {}
+  /// Whether the engine relays (trainer_args' "topology": "star", "chain",
+  /// "tree:K" is read, default relay.h's default_for; peers_ are then the
+  /// trainer's direct children only) and verifies checksums ("checksums": true is
+  /// accepted). Both false by default: the args refuse them.
+  virtual bool relays() const noexcept { return false; }
+  virtual bool verifies_checksums() const noexcept { return false; }
   /// What each worker's welcome carries (e.g. a communicator id).
   virtual std::string welcome() { return {}; }
   /// After every worker joined: e.g. join the communicator.
@@ -112,7 +119,9 @@ class sender_base : public weight_sender {
   weight_transfer_config config_;
   trainer_context context_;
   trainer_args args_;
-  std::vector<member> peers_;
+  topology topology_;            ///< star unless relays()
+  std::vector<member> peers_;    ///< the workers the trainer sends to (in a relay: its children)
+  std::vector<member> relayed_;  ///< the others' side channels (relay topologies), kept open
   update_stats stats_;
 
  private:

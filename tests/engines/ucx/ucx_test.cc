@@ -8,6 +8,10 @@
 #include <filesystem>
 
 #include <asio/experimental/awaitable_operators.hpp>
+#include <asio/post.hpp>
+
+#include <refit/backend/async/all_of.h>
+#include <refit/backend/links/relay.h>
 
 #include <refit/control/client.h>
 #include <refit/control/worker_host.h>
@@ -309,13 +313,225 @@ TEST(ucx, the_init_answer_and_weight_info_carry_the_transports) {
   EXPECT_TRUE(run(io, std::chrono::seconds(5))) << "nothing left running";
 }
 
-TEST(ucx, checksums_are_refused_by_both_sides) {
+// A trainer and `n` ucx workers in `topology` on one loop, with a capture per
+// worker (as the tcp engine's relay tests).
+struct ucx_group {
+  asio::io_context io;
+  std::unique_ptr<ucx::sender> sender;
+  std::vector<std::unique_ptr<ucx::engine>> workers;
+  std::vector<std::unique_ptr<capture>> got;
+  json init;
+
+  ucx_group(int n, const std::string& topology, bool checksums, wire_params wire = small_wire()) {
+    for (int i = 0; i < n; ++i) got.push_back(std::make_unique<capture>());
+    sender = std::make_unique<ucx::sender>(ucx_config(), trainer_context{io.get_executor(), {}});
+    json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", n + 1}, {"topology", topology}};
+    wire.checksums = checksums;
+    wire.write(args);
+    init = sender->prepare(args);
+    for (int i = 0; i < n; ++i)
+      workers.push_back(std::make_unique<ucx::engine>(ucx_config(), engine_context{io.get_executor()}));
+  }
+  ~ucx_group() {
+    sender->shutdown();
+    for (auto& w : workers) w->disconnect();
+    run(io, std::chrono::seconds(5));
+  }
+  void reset_captures() {
+    for (auto& g : got) g = std::make_unique<capture>();
+  }
+  static asio::awaitable<void> init_one(ucx::engine& e, json info) {
+    auto typed = e.parse_init_info(info);
+    co_await e.init_transfer_engine(*typed);
+  }
+  void connect() {
+    std::vector<asio::awaitable<void>> all;
+    all.push_back(sender->connect_workers());
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      json info = init;
+      info["rank_offset"] = static_cast<int>(i) + 1;
+      all.push_back(init_one(*workers[i], info));
+    }
+    run_to_completion(io, async::all_of(std::move(all)), std::chrono::seconds(30));
+  }
+  static asio::awaitable<void> receive(ucx::engine& e, std::unique_ptr<update_info> info, load_weights_fn load) {
+    co_await e.receive_weights(*info, std::move(load));
+    co_await e.drain_pending();
+  }
+  // One update: the send and every worker's receive (worker `at` also runs
+  // `extra` on each load); their outcomes.
+  std::pair<std::shared_ptr<outcome>, std::vector<std::shared_ptr<outcome>>> update(tensor_set& set,
+                                                                                    load_weights_fn extra = {},
+                                                                                    std::size_t at = 1) {
+    auto sent = spawn(io, send_views(*sender, set.meta, set.views()));
+    std::vector<std::shared_ptr<outcome>> received;
+    json info = json::object();
+    write_update_metadata(set.meta, info);
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      load_weights_fn load = got[i]->fn();
+      if (extra && i == at)
+        load = [inner = load, extra](std::span<const tensor_view> v) {
+          extra(v);
+          inner(v);
+        };
+      received.push_back(spawn(io, receive(*workers[i], workers[i]->parse_update_info(info), load)));
+    }
+    EXPECT_TRUE(run_until(
+        io,
+        [&] { return sent->done && std::all_of(received.begin(), received.end(), [](auto& r) { return r->done; }); },
+        std::chrono::seconds(30)))
+        << "a hang";
+    return {sent, received};
+  }
+};
+
+tensor_set mixed(std::uint8_t salt) {
+  tensor_set set;
+  set.add("embed", dtype::bfloat16, {300, 200});  // 120 KB: split over 64 KiB buffers
+  for (int i = 0; i < 30; ++i) set.add("w" + std::to_string(i), dtype::float32, {10 + 137 * i});
+  set.add("empty", dtype::int8, {0});
+  for (auto& d : set.data)
+    for (std::size_t k = 0; k < d.size(); ++k) d[k] = static_cast<std::byte>(k * 13 + salt);
+  return set;
+}
+
+void every_worker_gets_every_byte(int n, const std::string& topology, bool checksums) {
+  ucx_group g(n, topology, checksums);
+  g.connect();
+  const auto expected = links::topology::parse(topology, "test");
+  for (std::size_t i = 0; i < g.workers.size(); ++i) {
+    const int rank = static_cast<int>(i) + 1;
+    EXPECT_EQ(g.workers[i]->upstream_rank(), expected.parent(rank)) << "rank " << rank;
+    EXPECT_EQ(g.workers[i]->children(), expected.children(rank, n)) << "rank " << rank;
+    EXPECT_EQ(g.workers[i]->transport_info().at("mode"), shared_memory ? "put" : "tag") << "rank " << rank;
+  }
+  // The trainer's egress: endpoints (and so puts or sends) to its own children
+  // only, one copy in a chain, K in a tree.
+  const json trainer = g.sender->transport_info();
+  EXPECT_EQ(trainer.size(), expected.children(0, n).size()) << trainer.dump();
+  for (int r : expected.children(0, n)) {
+    json same = g.workers[r - 1]->transport_info();
+    same.erase("rank");
+    EXPECT_EQ(trainer.value(std::to_string(r), json()), same) << trainer.dump();
+  }
+  for (std::uint8_t round = 1; round <= 2; ++round) {
+    tensor_set set = mixed(round);
+    g.reset_captures();
+    auto [sent, received] = g.update(set);
+    ASSERT_FALSE(sent->error) << sent->message();
+    for (std::size_t i = 0; i < received.size(); ++i) {
+      ASSERT_FALSE(received[i]->error) << "rank " << i + 1 << ": " << received[i]->message();
+      EXPECT_NO_THROW(g.got[i]->check_equals(set)) << "rank " << i + 1 << ", round " << int(round);
+    }
+  }
+}
+
+TEST(ucx_relay, a_chain_of_three_gets_every_byte) { every_worker_gets_every_byte(3, "chain", false); }
+TEST(ucx_relay, a_chain_verifies_checksums_at_every_hop) { every_worker_gets_every_byte(3, "chain", true); }
+TEST(ucx_relay, a_tree_of_fanout_two_gets_every_byte) { every_worker_gets_every_byte(4, "tree:2", false); }
+TEST(ucx_relay, a_star_with_checksums_gets_every_byte) { every_worker_gets_every_byte(2, "star", true); }
+
+// Worker 2 (the middle of 1 -> 2 -> 3) goes away mid-update: worker 3 fails at once
+// with peer_lost naming its upstream, the trainer's send fails naming worker 2
+// (worker 1 says which child it lost), nobody waits for a deadline, and after a
+// re-init the chain delivers again.
+TEST(ucx_relay, a_lost_middle_worker_fails_its_successor_and_the_trainer_naming_it) {
+  ucx_group g(3, "chain", false);
+  g.connect();
+  tensor_set set = mixed(7);
+  bool killed = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [sent, received] = g.update(set, [&](std::span<const tensor_view>) {
+    if (killed) return;
+    killed = true;
+    asio::post(g.io, [&g] { g.workers[1]->disconnect(); });  // as if its process died
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, ucx_config().timeout) << "someone waited for a deadline";
+  ASSERT_TRUE(killed);
+  ASSERT_TRUE(received[2]->error) << "worker 3 did not notice its upstream was gone";
+  EXPECT_EQ(received[2]->kind(), static_cast<int>(errc::peer_lost)) << received[2]->message();
+  EXPECT_NE(received[2]->message().find("ucx worker rank 3: upstream worker rank 2"), std::string::npos)
+      << received[2]->message();
+  ASSERT_TRUE(sent->error) << "the trainer reported success";
+  EXPECT_EQ(sent->kind(), static_cast<int>(errc::peer_lost)) << sent->message();
+  EXPECT_NE(sent->message().find("downstream worker rank 2"), std::string::npos) << sent->message();
+  ASSERT_TRUE(received[0]->error);
+  EXPECT_NE(received[0]->message().find("downstream worker rank 2"), std::string::npos) << received[0]->message();
+
+  // Re-init (worker 2 too): the chain forms again and delivers.
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 4}, {"topology", "chain"}};
+  small_wire().write(args);
+  g.init = g.sender->prepare(args);
+  g.connect();
+  g.reset_captures();
+  auto [sent2, received2] = g.update(set);
+  ASSERT_FALSE(sent2->error) << sent2->message();
+  for (std::size_t i = 0; i < received2.size(); ++i) {
+    ASSERT_FALSE(received2[i]->error) << received2[i]->message();
+    EXPECT_NO_THROW(g.got[i]->check_equals(set));
+  }
+}
+
+// A bucket whose bytes differ from what the trainer checksummed is refused before
+// it is loaded. The trainer checksums the whole update in one pass before its first
+// byte leaves; with one staging slot the worker grants bucket k+1 only once bucket
+// k was loaded, so a byte of the last tensor flipped (in the trainer's memory,
+// this is one process) by the worker's first load changes the bytes put or sent,
+// not the checksum: the worker sees what a corruption on the way would look like.
+TEST(ucx_relay, a_bucket_changed_after_its_checksum_is_refused_before_it_is_loaded) {
+  wire_params wire;
+  wire.buffer_bytes = 16 << 10;
+  wire.num_buffers = 1;
+  for (const std::string topology : {"star", "chain"}) {
+    SCOPED_TRACE(topology);
+    const int n = topology == "star" ? 1 : 2;
+    ucx_group g(n, topology, true, wire);
+    g.connect();
+    tensor_set set;
+    for (int i = 0; i < 8; ++i) set.add("w" + std::to_string(i), dtype::float32, {4096});  // one bucket each
+    bool flipped = false;
+    auto [sent, received] = g.update(
+        set,
+        [&](std::span<const tensor_view>) {
+          if (std::exchange(flipped, true)) return;
+          set.data[7][100] ^= std::byte{0x40};
+        },
+        0);
+    ASSERT_TRUE(flipped);
+    for (std::size_t i = 0; i < received.size(); ++i) {
+      ASSERT_TRUE(received[i]->error) << "rank " << i + 1;
+      if (i == 0 || received[i]->kind() == static_cast<int>(errc::integrity_error)) {
+        EXPECT_EQ(received[i]->kind(), static_cast<int>(errc::integrity_error)) << received[i]->message();
+        EXPECT_NE(received[i]->message().find("bucket 7: payload checksum"), std::string::npos)
+            << received[i]->message();
+      }
+      const auto got = g.got[i]->received();
+      EXPECT_EQ(got.count("w7"), 0u) << "rank " << i + 1 << ": the corrupted bucket was loaded";
+      if (i == 0) {
+        for (int t = 0; t < 7; ++t) EXPECT_EQ(got.count("w" + std::to_string(t)), 1u) << "w" << t;
+      }
+    }
+    ASSERT_TRUE(sent->error);
+    EXPECT_EQ(sent->kind(), static_cast<int>(errc::integrity_error)) << sent->message();
+  }
+}
+
+TEST(ucx_relay, topologies_are_read_and_checked_by_both_sides) {
   asio::io_context io;
   ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
-  EXPECT_THROW(sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"checksums", true}}), error);
+  EXPECT_THROW(sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"topology", "ring"}}), error);
+  const json chain =
+      sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 4}, {"checksums", true}});
+  EXPECT_EQ(chain.at("topology"), "chain") << "the default beyond two workers, as tcp's";
+  EXPECT_TRUE(chain.at("checksums").get<bool>());
   ucx::engine engine(ucx_config(), engine_context{io.get_executor()});
-  EXPECT_THROW(engine.parse_init_info({{"master_address", "127.0.0.1"}, {"master_port", 1}, {"checksums", true}}),
-               error);
+  EXPECT_NO_THROW(engine.parse_init_info(chain));
+  json bad = chain;
+  bad["topology"] = "tree:0";
+  EXPECT_THROW(engine.parse_init_info(bad), error);
+  EXPECT_TRUE(ucx::engine::capabilities_of().relay);
+  EXPECT_TRUE(ucx::engine::capabilities_of().checksums);
+  sender.shutdown();
 }
 
 }  // namespace

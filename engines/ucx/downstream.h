@@ -1,0 +1,63 @@
+// What the trainer and a relaying worker do alike towards a worker they send
+// buckets to (private to the ucx engine): take its UCX offer and make an endpoint
+// to it, then per bucket read its grant, put into the granted slot (flushed) or
+// send tagged, and say "done" (with the trainer's checksum when asked). The
+// trainer runs it for its direct children; a worker in a chain or tree for its own
+// children, from its registered memory, once the bucket's "done" came from upstream.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include <asio/awaitable.hpp>
+#include <asio/buffer.hpp>
+#include <asio/ip/tcp.hpp>
+
+#include <refit/engines/ucx/ucx.h>
+#include "ucp.h"  // private to this engine
+
+namespace refit::ucx {
+
+/// A worker buckets are sent to: its side channel, the endpoint to it on the
+/// sender's UCX worker, and the regions whose keys it gave.
+struct downstream {
+  struct region {
+    std::uint64_t base = 0, bytes = 0;
+    std::unique_ptr<remote_key> rkey;
+  };
+  int rank = 0;
+  std::string name;  ///< "ucx trainer: worker rank 2", "ucx worker rank 1: downstream worker rank 3"
+  std::shared_ptr<asio::ip::tcp::socket> socket;
+  std::unique_ptr<endpoint> ep;
+  std::map<std::uint32_t, region> regions;
+  endpoint_report report;
+
+  /// Keys first (while the endpoint's worker lives), then the endpoint (a send in
+  /// flight finds it closed before it touches a key again), then the socket.
+  void close() noexcept;
+};
+
+/// Reads its UCX offer, makes the endpoint on `w` (wired up before anything is
+/// read back), tells it what UCX chose and waits for it to accept. A malformed
+/// offer is protocol_error (the worker is told why).
+asio::awaitable<void> connect_downstream(std::shared_ptr<downstream> d, std::shared_ptr<worker> w,
+                                         std::chrono::milliseconds timeout);
+
+/// Bucket `index` (its bytes `payload`, from anywhere in this process) to `d` for
+/// update `seq`: its grant, the puts and their flush or the tagged send (either
+/// abandoned with peer_lost as soon as `d` hangs up its side channel), then
+/// "done" carrying `checksum` when there is one.
+asio::awaitable<void> send_bucket(std::shared_ptr<worker> w, std::shared_ptr<downstream> d, std::uint64_t index,
+                                  std::span<const asio::const_buffer> payload, std::uint64_t seq,
+                                  std::optional<std::uint64_t> checksum, std::chrono::milliseconds timeout);
+
+/// Awaits `op` towards `d`; if it fails, the worker's own reason (it says why
+/// before it closes) is the error where it gave one.
+asio::awaitable<void> with_peer_reason(asio::awaitable<void> op, std::shared_ptr<downstream> d);
+
+}  // namespace refit::ucx
