@@ -5,11 +5,14 @@
 // and send the bucket on to this worker's own children, if any.
 #include <algorithm>
 #include <cstdlib>
+#include <future>
+#include <map>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 
 #include <refit/backend/async/all_of.h>
+#include <refit/backend/async/event.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
 #include <refit/backend/links/relay_io.h>
@@ -152,9 +155,13 @@ std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32
 // a tagged receive posted into wherever the pipeline wants the bytes), then the
 // sender's "done" (with the bucket's checksum, when asked for, verified by
 // check() on the processing executor before the bucket is loaded). With
-// children, the bucket then goes on to each of them from where it landed, before
-// receive() returns: the pipeline neither processes nor releases its slot (nor
-// grants it again) before every child's flush completed.
+// children, the bucket then goes on to each of them from where it landed, in the
+// background: receive() returns at once, so the next bucket comes in from upstream
+// while this one goes down. Forwards run one after another (each child's side
+// channel carries one bucket's grant and done at a time); settled() is the
+// bucket's, which the pipeline awaits before the bucket's check and load and the
+// release of its slot: nothing changes or reuses the bytes before every child's
+// flush completed, and a failed forward fails the update with its error.
 class transport final : public bucket_transport {
  public:
   transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
@@ -211,15 +218,28 @@ class transport final : public bucket_transport {
     expected_ = done.checksum;
     if (posted) co_await posted->wait(timeout_);
     if (!children_.empty()) {
-      // The bucket goes on to every child at once; the first failure names it.
-      const std::vector<asio::const_buffer> payload(dest.begin(), dest.end());
+      // The bucket goes on to every child at once, in the background; the first
+      // failure names it and fails this bucket's check.
       std::optional<std::uint64_t> sum;
       if (checksums_) sum = expected_;  // the trainer's, passed on unchanged
-      std::vector<asio::awaitable<void>> sends;
-      for (const auto& c : children_)
-        sends.push_back(with_peer_reason(send_bucket(worker_, c, b.index, payload, seq_, sum, timeout_), c));
-      co_await async::all_of(std::move(sends));
+      auto st = std::make_shared<forwarding>(worker_->executor());
+      asio::co_spawn(worker_->executor(),
+                     forward(std::exchange(last_, st), st, worker_, children_,
+                             std::vector<asio::const_buffer>(dest.begin(), dest.end()), b.index, seq_, sum, timeout_),
+                     asio::detached);
+      forwards_[b.index] = std::move(st);
     }
+  }
+
+  std::function<asio::awaitable<void>()> settled(const bucket& b) override {
+    auto it = forwards_.find(b.index);
+    if (it == forwards_.end()) return {};
+    std::shared_ptr<forwarding> st = std::move(it->second);
+    forwards_.erase(it);
+    return [st]() -> asio::awaitable<void> {
+      co_await st->done.wait();
+      if (st->error) std::rethrow_exception(st->error);
+    };
   }
 
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
@@ -245,6 +265,35 @@ class transport final : public bucket_transport {
   bool checksums_;
   const std::vector<std::shared_ptr<downstream>>& children_;
   std::uint64_t expected_ = 0;
+  // A bucket's forward to the children: set when it ended, with its error.
+  struct forwarding {
+    explicit forwarding(asio::any_io_executor ex) : done(std::move(ex)) {}
+    async::event done;
+    std::exception_ptr error;
+  };
+  std::shared_ptr<forwarding> last_;                               // the latest one started
+  std::map<std::uint64_t, std::shared_ptr<forwarding>> forwards_;  // by bucket, until settled() takes it
+
+  // One bucket to every child, after the one before it (`prev`) ended; a failure
+  // there fails this one too. Everything it uses is held by value.
+  static asio::awaitable<void> forward(std::shared_ptr<forwarding> prev, std::shared_ptr<forwarding> st,
+                                       std::shared_ptr<worker> w, std::vector<std::shared_ptr<downstream>> children,
+                                       std::vector<asio::const_buffer> payload, std::uint64_t index, std::uint64_t seq,
+                                       std::optional<std::uint64_t> sum, std::chrono::milliseconds timeout) {
+    try {
+      if (prev) {
+        co_await prev->done.wait();
+        if (prev->error) std::rethrow_exception(prev->error);
+      }
+      std::vector<asio::awaitable<void>> sends;
+      for (const auto& c : children)
+        sends.push_back(with_peer_reason(send_bucket(w, c, index, payload, seq, sum, timeout), c));
+      co_await async::all_of(std::move(sends));
+    } catch (...) {
+      st->error = std::current_exception();
+    }
+    st->done.set();
+  }
 };
 
 }  // namespace

@@ -119,24 +119,27 @@ receive_pipeline::receive_pipeline(asio::any_io_executor executor, asio::any_io_
 
 void receive_pipeline::process(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
                                std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
-                               std::function<void()> check, async::drain_scope& scope, update_stats& stats) {
-  if (check) ++state->checks_left;
+                               bucket_checks checks, async::drain_scope& scope, update_stats& stats) {
+  if (checks) ++state->checks_left;
   scope.spawn(
-      process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, std::move(check), stats));
+      process_bucket(std::move(state), std::move(views), slot, assembly, bucket_index, std::move(checks), stats));
 }
 
 asio::awaitable<void> receive_pipeline::process_bucket(std::shared_ptr<update_state> state,
                                                        std::vector<tensor_view> views, std::optional<std::size_t> slot,
-                                                       bool assembly, std::uint64_t bucket_index,
-                                                       std::function<void()> check, update_stats& stats) {
+                                                       bool assembly, std::uint64_t bucket_index, bucket_checks checks,
+                                                       update_stats& stats) {
   const std::uint64_t step = state->spawned++;
   std::exception_ptr error;
-  // 1. The transport's check (a checksum), on the processing executor, concurrently
-  //    with other buckets' checks and loads: a load never waits behind it.
-  if (check) {
+  // 1. The transport's own use of the bytes ending (always awaited, failure or
+  //    not: the slot is released below), then its check (a checksum), on the
+  //    processing executor, concurrently with other buckets' checks and loads: a
+  //    load never waits behind it.
+  if (checks) {
     std::exception_ptr check_error;
     try {
-      if (!state->skips(step)) co_await async::offload(processing_, [&check] { check(); });
+      if (checks.settle) co_await checks.settle();
+      if (checks.check && !state->skips(step)) co_await async::offload(processing_, [&checks] { checks.check(); });
     } catch (...) {
       check_error = std::current_exception();
       state->fail_from(step);
@@ -302,12 +305,12 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
         stats.receive_s += seconds_since(t0);
         stats.bytes += b.payload_bytes;
         ++stats.buckets;
-        auto check = transport.check(b, scatter);
+        bucket_checks checks{transport.settled(b), transport.check(b, scatter)};
         if (b.last_chunk)
-          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, std::move(check), scope,
+          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, std::move(checks), scope,
                   stats);
-        else if (check)  // an earlier chunk is only checked; the tensor is loaded after its last
-          process(state, {}, std::nullopt, false, b.index, std::move(check), scope, stats);
+        else if (checks)  // an earlier chunk is only checked; the tensor is loaded after its last
+          process(state, {}, std::nullopt, false, b.index, std::move(checks), scope, stats);
         continue;
       }
       std::size_t slot = co_await slots_.acquire();
@@ -343,7 +346,8 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
       }
       stats.receive_s += seconds_since(t0);
       ++stats.buckets;
-      process(state, std::move(views), slot, false, b.index, transport.check(b, scatter), scope, stats);
+      process(state, std::move(views), slot, false, b.index, {transport.settled(b), transport.check(b, scatter)}, scope,
+              stats);
     }
     // Every byte is here; the update is received once every check has passed.
     if (state->checks_left > 0) {

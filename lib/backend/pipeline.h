@@ -87,6 +87,13 @@ class bucket_transport {
   virtual std::function<void()> check(const bucket& /*b*/, std::span<const asio::mutable_buffer> /*dest*/) {
     return {};
   }
+  /// After receive(b, dest): what completes once the transport itself no longer
+  /// reads `dest` (a relay still forwarding the bucket to its children), or an
+  /// empty function. The pipeline awaits it on the event loop before b's check and
+  /// load, so nothing changes `dest` or reuses its slot before it; an error it
+  /// throws fails the update like a check's. It must not need the transport alive
+  /// (receive() completes once every one has completed). Default: none.
+  virtual std::function<asio::awaitable<void>()> settled(const bucket& /*b*/) { return {}; }
 };
 
 /// Runs updates through staging memory that lives as long as the pipeline.
@@ -118,12 +125,18 @@ class receive_pipeline {
 
  private:
   struct update_state;
+  // What runs before a bucket's load: the transport's settled() and check().
+  struct bucket_checks {
+    std::function<asio::awaitable<void>()> settle;
+    std::function<void()> check;
+    explicit operator bool() const noexcept { return settle || check; }
+  };
   void process(std::shared_ptr<update_state> state, std::vector<tensor_view> views, std::optional<std::size_t> slot,
-               bool assembly, std::uint64_t bucket_index, std::function<void()> check, async::drain_scope& scope,
+               bool assembly, std::uint64_t bucket_index, bucket_checks checks, async::drain_scope& scope,
                update_stats& stats);
   asio::awaitable<void> process_bucket(std::shared_ptr<update_state> state, std::vector<tensor_view> views,
                                        std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
-                                       std::function<void()> check, update_stats& stats);
+                                       bucket_checks checks, update_stats& stats);
 
   asio::any_io_executor executor_;
   asio::any_io_executor processing_;

@@ -10,7 +10,10 @@
 # Usage (as root: namespaces need CAP_NET_ADMIN):
 #   tests/bench/netns_scale.sh [--rate 1gbit] [--model-bytes 64M] [--workers "1 2 4 8"]
 #                              [--topologies "star chain tree:2 chain+checksums chain+staged"] [--rounds 3] [--updates 2]
-#                              [--buffer-bytes 8M] [--bin DIR] [--json FILE] [--quick]
+#                              [--buffer-bytes 8M] [--bin DIR] [--json FILE] [--quick] [--engine tcp|ucx]
+#   --engine ucx: the ucx engine over UCX's tcp transport on each host's eth0
+#   (UCX_TLS=tcp,self UCX_NET_DEVICES=eth0: its shared-memory transports would
+#   bypass the emulated network, the namespaces sharing one kernel).
 #   --quick: the CI version (--workers "1 4" --rounds 1 --model-bytes 32M --topologies "star chain")
 #   A topology may carry options: "chain+checksums" (per-bucket checksums),
 #   "chain+staged" (staged commits); each is compared with its plain topology
@@ -33,6 +36,7 @@ updates=2
 buffer_bytes=8M      # several buckets even in a small model: the pipeline, not one bucket, is measured
 bin=
 json_out=
+engine=tcp
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) rate="$2"; shift 2 ;;
@@ -44,11 +48,17 @@ while [ $# -gt 0 ]; do
     --buffer-bytes) buffer_bytes="$2"; shift 2 ;;
     --bin) bin="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
+    --engine) engine="$2"; shift 2 ;;
     --quick) workers_list="1 4"; rounds=1; model_bytes=32M; topologies="star chain"; shift ;;
     -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "netns_scale: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+case "$engine" in
+  tcp) ;;
+  ucx) export UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 ;;
+  *) echo "netns_scale: --engine: tcp or ucx, not '$engine'" >&2; exit 2 ;;
+esac
 case " $workers_list " in *" 1 "*) ;; *) echo "netns_scale: --workers must include 1 (the baseline)" >&2; exit 2 ;; esac
 
 for tool in ip tc python3; do
@@ -117,7 +127,7 @@ for h in $(seq 0 "$max_workers"); do
   shape "$ns" eth0
   shape "${p}sw" "s$h"
 done
-echo "[netns] $((max_workers + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes" \
+echo "[netns] engine $engine; $((max_workers + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes" \
   "in $buffer_bytes buckets," \
   "$updates updates per run, $rounds rounds" >&2
 
@@ -137,7 +147,7 @@ run() {
     done
   fi
   for h in $(seq 1 "$n"); do
-    ip netns exec "${p}h$h" "$bin" --role worker --listen "10.77.0.$((h + 1))" --timeout-ms 60000 \
+    ip netns exec "${p}h$h" "$bin" --role worker --engine "$engine" --listen "10.77.0.$((h + 1))" --timeout-ms 60000 \
       >"$out/w$h.out" 2>"$out/w$h.err" &
     worker_pids+=($!)
   done
@@ -152,7 +162,7 @@ run() {
     connect="${connect:+$connect,}10.77.0.$((h + 1)):$port"
   done
   local rc=0
-  ip netns exec "${p}h0" "$bin" --listen 10.77.0.1 --connect "$connect" --load-model --model-bytes "$model_bytes" \
+  ip netns exec "${p}h0" "$bin" --engine "$engine" --listen 10.77.0.1 --connect "$connect" --load-model --model-bytes "$model_bytes" \
     --buffer-bytes "$buffer_bytes" \
     --updates "$updates" --topology "$base" "${extra[@]}" --timeout-ms 60000 --quiet >"$out/t.out" 2>"$out/t.err" || rc=$?
   stop_workers
@@ -180,7 +190,7 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-python3 - "$out/runs.jsonl" "$rate" "$model_bytes" "${json_out:-}" <<'PY'
+python3 - "$out/runs.jsonl" "$rate" "$model_bytes" "${json_out:-}" "$engine" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 rate, model, json_out = sys.argv[2], sys.argv[3], sys.argv[4]
@@ -189,7 +199,7 @@ ns = sorted({r["n"] for r in runs})
 def per_update(n, t):
     return [r["seconds"] / r["updates"] for r in runs if r["n"] == n and r["topology"] == t]
 med = {(n, t): statistics.median(per_update(n, t)) for n in ns for t in topos}
-print(f"relay vs star, {model} model, {rate} per host each way; seconds per update, "
+print(f"relay vs star over {sys.argv[5]}, {model} model, {rate} per host each way; seconds per update, "
       f"median of {len(per_update(ns[0], topos[0]))} rounds [min-max]; ratio to 1 worker")
 head = f"{'workers':>7} | " + " | ".join(f"{t:>24}" for t in topos)
 print(head)
@@ -226,7 +236,7 @@ for c in costs:
     print("cost: " + c)
 import datetime, subprocess
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
-summary = {"rate": rate, "model": model, "date": datetime.date.today().isoformat(), "commit": commit,
+summary = {"engine": sys.argv[5], "rate": rate, "model": model, "date": datetime.date.today().isoformat(), "commit": commit,
            "median_s_per_update": {f"{t}@{n}": med[(n, t)] for n in ns for t in topos},
            "runs": runs, "failures": failures}
 if json_out:
