@@ -224,6 +224,11 @@ class checksum_feed {
     return true;
   }
   void stop() noexcept { stopped_ = true; }
+  // The feed failed (an allocation, an encoding): the streams waiting for their next
+  // bucket's turn stop at once instead of at their deadline.
+  void fail() noexcept {
+    for (auto& c : channels_) c->close();
+  }
 
  private:
   std::vector<std::shared_ptr<channel>> channels_;
@@ -331,6 +336,13 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       const auto* payloads = &s.payloads;
       base_snapshot* base = work ? &base_ : nullptr;
       streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads, work, base] {
+        struct on_failure {
+          checksum_feed& feed;
+          bool armed = true;
+          ~on_failure() {
+            if (armed) feed.fail();
+          }
+        } guard{*feed};
         if (base) {
           // The snapshot grows here, off the event loop (its old bytes are kept
           // only when they are this update's base, whose size is the same).
@@ -344,6 +356,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
           work->snapshot = base->bytes.get();
         }
         if (feed->run(*payloads, work.get()) && base) base->fingerprint = delta_fingerprint(base->digest, work->hashes);
+        guard.armed = false;
       }));
       // A stream that fails stops the hashing (it would only feed dead streams).
       auto streams_then_stop = [](std::vector<asio::awaitable<void>> all,

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <asio/io_context.hpp>
 
+#include <refit/backend/links/wire.h>
 #include <refit/integrity/fingerprint.h>
 
 #include "tests/support/run.h"
@@ -63,6 +64,13 @@ class host_model final : public model_target {
     return out;
   }
   const std::vector<std::byte>& bytes(const std::string& name) const { return bytes_.at(name); }
+  // Changes bytes of `name` behind the engine's back (several, far apart: a delta
+  // that happens to rewrite one of their elements does not undo them all).
+  void tamper(const std::string& name) {
+    std::lock_guard lock(mutex_);
+    auto& b = bytes_.at(name);
+    for (std::size_t i = 1; i < b.size(); i += 1001) b[i] ^= std::byte{0xff};
+  }
   void fail_next_load() {
     std::lock_guard lock(mutex_);
     fail_next_load_ = true;
@@ -321,6 +329,84 @@ TEST_P(delta_updates, a_model_without_memory_to_decode_into_is_sent_full) {
     r.expect_exact("update " + std::to_string(k));
     r.change(0.01);
   }
+}
+
+// Bytes changed behind refit's back: the worker still names the base, decodes the
+// delta against other bytes and gets other bytes. With checksums the bucket fails
+// its check (integrity_error); without, the worker's fingerprint (of the bytes it
+// holds) differs from the trainer's, so the next offer is refused and the worker is
+// sent the update full. Either way it ends exact.
+TEST_P(delta_updates, bytes_changed_behind_refits_back_are_caught_and_repaired) {
+  const bool checksums = GetParam();
+  rig r(1, checksums);
+  r.update_ok();
+  r.change(0.01);
+  r.update_ok();
+  r.models[0]->tamper("w1");
+  r.change(0.01);
+  auto got = r.update();
+  if (checksums) {
+    ASSERT_TRUE(got[0]->error);
+    EXPECT_EQ(got[0]->kind(), static_cast<int>(errc::integrity_error)) << got[0]->message();
+    EXPECT_NE(got[0]->message().find("after decoding its delta"), std::string::npos) << got[0]->message();
+    ASSERT_TRUE(got[1]->error) << "the trainer's send fails with the worker";
+    EXPECT_TRUE(r.engines[0]->weights_dirty());
+    r.engines[0]->mark_weights_clean();
+    r.connect();  // the failure closed the connections
+    r.update_ok();
+    EXPECT_EQ(r.sender.last_delta_stats().base_version, 0u) << "a failed send drops the base";
+  } else {
+    for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+    ASSERT_TRUE(r.engines[0]->held());
+    EXPECT_NE(r.engines[0]->held()->fingerprint, r.sender.last_delta_stats().fingerprint)
+        << "the worker's fingerprint is of the bytes it holds";
+    r.change(0.01);
+    r.update_ok();
+    EXPECT_EQ(r.sender.last_delta_stats().full_fallbacks, 1u);
+  }
+  r.expect_exact("after the repair");
+}
+
+TEST(delta_wire, headers_are_checked_strictly) {
+  namespace wire = links::wire;
+  wire::delta_header d;
+  d.version = 2;
+  EXPECT_EQ(wire::check_delta_header(d), "");
+  d.flags = wire::delta_flag_has_base;
+  d.base_version = 1;
+  d.base_fingerprint = 42;
+  EXPECT_EQ(wire::check_delta_header(d), "");
+  auto bad = d;
+  bad.base_version = 2;  // not before the version
+  EXPECT_NE(wire::check_delta_header(bad), "");
+  bad = d;
+  bad.flags |= 2;
+  EXPECT_NE(wire::check_delta_header(bad), "");
+  bad = d;
+  bad.magic ^= 1;
+  EXPECT_NE(wire::check_delta_header(bad), "");
+  bad = d;
+  bad.flags = 0;  // a base named without an offer
+  EXPECT_NE(wire::check_delta_header(bad), "");
+  bad = d;
+  bad.version = 0;
+  EXPECT_NE(wire::check_delta_header(bad), "");
+
+  wire::bucket_header h;
+  h.index = 3;
+  h.payload_bytes = 1000;
+  EXPECT_EQ(wire::check_delta_bucket_header(h, 3, 1000, false, false), "") << "a full bucket";
+  h.flags = wire::flag_delta;
+  h.payload_bytes = 999;
+  EXPECT_EQ(wire::check_delta_bucket_header(h, 3, 1000, false, true), "");
+  EXPECT_NE(wire::check_delta_bucket_header(h, 3, 1000, false, false), "") << "deltas not accepted";
+  h.payload_bytes = 1000;
+  EXPECT_NE(wire::check_delta_bucket_header(h, 3, 1000, false, true), "") << "a delta as large as the bucket";
+  h.payload_bytes = 10;
+  EXPECT_NE(wire::check_delta_bucket_header(h, 4, 1000, false, true), "") << "another bucket";
+  EXPECT_NE(wire::check_delta_bucket_header(h, 3, 1000, true, true), "") << "checksum flag missing";
+  h.flags |= 8;
+  EXPECT_NE(wire::check_delta_bucket_header(h, 3, 1000, false, true), "") << "unknown flags";
 }
 
 INSTANTIATE_TEST_SUITE_P(checksums, delta_updates, ::testing::Bool(),
