@@ -55,6 +55,7 @@ json sender::prepare(const json& trainer_args) {
   r.finish();
   topology_ = chosen;
   delta_ = delta;
+  if (!delta_) base_ = {};  // no snapshot held without deltas
   args_ = args;
   world_size_ = args.world_size;
   wire_ = args.wire;
@@ -291,6 +292,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       s.delta = wire::encode(d);
       s.offers_base = has_base;
       s.encoded.resize(plan.buckets.size());
+      s.encoded_left = std::make_unique<std::atomic<std::size_t>[]>(plan.buckets.size());
+      for (std::size_t k = 0; k < plan.buckets.size(); ++k) s.encoded_left[k] = peers_.size();
       delta_stats_.version = d.version;
       delta_stats_.base_version = d.base_version;
       delta_stats_.full_bytes = plan.payload_bytes;
@@ -488,6 +491,9 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
     else
       buffers.insert(buffers.end(), s.payloads[i].begin(), s.payloads[i].end());
     co_await net::write_all(p.socket, buffers, timeout_, what);
+    // The last stream past a bucket frees its delta (the streams run on several
+    // threads, so the count is atomic; the bytes are not touched after it).
+    if (s.encoded_left && --s.encoded_left[i] == 0) std::vector<std::byte>().swap(s.encoded[i]);
   }
   co_await links::await_confirmation(p.socket, s.seq, timeout_, who);
 }

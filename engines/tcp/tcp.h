@@ -6,6 +6,7 @@
 // default of refit.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -125,11 +126,12 @@ std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint6
 ///
 /// With "delta": true (star topology only) the sender keeps a host snapshot of the
 /// bytes it last sent, the base (memory: the update's payload bytes, about the
-/// model's size, held from the first send until the sender is destroyed), numbers
-/// each update's version and sends each bucket delta-encoded against the base to
-/// every worker that holds exactly that base; a worker that does not (another
-/// version, dirty weights, no model memory to decode into) gets that update full,
-/// counted in last_delta_stats().full_fallbacks. docs/delta.md has the protocol.
+/// model's size, held from the first send until the sender is destroyed or
+/// prepared without deltas), numbers each update's version and sends each bucket
+/// delta-encoded against the base to every worker that holds exactly that base; a
+/// worker that does not (another version, dirty weights, no model memory to decode
+/// into) gets that update full, counted in last_delta_stats().full_fallbacks.
+/// docs/delta.md has the protocol.
 class sender final : public weight_sender {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
@@ -175,10 +177,12 @@ class sender final : public weight_sender {
     std::uint64_t seq = 0;
     std::vector<std::vector<asio::const_buffer>> payloads;  // per bucket, into the trainer's tensors
     // Deltas on: the delta header that follows `update`, and per bucket its delta
-    // records (empty: sent full), written before the bucket's turn is signalled.
+    // records (empty: sent full), written before the bucket's turn is signalled and
+    // freed once every stream has written that bucket (encoded_left: streams to go).
     std::optional<std::array<std::byte, 32>> delta;
     bool offers_base = false;
-    std::vector<std::vector<std::byte>> encoded;
+    mutable std::vector<std::vector<std::byte>> encoded;
+    std::unique_ptr<std::atomic<std::size_t>[]> encoded_left;
   };
   // The snapshot of the bytes last sent (deltas on).
   struct base_snapshot {
