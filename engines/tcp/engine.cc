@@ -14,6 +14,7 @@
 #include <refit/backend/async/event.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/delta.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
@@ -92,6 +93,18 @@ std::vector<asio::mutable_buffer> window(std::span<const asio::mutable_buffer> d
   return out;
 }
 
+// What an update that came with a delta header (docs/delta.md) needs on its way
+// through the transport: whether its buckets may arrive as deltas, what to decode
+// them against, and the hash of every bucket's bytes (the fingerprint's parts).
+struct delta_receive {
+  bool accepted = false;  // this worker holds the base: buckets may arrive encoded
+  const update_metadata* meta = nullptr;
+  // Per tensor, its current bytes when they are not where the new ones go (a staged
+  // update decodes from the model into the stage); nullptr: decoded in place.
+  std::vector<const std::byte*> base;
+  std::vector<std::uint64_t> hashes;  // per bucket, set by its check
+};
+
 // Receives one bucket: its header checked against the plan (begin), then the
 // payload straight into the destination (no intermediate copy); its checksum is
 // verified on the processing executor while the next bucket arrives (check). With
@@ -100,17 +113,22 @@ std::vector<asio::mutable_buffer> window(std::span<const asio::mutable_buffer> d
 class transport final : public bucket_transport {
  public:
   transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, std::string source, bool checksums,
-            const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks)
+            const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks,
+            delta_receive* delta = nullptr)
       : socket_(s), timeout_(timeout), source_(std::move(source)), checksums_(checksums), children_(children),
-        child_ranks_(child_ranks) {}
+        child_ranks_(child_ranks), delta_(delta) {}
 
   asio::awaitable<void> begin(const bucket& b) override {
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
     co_await net::read_exact(socket_, asio::buffer(raw), timeout_, what(b) + " header");
     auto h = wire::decode<wire::bucket_header>(raw);
-    if (auto mismatch = wire::check_bucket_header(h, b.index, b.payload_bytes, checksums_); !mismatch.empty())
-      throw_error(errc::protocol_error, what(b) + ": " + mismatch);
+    const std::string mismatch =
+        delta_ ? wire::check_delta_bucket_header(h, b.index, b.payload_bytes, checksums_, delta_->accepted)
+               : wire::check_bucket_header(h, b.index, b.payload_bytes, checksums_);
+    if (!mismatch.empty()) throw_error(errc::protocol_error, what(b) + ": " + mismatch);
     expected_ = h.checksum;
+    encoded_.reset();
+    if ((h.flags & wire::flag_delta) != 0) encoded_ = h.payload_bytes;
     if (!children_.empty()) {
       std::vector<asio::const_buffer> header{asio::buffer(raw)};  // (GCC 12: no braced list in co_await)
       co_await links::write_to_children(children_, child_ranks_, std::move(header), timeout_, what(b) + " header");
@@ -146,12 +164,43 @@ class transport final : public bucket_transport {
   }
 
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
-    if (!checksums_) return {};
-    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_, what = what(b)] {
+    if (!checksums_ && !delta_) return {};
+    // With a delta header every bucket is hashed (checksums or not): the hashes make
+    // the fingerprint of the version this worker then holds.
+    std::uint64_t* keep = delta_ ? &delta_->hashes.at(b.index) : nullptr;
+    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_,
+            checksums = checksums_, keep, what = what(b), encoded = encoded_.has_value()] {
       const std::uint64_t got = checksum(dest);
-      if (got != expected)
+      if (checksums && got != expected)
         throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
-                                               to_hex(expected) + " (corrupted in transit)");
+                                               to_hex(expected) +
+                                               (encoded ? " after decoding its delta (corrupted in transit, or "
+                                                          "this worker's tensors did not hold the base)"
+                                                        : " (corrupted in transit)"));
+      if (keep) *keep = got;
+    };
+  }
+
+  std::optional<std::uint64_t> encoded_bytes(const bucket&) override { return encoded_; }
+
+  std::function<void()> decode(const bucket& b, std::span<const std::byte> encoded,
+                               std::vector<decode_target> pieces) override {
+    if (!delta_ || !delta_->accepted) throw_error(errc::protocol_error, what(b) + ": an unexpected delta bucket");
+    std::vector<backend::delta::piece_out> out;
+    out.reserve(pieces.size());
+    for (const auto& p : pieces) {
+      const auto& spec = delta_->meta->tensors.at(p.tensor);
+      const std::byte* base = delta_->base.at(p.tensor);
+      out.push_back({base ? std::span<const std::byte>(base + p.tensor_offset, p.out.size())
+                          : std::span<const std::byte>(p.out.data(), p.out.size()),
+                     p.out, backend::delta::piece_elem(element_size(spec.dtype), p.tensor_offset, p.out.size())});
+    }
+    return [encoded, out = std::move(out), what = what(b)] {
+      try {
+        backend::delta::decode_pieces(encoded, out);
+      } catch (const error& e) {
+        throw_error(e.kind(), what + ": " + e.message());
+      }
     };
   }
 
@@ -163,7 +212,9 @@ class transport final : public bucket_transport {
   bool checksums_;
   const std::vector<socket_ptr>& children_;
   const std::vector<int>& child_ranks_;
+  delta_receive* delta_;
   std::uint64_t expected_ = 0;
+  std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
 };
 
 void close_socket(asio::ip::tcp::socket& s) {
@@ -295,17 +346,106 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
   const std::string source =
       position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-  // With children the header goes down the tree; this worker accepts only once
-  // its children did.
-  last_seq_ = co_await links::accept_update_for_subtree(socket, children, child_ranks, last_seq_, info.metadata, plan,
-                                                        timeout_, me, source);
+  // Which version the weights hold is known only until this update changes them.
+  const std::optional<held_version> held = std::exchange(held_, std::nullopt);
+  std::array<std::byte, sizeof(wire::update)> raw;
+  co_await net::read_exact(socket, asio::buffer(raw), timeout_, source + ": waiting for the update header");
+  auto u = wire::decode<wire::update>(raw);
+  if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
+  const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
+                                          plan.buckets.size(), plan.payload_bytes};
+  std::string refusal = wire::check_update_header(u, expected);
+  std::optional<wire::delta_header> delta_header;
+  if ((u.flags & wire::update_flag_delta) != 0) {
+    std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
+    co_await net::read_exact(socket, asio::buffer(raw_delta), timeout_, source + ": reading the delta header");
+    delta_header = wire::decode<wire::delta_header>(raw_delta);
+    if (refusal.empty()) refusal = wire::check_delta_header(*delta_header);
+    if (refusal.empty() && !children.empty())
+      refusal = "the trainer sends a delta update, which only the star topology carries";
+  }
+  if (refusal.empty() && (u.flags & ~wire::update_flag_delta) != 0)
+    refusal = "unknown update flags " + std::to_string(u.flags);
+  errc code = errc::protocol_error;
+  if (refusal.empty() && !children.empty()) {
+    // The header goes down the tree; this worker accepts only once its children did.
+    std::vector<asio::const_buffer> header{asio::buffer(raw)};
+    co_await links::write_to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
+    for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
+      auto st = co_await links::read_status(
+          *children[i], timeout_,
+          me + ": waiting for downstream worker rank " + std::to_string(child_ranks[i]) + " to accept");
+      if (st.code != 0) {
+        code = st.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(st.code) : errc::protocol_error;
+        refusal = "downstream worker rank " + std::to_string(child_ranks[i]) + " refused the update: " + st.message;
+      }
+    }
+  }
+  if (!refusal.empty()) {
+    const std::string said = children.empty() ? refusal : me + ": " + refusal;
+    co_await links::send_status(socket, static_cast<std::uint32_t>(code), u.seq, said, timeout_,
+                                me + ": refusing the update");
+    throw_error(code, (children.empty() ? source : me) + ": " + refusal);
+  }
+  co_await links::send_status(socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
+  last_seq_ = u.seq;
 
-  transport t(socket, timeout_, source, pipeline_->params().checksums, children, child_ranks);
+  // A delta update: this worker says whether it holds the base (then its buckets
+  // may arrive encoded) or not (then every bucket comes full), before any byte of
+  // the model changes.
+  std::optional<delta_receive> delta;
+  if (delta_header) {
+    delta.emplace();
+    delta->meta = &info.metadata;
+    delta->hashes.assign(plan.buckets.size(), 0);
+    if ((delta_header->flags & wire::delta_flag_has_base) != 0) {
+      const std::string why_full = base_refusal(*delta_header, held, info, delta->base);
+      delta->accepted = why_full.empty();
+      co_await links::send_status(socket, delta->accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), u.seq,
+                                  why_full, timeout_, me + ": answering the delta offer");
+    }
+  }
+
+  transport t(socket, timeout_, source, pipeline_->params().checksums, children, child_ranks,
+              delta ? &*delta : nullptr);
   // The plan just checked against the trainer's header is the one received with.
   co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                               receive_target());
   // Every child confirms (its subtree has every byte, verified) before this one does.
   co_await links::confirm_update_for_subtree(socket, children, child_ranks, last_seq_, timeout_, me);
+  // The weights now hold the trainer's version (its fingerprint is the hashes of
+  // the bytes that arrived, so a worker that got other bytes never matches). Not
+  // for a chunk staged in an open update session: it may never be committed.
+  if (delta_header && !receiving_into_open_session())
+    held_ = held_version{delta_header->version, delta_fingerprint(metadata_digest(info.metadata), delta->hashes)};
+}
+
+std::string engine::base_refusal(const wire::delta_header& d, const std::optional<held_version>& held,
+                                 const update_info& info, std::vector<const std::byte*>& base) {
+  const auto hex = [](std::uint64_t v) { return to_hex(v); };
+  if (!held)
+    return "this worker does not know which version its weights hold (no complete update from a trainer with "
+           "deltas on since it started, or the last one failed or was staged in a session)";
+  if (held->version != d.base_version || held->fingerprint != d.base_fingerprint)
+    return "this worker holds version " + std::to_string(held->version) + " (fingerprint " + hex(held->fingerprint) +
+           "), the deltas are against version " + std::to_string(d.base_version) + " (fingerprint " +
+           hex(d.base_fingerprint) + ")";
+  if (weights_dirty()) return "this worker's weights are dirty: " + dirty_reason();
+  // Deltas decode against the tensors' current bytes: in place, in the memory the
+  // model offers (destination()); staged, from there into the stage.
+  const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
+  model_target* current = staged ? context().model : receive_target();
+  base.assign(info.metadata.tensors.size(), nullptr);
+  for (std::size_t i = 0; i < info.metadata.tensors.size(); ++i) {
+    const auto& spec = info.metadata.tensors[i];
+    if (spec.nbytes() == 0) continue;
+    std::optional<tensor_view> d = current ? current->destination(spec) : std::nullopt;
+    if (!d || d->nbytes() != spec.nbytes() || !d->device.is_cpu() || d->data == nullptr)
+      return "the model offers no host memory holding '" + spec.name +
+             "' to decode a delta against (deltas need a model target with destination())";
+    if (staged) base[i] = d->data;
+  }
+  return {};
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {

@@ -17,6 +17,7 @@
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/delta.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
@@ -46,9 +47,16 @@ json sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp trainer_args");
   const auto args = links::trainer_args::read(r, config_.timeout);
   const auto topology = r.maybe<std::string>("topology");
-  topology_ = topology ? links::topology::parse(*topology, "tcp trainer_args: member 'topology'")
-                       : links::topology::default_for(args.world_size - 1);
+  const bool delta = r.optional<bool>("delta", false);
+  const auto chosen = topology ? links::topology::parse(*topology, "tcp trainer_args: member 'topology'")
+                               : links::topology::default_for(args.world_size - 1);
+  if (delta && !chosen.star())
+    r.fail("member 'delta' needs the star topology (deltas are not relayed yet), got topology '" + chosen.to_string() +
+           "'");
   r.finish();
+  topology_ = chosen;
+  delta_ = delta;
+  if (!delta_) base_ = {};  // no snapshot held without deltas
   args_ = args;
   world_size_ = args.world_size;
   wire_ = args.wire;
@@ -115,11 +123,64 @@ void sender::fail_all() {
   }
 }
 
+std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums) {
+  const std::array<asio::const_buffer, 2> parts{asio::buffer(&digest, sizeof digest),
+                                                asio::buffer(bucket_checksums.data(), bucket_checksums.size_bytes())};
+  return checksum(std::span<const asio::const_buffer>(parts));
+}
+
 namespace {
+
+// A delta update's work per bucket, on the feed's thread as each checksum is
+// computed: encode the bucket's pieces against the base snapshot (when the sender
+// offers one), then copy the new bytes into the snapshot.
+struct delta_work {
+  const bucket_plan* plan = nullptr;
+  std::vector<const std::byte*> next;  // per tensor: the trainer's bytes
+  std::vector<std::size_t> dtype_size;
+  std::byte* snapshot = nullptr;
+  std::vector<std::uint64_t> starts;  // per bucket: its place in the snapshot
+  bool has_base = false;
+  std::vector<std::vector<std::byte>>* encoded = nullptr;
+  std::vector<std::uint64_t> hashes;
+  std::uint64_t encoded_buckets = 0, delta_bytes = 0;
+  double encode_s = 0;
+
+  void encode_bucket(std::size_t k, std::uint64_t hash, std::span<const asio::const_buffer> payload) {
+    hashes[k] = hash;
+    const refit::bucket& b = plan->buckets[k];
+    std::byte* old = snapshot + starts[k];
+    if (has_base) {
+      const auto t0 = clock_type::now();
+      std::vector<backend::delta::piece_in> pieces;
+      for (const auto& p : plan->pieces_of(b)) {
+        if (p.bytes == 0) continue;
+        const auto n = static_cast<std::size_t>(p.bytes);
+        pieces.push_back({std::span<const std::byte>(old + p.bucket_offset, n),
+                          std::span<const std::byte>(next[p.tensor] + p.tensor_offset, n),
+                          backend::delta::piece_elem(dtype_size[p.tensor], p.tensor_offset, p.bytes)});
+      }
+      auto& out = (*encoded)[k];
+      out.clear();
+      const auto r = backend::delta::encode_pieces(pieces, out);
+      // A delta never needs more room than the bucket: full when it is not smaller.
+      if (r.bytes >= b.payload_bytes) {
+        out.clear();
+        out.shrink_to_fit();
+      } else {
+        ++encoded_buckets;
+        delta_bytes += r.bytes;
+      }
+      encode_s += std::chrono::duration<double>(clock_type::now() - t0).count();
+    }
+    pack_pieces(payload, old);
+  }
+};
 
 // The checksums of an update's buckets, computed in bucket order on a thread of
 // their own while the streams send earlier buckets: each stream receives them, in
-// order, from its own channel (bucket k's header needs k's checksum).
+// order, from its own channel (bucket k's header needs k's checksum; with deltas,
+// its encoding, made here too).
 class checksum_feed {
  public:
   using channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
@@ -132,15 +193,23 @@ class checksum_feed {
   }
   std::shared_ptr<channel> for_stream(std::size_t i) const { return channels_.at(i); }
 
-  // Hashes every bucket (on the calling thread); stops early once stop() was called.
-  void run(const std::vector<std::vector<asio::const_buffer>>& payloads) {
-    for (const auto& p : payloads) {
-      if (stopped_) break;
-      const std::uint64_t h = checksum(p);
+  // Hashes (and with `delta`, encodes) every bucket on the calling thread; stops
+  // early once stop() was called. Returns whether it did every bucket.
+  bool run(const std::vector<std::vector<asio::const_buffer>>& payloads, delta_work* delta) {
+    for (std::size_t k = 0; k < payloads.size(); ++k) {
+      if (stopped_) return false;
+      const std::uint64_t h = checksum(payloads[k]);
+      if (delta) delta->encode_bucket(k, h, payloads[k]);
       for (auto& c : channels_) c->try_send(std::error_code{}, h);
     }
+    return true;
   }
   void stop() noexcept { stopped_ = true; }
+  // The feed failed (an allocation, an encoding): the streams waiting for their next
+  // bucket's turn stop at once instead of at their deadline.
+  void fail() noexcept {
+    for (auto& c : channels_) c->close();
+  }
 
  private:
   std::vector<std::shared_ptr<channel>> channels_;
@@ -159,9 +228,15 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   stats_ = {};
   const bucket_plan plan = plan_buckets(declared, wire_);
   const std::uint64_t seq = ++seq_;
-  for (auto& p : peers_) p->confirmed = false;
+  for (auto& p : peers_) {
+    p->confirmed = false;
+    p->took_delta = false;
+    p->fell_back = false;
+  }
+  delta_stats_ = {};
 
   std::exception_ptr failure;
+  std::shared_ptr<delta_work> work;  // deltas on
   try {
     // Walk (and check) every tensor the source yields before any byte leaves: a
     // divergent or extra tensor fails the update while workers have nothing of it.
@@ -176,6 +251,57 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     }
     cursor.finish();
 
+    // Deltas on: number this version, offer deltas against the base when the
+    // snapshot holds the last update's bytes of these same tensors, and prepare
+    // the work that encodes each bucket and refreshes the snapshot.
+    if (delta_) {
+      const std::uint64_t digest = metadata_digest(declared);
+      const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
+                            base_.buckets == plan.buckets.size();
+      base_.valid = false;  // it holds a mix of two versions until this send completes
+      wire::update u = wire::decode<wire::update>(s.update);
+      u.flags |= wire::update_flag_delta;
+      s.update = wire::encode(u);
+      wire::delta_header d;
+      d.version = ++version_;
+      if (has_base) {
+        d.flags = wire::delta_flag_has_base;
+        d.base_version = base_.version;
+        d.base_fingerprint = base_.fingerprint;
+      }
+      s.delta = wire::encode(d);
+      s.offers_base = has_base;
+      s.encoded.resize(plan.buckets.size());
+      s.encoded_left = std::make_unique<std::atomic<std::size_t>[]>(plan.buckets.size());
+      for (std::size_t k = 0; k < plan.buckets.size(); ++k) s.encoded_left[k] = peers_.size();
+      delta_stats_.version = d.version;
+      delta_stats_.base_version = d.base_version;
+      delta_stats_.full_bytes = plan.payload_bytes;
+      base_.digest = digest;
+      base_.payload_bytes = plan.payload_bytes;
+      base_.buckets = plan.buckets.size();
+      base_.version = d.version;
+    }
+    if (delta_) {
+      work = std::make_shared<delta_work>();
+      work->plan = &plan;
+      work->next.resize(declared.tensors.size());
+      work->dtype_size.resize(declared.tensors.size());
+      for (std::size_t i = 0; i < declared.tensors.size(); ++i) {
+        work->next[i] = cursor.view(i).data;
+        work->dtype_size[i] = element_size(declared.tensors[i].dtype);
+      }
+      work->starts.resize(plan.buckets.size());
+      std::uint64_t at = 0;
+      for (const bucket& b : plan.buckets) {
+        work->starts[b.index] = at;
+        at += b.payload_bytes;
+      }
+      work->has_base = s.offers_base;
+      work->encoded = &s.encoded;
+      work->hashes.assign(plan.buckets.size(), 0);
+    }
+
     // Each worker's stream runs on its own strand of the I/O pool, at its own pace:
     // with several workers the kernel copies run on several cores, and a slow
     // worker does not stall the others bucket by bucket. Checksums are computed
@@ -183,7 +309,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     std::vector<asio::any_io_executor> executors;
     for (auto& p : peers_) executors.emplace_back(p->strand);
     std::shared_ptr<checksum_feed> feed;
-    if (wire_.checksums) feed = std::make_shared<checksum_feed>(executors, plan.buckets.size());
+    if (wire_.checksums || work) feed = std::make_shared<checksum_feed>(executors, plan.buckets.size());
     std::vector<asio::awaitable<void>> streams;
     for (std::size_t i = 0; i < peers_.size(); ++i)
       streams.push_back(asio::co_spawn(peers_[i]->strand, stream_to(peers_[i], s, feed ? feed->for_stream(i) : nullptr),
@@ -191,7 +317,30 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     if (feed) {
       if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
       const auto* payloads = &s.payloads;
-      streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads] { feed->run(*payloads); }));
+      base_snapshot* base = work ? &base_ : nullptr;
+      streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads, work, base] {
+        struct on_failure {
+          checksum_feed& feed;
+          bool armed = true;
+          ~on_failure() {
+            if (armed) feed.fail();
+          }
+        } guard{*feed};
+        if (base) {
+          // The snapshot grows here, off the event loop (its old bytes are kept
+          // only when they are this update's base, whose size is the same).
+          const std::uint64_t need = std::max<std::uint64_t>(base->payload_bytes, 1);
+          if (base->capacity < need) {
+            base->bytes.reset();
+            base->capacity = 0;
+            base->bytes = std::make_unique_for_overwrite<std::byte[]>(static_cast<std::size_t>(need));
+            base->capacity = need;
+          }
+          work->snapshot = base->bytes.get();
+        }
+        if (feed->run(*payloads, work.get()) && base) base->fingerprint = delta_fingerprint(base->digest, work->hashes);
+        guard.armed = false;
+      }));
       // A stream that fails stops the hashing (it would only feed dead streams).
       auto streams_then_stop = [](std::vector<asio::awaitable<void>> all,
                                   std::shared_ptr<checksum_feed> feed) -> asio::awaitable<void> {
@@ -229,6 +378,19 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
                   e.message() + " (update " + std::to_string(seq) + " not completed by worker " + missing + ")");
     }
   }
+  if (work) {
+    // Every bucket was encoded and copied into the snapshot, and every worker
+    // confirmed: the snapshot is this version's bytes, the next update's base.
+    base_.valid = true;
+    delta_stats_.fingerprint = base_.fingerprint;
+    delta_stats_.encoded_buckets = work->encoded_buckets;
+    delta_stats_.delta_bytes = work->delta_bytes;
+    delta_stats_.encode_s = work->encode_s;
+    for (const auto& p : peers_) {
+      delta_stats_.delta_workers += p->took_delta ? 1 : 0;
+      delta_stats_.full_fallbacks += p->fell_back ? 1 : 0;
+    }
+  }
   stats_.bytes = plan.tensor_bytes;
   stats_.buckets = plan.buckets.size();
   stats_.tensors = declared.tensors.size();
@@ -253,27 +415,65 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
   if (failure) co_await links::rethrow_with_peer_reason(p.socket, failure, who);
 }
 
-asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
+asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> turns,
                                           const std::string& who) {
-  co_await links::announce_update(p.socket, s.update, timeout_, who);
+  bool deltas = false;
+  if (!s.delta) {
+    co_await links::announce_update(p.socket, s.update, timeout_, who);
+  } else {
+    // The update header and its delta header, then the worker's answers: it
+    // accepts the update, then (when offered deltas) says whether it holds the base.
+    const std::uint64_t seq = s.seq;
+    std::vector<asio::const_buffer> headers{asio::buffer(s.update), asio::buffer(*s.delta)};
+    co_await net::write_all(p.socket, headers, timeout_, who + ": update header");
+    links::throw_if_failed(
+        co_await links::read_status(p.socket, timeout_,
+                                    who + ": waiting for the worker to accept update " + std::to_string(seq)),
+        who + " refused the update");
+    if (s.offers_base) {
+      const auto answer =
+          co_await links::read_status(p.socket, timeout_, who + ": waiting for its answer to the delta offer");
+      if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
+        p.fell_back = true;  // it does not hold the base: this update goes to it full
+      } else {
+        links::throw_if_failed(answer, who + " refused the delta offer");
+        deltas = true;
+        p.took_delta = true;
+      }
+    }
+  }
   std::vector<asio::const_buffer> buffers;
   for (std::size_t i = 0; i < s.payloads.size(); ++i) {
     const std::string what = who + ": bucket " + std::to_string(i);
     wire::bucket_header h;
     h.index = i;
     h.payload_bytes = asio::buffer_size(s.payloads[i]);
-    if (checksums) {
+    if (turns) {
+      // The bucket's checksum (and with deltas, its encoding) is ready.
       auto [ec, sum] =
-          co_await async::with_deadline(checksums->async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
+          co_await async::with_deadline(turns->async_receive(asio::experimental::as_tuple(asio::use_awaitable)),
                                         timeout_, what + ": waiting for its checksum");
       if (ec) throw_error(errc::cancelled, what + ": checksumming stopped");
-      h.flags |= wire::flag_checksum;
-      h.checksum = sum;
+      if (wire_.checksums) {
+        h.flags |= wire::flag_checksum;
+        h.checksum = sum;
+      }
+    }
+    const bool encoded = deltas && !s.encoded[i].empty();
+    if (encoded) {
+      h.flags |= wire::flag_delta;
+      h.payload_bytes = s.encoded[i].size();
     }
     const auto header = wire::encode(h);
     buffers.assign(1, asio::buffer(header));
-    buffers.insert(buffers.end(), s.payloads[i].begin(), s.payloads[i].end());
+    if (encoded)
+      buffers.push_back(asio::buffer(s.encoded[i]));
+    else
+      buffers.insert(buffers.end(), s.payloads[i].begin(), s.payloads[i].end());
     co_await net::write_all(p.socket, buffers, timeout_, what);
+    // The last stream past a bucket frees its delta (the streams run on several
+    // threads, so the count is atomic; the bytes are not touched after it).
+    if (s.encoded_left && --s.encoded_left[i] == 0) std::vector<std::byte>().swap(s.encoded[i]);
   }
   co_await links::await_confirmation(p.socket, s.seq, timeout_, who);
 }

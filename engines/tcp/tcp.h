@@ -6,8 +6,11 @@
 // default of refit.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -20,6 +23,7 @@
 #include <refit/backend/engine.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/relay.h>
+#include <refit/backend/links/wire.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
 #include <refit/trainer.h>
@@ -68,6 +72,15 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   /// The rank it receives from (0: the trainer) and those it forwards to.
   int upstream_rank() const noexcept { return position_.upstream; }
   const std::vector<int>& children() const noexcept { return position_.children; }
+  /// The trainer's version of the weights this worker holds and its fingerprint
+  /// (delta_fingerprint of the bytes that arrived), known after an update from a
+  /// trainer with deltas on completed (docs/delta.md); a delta update is taken only
+  /// against exactly this (and clean weights).
+  struct held_version {
+    std::uint64_t version = 0;
+    std::uint64_t fingerprint = 0;
+  };
+  std::optional<held_version> held() const noexcept { return held_; }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;
@@ -80,6 +93,10 @@ class engine final : public backend::typed_engine<init_info, update_info> {
                                    const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
                                    const update_info& info, load_weights_fn load_weights);
   asio::awaitable<void> join_relay(const init_info& info);
+  // Why this worker cannot take deltas against d's base ("" when it can; then
+  // `base` is set: per tensor, where its current bytes are when not decoded in place).
+  std::string base_refusal(const links::wire::delta_header& d, const std::optional<held_version>& held,
+                           const update_info& info, std::vector<const std::byte*>& base);
   std::string who() const { return "tcp worker rank " + std::to_string(rank_); }
   std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
 
@@ -94,12 +111,27 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
   std::uint64_t last_seq_ = 0;
+  std::optional<held_version> held_;  // kept across re-inits: the model's bytes do not change there
 };
+
+/// The fingerprint of a version of an update's bytes, as both sides of a delta
+/// update compute it: XXH3-64 over the metadata digest and the checksum of every
+/// bucket's payload bytes (padding included), in order.
+std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums);
 
 /// Trainer side. trainer_args: {"master_address": str, "master_port": int (0: any
 /// free port), "world_size": int, "buffer_bytes": int, "num_buffers": int,
-/// "timeout_ms": int}. prepare() listens; connect_workers() accepts world_size - 1
-/// workers.
+/// "timeout_ms": int, "delta": bool (optional, false by default)}. prepare()
+/// listens; connect_workers() accepts world_size - 1 workers.
+///
+/// With "delta": true (star topology only) the sender keeps a host snapshot of the
+/// bytes it last sent, the base (memory: the update's payload bytes, about the
+/// model's size, held from the first send until the sender is destroyed or
+/// prepared without deltas), numbers each update's version and sends each bucket
+/// delta-encoded against the base to every worker that holds exactly that base; a
+/// worker that does not (another version, dirty weights, no model memory to decode
+/// into) gets that update full, counted in last_delta_stats().full_fallbacks.
+/// docs/delta.md has the protocol.
 class sender final : public weight_sender {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
@@ -115,24 +147,55 @@ class sender final : public weight_sender {
   void shutdown() override;
   update_stats last_send_stats() const override { return stats_; }
 
+  /// What the last send did with deltas ("delta": true).
+  struct delta_stats {
+    std::uint64_t version = 0;          ///< the version it sent (0: deltas off)
+    std::uint64_t fingerprint = 0;      ///< that version's (delta_fingerprint), as its workers now hold it
+    std::uint64_t base_version = 0;     ///< the base its deltas were against (0: none, every worker got it full)
+    std::size_t delta_workers = 0;      ///< workers that took the deltas
+    std::size_t full_fallbacks = 0;     ///< workers offered deltas that did not hold the base: sent full
+    std::uint64_t encoded_buckets = 0;  ///< buckets sent as deltas (the rest full: a delta was not smaller)
+    std::uint64_t delta_bytes = 0;      ///< bytes of those deltas (headers not counted)
+    std::uint64_t full_bytes = 0;       ///< the update's payload bytes (what a full update sends)
+    double encode_s = 0;                ///< time spent encoding (off the event loop)
+  };
+  const delta_stats& last_delta_stats() const noexcept { return delta_stats_; }
+
  private:
   using pool_strand = asio::strand<asio::thread_pool::executor_type>;
   struct peer {
     int rank = 0;
     pool_strand strand;  // the worker's socket lives here, in the I/O pool
     asio::ip::tcp::socket socket;
-    bool confirmed = false;  // it (and its subtree) confirmed the update in progress
+    bool confirmed = false;   // it (and its subtree) confirmed the update in progress
+    bool took_delta = false;  // it holds the base: its buckets went as deltas
+    bool fell_back = false;   // it was offered deltas and did not hold the base
   };
   // One update's bytes, laid out once and streamed to every worker.
   struct stream {
     std::array<std::byte, 48> update;
     std::uint64_t seq = 0;
     std::vector<std::vector<asio::const_buffer>> payloads;  // per bucket, into the trainer's tensors
+    // Deltas on: the delta header that follows `update`, and per bucket its delta
+    // records (empty: sent full), written before the bucket's turn is signalled and
+    // freed once every stream has written that bucket (encoded_left: streams to go).
+    std::optional<std::array<std::byte, 32>> delta;
+    bool offers_base = false;
+    mutable std::vector<std::vector<std::byte>> encoded;
+    std::unique_ptr<std::atomic<std::size_t>[]> encoded_left;
+  };
+  // The snapshot of the bytes last sent (deltas on).
+  struct base_snapshot {
+    std::unique_ptr<std::byte[]> bytes;
+    std::uint64_t capacity = 0;
+    bool valid = false;  // holds exactly version's bytes
+    std::uint64_t digest = 0, payload_bytes = 0, buckets = 0;
+    std::uint64_t version = 0, fingerprint = 0;
   };
   using checksum_channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s,
                                   std::shared_ptr<checksum_channel> checksums);
-  asio::awaitable<void> stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> checksums,
+  asio::awaitable<void> stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> turns,
                                     const std::string& who);
   std::string unconfirmed_ranks() const;  // "ranks 1, 2, 3" of the update in progress ("" if none)
   void fail_all();
@@ -152,6 +215,10 @@ class sender final : public weight_sender {
   links::topology topology_;
   std::uint64_t seq_ = 0;
   update_stats stats_;
+  bool delta_ = false;         // trainer_args "delta"
+  std::uint64_t version_ = 0;  // the last version numbered (deltas on)
+  base_snapshot base_;
+  delta_stats delta_stats_;
 };
 
 }  // namespace refit::tcp

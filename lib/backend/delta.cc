@@ -292,4 +292,50 @@ void decode(encoding kind, std::span<const std::byte> payload, std::span<const s
   throw_error(errc::protocol_error, "delta: unknown encoding");
 }
 
+std::size_t piece_elem(std::size_t dtype_size, std::uint64_t tensor_offset, std::uint64_t bytes) {
+  if (!valid_elem(dtype_size) || tensor_offset % dtype_size != 0 || bytes % dtype_size != 0) return 1;
+  return dtype_size;
+}
+
+pieces_result encode_pieces(std::span<const piece_in> pieces, std::vector<std::byte>& out,
+                            const encode_options& options) {
+  pieces_result r;
+  const std::size_t start = out.size();
+  for (const auto& p : pieces) {
+    if (p.next.empty() && p.base.empty()) continue;
+    const std::size_t header_at = out.size();
+    out.resize(header_at + piece_header_bytes);
+    const encode_result e = encode(p.base, p.next, p.elem, out, options);
+    out[header_at] = static_cast<std::byte>(e.kind);
+    const std::uint64_t n = e.bytes;
+    std::memcpy(out.data() + header_at + 1, &n, sizeof n);  // little-endian (wire format)
+    r.changed += e.changed;
+  }
+  r.bytes = out.size() - start;
+  return r;
+}
+
+void decode_pieces(std::span<const std::byte> payload, std::span<const piece_out> pieces) {
+  std::size_t at = 0, k = 0;
+  for (const auto& p : pieces) {
+    if (p.out.empty() && p.base.empty()) continue;
+    if (payload.size() - at < piece_header_bytes)
+      throw_error(errc::protocol_error, "delta: the record of piece " + std::to_string(k) + " is missing (" +
+                                            std::to_string(payload.size() - at) + " bytes left)");
+    const encoding kind = encoding_from_wire(static_cast<std::uint8_t>(payload[at]));
+    std::uint64_t n = 0;
+    std::memcpy(&n, payload.data() + at + 1, sizeof n);
+    at += piece_header_bytes;
+    if (n > payload.size() - at)
+      throw_error(errc::protocol_error, "delta: piece " + std::to_string(k) + " claims " + std::to_string(n) +
+                                            " payload bytes, " + std::to_string(payload.size() - at) + " are left");
+    decode(kind, payload.subspan(at, static_cast<std::size_t>(n)), p.base, p.out, p.elem);
+    at += static_cast<std::size_t>(n);
+    ++k;
+  }
+  if (at != payload.size())
+    throw_error(errc::protocol_error,
+                "delta: " + std::to_string(payload.size() - at) + " bytes left over after the last piece's record");
+}
+
 }  // namespace refit::backend::delta

@@ -68,4 +68,46 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
 void decode(encoding kind, std::span<const std::byte> payload, std::span<const std::byte> base,
             std::span<std::byte> out, std::size_t elem);
 
+// ---- A bucket of pieces (engines/tcp's delta updates, docs/delta.md)
+//
+// A bucket holds pieces of several tensors, each in its own memory on the worker
+// (the model's tensors, or the stage), so a delta bucket is encoded piece by
+// piece: for each piece of non-zero size, in order, one record
+//
+//   u8 encoding | u64 payload bytes (little-endian) | payload (encode()'s output)
+//
+// and nothing else (the padding between pieces is zeros on both sides, not sent).
+
+/// Bytes of one record's header.
+inline constexpr std::size_t piece_header_bytes = 9;
+
+/// The element size to encode a piece of a tensor with: the dtype's size when the
+/// piece starts and ends on element boundaries (always, for the planner's pieces),
+/// else 1.
+std::size_t piece_elem(std::size_t dtype_size, std::uint64_t tensor_offset, std::uint64_t bytes);
+
+struct piece_in {
+  std::span<const std::byte> base;  ///< what the worker holds
+  std::span<const std::byte> next;  ///< what it should hold; same size
+  std::size_t elem = 1;
+};
+struct pieces_result {
+  std::size_t bytes = 0;    ///< appended to `out`
+  std::size_t changed = 0;  ///< elements that differ, over all pieces
+};
+/// Appends one record per non-empty piece to `out`.
+pieces_result encode_pieces(std::span<const piece_in> pieces, std::vector<std::byte>& out,
+                            const encode_options& options = {});
+
+struct piece_out {
+  std::span<const std::byte> base;  ///< the piece's current bytes (may be `out` itself)
+  std::span<std::byte> out;         ///< where its new bytes go; same size
+  std::size_t elem = 1;
+};
+/// Decodes what encode_pieces wrote for pieces of these sizes, piece by piece in
+/// order. error(protocol_error) when a record is cut short, names an unknown
+/// encoding, does not decode to its piece's size, or when records are missing or
+/// left over; the pieces before the bad record are written by then.
+void decode_pieces(std::span<const std::byte> payload, std::span<const piece_out> pieces);
+
 }  // namespace refit::backend::delta

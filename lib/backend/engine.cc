@@ -409,6 +409,7 @@ asio::awaitable<void> engine::receive_staged(const update_info& info, load_weigh
   }
   // The chunk, straight into its place in the stage; the model is not reached.
   stage_target_ = std::make_unique<stage_target>(*stage_, *chunk);
+  staging_in_session_ = !own_session;
   try {
     staged_chunk* c = chunk.get();
     std::byte* base = stage_->base();  // the stage does not grow during a chunk
@@ -417,6 +418,7 @@ asio::awaitable<void> engine::receive_staged(const update_info& info, load_weigh
   } catch (...) {
     failure = std::current_exception();
   }
+  staging_in_session_ = false;
   if (failure) {
     // Nothing of this update may still use the stage (engines join their
     // in-flight processing before reporting a transport error; this is a no-op then).

@@ -143,6 +143,11 @@ class engine : public weight_transfer_engine {
   /// state), the engine's stage area for staged ones (bytes land there, never in
   /// the model, until the commit). Engines use this, not context().model.
   model_target* receive_target() noexcept;
+  /// True while a staged chunk of an update session opened by begin_session is
+  /// received: it is committed (or discarded) later, by the session, not at the end
+  /// of this receive. False for in_place updates and for staged ones received
+  /// outside a session (committed before receive_weights completes).
+  bool receiving_into_open_session() const noexcept { return staging_in_session_; }
   /// Where post-processing runs: the context's processing executor, else a pool of
   /// config().processing_threads owned by the engine (created on first use).
   asio::any_io_executor processing_executor();
@@ -239,6 +244,7 @@ class engine : public weight_transfer_engine {
   // The update session (begin_session .. commit_session / discard_session).
   bool session_open_ = false;
   bool session_failed_ = false;              // a chunk of it failed: its stage was discarded
+  bool staging_in_session_ = false;          // receiving a staged chunk of a begin_session session
   std::optional<commit_mode> session_mode_;  // of its first chunk
   std::vector<std::unique_ptr<staged_chunk>> staged_;
   std::string dirty_reason_;

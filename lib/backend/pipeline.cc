@@ -76,6 +76,11 @@ std::span<std::byte> host_staging::assembly(std::uint64_t bytes) {
 
 std::uint64_t host_staging::allocated_bytes() const noexcept { return slot_bytes_ * slots_.size() + assembly_bytes_; }
 
+std::function<void()> bucket_transport::decode(const bucket& b, std::span<const std::byte>,
+                                               std::vector<decode_target>) {
+  throw_error(errc::unsupported, "bucket " + std::to_string(b.index) + " arrived encoded; this transport decodes none");
+}
+
 // What in-flight processing needs after receive() returns (the caller's metadata
 // and callback may be gone by then).
 struct receive_pipeline::update_state {
@@ -221,6 +226,17 @@ std::vector<std::byte*> direct_destinations(const update_metadata& meta, model_t
   return out;
 }
 
+// The padding of a decoded bucket, for its check (never written).
+alignas(64) std::byte zero_padding[wire_params::alignment] = {};
+
+// An encoded bucket's work on the processing executor: decode, then check.
+std::function<void()> decode_then_check(std::function<void()> decode, std::function<void()> check) {
+  return [decode = std::move(decode), check = std::move(check)] {
+    decode();
+    if (check) check();
+  };
+}
+
 // Appends [data, data + n) to a scatter list, merging with the previous range when
 // they touch (a staged bucket stays one buffer).
 void append(std::vector<asio::mutable_buffer>& list, std::byte* data, std::uint64_t n) {
@@ -300,6 +316,34 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
         append(scatter, base + first.tensor_offset, b.payload_bytes);
         auto t0 = clock_type::now();
         co_await transport.begin(b);
+        if (auto encoded = transport.encoded_bytes(b)) {
+          // A delta of this chunk: into a slot, decoded into the tensor's memory.
+          if (assembled)
+            throw_error(errc::protocol_error,
+                        "bucket " + std::to_string(b.index) + " of '" + spec.name +
+                            "' arrived encoded, but the tensor has no destination to decode into");
+          const std::size_t slot = co_await slots_.acquire();
+          const std::span<std::byte> mem = staging_->slot(slot).first(static_cast<std::size_t>(*encoded));
+          before_direct_bytes();
+          try {
+            const asio::mutable_buffer into(mem.data(), mem.size());
+            co_await transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
+          } catch (...) {
+            slots_.release(slot);
+            throw;
+          }
+          stats.receive_s += seconds_since(t0);
+          stats.bytes += b.payload_bytes;
+          ++stats.buckets;
+          std::vector<bucket_transport::decode_target> out{
+              {first.tensor, first.tensor_offset,
+               std::span<std::byte>(base + first.tensor_offset, static_cast<std::size_t>(b.payload_bytes))}};
+          auto work = decode_then_check(transport.decode(b, mem, std::move(out)), transport.check(b, scatter));
+          std::vector<tensor_view> views;
+          if (b.last_chunk) views.emplace_back(spec, base, dev);
+          process(state, std::move(views), slot, false, b.index, {transport.settled(b), std::move(work)}, scope, stats);
+          continue;
+        }
         if (!assembled) before_direct_bytes();
         co_await transport.receive(b, scatter);
         stats.receive_s += seconds_since(t0);
@@ -336,18 +380,50 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
         stats.bytes += p.bytes;
       }
       auto t0 = clock_type::now();
+      std::function<void()> work;
       try {
         co_await transport.begin(b);
-        if (direct_piece) before_direct_bytes();
-        co_await transport.receive(b, scatter);
+        if (auto encoded = transport.encoded_bytes(b)) {
+          // A delta of this bucket: the encoded bytes into the slot, decoded on the
+          // processing executor into each piece's destination; checked over the
+          // decoded bytes with the padding as zeros.
+          std::vector<bucket_transport::decode_target> out;
+          std::vector<asio::mutable_buffer> decoded;
+          std::uint64_t end = 0;
+          for (const auto& p : plan.pieces_of(b)) {
+            for (std::uint64_t pad = p.bucket_offset - end; pad > 0;) {
+              const std::uint64_t n = std::min<std::uint64_t>(pad, sizeof zero_padding);
+              decoded.emplace_back(zero_padding, static_cast<std::size_t>(n));
+              pad -= n;
+            }
+            end = p.bucket_offset + p.bytes;
+            if (p.bytes == 0) continue;
+            std::byte* d = direct[p.tensor];
+            if (!d)
+              throw_error(errc::protocol_error, "bucket " + std::to_string(b.index) + " arrived encoded, but '" +
+                                                    state->meta.tensors[p.tensor].name +
+                                                    "' has no destination to decode into");
+            std::span<std::byte> piece(d + p.tensor_offset, static_cast<std::size_t>(p.bytes));
+            out.push_back({p.tensor, p.tensor_offset, piece});
+            append(decoded, piece.data(), p.bytes);
+          }
+          const std::span<std::byte> encoded_mem = std::span<std::byte>(mem, static_cast<std::size_t>(*encoded));
+          before_direct_bytes();
+          const asio::mutable_buffer into(encoded_mem.data(), encoded_mem.size());
+          co_await transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
+          work = decode_then_check(transport.decode(b, encoded_mem, std::move(out)), transport.check(b, decoded));
+        } else {
+          if (direct_piece) before_direct_bytes();
+          co_await transport.receive(b, scatter);
+          work = transport.check(b, scatter);
+        }
       } catch (...) {
         slots_.release(slot);
         throw;
       }
       stats.receive_s += seconds_since(t0);
       ++stats.buckets;
-      process(state, std::move(views), slot, false, b.index, {transport.settled(b), transport.check(b, scatter)}, scope,
-              stats);
+      process(state, std::move(views), slot, false, b.index, {transport.settled(b), std::move(work)}, scope, stats);
     }
     // Every byte is here; the update is received once every check has passed.
     if (state->checks_left > 0) {

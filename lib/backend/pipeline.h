@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -94,6 +95,30 @@ class bucket_transport {
   /// throws fails the update like a check's. It must not need the transport alive
   /// (receive() completes once every one has completed). Default: none.
   virtual std::function<asio::awaitable<void>()> settled(const bucket& /*b*/) { return {}; }
+
+  // ---- Encoded buckets (delta updates, docs/delta.md). Transports that never
+  // encode keep the defaults.
+
+  /// After begin(b): the size of bucket b's payload when it arrives encoded against
+  /// the bytes its tensors hold now (fewer than b.payload_bytes), else nullopt (plain
+  /// bytes). An encoded payload is received into a staging slot, never into a
+  /// tensor's memory; every tensor of the bucket needs a destination (the target's),
+  /// else the update fails with protocol_error before the payload is read. Then, on
+  /// the processing executor: decode() writes the bucket's bytes into the
+  /// destinations, check() verifies them (over the decoded bytes, padding as zeros),
+  /// and the bucket is loaded as a plain one.
+  virtual std::optional<std::uint64_t> encoded_bytes(const bucket& /*b*/) { return std::nullopt; }
+  /// One piece of an encoded bucket: where its decoded bytes go.
+  struct decode_target {
+    std::size_t tensor = 0;           ///< index in the update's metadata
+    std::uint64_t tensor_offset = 0;  ///< of the piece in its tensor
+    std::span<std::byte> out;         ///< the piece's bytes in the tensor's destination
+  };
+  /// For a bucket encoded_bytes() announced: the work (run on the processing
+  /// executor) that decodes `encoded` (in staging, valid until it has run) into
+  /// `pieces` (b's pieces of non-zero size, in order); throws on a corrupt payload.
+  virtual std::function<void()> decode(const bucket& b, std::span<const std::byte> encoded,
+                                       std::vector<decode_target> pieces);
 };
 
 /// Runs updates through staging memory that lives as long as the pipeline.

@@ -40,7 +40,7 @@
 // stall and hold at a point inside the update: the suite first measures, with two
 // clean updates, how many side-channel bytes each worker gets at init and per
 // update, and aims into the update's part. Kinds that need the data to cross a
-// proxy (corrupt, slow, the chain kinds) do not run for ucx.
+// proxy (corrupt, slow, chain_corrupt) do not run for ucx.
 //
 // After each fault: every side that should see an error saw one within its
 // deadline (detected), every process finished or answered in time and every
@@ -341,9 +341,10 @@ class suite {
     if (!o_.data_proxied()) {
       std::erase_if(kinds, [](const std::string& k) { return k == "corrupt" || k == "slow"; });
       calibrate();
-    } else if (o_.workers >= 3) {
+    }
+    if (o_.workers >= 3) {
       kinds.push_back("chain_kill_middle");
-      kinds.push_back("chain_corrupt");
+      if (o_.data_proxied()) kinds.push_back("chain_corrupt");
     }
     for (int r = 0; r < o_.rounds; ++r)
       for (std::size_t k = 0; k < kinds.size(); ++k) {
@@ -633,10 +634,10 @@ class suite {
       }
       for (auto& p : proxies) p->start();
       const int round = version_ + 1;
-      auto r =
-          run_trainer({"--first-round", std::to_string(round), "--updates", std::to_string(updates), "--master-port",
-                       std::to_string(master), "--advertise-port", advertise, "--auth-secret-file", secret_file_},
-                      &proxies, dir_ + "/trainer-calibrate-" + std::to_string(updates) + ".log");
+      auto r = run_trainer({"--first-round", std::to_string(round), "--updates", std::to_string(updates),
+                            "--master-port", std::to_string(master), "--advertise-port", advertise,
+                            "--auth-secret-file", secret_file_, "--topology", "star"},
+                           &proxies, dir_ + "/trainer-calibrate-" + std::to_string(updates) + ".log");
       if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))
         throw_error(errc::io_error,
                     "calibration over " + o_.engine + " failed: " + (r.last.is_object() ? r.last.dump() : "no JSON"));
@@ -661,7 +662,7 @@ class suite {
     const int round = ++version_;
     std::vector<std::string> args = {"--first-round",      std::to_string(round), "--updates", "1",
                                      "--auth-secret-file", secret_file_};
-    if (o_.data_proxied()) args.push_back("--checksums");  // the ucx engine has none yet
+    args.push_back("--checksums");
     auto r = run_trainer(args, nullptr, dir_ + "/trainer-" + std::to_string(round) + "-recover.log");
     const bool ok = r.exited && WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0 && r.last.is_object() &&
                     r.last.value("verified", false);
@@ -921,8 +922,7 @@ class suite {
                                       "--master-port",      std::to_string(master),
                                       "--advertise-port",   advertise,
                                       "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
-    // The ucx engine has no relays yet: its default (a star) needs no flag.
-    if (o_.data_proxied()) extra.insert(extra.end(), {"--topology", chain ? "chain" : "star"});
+    extra.insert(extra.end(), {"--topology", chain ? "chain" : "star"});
     if (kind == "corrupt" || kind == "chain_corrupt") extra.push_back("--checksums");
     if (kind == "stale_trainer") {
       extra.push_back("--hold-before-finish-ms");

@@ -181,5 +181,66 @@ TEST(Delta, CorruptZstdFramesAreRefused) {
   EXPECT_TRUE(out == next);
 }
 
+// A bucket of pieces (several tensors, each in its own memory): one record per
+// non-empty piece, decoded piece by piece in place or into other memory.
+TEST(DeltaPieces, RoundTripOverPiecesOfMixedElementSizes) {
+  const auto a = random_bytes(4096, 20), b = random_bytes(1000, 21), c = random_bytes(8192, 22);
+  const auto a2 = perturb(a, 2, 0.01, 23), b2 = random_bytes(1000, 24), c2 = c;  // sparse, all new, unchanged
+  const std::vector<piece_in> in{{a, a2, 2}, {{}, {}, 4}, {b, b2, 4}, {c, c2, 1}};
+  std::vector<std::byte> wire;
+  const auto r = encode_pieces(in, wire);
+  EXPECT_EQ(r.bytes, wire.size());
+  EXPECT_EQ(r.changed, count_changed(a, a2, 2) + count_changed(b, b2, 4));
+  EXPECT_LT(wire.size(), 3 * piece_header_bytes + 1000 + a.size() / 4) << "the sparse and unchanged pieces are small";
+  // In place.
+  auto x = a, y = b, z = c;
+  std::vector<piece_out> out{{x, x, 2}, {{}, {}, 4}, {y, y, 4}, {z, z, 1}};
+  decode_pieces(wire, out);
+  EXPECT_TRUE(x == a2 && y == b2 && z == c2);
+  // From the base into other memory.
+  std::vector<std::byte> x2(a.size()), y2(b.size()), z2(c.size());
+  std::vector<piece_out> apart{{a, x2, 2}, {b, y2, 4}, {c, z2, 1}};
+  decode_pieces(wire, apart);
+  EXPECT_TRUE(x2 == a2 && y2 == b2 && z2 == c2);
+}
+
+TEST(DeltaPieces, CorruptRecordsAreProtocolErrors) {
+  const auto a = random_bytes(512, 30), a2 = perturb(a, 2, 0.05, 31);
+  const auto b = random_bytes(256, 32), b2 = perturb(b, 4, 0.05, 33);
+  const std::vector<piece_in> in{{a, a2, 2}, {b, b2, 4}};
+  std::vector<std::byte> wire;
+  encode_pieces(in, wire);
+  auto x = a, y = b;
+  const std::vector<piece_out> out{{x, x, 2}, {y, y, 4}};
+  auto cut = wire;
+  cut.resize(wire.size() - 1);
+  EXPECT_EQ(REFIT_THROWN(decode_pieces(cut, out)).kind(), errc::protocol_error);
+  auto left_over = wire;
+  left_over.push_back(std::byte{0});
+  x = a, y = b;
+  EXPECT_EQ(REFIT_THROWN(decode_pieces(left_over, out)).kind(), errc::protocol_error);
+  auto unknown = wire;
+  unknown[0] = std::byte{9};
+  EXPECT_EQ(REFIT_THROWN(decode_pieces(unknown, out)).kind(), errc::protocol_error);
+  auto too_long = wire;
+  too_long[1] = std::byte{0xff};
+  too_long[8] = std::byte{0x7f};
+  EXPECT_EQ(REFIT_THROWN(decode_pieces(too_long, out)).kind(), errc::protocol_error);
+  const std::vector<piece_out> one_missing{{x, x, 2}};  // more records than pieces
+  x = a;
+  EXPECT_EQ(REFIT_THROWN(decode_pieces(wire, one_missing)).kind(), errc::protocol_error);
+  // The intact records still decode.
+  x = a, y = b;
+  decode_pieces(wire, out);
+  EXPECT_TRUE(x == a2 && y == b2);
+}
+
+TEST(DeltaPieces, ElementSizeFallsBackToBytesOffBoundaries) {
+  EXPECT_EQ(piece_elem(2, 64, 128), 2u);
+  EXPECT_EQ(piece_elem(4, 2, 128), 1u);
+  EXPECT_EQ(piece_elem(4, 0, 6), 1u);
+  EXPECT_EQ(piece_elem(3, 0, 6), 1u);
+}
+
 }  // namespace
 }  // namespace refit::backend::delta

@@ -335,7 +335,12 @@ asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std:
   if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, who + ": " + bad);
   const wire::update_expectation expected{last_seq, meta.tensors.size(), metadata_digest(meta), plan.buckets.size(),
                                           plan.payload_bytes};
-  const std::string mismatch = wire::check_update_header(u, expected);
+  std::string mismatch = wire::check_update_header(u, expected);
+  // Delta updates (a delta_header follows) are the tcp engine's own (engines/tcp).
+  if (mismatch.empty() && u.flags != 0)
+    mismatch = (u.flags & wire::update_flag_delta) != 0
+                   ? "the trainer sends a delta update; this engine takes full updates only"
+                   : "unknown update flags " + std::to_string(u.flags);
   if (!mismatch.empty()) {
     co_await send_status(socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, mismatch, timeout,
                          who + ": refusing the update");

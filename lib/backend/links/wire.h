@@ -14,7 +14,12 @@
 //                       subtree
 //   per update:
 //   trainer -> worker   update       {seq, metadata digest, tensors, buckets, bytes}
+//                       tcp star with deltas on (flags: update_flag_delta): a
+//                       delta_header {version, base version and fingerprint} follows
 //   worker -> trainer   status       (ok, or why the metadata differ)
+//   deltas on:
+//   worker -> trainer   status       (ok: it holds that base, send deltas; invalid_state:
+//                       it does not, send every bucket full; docs/delta.md)
 //   the buckets         tcp: bucket header + payload on this connection;
 //                       nccl: broadcasts on the communicator
 //   worker -> trainer   status       (every byte arrived)
@@ -36,11 +41,20 @@ inline constexpr std::uint32_t hello_magic = 0x48544652;   // "RFTH"
 inline constexpr std::uint32_t status_magic = 0x53544652;  // "RFTS"
 inline constexpr std::uint32_t update_magic = 0x55544652;  // "RFTU"
 inline constexpr std::uint32_t bucket_magic = 0x42544652;  // "RFTB"
+inline constexpr std::uint32_t delta_magic = 0x44544652;   // "RFTD"
 /// Longest status message accepted; longer is a protocol error, not an allocation.
 inline constexpr std::uint32_t max_message = 4096;
 
 /// hello.flags and bucket_header.flags: the payload carries a checksum.
 inline constexpr std::uint32_t flag_checksum = 1;
+/// bucket_header.flags: the payload is the bucket's pieces delta-encoded against the
+/// base the update's delta_header names (delta::encode_pieces), fewer bytes than
+/// the plan's; the checksum covers the decoded bytes.
+inline constexpr std::uint32_t flag_delta = 2;
+/// update.flags: a delta_header follows the update header.
+inline constexpr std::uint32_t update_flag_delta = 1;
+/// delta_header.flags: the trainer holds a base and offers deltas against it.
+inline constexpr std::uint32_t delta_flag_has_base = 1;
 
 struct hello {
   std::uint32_t magic = hello_magic;
@@ -63,7 +77,7 @@ struct status {
 
 struct update {
   std::uint32_t magic = update_magic;
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;  ///< update_flag_delta or 0
   std::uint64_t seq = 0;
   std::uint64_t digest = 0;
   std::uint64_t tensors = 0;
@@ -79,8 +93,19 @@ struct bucket_header {
   std::uint64_t checksum = 0;  ///< XXH3-64 of the payload when flags has flag_checksum
 };
 
+/// Follows an update header with update_flag_delta (engines/tcp, star): which
+/// version this update makes and which base its deltas are against.
+struct delta_header {
+  std::uint32_t magic = delta_magic;
+  std::uint32_t flags = 0;             ///< delta_flag_has_base or 0 (this update is sent full)
+  std::uint64_t version = 0;           ///< the trainer's version of the bytes this update brings
+  std::uint64_t base_version = 0;      ///< with has_base: the version the deltas are against
+  std::uint64_t base_fingerprint = 0;  ///< with has_base: that version's fingerprint
+};
+
 // The structs have no padding, so their bytes are the wire bytes.
-static_assert(sizeof(hello) == 32 && sizeof(status) == 24 && sizeof(update) == 48 && sizeof(bucket_header) == 32);
+static_assert(sizeof(hello) == 32 && sizeof(status) == 24 && sizeof(update) == 48 && sizeof(bucket_header) == 32 &&
+              sizeof(delta_header) == 32);
 
 template <class T>
 std::array<std::byte, sizeof(T)> encode(const T& v) {
@@ -107,6 +132,37 @@ inline std::string check_bucket_header(const bucket_header& h, std::uint64_t exp
     return "expected bucket " + std::to_string(expected_index) + " of " + std::to_string(expected_bytes) +
            " bytes, trainer sent bucket " + std::to_string(h.index) + " of " + std::to_string(h.payload_bytes);
   if (((h.flags & flag_checksum) != 0) != checksums) return "checksum flag differs from the wire parameters";
+  return {};
+}
+
+/// Checks a bucket header of an update that announced a delta_header: as
+/// check_bucket_header, except that with flag_delta (allowed only when the worker
+/// accepted the deltas, `delta_accepted`) the payload is fewer bytes than
+/// `expected_bytes`. Unknown flags are refused.
+inline std::string check_delta_bucket_header(const bucket_header& h, std::uint64_t expected_index,
+                                             std::uint64_t expected_bytes, bool checksums, bool delta_accepted) {
+  if (h.magic != bucket_magic) return "expected a bucket header, got magic " + std::to_string(h.magic);
+  if ((h.flags & ~(flag_checksum | flag_delta)) != 0) return "unknown bucket flags " + std::to_string(h.flags);
+  if (((h.flags & flag_checksum) != 0) != checksums) return "checksum flag differs from the wire parameters";
+  if ((h.flags & flag_delta) == 0) return check_bucket_header(h, expected_index, expected_bytes, checksums);
+  if (!delta_accepted) return "a delta bucket in an update this worker takes full";
+  if (h.index != expected_index || h.payload_bytes >= expected_bytes)
+    return "expected bucket " + std::to_string(expected_index) + " as a delta of fewer than " +
+           std::to_string(expected_bytes) + " bytes, trainer sent bucket " + std::to_string(h.index) + " of " +
+           std::to_string(h.payload_bytes);
+  return {};
+}
+
+/// Checks a delta_header. Returns "" when it is well formed, else what is wrong.
+inline std::string check_delta_header(const delta_header& d) {
+  if (d.magic != delta_magic) return "expected a delta header, got magic " + std::to_string(d.magic);
+  if ((d.flags & ~delta_flag_has_base) != 0) return "unknown delta header flags " + std::to_string(d.flags);
+  if (d.version == 0) return "delta header names version 0";
+  if ((d.flags & delta_flag_has_base) != 0 && (d.base_version == 0 || d.base_version >= d.version))
+    return "delta header: base version " + std::to_string(d.base_version) + " is not before version " +
+           std::to_string(d.version);
+  if ((d.flags & delta_flag_has_base) == 0 && (d.base_version != 0 || d.base_fingerprint != 0))
+    return "delta header names a base without offering deltas";
   return {};
 }
 
