@@ -45,17 +45,6 @@ void throw_status(ucs_status_t status, const std::string& what) {
 context::context() {
   ucp_config_t* config = nullptr;
   if (auto s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) throw_status(s, "ucx: reading UCX_* settings");
-  // Large tagged messages (direct receive, the stage) go by rendezvous. UCX's
-  // default over shared memory is get_zcopy: the receiver copies the message out
-  // of the sender's memory (cma) inside ucp_worker_progress, i.e. on the worker's
-  // event loop, tens of milliseconds per bucket. put_zcopy has the sender write it,
-  // as the puts into staging do; UCX_RNDV_SCHEME still decides where it is set.
-  if (std::getenv("UCX_RNDV_SCHEME") == nullptr) {
-    if (auto s = ucp_config_modify(config, "RNDV_SCHEME", "put_zcopy"); s != UCS_OK) {
-      ucp_config_release(config);
-      throw_status(s, "ucx: setting RNDV_SCHEME=put_zcopy");
-    }
-  }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
