@@ -85,8 +85,8 @@ def job(binary, engine, workers, nbytes, updates, tls, direct=True):
                          timeout=900)
     try:
         r = json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        raise SystemExit(f"the main job printed no JSON ({' '.join(args)}):\n{out.stderr[-3000:]}")
+    except (IndexError, ValueError) as e:
+        raise SystemExit(f"the main job printed no JSON ({' '.join(args)}):\n{out.stderr[-3000:]}") from e
     if not r.get("verified"):
         raise SystemExit(f"the main job did not verify ({' '.join(args)}): {r}")
     times = r["update_seconds"][1:] or r["update_seconds"]
