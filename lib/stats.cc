@@ -11,8 +11,9 @@ void update_stats::finalize() {
 }
 
 json update_stats::to_json() const {
-  return {{"bytes", bytes},         {"tensors", tensors},     {"buckets", buckets}, {"wall_s", wall_s},
-          {"receive_s", receive_s}, {"process_s", process_s}, {"overlap", overlap}, {"gbps", gbps}};
+  return {{"bytes", bytes},           {"tensors", tensors}, {"buckets", buckets},
+          {"wire_bytes", wire_bytes}, {"wall_s", wall_s},   {"receive_s", receive_s},
+          {"process_s", process_s},   {"overlap", overlap}, {"gbps", gbps}};
 }
 
 }  // namespace refit

@@ -12,9 +12,13 @@ struct update_stats {
   std::uint64_t bytes = 0;    ///< tensor bytes received (padding not counted)
   std::uint64_t tensors = 0;  ///< tensors handed to load_weights
   std::uint64_t buckets = 0;  ///< buckets received
-  double wall_s = 0;          ///< from receive start to the end of processing
-  double receive_s = 0;       ///< time spent waiting on the transport
-  double process_s = 0;       ///< time spent in post-processing (load_weights)
+  /// Payload bytes that crossed the wire to this worker (padding included): bucket
+  /// payloads, or their encoded size where they came as deltas (docs/delta.md).
+  /// A worker's figure; 0 in a sender's last_send_stats().
+  std::uint64_t wire_bytes = 0;
+  double wall_s = 0;     ///< from receive start to the end of processing
+  double receive_s = 0;  ///< time spent waiting on the transport
+  double process_s = 0;  ///< time spent in post-processing (load_weights)
   /// Fraction of the shorter of receive/process hidden under the other:
   /// (receive_s + process_s - wall_s) / min(receive_s, process_s), clamped to [0, 1].
   double overlap = 0;

@@ -302,6 +302,7 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   }
   auto& stats = mutable_stats();
   stats.bytes = plan.ingress[worker_];
+  stats.wire_bytes = stats.bytes;
   stats.tensors = dest.tensors.size();
   stats.receive_s = since(start);
   // The update, whole: views of the model's memory (received in place) or of the

@@ -334,6 +334,7 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
           }
           stats.receive_s += seconds_since(t0);
           stats.bytes += b.payload_bytes;
+          stats.wire_bytes += *encoded;
           ++stats.buckets;
           std::vector<bucket_transport::decode_target> out{
               {first.tensor, first.tensor_offset,
@@ -348,6 +349,7 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
         co_await transport.receive(b, scatter);
         stats.receive_s += seconds_since(t0);
         stats.bytes += b.payload_bytes;
+        stats.wire_bytes += b.payload_bytes;
         ++stats.buckets;
         bucket_checks checks{transport.settled(b), transport.check(b, scatter)};
         if (b.last_chunk)
@@ -411,10 +413,12 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
           before_direct_bytes();
           const asio::mutable_buffer into(encoded_mem.data(), encoded_mem.size());
           co_await transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
+          stats.wire_bytes += *encoded;
           work = decode_then_check(transport.decode(b, encoded_mem, std::move(out)), transport.check(b, decoded));
         } else {
           if (direct_piece) before_direct_bytes();
           co_await transport.receive(b, scatter);
+          stats.wire_bytes += b.payload_bytes;
           work = transport.check(b, scatter);
         }
       } catch (...) {
