@@ -58,7 +58,7 @@ while [ $# -gt 0 ]; do
     --json) json_out="$2"; shift 2 ;;
     --engine) engine="$2"; shift 2 ;;
     --quick) workers_list="1 4"; rounds=1; model_bytes=32M; topologies="star chain"; shift ;;
-    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,27p "$0"; exit 0 ;;
     *) echo "netns_scale: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
