@@ -143,7 +143,7 @@ struct delta_work {
   bool has_base = false;
   std::vector<std::vector<std::byte>>* encoded = nullptr;
   std::vector<std::uint64_t> hashes;
-  std::uint64_t encoded_buckets = 0, delta_bytes = 0;
+  std::uint64_t encoded_buckets = 0, delta_bytes = 0, encoded_full = 0;
   double encode_s = 0;
 
   void encode_bucket(std::size_t k, std::uint64_t hash, std::span<const asio::const_buffer> payload) {
@@ -170,6 +170,7 @@ struct delta_work {
       } else {
         ++encoded_buckets;
         delta_bytes += r.bytes;
+        encoded_full += b.payload_bytes;
       }
       encode_s += std::chrono::duration<double>(clock_type::now() - t0).count();
     }
@@ -385,6 +386,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     delta_stats_.fingerprint = base_.fingerprint;
     delta_stats_.encoded_buckets = work->encoded_buckets;
     delta_stats_.delta_bytes = work->delta_bytes;
+    delta_stats_.encoded_full = work->encoded_full;
     delta_stats_.encode_s = work->encode_s;
     for (const auto& p : peers_) {
       delta_stats_.delta_workers += p->took_delta ? 1 : 0;

@@ -156,6 +156,7 @@ class sender final : public weight_sender {
     std::size_t full_fallbacks = 0;     ///< workers offered deltas that did not hold the base: sent full
     std::uint64_t encoded_buckets = 0;  ///< buckets sent as deltas (the rest full: a delta was not smaller)
     std::uint64_t delta_bytes = 0;      ///< bytes of those deltas (headers not counted)
+    std::uint64_t encoded_full = 0;     ///< those buckets' payload bytes (their cost sent full)
     std::uint64_t full_bytes = 0;       ///< the update's payload bytes (what a full update sends)
     double encode_s = 0;                ///< time spent encoding (off the event loop)
   };

@@ -135,6 +135,20 @@ const flag table[] = {
      [](options& o, flag_reader& r) { o.hold_before_finish_ms = r.integer(0, 600000); }},
     {"--topology", "star|chain|tree:K", "tcp: how the stream reaches the workers",
      [](options& o, flag_reader& r) { o.topology = r.value(); }},
+    {"--delta", "",
+     "tcp star: send each worker only what changed since\n"
+     "the update it holds (docs/delta.md)",
+     [](options& o, flag_reader&) { o.delta = true; }},
+    {"--change-fraction", "F",
+     "each update after the first changes about F of every\n"
+     "tensor's elements, 0 < F <= 1 (default: all bytes)",
+     [](options& o, flag_reader& r) {
+       std::string v = r.value();
+       char* end = nullptr;
+       o.change_fraction = std::strtod(v.c_str(), &end);
+       if (v.empty() || !end || *end || !(o.change_fraction > 0 && o.change_fraction <= 1))
+         throw_error(errc::invalid_argument, "--change-fraction: expected a fraction in (0, 1], got '" + v + "'");
+     }},
     {"--trainers", "M",
      "M trainer processes with FSDP Shard(0) shards send the\n"
      "--tp workers only what each keeps (tcp_sharded)",
@@ -251,6 +265,28 @@ options parse_args(int argc, char** argv) {
       throw_error(errc::invalid_argument,
                   "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");
     o.engine = o.broadcast ? "tcp" : "tcp_sharded";
+  }
+  if (o.delta) {
+    if (o.sharded_job())
+      throw_error(errc::invalid_argument, "--delta: deltas are for the one-trainer job (drop --trainers/--tp)");
+    if (o.engine != "tcp")
+      throw_error(errc::invalid_argument, "--delta: only the tcp engine sends deltas, not '" + o.engine + "'");
+    if (o.no_direct)
+      throw_error(errc::invalid_argument,
+                  "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");
+    // The workers commit staged updates through an update session, and a chunk
+    // staged in a session does not set the version a worker holds: every update
+    // after the first would go full (docs/delta.md).
+    if (o.commit == commit_mode::staged)
+      throw_error(errc::invalid_argument,
+                  "--delta: with --commit staged every worker would take every update full (a staged session "
+                  "does not record the version it holds); use --commit in_place");
+    // tcp's default topology is a star for one or two workers, else a chain.
+    const int workers = o.connect.empty() ? o.workers : static_cast<int>(o.connect.size());
+    if (o.topology.empty() ? workers > 2 : o.topology != "star")
+      throw_error(errc::invalid_argument,
+                  "--delta: deltas go over tcp's star only (relays do not carry them); add --topology star" +
+                      (o.topology.empty() ? std::string() : ", not '" + o.topology + "'"));
   }
   if (o.secret_file.empty())
     if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;

@@ -45,6 +45,8 @@ struct options {
   int first_round = 1;                     // trainer: number of the first update (its weights)
   std::int64_t hold_before_finish_ms = 0;  // trainer: pause between update_weights and finish (fault suite)
   std::string topology;                    // trainer: tcp's "star", "chain" or "tree:K" (empty: the engine's default)
+  bool delta = false;                      // trainer: tcp star only; send what changed since the last update
+  double change_fraction = 0;              // (0, 1]: each update after the first changes this fraction (0: all)
   // Sharded transfers: M trainer ranks with FSDP Shard(0) shards, N workers in
   // vLLM's tensor-parallel layout (fused qkv/gate_up, column/row, vocab-parallel).
   int trainers = 1;

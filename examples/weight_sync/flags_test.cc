@@ -74,6 +74,7 @@ TEST(WeightSyncFlags, ParserAcceptsEveryFlag) {
       {"NAME", "tcp"},      {"ADDRESS", "127.0.0.1"},
       {"PATH", path},       {"SECONDS_PER_GB", "0.5"},
       {"N[,N...]", "4001"}, {"[HOST:]PORT,...", "127.0.0.1:4001"},
+      {"F", "0.5"},
   };
   for (const auto& f : flags()) {
     std::vector<std::vector<std::string>> forms;
@@ -113,6 +114,51 @@ TEST(WeightSyncFlags, ParserRefusesUnknownFlags) {
     }
   }
   EXPECT_THROW(parse({"--workers"}), error);  // a value flag without its value
+}
+
+// The message of the invalid_argument parse(args) throws ("" and a failure if none).
+std::string refusal(std::vector<std::string> args) {
+  try {
+    parse(args);
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::invalid_argument) << e.message();
+    return e.message();
+  }
+  ADD_FAILURE() << "accepted: " << ::testing::PrintToString(args);
+  return "";
+}
+
+TEST(WeightSyncFlags, ChangeFraction) {
+  EXPECT_EQ(parse({}).change_fraction, 0);  // off: every byte changes
+  EXPECT_EQ(parse({"--change-fraction", "0.01"}).change_fraction, 0.01);
+  EXPECT_EQ(parse({"--change-fraction=1"}).change_fraction, 1);
+  for (const char* bad : {"0", "-0.1", "1.5", "x", "0.1x", "nan", ""})
+    EXPECT_NE(refusal({"--change-fraction=" + std::string(bad)}).find("--change-fraction"), std::string::npos) << bad;
+}
+
+TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
+  EXPECT_FALSE(parse({}).delta);
+  EXPECT_TRUE(parse({"--delta"}).delta);  // tcp, two workers: a star by default
+  EXPECT_TRUE(parse({"--delta", "--workers", "4", "--topology", "star", "--checksums"}).delta);
+  EXPECT_TRUE(parse({"--delta", "--connect", "4001,4002,4003", "--topology", "star"}).delta);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--delta", "--engine", "ucx"}, "only the tcp engine"},
+      {{"--delta", "--engine", "tcp_sharded"}, "only the tcp engine"},
+      {{"--delta", "--topology", "chain"}, "star only"},
+      {{"--delta", "--topology", "tree:2", "--workers", "4"}, "star only"},
+      {{"--delta", "--workers", "3"}, "add --topology star"},  // tcp's default for 3: a chain
+      {{"--delta", "--connect", "4001,4002,4003"}, "add --topology star"},
+      {{"--delta", "--no-direct"}, "--no-direct"},
+      {{"--delta", "--commit", "staged"}, "--commit in_place"},
+      {{"--delta", "--tp", "2"}, "one-trainer job"},
+      {{"--delta", "--trainers", "2", "--tp", "2"}, "one-trainer job"},
+      {{"--delta", "--tp", "2", "--broadcast", "--topology", "star"}, "one-trainer job"},
+  };
+  for (const auto& [args, says] : refused) {
+    const std::string message = refusal(args);
+    EXPECT_NE(message.find("--delta"), std::string::npos) << message;
+    EXPECT_NE(message.find(says), std::string::npos) << ::testing::PrintToString(args) << ": " << message;
+  }
 }
 
 TEST(WeightSyncFlags, HelpStopsParsing) {

@@ -1,5 +1,6 @@
 #include "examples/weight_sync/job.h"
 
+#include <cmath>
 #include <cstring>
 
 #include <refit/error.h>
@@ -20,7 +21,7 @@ void fill_pattern(std::span<std::byte> out, std::size_t index, int round, std::u
   for (; i < n; ++i) out[i] = static_cast<std::byte>(word((offset + i) / 8) >> (8 * ((offset + i) % 8)));
 }
 
-trainer_model::trainer_model(model_layout l) : layout(std::move(l)) {
+trainer_model::trainer_model(model_layout l, double fraction) : layout(std::move(l)), change_fraction(fraction) {
   arena.resize(layout.meta.total_bytes());
   std::uint64_t at = 0;
   for (const auto& t : layout.meta.tensors) {
@@ -29,8 +30,59 @@ trainer_model::trainer_model(model_layout l) : layout(std::move(l)) {
   }
 }
 
+namespace {
+
+std::uint64_t splitmix64(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Adds +-1 or +-2 to about `fraction` of the elements (2-byte: the raw 16-bit
+// value, i.e. units in the last place of a bf16; otherwise each byte). The gaps
+// between changed elements are geometric: one PRNG draw and one log per change.
+void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std::uint64_t seed) {
+  const std::uint64_t n = bytes.size() / elem;
+  const double log_keep = fraction < 1 ? std::log1p(-fraction) : 0;  // 0: every element
+  std::uint64_t s = seed;
+  for (std::uint64_t at = 0;;) {
+    const std::uint64_t r = splitmix64(s);
+    if (log_keep < 0) {
+      // u in (0, 1] from the top 53 bits; gap = floor(log(u) / log(1 - F)).
+      const double u = (static_cast<double>(r >> 11) + 1) * 0x1.0p-53;
+      const double gap = std::floor(std::log(u) / log_keep);
+      if (gap >= static_cast<double>(n - at)) return;
+      at += static_cast<std::uint64_t>(gap);
+    }
+    if (at >= n) return;
+    const int moves[] = {1, 2, -1, -2};
+    const int d = moves[r & 3];
+    if (elem == 2) {
+      std::uint16_t v;
+      std::memcpy(&v, bytes.data() + at * 2, 2);
+      v = static_cast<std::uint16_t>(v + d);
+      std::memcpy(bytes.data() + at * 2, &v, 2);
+    } else {
+      bytes[at] = static_cast<std::byte>(static_cast<unsigned char>(bytes[at]) + d);
+    }
+    ++at;
+  }
+}
+
+}  // namespace
+
 void trainer_model::step(int r) {
+  if (change_fraction > 0 && filled_) {
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      const std::size_t elem = element_size(views[i].dtype) == 2 ? 2 : 1;
+      perturb(views[i].bytes(), elem, change_fraction,
+              (static_cast<std::uint64_t>(r) << 32) ^ (0xD1B54A32D192ED03ull * (i + 1)));
+    }
+    return;
+  }
   for (std::size_t i = 0; i < views.size(); ++i) fill_pattern(views[i].bytes(), i, r, 0);
+  filled_ = true;
 }
 
 std::string describe(std::exception_ptr e) {

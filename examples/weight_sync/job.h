@@ -43,9 +43,21 @@ struct trainer_model {
   std::vector<std::byte> arena;
   std::vector<tensor_view> views;
 
-  explicit trainer_model(model_layout l);
+  /// --change-fraction: 0 (off) refills every byte each step; F in (0, 1] changes
+  /// about F of each tensor's elements after the first step (see step()).
+  double change_fraction = 0;
+
+  explicit trainer_model(model_layout l, double change_fraction = 0);
   /// New weights for round `r`: a cheap pattern that differs per tensor and round.
+  /// With change_fraction F, only the first step fills; each later one adds +-1 or
+  /// +-2 to the raw 16-bit value of about F of each tensor's bf16 elements (bytes
+  /// for other dtypes), scattered uniformly like an optimizer step's: geometric gaps
+  /// from a PRNG seeded by round and tensor. The trainer's bytes are what the
+  /// workers are verified against, so any deterministic change serves.
   void step(int r);
+
+ private:
+  bool filled_ = false;
 };
 
 /// "kind: message" for a refit::error, what() for another exception.

@@ -18,6 +18,7 @@
 
 #include <refit/backend/infos.h>
 #include <refit/control/worker_group.h>
+#include <refit/engines/tcp/tcp.h>
 #include <refit/error.h>
 #include <refit/factory.h>
 #include <refit/integrity/fingerprint.h>
@@ -63,6 +64,11 @@ struct totals {
   double lag_update_p99_ms = 0;
   int overlap_samples = 0;
   std::vector<double> update_seconds;  // each update's time (the first pays for first touches)
+  // Each update's payload bytes to one worker: with --delta what the tcp sender
+  // sent a worker that took the deltas (headers not counted), else the model's bytes.
+  std::vector<std::uint64_t> wire_bytes;
+  std::uint64_t full_fallbacks = 0, encoded_buckets = 0;  // --delta: summed over the updates
+  double encode_s = 0;
   // The whole worker_group::update call: also its update_info JSON before the
   // workers are called (what a Python trainer's figure includes).
   std::vector<double> update_call_seconds;
@@ -95,6 +101,13 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"checksums", o.checksums},
                        {"timeout_ms", o.timeout_ms}};
   if (!o.topology.empty()) trainer_args["topology"] = o.topology;
+  // --delta: flags checked the engine is tcp over a star.
+  tcp::sender* delta_sender = nullptr;
+  if (o.delta) {
+    trainer_args["delta"] = true;
+    delta_sender = dynamic_cast<tcp::sender*>(sender.get());
+    if (!delta_sender) throw_error(errc::invalid_argument, "--delta: the sender is not the tcp engine's");
+  }
   // Each worker is its own inference engine here, so each gets its own rank (the
   // group's default); proxies in front of the trainer are advertised instead.
   control::init_options init;
@@ -136,6 +149,16 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     const double seconds = result.seconds;
     t.seconds += seconds;
     t.update_seconds.push_back(seconds);
+    std::uint64_t wire = bytes;
+    if (delta_sender) {
+      const auto& d = delta_sender->last_delta_stats();
+      // A worker that took the deltas got them and the buckets no delta made smaller.
+      if (d.base_version != 0 && d.delta_workers > 0) wire = d.full_bytes - d.encoded_full + d.delta_bytes;
+      t.full_fallbacks += d.full_fallbacks;
+      t.encoded_buckets += d.encoded_buckets;
+      t.encode_s += d.encode_s;
+    }
+    t.wire_bytes.push_back(wire);
     if (probed)
       for (const auto& lag : co_await workers.call_all("loop_lag", empty)) {
         t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
@@ -187,7 +210,7 @@ int run_trainer(const options& o) {
     std::cout << layout.dump() << std::endl;
     return 0;
   }
-  trainer_model model(layout_for(o));
+  trainer_model model(layout_for(o), o.change_fraction);
   const auto& meta = model.layout.meta;
   if (!o.quiet)
     std::fprintf(stderr, "[refit] model: %zu tensors, %.2f GB bf16 (hidden %lld, %d layers); %d workers, engine %s\n",
@@ -228,6 +251,7 @@ int run_trainer(const options& o) {
                  {"updates", o.updates},
                  {"seconds", t.seconds},
                  {"update_seconds", t.update_seconds},
+                 {"wire_bytes", t.wire_bytes},
                  {"update_call_seconds", t.update_call_seconds},
                  {"gbps", t.seconds > 0 ? bytes * o.updates / t.seconds / 1e9 : 0.0},
                  {"receive_s", t.receive_s},
@@ -247,6 +271,10 @@ int run_trainer(const options& o) {
                   {{"init", t.lag_init_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
                  {"verified", failure.empty() && t.check.verified}};
   if (!t.transports.empty()) result["transports"] = t.transports;
+  if (o.delta)
+    result["delta"] = {
+        {"full_fallbacks", t.full_fallbacks}, {"encoded_buckets", t.encoded_buckets}, {"encode_s", t.encode_s}};
+  if (o.change_fraction > 0) result["change_fraction"] = o.change_fraction;
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
   return failure.empty() && t.check.verified ? 0 : 1;

@@ -9,17 +9,22 @@
 #
 # Usage (as root: namespaces need CAP_NET_ADMIN):
 #   tests/bench/netns_scale.sh [--rate 1gbit] [--model-bytes 64M] [--workers "1 2 4 8"]
-#                              [--topologies "star chain tree:2 chain+checksums chain+staged"] [--rounds 3] [--updates 2]
-#                              [--buffer-bytes 8M] [--bin DIR] [--json FILE] [--quick] [--engine tcp|ucx]
+#                              [--topologies "star chain tree:2 chain+checksums chain+staged star+delta"]
+#                              [--rounds 3] [--updates 2] [--buffer-bytes 8M] [--change-fraction 0.1]
+#                              [--bin DIR] [--json FILE] [--quick] [--engine tcp|ucx]
 #   --engine ucx: the ucx engine over UCX's tcp transport on each host's eth0
 #   (UCX_TLS=tcp,self UCX_NET_DEVICES=eth0: its shared-memory transports would
 #   bypass the emulated network, the namespaces sharing one kernel).
 #   --quick: the CI version (--workers "1 4" --rounds 1 --model-bytes 32M --topologies "star chain")
 #   A topology may carry options: "chain+checksums" (per-bucket checksums),
-#   "chain+staged" (staged commits); each is compared with its plain topology
-#   at the same N: at the network's limit, where the CPU has room, the checksums
-#   (hashed on a thread of their own ahead of the stream, verified beside the
-#   loads) should cost at most 1.05x and staged commits at most 1.25x.
+#   "chain+staged" (staged commits), "star+delta" (tcp only: --delta, each update
+#   after the first changing --change-fraction of the elements); each is compared
+#   with its plain topology at the same N (run too, if not listed): at the
+#   network's limit, where the CPU has room, the checksums (hashed on a thread of
+#   their own ahead of the stream, verified beside the loads) should cost at most
+#   1.05x and staged commits at most 1.25x; a delta update at a fraction <= 0.1 at
+#   most 0.3x of a full one (updates after the first, both sides: the first has no
+#   base; needs --updates 2 or more).
 # Prints one table (medians over rounds, min-max in brackets) and checks:
 #   chain(N) / chain(1) <= 1.3 and star(N) / star(1) >= 0.6 N for every N.
 # Exit 0: checks met; 1: a check failed or a run failed; 2: usage; 77: this
@@ -30,7 +35,9 @@ cd "$(dirname "$0")/../.."
 rate=1gbit
 model_bytes=64M
 workers_list="1 2 4 8"
-topologies="star chain tree:2 chain+checksums chain+staged"
+topologies="star chain tree:2 chain+checksums chain+staged star+delta"
+topologies_given=
+change_fraction=0.1  # +delta: the fraction of elements each update after the first changes
 rounds=3
 updates=2
 buffer_bytes=8M      # several buckets even in a small model: the pipeline, not one bucket, is measured
@@ -42,15 +49,16 @@ while [ $# -gt 0 ]; do
     --rate) rate="$2"; shift 2 ;;
     --model-bytes) model_bytes="$2"; shift 2 ;;
     --workers) workers_list="$2"; shift 2 ;;
-    --topologies) topologies="$2"; shift 2 ;;
+    --topologies) topologies="$2"; topologies_given=1; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --updates) updates="$2"; shift 2 ;;
     --buffer-bytes) buffer_bytes="$2"; shift 2 ;;
+    --change-fraction) change_fraction="$2"; shift 2 ;;
     --bin) bin="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
     --engine) engine="$2"; shift 2 ;;
     --quick) workers_list="1 4"; rounds=1; model_bytes=32M; topologies="star chain"; shift ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,27p "$0"; exit 0 ;;
     *) echo "netns_scale: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +66,22 @@ case "$engine" in
   tcp) ;;
   ucx) export UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 ;;
   *) echo "netns_scale: --engine: tcp or ucx, not '$engine'" >&2; exit 2 ;;
+esac
+# Each topology with options is compared with its plain one: run that too. The
+# default list's star+delta is for tcp only.
+with_bases=
+for topo in $topologies; do
+  case "$topo" in *+delta*) [ "$engine" = tcp ] || [ -n "$topologies_given" ] || continue ;; esac
+  base=${topo%%+*}
+  case " $topologies $with_bases " in *" $base "*) ;; *) with_bases="$with_bases $base" ;; esac
+  with_bases="$with_bases $topo"
+done
+topologies="${with_bases# }"
+case " $topologies " in
+  *+delta*)
+    [ "$engine" = tcp ] || { echo "netns_scale: +delta: the tcp engine only, not '$engine'" >&2; exit 2; }
+    [ "$updates" -ge 2 ] || { echo "netns_scale: +delta: needs --updates 2 or more (the first is full)" >&2; exit 2; }
+    ;;
 esac
 case " $workers_list " in *" 1 "*) ;; *) echo "netns_scale: --workers must include 1 (the baseline)" >&2; exit 2 ;; esac
 
@@ -142,6 +166,7 @@ run() {
       case "$opt" in
         checksums) extra+=(--checksums) ;;
         staged) extra+=(--commit staged) ;;
+        delta) extra+=(--delta --change-fraction "$change_fraction") ;;
         *) echo "netns_scale: unknown topology option '$opt' in '$topo'" >&2; return 2 ;;
       esac
     done
@@ -190,7 +215,7 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-python3 - "$out/runs.jsonl" "$rate" "$model_bytes" "${json_out:-}" "$engine" <<'PY'
+python3 - "$out/runs.jsonl" "$rate" "$model_bytes" "${json_out:-}" "$engine" "$change_fraction" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 rate, model, json_out = sys.argv[2], sys.argv[3], sys.argv[4]
@@ -199,6 +224,13 @@ ns = sorted({r["n"] for r in runs})
 def per_update(n, t):
     return [r["seconds"] / r["updates"] for r in runs if r["n"] == n and r["topology"] == t]
 med = {(n, t): statistics.median(per_update(n, t)) for n in ns for t in topos}
+# Updates after the first (a delta's first update has no base and goes full).
+def later(n, t):
+    return statistics.median(statistics.mean(r["update_seconds"][1:]) for r in runs
+                             if r["n"] == n and r["topology"] == t)
+def later_wire(n, t):
+    return statistics.median(statistics.mean(r["wire_bytes"][1:]) / r["bytes"] for r in runs
+                             if r["n"] == n and r["topology"] == t)
 print(f"relay vs star over {sys.argv[5]}, {model} model, {rate} per host each way; seconds per update, "
       f"median of {len(per_update(ns[0], topos[0]))} rounds [min-max]; ratio to 1 worker")
 head = f"{'workers':>7} | " + " | ".join(f"{t:>24}" for t in topos)
@@ -227,9 +259,13 @@ for t in topos:
     if base not in topos:
         continue
     limit = 1.05 if opts == "checksums" else 1.25 if opts == "staged" else None
+    delta = "delta" in opts.split("+")
+    if delta:
+        limit = 0.3 if float(sys.argv[6]) <= 0.1 else None  # the issue's target: at density <= 10%
     for n in ns:
-        r = med[(n, t)] / med[(n, base)]
-        costs.append(f"{t} / {base} at {n} workers: {r:.3f}" + (f" (target <= {limit})" if limit else ""))
+        r = later(n, t) / later(n, base) if delta else med[(n, t)] / med[(n, base)]
+        note = f" (updates after the first; wire {later_wire(n, t):.3f} of the bytes)" if delta else ""
+        costs.append(f"{t} / {base} at {n} workers: {r:.3f}" + note + (f" (target <= {limit})" if limit else ""))
         if limit and r > limit:
             failures.append(f"{t} costs {r:.3f}x of {base} at {n} workers, more than {limit}x")
 for c in costs:

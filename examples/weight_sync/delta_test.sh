@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The main job with --delta over real worker processes: the first update goes full,
+# later ones at --change-fraction 0.01 send a small fraction of the model's bytes,
+# no worker falls back to full updates, and every tensor verifies on every worker.
+# At --change-fraction 1 a delta costs no more than (about) the full update.
+set -euo pipefail
+bin="$1"
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# check LOW HIGH FLAGS...: LOW * bytes <= later updates' wire_bytes <= HIGH * bytes
+# (LOW: the changes were made and sent, not skipped).
+check() {
+  local low="$1" high="$2" out last
+  shift 2
+  out=$("$bin" --quiet "$@") || fail "weight_sync $* exited non-zero: $out"
+  last=$(printf '%s\n' "$out" | tail -n 1)
+  python3 - "$last" "$low" "$high" "$@" <<'PY' || fail "bad result for $*: $last"
+import json, sys
+r, low, limit = json.loads(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+assert r["verified"] is True and r["rounds_verified"] == r["updates"], r
+wire, n = r["wire_bytes"], r["updates"]
+assert len(wire) == n == len(r["update_seconds"]), r
+assert wire[0] == r["bytes"], ("the first update has no base: full", wire[0], r["bytes"])
+for w in wire[1:]:
+    assert low * r["bytes"] <= w <= limit * r["bytes"], ("a later update's wire bytes", w, low, limit, r["bytes"])
+d = r["delta"]
+assert d["full_fallbacks"] == 0, d
+assert d["encoded_buckets"] > 0 and d["encode_s"] > 0, d
+print("ok:", " ".join(sys.argv[4:]), "-> wire/bytes", [round(w / r["bytes"], 4) for w in wire])
+PY
+}
+
+common=(--workers 2 --model-bytes 8M --updates 4 --delta --buffer-bytes 1M)
+check 0.005 0.1 "${common[@]}" --change-fraction 0.01
+check 0.1 1.05 "${common[@]}" --change-fraction 1
+# With checksums: each delta bucket's checksum is checked over its decoded bytes.
+check 0.005 0.1 "${common[@]}" --change-fraction 0.01 --checksums
+
+# Without --delta every update is full: wire_bytes is bytes.
+out=$("$bin" --quiet --workers 1 --model-bytes 4M --updates 2 --change-fraction 0.01) || fail "plain run: $out"
+python3 - "$(printf '%s\n' "$out" | tail -n 1)" <<'PY' || fail "plain run: $out"
+import json, sys
+r = json.loads(sys.argv[1])
+assert r["verified"] is True and r["wire_bytes"] == [r["bytes"]] * r["updates"] and "delta" not in r, r
+PY
+
+# Refused before anything starts.
+if err=$("$bin" --delta --topology chain 2>&1); then fail "--delta over a chain accepted"; fi
+echo "$err" | grep -q "star only" || fail "no reason for refusing --delta over a chain: $err"
+if err=$("$bin" --delta --commit staged 2>&1); then fail "--delta with staged commits accepted"; fi
+echo "$err" | grep -q "commit in_place" || fail "no reason for refusing --delta with staged commits: $err"
+echo PASS
