@@ -38,16 +38,18 @@ TEST(update_stats, to_json_has_every_member) {
   update_stats s = make(1.0, 2.0, 2.5, 5'000'000'000ull);
   s.tensors = 7;
   s.buckets = 3;
+  s.wire_bytes = 4'000'000'000ull;
   json j = s.to_json();
   EXPECT_EQ(j["bytes"], 5'000'000'000ull);
   EXPECT_EQ(j["tensors"], 7);
   EXPECT_EQ(j["buckets"], 3);
+  EXPECT_EQ(j["wire_bytes"], 4'000'000'000ull);
   EXPECT_DOUBLE_EQ(j["wall_s"].get<double>(), 2.5);
   EXPECT_DOUBLE_EQ(j["receive_s"].get<double>(), 1.0);
   EXPECT_DOUBLE_EQ(j["process_s"].get<double>(), 2.0);
   EXPECT_DOUBLE_EQ(j["overlap"].get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(j["gbps"].get<double>(), 2.0);
-  EXPECT_EQ(j.size(), 8u);
+  EXPECT_EQ(j.size(), 9u);
 }
 
 }  // namespace
