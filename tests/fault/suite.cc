@@ -619,19 +619,29 @@ class suite {
     return wait_trainer(t, std::chrono::milliseconds(o_.timeout_ms * 6) + 20s, proxies);
   }
 
+  // Proxies in front of a new trainer data port (master), one per worker, and
+  // the ports to advertise for them ("p1,p2,...").
+  struct proxy_set {
+    std::uint16_t master;
+    std::vector<std::unique_ptr<proxy>> proxies;
+    std::string advertise;
+  };
+  proxy_set make_proxies() {
+    proxy_set out{free_port(), {}, {}};
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      out.proxies.push_back(std::make_unique<proxy>(io_, out.master));
+      out.advertise += (out.advertise.empty() ? "" : ",") + std::to_string(out.proxies.back()->port());
+    }
+    return out;
+  }
+
   // Over an engine whose data does not cross the proxies: how many side-channel
   // bytes each worker gets at init and per update, from two clean trainers through
   // proxies (1 update, then 2), each verified.
   void calibrate() {
     std::vector<std::uint64_t> totals[2];
     for (int updates = 1; updates <= 2; ++updates) {
-      const std::uint16_t master = free_port();
-      std::vector<std::unique_ptr<proxy>> proxies;
-      std::string advertise;
-      for (std::size_t i = 0; i < workers_.size(); ++i) {
-        proxies.push_back(std::make_unique<proxy>(io_, master));
-        advertise += (advertise.empty() ? "" : ",") + std::to_string(proxies.back()->port());
-      }
+      auto [master, proxies, advertise] = make_proxies();
       for (auto& p : proxies) p->start();
       const int round = version_ + 1;
       auto r = run_trainer({"--first-round", std::to_string(round), "--updates", std::to_string(updates),
@@ -869,14 +879,7 @@ class suite {
     std::vector<json> before(workers_.size());
     for (std::size_t i = 0; i < workers_.size(); ++i) before[i] = run_sync(call(*workers_[i].client, "weight_info"));
 
-    // Proxies in front of the trainer's data port, one per worker.
-    const std::uint16_t master = free_port();
-    std::vector<std::unique_ptr<proxy>> proxies;
-    std::string advertise;
-    for (std::size_t i = 0; i < workers_.size(); ++i) {
-      proxies.push_back(std::make_unique<proxy>(io_, master));
-      advertise += (advertise.empty() ? "" : ",") + std::to_string(proxies.back()->port());
-    }
+    auto [master, proxies, advertise] = make_proxies();
     process trainer_proc;
     bool killed_worker = false;
     auto& px = *proxies[target];
