@@ -296,12 +296,7 @@ asio::awaitable<void> accept_children(std::vector<socket_ptr>* out, asio::ip::tc
 
 asio::awaitable<void> engine::join_relay(const init_info& info) {
   // The trainer says where this worker sits once every worker has joined.
-  auto st = co_await links::read_status(*socket_, timeout_,
-                                        who() + ": waiting for its place in the " + info.topology.to_string());
-  links::throw_if_failed(st, who() + ": the trainer");
-  position_ = links::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
-                                               who() + ": relay position");
-  std::sort(position_.children.begin(), position_.children.end());
+  position_ = co_await links::read_position(*socket_, info.topology, timeout_, who());
   // Connect upstream and accept the children at once: a chain forms in one step.
   std::vector<asio::awaitable<void>> both;
   if (position_.upstream != 0)

@@ -369,12 +369,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
 
 asio::awaitable<void> engine::join_relay(const init_info& info) {
   // The trainer says where this worker sits once every worker has joined.
-  auto st = co_await links::read_status(*socket_, timeout_,
-                                        who() + ": waiting for its place in the " + info.topology.to_string());
-  links::throw_if_failed(st, who() + ": the trainer");
-  position_ = links::relay_position::from_json(parse_json_text(st.message, who() + ": relay position"),
-                                               who() + ": relay position");
-  std::sort(position_.children.begin(), position_.children.end());
+  position_ = co_await links::read_position(*socket_, info.topology, timeout_, who());
   // Connect upstream and accept the children at once: a chain forms in one step.
   auto connect_upstream = [](engine* self, links::relay_position p, wire_params wire) -> asio::awaitable<void> {
     auto j = co_await links::join(p.upstream_address, p.upstream_port, self->rank_, wire, self->config().auth_secret,

@@ -1,5 +1,7 @@
 #include <refit/backend/links/relay_io.h>
 
+#include <algorithm>
+
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
@@ -120,6 +122,16 @@ asio::awaitable<void> confirm_update_for_subtree(asio::ip::tcp::socket& socket, 
     }
   }
   co_await confirm_update(socket, seq, timeout, me);
+}
+
+asio::awaitable<relay_position> read_position(asio::ip::tcp::socket& trainer, topology t,
+                                              std::chrono::milliseconds timeout, std::string who) {
+  auto st = co_await read_status(trainer, timeout, who + ": waiting for its place in the " + t.to_string());
+  throw_if_failed(st, who + ": the trainer");
+  relay_position p =
+      relay_position::from_json(parse_json_text(st.message, who + ": relay position"), who + ": relay position");
+  std::sort(p.children.begin(), p.children.end());
+  co_return p;
 }
 
 }  // namespace refit::links

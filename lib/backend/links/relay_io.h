@@ -30,6 +30,11 @@ using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
 asio::awaitable<void> tell_positions(const std::vector<member>& members, topology t, std::chrono::milliseconds timeout,
                                      std::string who);
 
+/// Worker side: the place tell_positions sent it (children sorted by rank);
+/// the trainer's failure, or protocol_error for a malformed position.
+asio::awaitable<relay_position> read_position(asio::ip::tcp::socket& trainer, topology t,
+                                              std::chrono::milliseconds timeout, std::string who);
+
 /// Worker side: reads update header from `upstream` and checks it against `meta`
 /// and `plan` (as accept_update). With children, the header goes on to them and
 /// this worker accepts only once every child accepted; a child's refusal is sent
