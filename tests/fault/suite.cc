@@ -340,7 +340,9 @@ class suite {
                                       "frozen_trainer"};
     if (!o_.data_proxied()) {
       std::erase_if(kinds, [](const std::string& k) { return k == "corrupt" || k == "slow"; });
-      calibrate();
+      calibrate("star");
+      // A chain's init tells worker 0 more (its successors), so its own count.
+      if (o_.workers >= 3) calibrate("chain");
     }
     if (o_.workers >= 3) {
       kinds.push_back("chain_kill_middle");
@@ -636,9 +638,9 @@ class suite {
   }
 
   // Over an engine whose data does not cross the proxies: how many side-channel
-  // bytes each worker gets at init and per update, from two clean trainers through
-  // proxies (1 update, then 2), each verified.
-  void calibrate() {
+  // bytes each worker gets at init and per update in `topology`, from two clean
+  // trainers through proxies (1 update, then 2), each verified.
+  void calibrate(const std::string& topology) {
     std::vector<std::uint64_t> totals[2];
     for (int updates = 1; updates <= 2; ++updates) {
       auto [master, proxies, advertise] = make_proxies();
@@ -646,8 +648,8 @@ class suite {
       const int round = version_ + 1;
       auto r = run_trainer({"--first-round", std::to_string(round), "--updates", std::to_string(updates),
                             "--master-port", std::to_string(master), "--advertise-port", advertise,
-                            "--auth-secret-file", secret_file_, "--topology", "star"},
-                           &proxies, dir_ + "/trainer-calibrate-" + std::to_string(updates) + ".log");
+                            "--auth-secret-file", secret_file_, "--topology", topology},
+                           &proxies, dir_ + "/trainer-calibrate-" + topology + "-" + std::to_string(updates) + ".log");
       if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))
         throw_error(errc::io_error,
                     "calibration over " + o_.engine + " failed: " + (r.last.is_object() ? r.last.dump() : "no JSON"));
@@ -655,15 +657,19 @@ class suite {
       fingerprints_[version_] = fingerprint_of(workers_[0]);
       for (auto& p : proxies) totals[updates - 1].push_back(p->downstream_bytes);
     }
-    for (std::size_t i = 0; i < workers_.size(); ++i) {
+    auto& [init, update] = side_[topology];
+    // A chain's only proxied update stream is worker 0's: the others hear of an
+    // update from their predecessor.
+    const std::size_t measured = topology == "chain" ? 1 : workers_.size();
+    for (std::size_t i = 0; i < measured; ++i) {
       if (totals[1][i] <= totals[0][i] || totals[0][i] <= totals[1][i] - totals[0][i])
-        throw_error(errc::io_error, "calibration over " + o_.engine + ": worker " + std::to_string(i) +
-                                        "'s side channel carried " + std::to_string(totals[0][i]) + " and " +
-                                        std::to_string(totals[1][i]) + " bytes for 1 and 2 updates");
-      side_update_.push_back(totals[1][i] - totals[0][i]);
-      side_init_.push_back(totals[0][i] - side_update_.back());
-      say("calibrated worker " + std::to_string(i) + ": " + std::to_string(side_init_.back()) +
-          " side-channel bytes at init, " + std::to_string(side_update_.back()) + " per update");
+        throw_error(errc::io_error, "calibration over " + o_.engine + " (" + topology + "): worker " +
+                                        std::to_string(i) + "'s side channel carried " + std::to_string(totals[0][i]) +
+                                        " and " + std::to_string(totals[1][i]) + " bytes for 1 and 2 updates");
+      update.push_back(totals[1][i] - totals[0][i]);
+      init.push_back(totals[0][i] - update.back());
+      say("calibrated worker " + std::to_string(i) + " (" + topology + "): " + std::to_string(init.back()) +
+          " side-channel bytes at init, " + std::to_string(update.back()) + " per update");
     }
   }
 
@@ -870,9 +876,11 @@ class suite {
     const double fraction = std::uniform_real_distribution<double>(0.05, 0.5)(rng_);
     const std::uint64_t model = 24ull << 20;
     // Over ucx, into the update's part of the side channel (measured: calibrate()).
-    const std::uint64_t at = o_.data_proxied()
-                                 ? 300 + static_cast<std::uint64_t>(fraction * model)
-                                 : side_init_[target] + static_cast<std::uint64_t>(fraction * side_update_[target]);
+    const std::uint64_t at =
+        o_.data_proxied()
+            ? 300 + static_cast<std::uint64_t>(fraction * model)
+            : side_.at(chain ? "chain" : "star").first[target] +
+                  static_cast<std::uint64_t>(fraction * side_.at(chain ? "chain" : "star").second[target]);
     const int round = version_ + 1;
     const std::string name = kind + "#" + std::to_string(r_.scenarios) + " (" + commit + ", worker " +
                              std::to_string(target) + ", byte " + std::to_string(at) + ")";
@@ -1153,8 +1161,9 @@ class suite {
   std::string dir_, secret_file_, wrong_secret_file_, secret_;
   std::vector<worker> workers_;
   int version_ = 0;
-  // Side-channel bytes each worker gets at init and per update (calibrate()).
-  std::vector<std::uint64_t> side_init_, side_update_;
+  // Per topology: side-channel bytes each worker gets at init and per update
+  // (calibrate()).
+  std::map<std::string, std::pair<std::vector<std::uint64_t>, std::vector<std::uint64_t>>> side_;
   bool stale_finished_ = false;
   std::map<int, fingerprint_list> fingerprints_;
   report r_;
