@@ -93,6 +93,33 @@ std::vector<asio::mutable_buffer> window(std::span<const asio::mutable_buffer> d
   return out;
 }
 
+// The delta fingerprint of the bytes `tensors` hold now (per tensor its first
+// byte; nullptr for an empty one), laid out in buckets as `plan` says: every
+// bucket's pieces with its padding as zeros, as the trainer sends them.
+std::uint64_t fingerprint_of(const bucket_plan& plan, const std::vector<const std::byte*>& tensors,
+                             std::uint64_t digest) {
+  static constexpr std::array<std::byte, 4096> zeros{};
+  std::vector<std::uint64_t> hashes;
+  hashes.reserve(plan.buckets.size());
+  std::vector<asio::const_buffer> parts;
+  const auto pad = [&parts](std::uint64_t n) {
+    for (; n > 0; n -= std::min<std::uint64_t>(n, zeros.size()))
+      parts.emplace_back(zeros.data(), std::min<std::uint64_t>(n, zeros.size()));
+  };
+  for (const auto& b : plan.buckets) {
+    parts.clear();
+    std::uint64_t at = 0;
+    for (const auto& p : plan.pieces_of(b)) {
+      pad(p.bucket_offset - at);
+      if (p.bytes > 0) parts.emplace_back(tensors.at(p.tensor) + p.tensor_offset, p.bytes);
+      at = p.bucket_offset + p.bytes;
+    }
+    pad(b.payload_bytes - at);
+    hashes.push_back(checksum(std::span<const asio::const_buffer>(parts)));
+  }
+  return delta_fingerprint(digest, hashes);
+}
+
 // What an update that came with a delta header (docs/delta.md) needs on its way
 // through the transport: whether its buckets may arrive as deltas, what to decode
 // them against, and the hash of every bucket's bytes (the fingerprint's parts).
@@ -394,7 +421,21 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
     delta->meta = &info.metadata;
     delta->hashes.assign(plan.buckets.size(), 0);
     if ((delta_header->flags & wire::delta_flag_has_base) != 0) {
-      const std::string why_full = base_refusal(*delta_header, held, info, delta->base);
+      std::vector<const std::byte*> current;
+      std::string why_full = base_refusal(*delta_header, held, info, delta->base, current);
+      if (why_full.empty()) {
+        // The version's fingerprint says what arrived, not what the tensors hold now:
+        // hash them (off the loop) so that bytes written outside refit since (a model
+        // reloaded, a tensor changed in place) get the update full, not a delta
+        // decoded against other bytes.
+        const std::uint64_t digest = metadata_digest(info.metadata);
+        const std::uint64_t now = co_await async::offload(
+            processing_executor(), [&plan, &current, digest] { return fingerprint_of(plan, current, digest); });
+        if (now != delta_header->base_fingerprint)
+          why_full = "this worker's tensors no longer hold version " + std::to_string(delta_header->base_version) +
+                     "'s bytes (their fingerprint is " + to_hex(now) + ", the base's " +
+                     to_hex(delta_header->base_fingerprint) + "): written outside refit since that update";
+      }
       delta->accepted = why_full.empty();
       co_await links::send_status(socket, delta->accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), u.seq,
                                   why_full, timeout_, me + ": answering the delta offer");
@@ -416,7 +457,8 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
 }
 
 std::string engine::base_refusal(const wire::delta_header& d, const std::optional<held_version>& held,
-                                 const update_info& info, std::vector<const std::byte*>& base) {
+                                 const update_info& info, std::vector<const std::byte*>& base,
+                                 std::vector<const std::byte*>& current_bytes) {
   const auto hex = [](std::uint64_t v) { return to_hex(v); };
   if (!held)
     return "this worker does not know which version its weights hold (no complete update from a trainer with "
@@ -431,6 +473,7 @@ std::string engine::base_refusal(const wire::delta_header& d, const std::optiona
   const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
   model_target* current = staged ? context().model : receive_target();
   base.assign(info.metadata.tensors.size(), nullptr);
+  current_bytes.assign(info.metadata.tensors.size(), nullptr);
   for (std::size_t i = 0; i < info.metadata.tensors.size(); ++i) {
     const auto& spec = info.metadata.tensors[i];
     if (spec.nbytes() == 0) continue;
@@ -438,6 +481,7 @@ std::string engine::base_refusal(const wire::delta_header& d, const std::optiona
     if (!d || d->nbytes() != spec.nbytes() || !d->device.is_cpu() || d->data == nullptr)
       return "the model offers no host memory holding '" + spec.name +
              "' to decode a delta against (deltas need a model target with destination())";
+    current_bytes[i] = static_cast<const std::byte*>(d->data);
     if (staged) base[i] = d->data;
   }
   return {};

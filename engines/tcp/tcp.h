@@ -93,10 +93,12 @@ class engine final : public backend::typed_engine<init_info, update_info> {
                                    const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
                                    const update_info& info, load_weights_fn load_weights);
   asio::awaitable<void> join_relay(const init_info& info);
-  // Why this worker cannot take deltas against d's base ("" when it can; then
-  // `base` is set: per tensor, where its current bytes are when not decoded in place).
+  // Why this worker cannot take deltas against d's base, as far as what it recorded
+  // tells ("" when it can; then `base` is set: per tensor, where its current bytes
+  // are when not decoded in place, and `current_bytes`: where they are).
   std::string base_refusal(const links::wire::delta_header& d, const std::optional<held_version>& held,
-                           const update_info& info, std::vector<const std::byte*>& base);
+                           const update_info& info, std::vector<const std::byte*>& base,
+                           std::vector<const std::byte*>& current_bytes);
   std::string who() const { return "tcp worker rank " + std::to_string(rank_); }
   std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
 
