@@ -28,6 +28,12 @@
 //                 worker 1 when worker 0's stream reaches a random bucket: its
 //                 successor fails at once (peer_lost, before any deadline) naming
 //                 the lost rank, and so does the trainer
+//   delta_wrong_base  (tcp) a trainer with deltas on (--delta) sends two updates;
+//                 between them one worker's model is reloaded (load_model: its
+//                 tensors zeroed) behind refit's back, so the second update's base
+//                 is not what it holds: it must refuse the base and be sent the
+//                 update full (one full fallback), the others take the delta, and
+//                 every worker ends exactly at the new version
 //   chain_corrupt (3+ workers, chain, checksums) flip one byte of the first hop:
 //                 worker 0 reports the corruption, every worker after it fails too
 //                 (the byte was forwarded), none claims the update
@@ -94,6 +100,7 @@
 #include <refit/control/client.h>
 #include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
+#include "examples/weight_sync/model.h"
 #include "tests/support/wait.h"
 
 extern char** environ;
@@ -348,6 +355,7 @@ class suite {
       kinds.push_back("chain_kill_middle");
       if (o_.data_proxied()) kinds.push_back("chain_corrupt");
     }
+    if (o_.engine == "tcp") kinds.push_back("delta_wrong_base");
     for (int r = 0; r < o_.rounds; ++r)
       for (std::size_t k = 0; k < kinds.size(); ++k) {
         // Both commit modes for every kind over the rounds (alternating).
@@ -355,6 +363,8 @@ class suite {
         try {
           if (kinds[k] == "frozen_trainer" || kinds[k] == "staged_kill_after_chunk")
             session_scenario(kinds[k], commit);
+          else if (kinds[k] == "delta_wrong_base")
+            delta_scenario(kinds[k]);  // in place: deltas refuse staged sessions
           else
             scenario(kinds[k], commit);
         } catch (const std::exception& e) {
@@ -559,8 +569,8 @@ class suite {
     std::vector<std::string> args = {o_.binary,        "--quiet",
                                      "--engine",       o_.engine,
                                      "--model-bytes",  o_.model_bytes,
-                                     "--layers",       "2",
-                                     "--vocab",        "4000",
+                                     "--layers",       std::to_string(model_layers),
+                                     "--vocab",        std::to_string(model_vocab),
                                      "--buffer-bytes", "1M",
                                      "--num-buffers",  "2",
                                      "--timeout-ms",   std::to_string(o_.timeout_ms)};
@@ -756,6 +766,124 @@ class suite {
     if (known == fingerprints_.end() || !compare_fingerprints(known->second, fingerprint_of(workers_[i])).empty())
       return "says clean at version " + std::to_string(v) + " but holds other weights";
     return {};
+  }
+
+  // delta_wrong_base: a delta trainer's two updates, worker `target`'s model
+  // reloaded between them (the proxy holds the first byte of the second update
+  // while the suite calls load_model on it).
+  void delta_scenario(const std::string& kind) {
+    ++r_.scenarios;
+    ++r_.injected;
+    json& stats = r_.by_kind[kind];
+    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
+    stats["injected"] = stats["injected"].get<int>() + 1;
+    const int target = std::uniform_int_distribution<int>(0, o_.workers - 1)(rng_);
+    const std::string name =
+        kind + "#" + std::to_string(r_.scenarios) + " (in_place, worker " + std::to_string(target) + ")";
+    say(name + ": running");
+    const std::vector<std::string> delta = {
+        "--delta",  "--change-fraction", "0.01",        "--topology",         "star",
+        "--commit", "in_place",          "--checksums", "--auth-secret-file", secret_file_};
+    const auto run = [&](int round, int updates, const std::string& tag, proxy_set& set) {
+      std::vector<std::string> args = {"--first-round",         std::to_string(round), "--updates",
+                                       std::to_string(updates), "--master-port",       std::to_string(set.master),
+                                       "--advertise-port",      set.advertise};
+      args.insert(args.end(), delta.begin(), delta.end());
+      for (auto& p : set.proxies) p->start();
+      return run_trainer(args, &set.proxies, dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + tag + ".log");
+    };
+    std::vector<std::string> missed;
+    // Where the second update starts on the target's stream: the bytes a one-update
+    // trainer with deltas on sends it (init and a full update).
+    std::uint64_t first_update_bytes = 0;
+    {
+      auto set = make_proxies();
+      const int round = version_ + 1;
+      auto r = run(round, 1, kind + "-measure", set);
+      if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))
+        throw_error(errc::io_error,
+                    "the measuring delta trainer failed: " + (r.last.is_object() ? r.last.dump() : "no JSON"));
+      version_ = round;
+      fingerprints_[round] = fingerprint_of(workers_[0]);
+      first_update_bytes = set.proxies[target]->downstream_bytes;
+    }
+    auto set = make_proxies();
+    auto& px = *set.proxies[target];
+    px.act = action::hook;
+    px.at = first_update_bytes;
+    auto reloaded = std::make_shared<std::optional<std::string>>();  // "" once done, else the error
+    px.kill = [this, target, reloaded] {
+      asio::co_spawn(io_, reload_model(workers_[target].port, reloaded), asio::detached);
+    };
+    px.hold = [reloaded] { return !reloaded->has_value(); };
+    const int round = version_ + 1;
+    auto result = run(round, 2, kind, set);
+    const bool hang = !result.exited;
+    if (!px.fired) missed.push_back("the second update never reached worker " + std::to_string(target));
+    if (!reloaded->has_value() || !(*reloaded)->empty())
+      missed.push_back("the reload did not complete: " + reloaded->value_or("no answer"));
+    const bool verified = !hang && result.last.is_object() && result.last.value("verified", false);
+    if (!verified)
+      missed.push_back("the delta trainer did not verify both updates: " +
+                       (result.last.is_object() ? result.last.dump() : "no JSON"));
+    const json d = result.last.is_object() ? result.last.value("delta", json()) : json();
+    if (verified && !(d.is_object() && d.value("full_fallbacks", -1) == 1 && d.value("encoded_buckets", 0) > 0))
+      missed.push_back("expected one full fallback and delta buckets for the others: " + d.dump());
+    if (verified) {
+      version_ = round + 1;
+      fingerprints_[version_] = fingerprint_of(workers_[0]);
+    }
+    if (hang) ++r_.hangs;
+    // Every worker clean at the new version, holding exactly its weights (where
+    // the trainer failed, that is missed above and the recovery decides).
+    for (std::size_t i = 0; verified && i < workers_.size(); ++i) {
+      auto info = settled_info(workers_[i]);
+      if (!info) {
+        missed.push_back("worker " + std::to_string(i) + " stayed busy or stopped answering");
+        continue;
+      }
+      // (As after a staged commit: no worker may say dirty.)
+      const std::string lost = not_at_a_version(i, *info, version_, std::nullopt, "staged");
+      if (!lost.empty()) {
+        ++r_.lost;
+        r_.problems.push_back(name + ": worker " + std::to_string(i) + " " + lost);
+      }
+    }
+    if (missed.empty()) {
+      ++r_.detected;
+      stats["detected"] = stats["detected"].get<int>() + 1;
+    } else {
+      for (auto& m : missed) r_.problems.push_back(name + ": " + m);
+    }
+    say(name + ": " +
+        (missed.empty()
+             ? "the reloaded worker refused the base and got the update full; every worker exact at version " +
+                   std::to_string(version_)
+             : "MISSED: " + missed.front()));
+    if (!verified) {
+      if (recover(name))
+        ++r_.recoveries;
+      else
+        ++r_.recoveries_failed;
+    }
+  }
+
+  // load_model on the worker at `port`: the trainer's layout, tensors zeroed (a
+  // reloaded model). `out`: "" once it answered, else what went wrong.
+  asio::awaitable<void> reload_model(std::uint16_t port, std::shared_ptr<std::optional<std::string>> out) {
+    control::client c(io_.get_executor(), std::chrono::milliseconds(o_.timeout_ms * 2), secret_);
+    try {
+      json layout = json::object();
+      write_update_metadata(
+          example::make_layout(example::parse_bytes(o_.model_bytes, "--model-bytes"), model_layers, model_vocab).meta,
+          layout);
+      co_await c.connect("127.0.0.1", port);
+      co_await c.call("load_model", layout);
+      *out = "";
+    } catch (const std::exception& e) {
+      *out = e.what();
+    }
+    c.close();
   }
 
   // frozen_trainer / staged_kill_after_chunk: the trainer stops (SIGSTOP) or dies
@@ -1154,6 +1282,10 @@ class suite {
     else
       ++r_.recoveries_failed;
   }
+
+  // Every trainer's model (with --model-bytes).
+  static constexpr int model_layers = 2;
+  static constexpr std::int64_t model_vocab = 4000;
 
   options o_;
   std::mt19937_64 rng_;
