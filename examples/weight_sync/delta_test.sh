@@ -46,7 +46,7 @@ PY
 
 # Refused before anything starts.
 if err=$("$bin" --delta --topology chain 2>&1); then fail "--delta over a chain accepted"; fi
-echo "$err" | grep -q "star only" || fail "no reason for refusing --delta over a chain: $err"
+grep -q "star only" <<<"$err" || fail "no reason for refusing --delta over a chain: $err"
 if err=$("$bin" --delta --commit staged 2>&1); then fail "--delta with staged commits accepted"; fi
-echo "$err" | grep -q "commit in_place" || fail "no reason for refusing --delta with staged commits: $err"
+grep -q "commit in_place" <<<"$err" || fail "no reason for refusing --delta with staged commits: $err"
 echo PASS

@@ -34,5 +34,5 @@ check 2
 check 1 --rounds 3
 
 if err=$("$bin" --tp 3 2>&1); then fail "--tp 3 accepted"; fi
-echo "$err" | grep -q -- "--tp" || fail "no message for --tp 3: $err"
+grep -q -- "--tp" <<<"$err" || fail "no message for --tp 3: $err"
 echo "1 passed, 0 failed"

@@ -38,7 +38,7 @@ check --workers 2 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 1M --c
 cp "$secret_dir/secret" "$secret_dir/secret.ok" && chmod 600 "$secret_dir/secret.ok"
 chmod 644 "$secret_dir/secret"
 if err=$("$bin" --auth-secret-file "$secret_dir/secret" 2>&1); then fail "a world-readable secret accepted"; fi
-echo "$err" | grep -q "chmod 600" || fail "no advice for a world-readable secret: $err"
+grep -q "chmod 600" <<<"$err" || fail "no advice for a world-readable secret: $err"
 
 # Sharded: M trainer processes, N tp workers, each receiving only what it keeps.
 check_sharded() {
@@ -67,23 +67,23 @@ check_sharded --trainers 3 --tp 2 --model-bytes 16M --layers 1 --updates 2 --buf
 check_sharded --trainers 1 --tp 4 --model-bytes 16M --layers 2 --updates 1
 check_sharded --tp 2 --broadcast --model-bytes 16M --layers 1 --updates 2
 if err=$("$bin" --tp 2 --workers 3 2>&1); then fail "--tp 2 --workers 3 accepted"; fi
-echo "$err" | grep -q "tp ranks of one engine" || fail "no message for --tp 2 --workers 3: $err"
+grep -q "tp ranks of one engine" <<<"$err" || fail "no message for --tp 2 --workers 3: $err"
 if err=$("$bin" --tp 2 --trainers 2 --broadcast 2>&1); then fail "--broadcast with 2 trainers accepted"; fi
-echo "$err" | grep -q "one trainer" || fail "no message for --broadcast --trainers 2: $err"
+grep -q "one trainer" <<<"$err" || fail "no message for --broadcast --trainers 2: $err"
 
 if err=$("$bin" --workers 0 2>&1); then fail "--workers 0 accepted"; fi
-echo "$err" | grep -q "workers" || fail "no message for --workers 0: $err"
+grep -q "workers" <<<"$err" || fail "no message for --workers 0: $err"
 if err=$("$bin" --model-bytes 12Q 2>&1); then fail "bad size accepted"; fi
-echo "$err" | grep -q "unknown unit" || fail "no message for a bad size: $err"
+grep -q "unknown unit" <<<"$err" || fail "no message for a bad size: $err"
 # --help prints the usage (examples/weight_sync:flags_test checks it names every
 # flag) and exits 0; an unknown flag exits 2 with the usage on stderr.
 usage=$("$bin" --help) || fail "--help exited non-zero"
 for f in --workers --role --rank --slice-tp --tp-rank --stats-file; do
-  printf '%s\n' "$usage" | grep -q -- "^  $f " || fail "--help does not describe $f: $usage"
+  grep -q -- "^  $f " <<<"$usage" || fail "--help does not describe $f: $usage"
 done
 rc=0
 err=$("$bin" --no-such-flag 2>&1) || rc=$?
 [ $rc -eq 2 ] || fail "an unknown flag: exit status $rc, expected 2"
-echo "$err" | grep -q "unknown flag '--no-such-flag'" || fail "no message for an unknown flag: $err"
-echo "$err" | grep -q -- "--stats-file PATH" || fail "no usage after an unknown flag: $err"
+grep -q "unknown flag '--no-such-flag'" <<<"$err" || fail "no message for an unknown flag: $err"
+grep -q -- "--stats-file PATH" <<<"$err" || fail "no usage after an unknown flag: $err"
 echo "1 passed, 0 failed"
