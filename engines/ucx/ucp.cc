@@ -83,7 +83,8 @@ registration::~registration() { ucp_mem_unmap(ctx_->get(), memh_); }
 // ---- requests
 
 struct request_state {
-  explicit request_state(asio::any_io_executor ex) : executor(ex), done(std::move(ex)) {}
+  request_state(worker& w, asio::any_io_executor ex) : owner(&w), executor(ex), done(std::move(ex)) {}
+  worker* owner;  // holds this until the callback runs (worker::track)
   asio::any_io_executor executor;
   async::event done;
   ucs_status_t status = UCS_INPROGRESS;
@@ -95,13 +96,15 @@ struct request_state {
 
 namespace {
 
-using state_box = std::shared_ptr<request_state>;
-
 // Records the outcome (the request is freed: the state holds all that is left) and
 // posts the waiter's wake-up; it runs inside ucp_worker_progress, on the executor.
 void complete(void* request, ucs_status_t status, std::size_t length, void* user_data) {
-  std::unique_ptr<state_box> box(static_cast<state_box*>(user_data));
-  state_box s = *box;
+  auto* raw = static_cast<request_state*>(user_data);
+  std::shared_ptr<request_state> s = raw->owner->untrack(raw);
+  if (!s) {  // (not tracked: cannot happen; nothing to wake)
+    ucp_request_free(request);
+    return;
+  }
   s->status = status;
   s->length = length;
   s->request = nullptr;
@@ -125,22 +128,31 @@ std::vector<ucp_dt_iov_t> iov_of(std::span<const asio::const_buffer> pieces) {
 }  // namespace
 
 std::shared_ptr<request_state> worker::track(ucp_request_param_t& param, bool receive) {
-  auto s = std::make_shared<request_state>(executor_);
+  auto s = std::make_shared<request_state>(*this, executor_);
   s->receive = receive;
   param.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   if (receive)
     param.cb.recv = on_receive;
   else
     param.cb.send = on_send;
-  param.user_data = new state_box(s);
+  param.user_data = s.get();
+  outstanding_.emplace(s.get(), s);
+  return s;
+}
+
+std::shared_ptr<request_state> worker::untrack(request_state* state) noexcept {
+  auto it = outstanding_.find(state);
+  if (it == outstanding_.end()) return {};
+  std::shared_ptr<request_state> s = std::move(it->second);
+  outstanding_.erase(it);
   return s;
 }
 
 asio::awaitable<std::size_t> worker::wait(ucs_status_ptr_t request, std::shared_ptr<request_state> state,
                                           std::chrono::milliseconds limit, std::string what) {
   if (!UCS_PTR_IS_PTR(request)) {
-    // Completed (or failed) at once: the callback will not run (the caller, which
-    // holds the params, has deleted their user_data box).
+    // Completed (or failed) at once: the callback will not run (the caller has
+    // untracked the state).
     const ucs_status_t s = UCS_PTR_STATUS(request);
     if (s != UCS_OK) throw_status(s, what);
     co_return 0;
@@ -267,6 +279,15 @@ void worker::close() noexcept {
   // What is still outstanding completes or is dropped now; nothing lands after.
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
+  // Requests UCX dropped without a callback: their waiters (if any) wake cancelled.
+  for (auto& [raw, s] : std::exchange(outstanding_, {})) {
+    s->status = UCS_ERR_CANCELED;
+    s->request = nullptr;
+    try {
+      asio::post(s->executor, [s] { s->done.set(); });
+    } catch (...) {  // an executor gone: no waiter left to wake
+    }
+  }
 }
 
 // ---- endpoints
@@ -351,7 +372,7 @@ asio::awaitable<void> endpoint::flush(std::chrono::milliseconds limit, std::stri
   ucp_request_param_t p{};
   auto state = worker_->track(p, false);
   ucs_status_ptr_t r = ucp_ep_flush_nbx(ep_, &p);
-  if (!UCS_PTR_IS_PTR(r)) delete static_cast<state_box*>(p.user_data);
+  if (!UCS_PTR_IS_PTR(r)) worker_->untrack(state.get());
   co_await worker_->wait(r, state, limit, what);
   if (*failure_ != UCS_OK) throw_status(*failure_, what);
 }
@@ -420,7 +441,7 @@ asio::awaitable<void> tag_send(worker& w, endpoint& ep, std::span<const asio::co
   p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
   p.datatype = ucp_dt_make_iov();
   ucs_status_ptr_t r = ucp_tag_send_nbx(ep.get(), state->iov.data(), state->iov.size(), tag, &p);
-  if (!UCS_PTR_IS_PTR(r)) delete static_cast<state_box*>(p.user_data);
+  if (!UCS_PTR_IS_PTR(r)) w.untrack(state.get());
   co_await w.wait(r, state, limit, what + " (ucp_tag_send_nbx)");
   if (ep.failure() != UCS_OK) throw_status(ep.failure(), what);
 }
@@ -440,7 +461,7 @@ tag_receive::tag_receive(std::shared_ptr<worker> w, std::span<const asio::mutabl
   p.datatype = ucp_dt_make_iov();
   request_ = ucp_tag_recv_nbx(worker_->get(), state_->iov.data(), state_->iov.size(), tag, ~ucp_tag_t{0}, &p);
   if (!UCS_PTR_IS_PTR(request_)) {
-    delete static_cast<state_box*>(p.user_data);
+    worker_->untrack(state_.get());
     const ucs_status_t s = UCS_PTR_STATUS(request_);
     request_ = nullptr;
     throw_status(s == UCS_OK ? UCS_ERR_IO_ERROR : s, what_ + " (ucp_tag_recv_nbx)");

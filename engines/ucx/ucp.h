@@ -17,6 +17,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ucp/api/ucp.h>
@@ -108,12 +109,20 @@ class worker : public std::enable_shared_from_this<worker> {
   /// Completes when `request` (what a *_nbx call returned, with its callback's
   /// user data from track()) completes; throws its failure, or timeout after
   /// `limit` (cancelling the request where UCX can). `what` names the wait. When
-  /// the call completed at once (no request), the caller deletes the params'
-  /// user_data box (the callback never runs).
+  /// the call completed at once (no request), the caller untracks the state first
+  /// (the callback never runs).
   asio::awaitable<std::size_t> wait(ucs_status_ptr_t request, std::shared_ptr<request_state> state,
                                     std::chrono::milliseconds limit, std::string what);
-  /// A fresh request_state and the op params that route its callback here.
+  /// A fresh request_state and the op params that route its callback here. The
+  /// worker holds it until the callback runs, the caller untracks it, or close():
+  /// what is outstanding then ends as cancelled (UCX calls no callback for a
+  /// request whose worker it destroys).
   std::shared_ptr<request_state> track(ucp_request_param_t& param, bool receive);
+  /// Drops the worker's hold on `state` (its callback ran, or will not run) and
+  /// returns it (null if it was not held).
+  std::shared_ptr<request_state> untrack(request_state* state) noexcept;
+  /// Tracked requests whose callback has not run (none after close()).
+  std::size_t outstanding() const noexcept { return outstanding_.size(); }
 
  private:
   worker(std::shared_ptr<context> ctx, asio::any_io_executor executor);
@@ -127,6 +136,8 @@ class worker : public std::enable_shared_from_this<worker> {
   std::unique_ptr<fd_waiter> fd_;
   bool drive_posted_ = false;
   int engaged_ = 0;
+  // Tracked requests whose callback has not run yet, by their user data.
+  std::unordered_map<request_state*, std::shared_ptr<request_state>> outstanding_;
 };
 
 /// What UCX chose for an endpoint: its lanes' transports and whether one-sided
