@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace refit::backend::delta {
@@ -32,12 +33,35 @@ void put_leb128(std::vector<std::byte>& out, std::uint64_t v) {
   out.push_back(static_cast<std::byte>(v));
 }
 
+// Bit k (0..3) set when 16-bit lane k of x is not zero: bit 15 of each lane first
+// (its low 15 bits plus 0x7fff carry into it, or its own top bit), then the four
+// gathered by one multiply (no two partial products meet, so nothing carries).
+inline std::uint64_t nonzero_lanes16(std::uint64_t x) {
+  constexpr std::uint64_t low = 0x7fff7fff7fff7fffull;
+  const std::uint64_t top = (((x & low) + low) | x) & ~low;
+  return (top * 0x0000200040008001ull) >> 60;
+}
+
 // Calls f(index) for every element whose bytes differ, in order. Compares 8 bytes
-// at a time: at the densities deltas are for, most words are equal.
+// at a time: at the densities deltas are for, most words are equal. 2-byte
+// elements (bf16, fp16: what deltas are for) go 64 at a time through a mask
+// built without a branch per element.
 template <class F>
 void for_each_changed(const std::byte* a, const std::byte* b, std::size_t n, std::size_t elem, F&& f) {
   const std::size_t per_word = 8 / elem;
   std::size_t i = 0;
+  if (elem == 2) {
+    for (; i + 64 <= n; i += 64) {
+      std::uint64_t m = 0;
+      for (std::size_t w = 0; w < 16; ++w) {
+        std::uint64_t x, y;
+        std::memcpy(&x, a + (i + 4 * w) * 2, 8);
+        std::memcpy(&y, b + (i + 4 * w) * 2, 8);
+        m |= nonzero_lanes16(x ^ y) << (4 * w);
+      }
+      for (; m != 0; m &= m - 1) f(i + static_cast<std::size_t>(std::countr_zero(m)));
+    }
+  }
   for (; i + per_word <= n; i += per_word) {
     std::uint64_t x, y;
     std::memcpy(&x, a + i * elem, 8);
@@ -74,38 +98,216 @@ void xor_into(std::byte* dst, const std::byte* a, const std::byte* b, std::size_
   for (; i < n; ++i) dst[i] = a[i] ^ b[i];
 }
 
-// Appends zstd(base XOR next) to out, streaming through a scratch buffer.
-std::size_t append_xor_zstd(std::span<const std::byte> base, std::span<const std::byte> next,
-                            std::vector<std::byte>& out, int level) {
-  std::unique_ptr<ZSTD_CCtx, zstd_cctx_deleter> cctx(ZSTD_createCCtx());
-  if (!cctx) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a compression context");
-  ZSTD_CCtx_setParameter(cctx.get(), ZSTD_c_compressionLevel, level);
-  ZSTD_CCtx_setParameter(cctx.get(), ZSTD_c_contentSizeFlag, 1);
-  ZSTD_CCtx_setPledgedSrcSize(cctx.get(), base.size());
-  std::vector<std::byte> scratch(std::min(scratch_bytes, std::max<std::size_t>(base.size(), 1)));
-  const std::size_t start = out.size();
-  std::size_t pos = 0;
-  bool done = false;
-  while (!done) {
-    const std::size_t take = std::min(scratch.size(), base.size() - pos);
-    xor_into(scratch.data(), base.data() + pos, next.data() + pos, take);
-    pos += take;
-    const bool last = pos == base.size();
-    ZSTD_inBuffer in{scratch.data(), take, 0};
+// One zstd frame, written piece by piece onto the end of `dst`; its header carries
+// the content size (`pledged`, which the pieces must add up to).
+class zstd_writer {
+ public:
+  zstd_writer(std::vector<std::byte>& dst, int level, std::size_t pledged) : dst_(&dst), cctx_(ZSTD_createCCtx()) {
+    if (!cctx_) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a compression context");
+    ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_compressionLevel, level);
+    ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_contentSizeFlag, 1);
+    ZSTD_CCtx_setPledgedSrcSize(cctx_.get(), pledged);
+  }
+  // Compresses `in`; with `last`, ends the frame.
+  void write(std::span<const std::byte> in, bool last) {
+    ZSTD_inBuffer ib{in.data(), in.size(), 0};
+    auto& out = *dst_;
     for (;;) {
       if (out.capacity() - out.size() < ZSTD_CStreamOutSize()) out.reserve(out.size() + 2 * ZSTD_CStreamOutSize());
       const std::size_t have = out.size();
       out.resize(out.capacity());
       ZSTD_outBuffer ob{out.data() + have, out.size() - have, 0};
-      const std::size_t r = ZSTD_compressStream2(cctx.get(), &ob, &in, last ? ZSTD_e_end : ZSTD_e_continue);
+      const std::size_t r = ZSTD_compressStream2(cctx_.get(), &ob, &ib, last ? ZSTD_e_end : ZSTD_e_continue);
       out.resize(have + ob.pos);
       if (ZSTD_isError(r))
         throw_error(errc::invalid_argument, std::string("delta: zstd compression failed: ") + ZSTD_getErrorName(r));
-      if (last ? r == 0 : in.pos == in.size) break;
+      if (last ? r == 0 : ib.pos == ib.size) break;
     }
-    done = last;
   }
+
+ private:
+  std::vector<std::byte>* dst_;
+  std::unique_ptr<ZSTD_CCtx, zstd_cctx_deleter> cctx_;
+};
+
+// Reads one zstd frame that must hold exactly `expect` bytes, piece by piece;
+// error(protocol_error) naming `what` for anything else.
+class zstd_reader {
+ public:
+  zstd_reader(std::span<const std::byte> frame, std::uint64_t expect, std::string what)
+      : in_{frame.data(), frame.size(), 0}, dctx_(ZSTD_createDCtx()), what_(std::move(what)) {
+    const unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
+    if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN || size != expect)
+      throw_error(errc::protocol_error,
+                  "delta: " + what_ + " frame does not say it holds " + std::to_string(expect) + " bytes");
+    if (!dctx_) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a decompression context");
+  }
+  // The frame's next dst.size() bytes.
+  void read(std::span<std::byte> dst) {
+    ZSTD_outBuffer ob{dst.data(), dst.size(), 0};
+    while (ob.pos < ob.size) {
+      const std::size_t in_before = in_.pos, out_before = ob.pos;
+      step(ob);
+      if (ob.pos == out_before && in_.pos == in_before)
+        throw_error(errc::protocol_error, "delta: " + what_ + " frame ends early");
+    }
+  }
+  // The frame ends here, and the payload with it.
+  void finish() {
+    std::byte extra{};
+    while (left_ != 0) {
+      ZSTD_outBuffer ob{&extra, 1, 0};
+      const std::size_t in_before = in_.pos;
+      step(ob);
+      if (ob.pos != 0) throw_error(errc::protocol_error, "delta: " + what_ + " frame holds more bytes than it says");
+      if (left_ != 0 && in_.pos == in_before)
+        throw_error(errc::protocol_error, "delta: " + what_ + " frame is cut short");
+    }
+    if (in_.pos != in_.size) throw_error(errc::protocol_error, "delta: trailing bytes after the " + what_ + " frame");
+  }
+
+ private:
+  void step(ZSTD_outBuffer& ob) {
+    left_ = ZSTD_decompressStream(dctx_.get(), &ob, &in_);
+    if (ZSTD_isError(left_))
+      throw_error(errc::protocol_error, "delta: " + what_ + " frame is corrupt: " + ZSTD_getErrorName(left_));
+  }
+  ZSTD_inBuffer in_;
+  std::unique_ptr<ZSTD_DCtx, zstd_dctx_deleter> dctx_;
+  std::string what_;
+  std::size_t left_ = 1;  // ZSTD_decompressStream's last hint (0: the frame ended)
+};
+
+// Appends zstd(base XOR next) to out, streaming through a scratch buffer.
+std::size_t append_xor_zstd(std::span<const std::byte> base, std::span<const std::byte> next,
+                            std::vector<std::byte>& out, int level) {
+  const std::size_t start = out.size();
+  zstd_writer frame(out, level, base.size());
+  std::vector<std::byte> scratch(std::min(scratch_bytes, std::max<std::size_t>(base.size(), 1)));
+  std::size_t pos = 0;
+  do {
+    const std::size_t take = std::min(scratch.size(), base.size() - pos);
+    xor_into(scratch.data(), base.data() + pos, next.data() + pos, take);
+    pos += take;
+    frame.write({scratch.data(), take}, pos == base.size());
+  } while (pos < base.size());
   return out.size() - start;
+}
+
+// xor_planes works through blocks of this many elements (a multiple of 8, so the
+// blocks' bitmaps concatenate into the whole one): scratch of 8 KiB of bitmap and
+// 64 KiB per byte plane.
+constexpr std::size_t planes_block = 1 << 16;
+
+std::size_t planes_header_bytes(std::size_t elem) { return 8 * (1 + elem); }
+
+// Appends the xor_planes encoding of `changed` changed elements to out.
+std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const std::byte> next, std::size_t elem,
+                              std::size_t changed, std::vector<std::byte>& out, int level) {
+  const std::size_t n = base.size() / elem;
+  std::vector<std::vector<std::byte>> frames(1 + elem);
+  std::vector<zstd_writer> streams;
+  streams.reserve(1 + elem);
+  streams.emplace_back(frames[0], level, (n + 7) / 8);
+  for (std::size_t j = 0; j < elem; ++j) streams.emplace_back(frames[1 + j], level, changed);
+  std::vector<std::byte> map(planes_block / 8), planes(elem * planes_block);
+  for (std::size_t b0 = 0; b0 < n;) {
+    const std::size_t m = std::min(planes_block, n - b0);
+    std::fill(map.begin(), map.end(), std::byte{0});
+    std::size_t k = 0;
+    const std::byte* a = base.data() + b0 * elem;
+    const std::byte* b = next.data() + b0 * elem;
+    for_each_changed(a, b, m, elem, [&](std::size_t i) {
+      map[i / 8] |= static_cast<std::byte>(1u << (i % 8));
+      for (std::size_t j = 0; j < elem; ++j) planes[j * planes_block + k] = a[i * elem + j] ^ b[i * elem + j];
+      ++k;
+    });
+    b0 += m;
+    const bool last = b0 == n;
+    streams[0].write({map.data(), (m + 7) / 8}, last);
+    for (std::size_t j = 0; j < elem; ++j) streams[1 + j].write({planes.data() + j * planes_block, k}, last);
+  }
+  const std::size_t start = out.size();
+  out.reserve(start + planes_header_bytes(elem) + [&] {
+    std::size_t t = 0;
+    for (const auto& f : frames) t += f.size();
+    return t;
+  }());
+  for (const auto& f : frames) {
+    const std::uint64_t size = f.size();
+    const auto* p = reinterpret_cast<const std::byte*>(&size);
+    out.insert(out.end(), p, p + sizeof size);  // little-endian (wire format)
+  }
+  for (const auto& f : frames) out.insert(out.end(), f.begin(), f.end());
+  return out.size() - start;
+}
+
+// Decodes an xor_planes payload into out (which holds the base's bytes by then).
+void decode_xor_planes(std::span<const std::byte> payload, std::span<std::byte> out, std::size_t elem) {
+  if (elem < 2)
+    throw_error(errc::protocol_error, "delta: xor_planes for elements of " + std::to_string(elem) + " byte");
+  const std::size_t n = out.size() / elem;
+  const std::size_t header = planes_header_bytes(elem);
+  if (payload.size() < header)
+    throw_error(errc::protocol_error,
+                "delta: xor_planes payload of " + std::to_string(payload.size()) + " bytes, shorter than its header");
+  std::vector<std::span<const std::byte>> frames;
+  std::size_t at = header;
+  for (std::size_t s = 0; s <= elem; ++s) {
+    std::uint64_t size = 0;
+    std::memcpy(&size, payload.data() + 8 * s, sizeof size);
+    if (size > payload.size() - at)
+      throw_error(errc::protocol_error, "delta: xor_planes frame " + std::to_string(s) + " claims " +
+                                            std::to_string(size) + " bytes, " + std::to_string(payload.size() - at) +
+                                            " are left");
+    frames.push_back(payload.subspan(at, static_cast<std::size_t>(size)));
+    at += static_cast<std::size_t>(size);
+  }
+  if (at != payload.size())
+    throw_error(errc::protocol_error,
+                "delta: " + std::to_string(payload.size() - at) + " bytes after the last xor_planes frame");
+  // Every plane holds one byte per changed element: as many as the first says.
+  const unsigned long long changed = ZSTD_getFrameContentSize(frames[1].data(), frames[1].size());
+  if (changed == ZSTD_CONTENTSIZE_ERROR || changed == ZSTD_CONTENTSIZE_UNKNOWN || changed > n)
+    throw_error(errc::protocol_error,
+                "delta: xor_planes plane 0 does not say how many elements changed (at most " + std::to_string(n) + ")");
+  zstd_reader map_in(frames[0], (n + 7) / 8, "xor_planes bitmap");
+  std::vector<zstd_reader> plane_in;
+  plane_in.reserve(elem);
+  for (std::size_t j = 0; j < elem; ++j)
+    plane_in.emplace_back(frames[1 + j], changed, "xor_planes plane " + std::to_string(j));
+  std::vector<std::byte> map(planes_block / 8), planes(elem * planes_block);
+  std::uint64_t seen = 0;
+  for (std::size_t b0 = 0; b0 < n;) {
+    const std::size_t m = std::min(planes_block, n - b0), map_bytes = (m + 7) / 8;
+    map_in.read({map.data(), map_bytes});
+    if (m % 8 != 0 && (static_cast<std::uint8_t>(map[map_bytes - 1]) >> (m % 8)) != 0)
+      throw_error(errc::protocol_error, "delta: xor_planes bitmap marks elements past the end");
+    std::size_t k = 0;
+    for (std::size_t q = 0; q < map_bytes; ++q) k += std::popcount(static_cast<std::uint8_t>(map[q]));
+    if (k > changed - seen)
+      throw_error(errc::protocol_error, "delta: xor_planes bitmap marks more than the " + std::to_string(changed) +
+                                            " changed elements its planes carry");
+    seen += k;
+    for (std::size_t j = 0; j < elem; ++j) plane_in[j].read({planes.data() + j * planes_block, k});
+    std::byte* o = out.data() + b0 * elem;
+    std::size_t t = 0;
+    for (std::size_t q = 0; q < map_bytes; ++q) {
+      auto bits = static_cast<std::uint8_t>(map[q]);
+      while (bits != 0) {
+        const std::size_t i = q * 8 + static_cast<std::size_t>(std::countr_zero(bits));
+        for (std::size_t j = 0; j < elem; ++j) o[i * elem + j] ^= planes[j * planes_block + t];
+        ++t;
+        bits &= static_cast<std::uint8_t>(bits - 1);
+      }
+    }
+    b0 += m;
+  }
+  if (seen != changed)
+    throw_error(errc::protocol_error, "delta: xor_planes bitmap marks " + std::to_string(seen) +
+                                          " elements, its planes carry " + std::to_string(changed));
+  map_in.finish();
+  for (auto& p : plane_in) p.finish();
 }
 
 }  // namespace
@@ -120,12 +322,14 @@ std::string_view name(encoding e) {
       return "bitmap";
     case encoding::xor_zstd:
       return "xor_zstd";
+    case encoding::xor_planes:
+      return "xor_planes";
   }
   return "unknown";
 }
 
 encoding encoding_from_wire(std::uint8_t v) {
-  if (v > static_cast<std::uint8_t>(encoding::xor_zstd))
+  if (v > static_cast<std::uint8_t>(encoding::xor_planes))
     throw_error(errc::protocol_error, "delta: unknown encoding " + std::to_string(v));
   return static_cast<encoding>(v);
 }
@@ -153,13 +357,34 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
   const std::size_t start = out.size();
   std::size_t best = std::min(sparse, bitmap);
   if (options.allow_zstd && changed != 0 && best > options.zstd_above_fraction * static_cast<double>(full)) {
-    const std::size_t z = append_xor_zstd(base, next, out, options.zstd_level);
-    if (z < best && z < full) {
-      r.kind = encoding::xor_zstd;
-      r.bytes = z;
+    // The compressed forms, each appended after the best so far (dropped if larger).
+    std::optional<encoding> kept;
+    const bool planes = options.allow_planes && elem >= 2;
+    if (planes) {
+      const std::size_t p = append_xor_planes(base, next, elem, changed, out, options.zstd_level);
+      if (p < best && p < full) {
+        kept = encoding::xor_planes;
+        best = p;
+      } else {
+        out.resize(start);
+      }
+    }
+    if (!planes || options.zstd_with_planes) {
+      const std::size_t at = out.size();
+      const std::size_t z = append_xor_zstd(base, next, out, options.zstd_level);
+      if (z < best && z < full) {
+        out.erase(out.begin() + static_cast<std::ptrdiff_t>(start), out.begin() + static_cast<std::ptrdiff_t>(at));
+        kept = encoding::xor_zstd;
+        best = z;
+      } else {
+        out.resize(at);
+      }
+    }
+    if (kept) {
+      r.kind = *kept;
+      r.bytes = best;
       return r;
     }
-    out.resize(start);
   }
   if (best >= full) {
     out.insert(out.end(), next.begin(), next.end());
@@ -263,29 +488,20 @@ void decode(encoding kind, std::span<const std::byte> payload, std::span<const s
       }
       return;
     }
+    case encoding::xor_planes:
+      copy_base();
+      decode_xor_planes(payload, out, elem);
+      return;
     case encoding::xor_zstd: {
-      const unsigned long long size = ZSTD_getFrameContentSize(payload.data(), payload.size());
-      if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN || size != out.size())
-        throw_error(errc::protocol_error,
-                    "delta: xor_zstd frame does not say it holds " + std::to_string(out.size()) + " bytes");
-      std::unique_ptr<ZSTD_DCtx, zstd_dctx_deleter> dctx(ZSTD_createDCtx());
-      if (!dctx) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a decompression context");
+      zstd_reader frame(payload, out.size(), "xor_zstd");
       std::vector<std::byte> scratch(std::min(scratch_bytes, std::max<std::size_t>(out.size(), 1)));
-      ZSTD_inBuffer in{payload.data(), payload.size(), 0};
-      std::size_t pos = 0;
-      std::size_t r = 1;
-      while (pos < out.size()) {
-        ZSTD_outBuffer ob{scratch.data(), std::min(scratch.size(), out.size() - pos), 0};
-        r = ZSTD_decompressStream(dctx.get(), &ob, &in);
-        if (ZSTD_isError(r))
-          throw_error(errc::protocol_error, std::string("delta: xor_zstd frame is corrupt: ") + ZSTD_getErrorName(r));
-        if (ob.pos == 0 && in.pos == in.size) break;
-        xor_into(out.data() + pos, base.data() + pos, scratch.data(), ob.pos);
-        pos += ob.pos;
+      for (std::size_t pos = 0; pos < out.size();) {
+        const std::size_t take = std::min(scratch.size(), out.size() - pos);
+        frame.read({scratch.data(), take});
+        xor_into(out.data() + pos, base.data() + pos, scratch.data(), take);
+        pos += take;
       }
-      if (pos != out.size() || r != 0 || in.pos != in.size)
-        throw_error(errc::protocol_error, "delta: xor_zstd frame decodes to " + std::to_string(pos) + " of " +
-                                              std::to_string(out.size()) + " bytes, or carries trailing bytes");
+      frame.finish();
       return;
     }
   }

@@ -84,13 +84,35 @@ TEST(Delta, ModerateChangesBeatSparseWithBitmapOrZstd) {
   EXPECT_LE(r.bytes, b.bytes);
 }
 
-TEST(Delta, XorZstdWinsOnSmallValueChanges) {
+TEST(Delta, XorPlanesWinOnSmallValueChanges) {
   // bf16 weights nudged by one ulp in their low bits (an optimizer step): the XOR
-  // is mostly zeros and one-bit patterns, which zstd packs below sparse or bitmap.
+  // is mostly zeros and one-bit patterns. Its byte planes over the changed
+  // elements pack below sparse, bitmap and xor_zstd.
   auto base = random_bytes(1 << 20, 6);
   auto next = perturb(base, 2, 0.1, 7);
   auto r = round_trip(base, next, 2);
-  EXPECT_EQ(r.kind, encoding::xor_zstd);
+  EXPECT_EQ(r.kind, encoding::xor_planes);
+  auto z = round_trip(base, next, 2, {.allow_planes = false});
+  EXPECT_EQ(z.kind, encoding::xor_zstd);
+  EXPECT_LT(r.bytes, z.bytes);
+  // Both tried: the smaller is kept, alone in the output.
+  auto both = round_trip(base, next, 2, {.zstd_with_planes = true});
+  EXPECT_EQ(both.kind, encoding::xor_planes);
+  EXPECT_EQ(both.bytes, r.bytes);
+}
+
+TEST(Delta, XorPlanesSpanManyBlocksForEveryElementSize) {
+  // More elements than one block of the encoder (64 Ki), and an odd count.
+  for (std::size_t elem : {2u, 4u, 8u}) {
+    const std::size_t n = 3 * (1u << 16) + 5;
+    auto base = random_bytes(n * elem, static_cast<std::uint32_t>(30 + elem));
+    for (double f : {0.0005, 0.05, 0.5}) {
+      auto next = perturb(base, elem, f, static_cast<std::uint32_t>(40 + elem));
+      next[next.size() - elem] ^= std::byte{1};  // the last element too
+      auto r = round_trip(base, next, elem, {.zstd_above_fraction = 0});
+      EXPECT_EQ(r.kind, encoding::xor_planes) << "elem " << elem << ", fraction " << f;
+    }
+  }
 }
 
 TEST(Delta, EverythingChangedFallsBackToFull) {
@@ -130,8 +152,9 @@ TEST(Delta, BadArgumentsAreInvalidArgument) {
   EXPECT_EQ(REFIT_THROWN(encode(a, a, 3, out)).kind(), errc::invalid_argument);
   std::vector<std::byte> o(6);
   EXPECT_EQ(REFIT_THROWN(decode(encoding::sparse, {}, a, o, 2)).kind(), errc::invalid_argument);
-  EXPECT_EQ(REFIT_THROWN(encoding_from_wire(4)).kind(), errc::protocol_error);
+  EXPECT_EQ(REFIT_THROWN(encoding_from_wire(5)).kind(), errc::protocol_error);
   EXPECT_EQ(encoding_from_wire(3), encoding::xor_zstd);
+  EXPECT_EQ(encoding_from_wire(4), encoding::xor_planes);
 }
 
 // A corrupt payload: protocol_error, and `out` (the live base, in place) unchanged.
@@ -163,7 +186,7 @@ TEST(Delta, CorruptZstdFramesAreRefused) {
   auto base = random_bytes(1 << 18, 12);
   auto next = perturb(base, 2, 0.1, 13);
   std::vector<std::byte> wire;
-  auto r = encode(base, next, 2, wire);
+  auto r = encode(base, next, 2, wire, {.allow_planes = false});
   ASSERT_EQ(r.kind, encoding::xor_zstd);
   std::vector<std::byte> out(base.size());
   // Cut short, trailing bytes, a frame for another size, garbage.
@@ -178,6 +201,52 @@ TEST(Delta, CorruptZstdFramesAreRefused) {
   EXPECT_EQ(REFIT_THROWN(decode(encoding::xor_zstd, garbage, base, out, 2)).kind(), errc::protocol_error);
   // The intact frame still decodes.
   decode(encoding::xor_zstd, wire, base, out, 2);
+  EXPECT_TRUE(out == next);
+}
+
+TEST(Delta, CorruptXorPlanesAreRefused) {
+  auto base = random_bytes(1 << 18, 15);
+  auto next = perturb(base, 2, 0.1, 16);
+  std::vector<std::byte> wire;
+  ASSERT_EQ(encode(base, next, 2, wire).kind, encoding::xor_planes);
+  std::vector<std::byte> out(base.size());
+  auto refused = [&](const std::vector<std::byte>& payload, const std::vector<std::byte>& b, std::size_t elem,
+                     const char* what) {
+    std::vector<std::byte> o(b.size());
+    EXPECT_EQ(REFIT_THROWN(decode(encoding::xor_planes, payload, b, o, elem)).kind(), errc::protocol_error) << what;
+  };
+  refused({}, base, 2, "no header");
+  refused(std::vector<std::byte>(wire.begin(), wire.begin() + 20), base, 2, "header cut short");
+  refused(std::vector<std::byte>(wire.begin(), wire.end() - 1), base, 2, "last frame cut short");
+  auto trailing = wire;
+  trailing.push_back(std::byte{0});
+  refused(trailing, base, 2, "trailing byte");
+  auto bigger = wire;
+  bigger[0] = static_cast<std::byte>(static_cast<std::uint8_t>(bigger[0]) + 1);  // the bitmap frame claims 1 more
+  refused(bigger, base, 2, "frame sizes that do not add up");
+  std::vector<std::byte> smaller_base(base.begin(), base.end() - 16);  // 8 elements: one bitmap byte fewer
+  refused(wire, smaller_base, 2, "a bitmap for another element count");
+  refused(wire, base, 1, "1-byte elements");
+  // The planes of another update (other changed elements, another count).
+  std::vector<std::byte> other;
+  ASSERT_EQ(encode(base, perturb(base, 2, 0.2, 17), 2, other).kind, encoding::xor_planes);
+  auto mixed = wire;  // this one's header and bitmap, the other's planes: sizes fixed up
+  {
+    std::uint64_t sizes[3], other_sizes[3];
+    std::memcpy(sizes, wire.data(), 24);
+    std::memcpy(other_sizes, other.data(), 24);
+    mixed.assign(wire.begin(), wire.begin() + 24);
+    std::uint64_t fixed[3] = {sizes[0], other_sizes[1], other_sizes[2]};
+    std::memcpy(mixed.data(), fixed, 24);
+    mixed.insert(mixed.end(), wire.begin() + 24, wire.begin() + 24 + static_cast<std::ptrdiff_t>(sizes[0]));
+    mixed.insert(mixed.end(), other.begin() + 24 + static_cast<std::ptrdiff_t>(other_sizes[0]), other.end());
+  }
+  refused(mixed, base, 2, "a bitmap and planes of different counts");
+  auto garbage = random_bytes(wire.size(), 18);
+  std::memcpy(garbage.data(), wire.data(), 24);  // plausible sizes, garbage frames
+  refused(garbage, base, 2, "garbage frames");
+  // The intact payload still decodes.
+  decode(encoding::xor_planes, wire, base, out, 2);
   EXPECT_TRUE(out == next);
 }
 
