@@ -108,19 +108,17 @@ class zstd_writer {
     ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_contentSizeFlag, 1);
     ZSTD_CCtx_setPledgedSrcSize(cctx_.get(), pledged);
   }
-  // Compresses `in`; with `last`, ends the frame.
+  // Compresses `in`; with `last`, ends the frame. (Through a buffer of its own:
+  // growing dst to hand zstd room would zero that room on every call.)
   void write(std::span<const std::byte> in, bool last) {
     ZSTD_inBuffer ib{in.data(), in.size(), 0};
-    auto& out = *dst_;
+    if (room_.empty()) room_.resize(ZSTD_CStreamOutSize());
     for (;;) {
-      if (out.capacity() - out.size() < ZSTD_CStreamOutSize()) out.reserve(out.size() + 2 * ZSTD_CStreamOutSize());
-      const std::size_t have = out.size();
-      out.resize(out.capacity());
-      ZSTD_outBuffer ob{out.data() + have, out.size() - have, 0};
+      ZSTD_outBuffer ob{room_.data(), room_.size(), 0};
       const std::size_t r = ZSTD_compressStream2(cctx_.get(), &ob, &ib, last ? ZSTD_e_end : ZSTD_e_continue);
-      out.resize(have + ob.pos);
       if (ZSTD_isError(r))
         throw_error(errc::invalid_argument, std::string("delta: zstd compression failed: ") + ZSTD_getErrorName(r));
+      dst_->insert(dst_->end(), room_.begin(), room_.begin() + static_cast<std::ptrdiff_t>(ob.pos));
       if (last ? r == 0 : ib.pos == ib.size) break;
     }
   }
@@ -128,6 +126,7 @@ class zstd_writer {
  private:
   std::vector<std::byte>* dst_;
   std::unique_ptr<ZSTD_CCtx, zstd_cctx_deleter> cctx_;
+  std::vector<std::byte> room_;
 };
 
 // Reads one zstd frame that must hold exactly `expect` bytes, piece by piece;
