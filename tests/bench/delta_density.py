@@ -19,6 +19,9 @@ bits changed, and what each encoding would cost as a fraction of the full bf16 b
   bitmap        one bit per element + the changed values              1/16 + d
   xor+zstd-1    bf16 XOR the previous bf16, zstd level 1 (zstd CLI)    measured
   xor+lz4       the same, lz4 (lz4 CLI)                                measured
+  planes        the changed-element bitmap and each byte plane of the  measured
+                changed elements' XOR, each zstd level 1 (refit's
+                `planes` encoding, lib/backend/delta.h)
 
 (d: the changed fraction). Models: "small" is the examples' TinyLM (vocab 512, d 64,
 2 layers); "100m" is TinyLM(vocab 8192, d 768, 12 layers, 12 heads, seq 64), 98.5M
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,7 +83,10 @@ def gap_bytes(positions: torch.Tensor) -> int:
 
 
 def measure_step(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], costs: bool) -> dict:
-    out = {k: {"elements": 0, "changed": 0, "gaps": 0, "zstd": 0, "lz4": 0} for k in KINDS}
+    out = {k: {"elements": 0, "changed": 0, "gaps": 0, "zstd": 0, "lz4": 0, "planes": 0} for k in KINDS}
+    # planes: per kind, the bitmaps and the XOR byte planes of every tensor, each
+    # stream compressed once.
+    streams = {k: ([], [], []) for k in KINDS}
     for name, now in cur.items():
         k = kind_of(name)
         if k not in out:
@@ -96,6 +103,14 @@ def measure_step(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], co
             x = (a ^ b).numpy().tobytes()
             o["zstd"] += compressed(x, ["zstd", "-1", "-q", "-c"])
             o["lz4"] += compressed(x, ["lz4", "-1", "-q", "-c"])
+            bits, low, high = streams[k]
+            bits.append(np.packbits(diff.numpy(), bitorder="little").tobytes())
+            xs = (a ^ b)[diff].numpy().view(np.uint8).reshape(-1, 2)
+            low.append(xs[:, 0].tobytes())
+            high.append(xs[:, 1].tobytes())
+    if costs:
+        for k, parts in streams.items():
+            out[k]["planes"] = sum(compressed(b"".join(p), ["zstd", "-1", "-q", "-c"]) for p in parts if p)
     return out
 
 
@@ -134,7 +149,7 @@ def run(model_name: str, lr: float, warmup: int, steps: int, costs: bool) -> dic
                      "density_max": max(dens)}
             if costs:
                 full = 2 * el
-                for enc in ("gaps", "zstd", "lz4"):
+                for enc in ("gaps", "zstd", "lz4", "planes"):
                     vals = []
                     for r in rows:
                         changed = sum(r[kk]["changed"] for kk in ks)
@@ -151,8 +166,8 @@ def run(model_name: str, lr: float, warmup: int, steps: int, costs: bool) -> dic
 
 def table(results: list[dict]) -> str:
     lines = ["| model | lr | phase | kind | changed (median [min-max]) | sparse | sparse-gaps | bitmap "
-             "| xor+zstd-1 | xor+lz4 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| xor+zstd-1 | xor+lz4 | planes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for phase, kinds in r["phases"].items():
             for k, e in kinds.items():
@@ -160,7 +175,8 @@ def table(results: list[dict]) -> str:
                     f"| {r['model']} | {r['lr']:g} | {phase} | {k} | {e['density_median']:.4f} "
                     f"[{e['density_min']:.4f}-{e['density_max']:.4f}] | {e.get('sparse_cost', 0):.3f} | "
                     f"{e.get('gaps_cost_median', 0):.3f} | {e.get('bitmap_cost', 0):.3f} | "
-                    f"{e.get('zstd_cost_median', 0):.3f} | {e.get('lz4_cost_median', 0):.3f} |")
+                    f"{e.get('zstd_cost_median', 0):.3f} | {e.get('lz4_cost_median', 0):.3f} | "
+                    f"{e.get('planes_cost_median', 0):.3f} |")
     return "\n".join(lines)
 
 
