@@ -98,15 +98,16 @@ void xor_into(std::byte* dst, const std::byte* a, const std::byte* b, std::size_
   for (; i < n; ++i) dst[i] = a[i] ^ b[i];
 }
 
-// One zstd frame, written piece by piece onto the end of `dst`; its header carries
-// the content size (`pledged`, which the pieces must add up to).
+// One zstd frame, written piece by piece onto the end of `dst`; with `pledged`, its
+// header carries the content size (which the pieces must add up to).
 class zstd_writer {
  public:
-  zstd_writer(std::vector<std::byte>& dst, int level, std::size_t pledged) : dst_(&dst), cctx_(ZSTD_createCCtx()) {
+  zstd_writer(std::vector<std::byte>& dst, int level, std::optional<std::size_t> pledged)
+      : dst_(&dst), cctx_(ZSTD_createCCtx()) {
     if (!cctx_) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a compression context");
     ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_compressionLevel, level);
-    ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_contentSizeFlag, 1);
-    ZSTD_CCtx_setPledgedSrcSize(cctx_.get(), pledged);
+    ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_contentSizeFlag, pledged ? 1 : 0);
+    if (pledged) ZSTD_CCtx_setPledgedSrcSize(cctx_.get(), *pledged);
   }
   // Compresses `in`; with `last`, ends the frame. (Through a buffer of its own:
   // growing dst to hand zstd room would zero that room on every call.)
@@ -130,13 +131,14 @@ class zstd_writer {
 };
 
 // Reads one zstd frame that must hold exactly `expect` bytes, piece by piece;
-// error(protocol_error) naming `what` for anything else.
+// error(protocol_error) naming `what` for anything else. A frame whose header
+// does not say its size (size_in_header false) is held to `expect` by reading.
 class zstd_reader {
  public:
-  zstd_reader(std::span<const std::byte> frame, std::uint64_t expect, std::string what)
+  zstd_reader(std::span<const std::byte> frame, std::uint64_t expect, std::string what, bool size_in_header = true)
       : in_{frame.data(), frame.size(), 0}, dctx_(ZSTD_createDCtx()), what_(std::move(what)) {
     const unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
-    if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN || size != expect)
+    if (size == ZSTD_CONTENTSIZE_ERROR || (size == ZSTD_CONTENTSIZE_UNKNOWN ? size_in_header : size != expect))
       throw_error(errc::protocol_error,
                   "delta: " + what_ + " frame does not say it holds " + std::to_string(expect) + " bytes");
     if (!dctx_) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a decompression context");
@@ -198,18 +200,26 @@ std::size_t append_xor_zstd(std::span<const std::byte> base, std::span<const std
 // 64 KiB per byte plane.
 constexpr std::size_t planes_block = 1 << 16;
 
-std::size_t planes_header_bytes(std::size_t elem) { return 8 * (1 + elem); }
+std::size_t planes_header_bytes(std::size_t elem) { return 8 * (2 + elem); }
 
-// Appends the xor_planes encoding of `changed` changed elements to out.
+// What one pass over a bucket finds: the changed elements and the exact size of
+// their sparse form.
+struct scan_counts {
+  std::size_t changed = 0, sparse = 0;
+};
+
+// Appends the xor_planes encoding to out, counting as it goes (one pass: the
+// planes need no count up front; the header says how many changed).
 std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const std::byte> next, std::size_t elem,
-                              std::size_t changed, std::vector<std::byte>& out, int level) {
+                              std::vector<std::byte>& out, int level, scan_counts& counts) {
   const std::size_t n = base.size() / elem;
   std::vector<std::vector<std::byte>> frames(1 + elem);
   std::vector<zstd_writer> streams;
   streams.reserve(1 + elem);
   streams.emplace_back(frames[0], level, (n + 7) / 8);
-  for (std::size_t j = 0; j < elem; ++j) streams.emplace_back(frames[1 + j], level, changed);
+  for (std::size_t j = 0; j < elem; ++j) streams.emplace_back(frames[1 + j], level, std::nullopt);
   std::vector<std::byte> map(planes_block / 8), planes(elem * planes_block);
+  std::size_t prev = 0;  // index after the previous changed element
   for (std::size_t b0 = 0; b0 < n;) {
     const std::size_t m = std::min(planes_block, n - b0);
     std::fill(map.begin(), map.end(), std::byte{0});
@@ -220,23 +230,25 @@ std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const s
       map[i / 8] |= static_cast<std::byte>(1u << (i % 8));
       for (std::size_t j = 0; j < elem; ++j) planes[j * planes_block + k] = a[i * elem + j] ^ b[i * elem + j];
       ++k;
+      counts.sparse += leb128_size(b0 + i - prev) + elem;
+      prev = b0 + i + 1;
     });
+    counts.changed += k;
     b0 += m;
     const bool last = b0 == n;
     streams[0].write({map.data(), (m + 7) / 8}, last);
     for (std::size_t j = 0; j < elem; ++j) streams[1 + j].write({planes.data() + j * planes_block, k}, last);
   }
   const std::size_t start = out.size();
-  out.reserve(start + planes_header_bytes(elem) + [&] {
-    std::size_t t = 0;
-    for (const auto& f : frames) t += f.size();
-    return t;
-  }());
-  for (const auto& f : frames) {
-    const std::uint64_t size = f.size();
-    const auto* p = reinterpret_cast<const std::byte*>(&size);
-    out.insert(out.end(), p, p + sizeof size);  // little-endian (wire format)
-  }
+  std::size_t total = planes_header_bytes(elem);
+  for (const auto& f : frames) total += f.size();
+  out.reserve(start + total);
+  const auto put_u64 = [&out](std::uint64_t v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    out.insert(out.end(), p, p + sizeof v);  // little-endian (wire format)
+  };
+  put_u64(counts.changed);
+  for (const auto& f : frames) put_u64(f.size());
   for (const auto& f : frames) out.insert(out.end(), f.begin(), f.end());
   return out.size() - start;
 }
@@ -250,11 +262,16 @@ void decode_xor_planes(std::span<const std::byte> payload, std::span<std::byte> 
   if (payload.size() < header)
     throw_error(errc::protocol_error,
                 "delta: xor_planes payload of " + std::to_string(payload.size()) + " bytes, shorter than its header");
+  std::uint64_t changed = 0;
+  std::memcpy(&changed, payload.data(), sizeof changed);
+  if (changed > n)
+    throw_error(errc::protocol_error,
+                "delta: xor_planes says " + std::to_string(changed) + " of " + std::to_string(n) + " elements changed");
   std::vector<std::span<const std::byte>> frames;
   std::size_t at = header;
   for (std::size_t s = 0; s <= elem; ++s) {
     std::uint64_t size = 0;
-    std::memcpy(&size, payload.data() + 8 * s, sizeof size);
+    std::memcpy(&size, payload.data() + 8 * (1 + s), sizeof size);
     if (size > payload.size() - at)
       throw_error(errc::protocol_error, "delta: xor_planes frame " + std::to_string(s) + " claims " +
                                             std::to_string(size) + " bytes, " + std::to_string(payload.size() - at) +
@@ -265,16 +282,12 @@ void decode_xor_planes(std::span<const std::byte> payload, std::span<std::byte> 
   if (at != payload.size())
     throw_error(errc::protocol_error,
                 "delta: " + std::to_string(payload.size() - at) + " bytes after the last xor_planes frame");
-  // Every plane holds one byte per changed element: as many as the first says.
-  const unsigned long long changed = ZSTD_getFrameContentSize(frames[1].data(), frames[1].size());
-  if (changed == ZSTD_CONTENTSIZE_ERROR || changed == ZSTD_CONTENTSIZE_UNKNOWN || changed > n)
-    throw_error(errc::protocol_error,
-                "delta: xor_planes plane 0 does not say how many elements changed (at most " + std::to_string(n) + ")");
+  // Every plane holds one byte per changed element.
   zstd_reader map_in(frames[0], (n + 7) / 8, "xor_planes bitmap");
   std::vector<zstd_reader> plane_in;
   plane_in.reserve(elem);
   for (std::size_t j = 0; j < elem; ++j)
-    plane_in.emplace_back(frames[1 + j], changed, "xor_planes plane " + std::to_string(j));
+    plane_in.emplace_back(frames[1 + j], changed, "xor_planes plane " + std::to_string(j), false);
   std::vector<std::byte> map(planes_block / 8), planes(elem * planes_block);
   std::uint64_t seen = 0;
   for (std::size_t b0 = 0; b0 < n;) {
@@ -342,48 +355,50 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
                                             std::to_string(elem));
   const std::size_t n = base.size() / elem;
   const std::size_t full = base.size();
-  // One pass: how many changed, and the exact size of the sparse form.
-  std::size_t changed = 0, sparse = 0;
-  std::size_t prev = 0;  // index after the previous changed element
-  for_each_changed(base.data(), next.data(), n, elem, [&](std::size_t i) {
-    ++changed;
-    sparse += leb128_size(i - prev) + elem;
-    prev = i + 1;
-  });
-  const std::size_t bitmap = (n + 7) / 8 + changed * elem;
   encode_result r;
-  r.changed = changed;
   const std::size_t start = out.size();
+  // One pass: how many changed and the exact size of the sparse form, with the
+  // xor_planes form made on the way where it may be used (it usually wins; else
+  // it is dropped and a second pass writes the smaller form).
+  scan_counts counts;
+  std::size_t planes = 0;
+  if (options.allow_zstd && options.allow_planes && elem >= 2) {
+    planes = append_xor_planes(base, next, elem, out, options.zstd_level, counts);
+  } else {
+    std::size_t prev = 0;  // index after the previous changed element
+    for_each_changed(base.data(), next.data(), n, elem, [&](std::size_t i) {
+      ++counts.changed;
+      counts.sparse += leb128_size(i - prev) + elem;
+      prev = i + 1;
+    });
+  }
+  const std::size_t changed = counts.changed, sparse = counts.sparse;
+  const std::size_t bitmap = (n + 7) / 8 + changed * elem;
+  r.changed = changed;
   std::size_t best = std::min(sparse, bitmap);
-  if (options.allow_zstd && changed != 0 && best > options.zstd_above_fraction * static_cast<double>(full)) {
-    // The compressed forms, each appended after the best so far (dropped if larger).
-    std::optional<encoding> kept;
-    const bool planes = options.allow_planes && elem >= 2;
-    if (planes) {
-      const std::size_t p = append_xor_planes(base, next, elem, changed, out, options.zstd_level);
-      if (p < best && p < full) {
-        kept = encoding::xor_planes;
-        best = p;
-      } else {
-        out.resize(start);
-      }
+  std::optional<encoding> kept;
+  if (planes != 0 && changed != 0 && planes < best && planes < full) {
+    kept = encoding::xor_planes;
+    best = planes;
+  } else {
+    out.resize(start);
+  }
+  const bool try_zstd = options.allow_zstd && (planes == 0 || options.zstd_with_planes);
+  if (try_zstd && changed != 0 && best > options.zstd_above_fraction * static_cast<double>(full)) {
+    const std::size_t at = out.size();
+    const std::size_t z = append_xor_zstd(base, next, out, options.zstd_level);
+    if (z < best && z < full) {
+      out.erase(out.begin() + static_cast<std::ptrdiff_t>(start), out.begin() + static_cast<std::ptrdiff_t>(at));
+      kept = encoding::xor_zstd;
+      best = z;
+    } else {
+      out.resize(at);
     }
-    if (!planes || options.zstd_with_planes) {
-      const std::size_t at = out.size();
-      const std::size_t z = append_xor_zstd(base, next, out, options.zstd_level);
-      if (z < best && z < full) {
-        out.erase(out.begin() + static_cast<std::ptrdiff_t>(start), out.begin() + static_cast<std::ptrdiff_t>(at));
-        kept = encoding::xor_zstd;
-        best = z;
-      } else {
-        out.resize(at);
-      }
-    }
-    if (kept) {
-      r.kind = *kept;
-      r.bytes = best;
-      return r;
-    }
+  }
+  if (kept) {
+    r.kind = *kept;
+    r.bytes = best;
+    return r;
   }
   if (best >= full) {
     out.insert(out.end(), next.begin(), next.end());
@@ -394,7 +409,7 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
   out.reserve(start + best);
   if (sparse <= bitmap) {
     r.kind = encoding::sparse;
-    prev = 0;
+    std::size_t prev = 0;
     for_each_changed(base.data(), next.data(), n, elem, [&](std::size_t i) {
       put_leb128(out, i - prev);
       out.insert(out.end(), next.data() + i * elem, next.data() + (i + 1) * elem);

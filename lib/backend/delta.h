@@ -17,8 +17,11 @@
 //             optimizer's small moves leave the high planes nearly all zeros and the
 //             bitmap and low plane short: smaller than xor_zstd on measured
 //             trajectories (docs/delta.md) and several times faster, since zstd
-//             sees a fraction of the bytes. Layout: u64 frame bytes of the bitmap,
-//             then of each plane (little-endian), then the frames in that order.
+//             sees a fraction of the bytes. Layout (u64s little-endian): the
+//             number of changed elements, the frame bytes of the bitmap, then of
+//             each plane, then the frames in that order. It is made in the same
+//             pass that counts the changes (and dropped when another form is
+//             smaller).
 //
 // Elements are `elem` bytes (2 for bf16/fp16, 4 for fp32, ...); a changed element
 // is one whose bytes differ. Both sides work in bounded memory: xor_zstd streams
@@ -56,10 +59,10 @@ struct encode_options {
   /// Also try xor_zstd where xor_planes applies (the smaller wins; slower).
   bool zstd_with_planes = false;
   int zstd_level = 1;
-  /// The compressed encodings are tried only when the best of sparse and bitmap
+  /// xor_zstd is tried only when the best of sparse, bitmap and xor_planes
   /// exceeds this fraction of the full bytes: below it they are already small and
-  /// cheaper to make.
-  double zstd_above_fraction = 0.005;
+  /// cheaper to make. (xor_planes costs no pass of its own: always tried.)
+  double zstd_above_fraction = 0.02;
 };
 
 struct encode_result {
