@@ -439,14 +439,14 @@ void decode(encoding kind, std::span<const std::byte> payload, std::span<const s
                                             std::to_string(out.size()) + " bytes, elements of " + std::to_string(elem));
   const std::size_t n = base.size() / elem;
   auto copy_base = [&] {
-    if (out.data() != base.data()) std::memcpy(out.data(), base.data(), base.size());
+    if (out.data() != base.data() && !base.empty()) std::memcpy(out.data(), base.data(), base.size());
   };
   switch (kind) {
     case encoding::full:
       if (payload.size() != out.size())
         throw_error(errc::protocol_error, "delta: a full payload of " + std::to_string(payload.size()) + " bytes for " +
                                               std::to_string(out.size()) + " bytes");
-      std::memcpy(out.data(), payload.data(), out.size());
+      if (!out.empty()) std::memcpy(out.data(), payload.data(), out.size());  // (no null pointers to memcpy)
       return;
     case encoding::sparse: {
       // Validate before writing: a payload that fails leaves out untouched.

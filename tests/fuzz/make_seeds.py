@@ -194,4 +194,52 @@ write("wire_fuzz", "bad-bucket_index.bin", describe(0, SPLIT, 3) + mask([(bucket
 write("wire_fuzz", "bad-bucket_payload.bin", describe(0, SPLIT, 3) + mask([(bucket(2, "payload"), b"\x10")]))
 write("wire_fuzz", "bad-bucket_checksum_flag.bin", describe(1, PACKED, 3) + mask([(bucket(0, "flags"), b"\x01")]))
 
+# ---- delta_fuzz: config, wire kind, u16 element count, base, payload ----
+def delta_input(config, kind, n, base, payload):
+    return bytes([config, kind]) + struct.pack("<H", n) + base + payload
+
+
+def leb128(v):
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def zstd_frame(data):
+    """A zstd -1 frame that says its content size (the CLI writes it for a file)."""
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        return subprocess.run(["zstd", "-1", "-q", "-c", "--no-check", f.name], check=True,
+                              capture_output=True).stdout
+
+
+BASE16 = bytes((i * 37) & 0xFF for i in range(64))  # 32 bf16 elements
+write("delta_fuzz", "ok-full.bin", delta_input(1, 0, 32, BASE16, bytes(64)))
+write("delta_fuzz", "ok-sparse.bin", delta_input(1, 1, 32, BASE16, leb128(3) + b"\x01\x02" + leb128(27) + b"\x03\x04"))
+write("delta_fuzz", "ok-sparse_empty.bin", delta_input(1, 1, 32, BASE16, b""))
+write("delta_fuzz", "ok-bitmap.bin", delta_input(1, 2, 32, BASE16, b"\x81\x00\x00\x80" + bytes(6)))
+XOR = bytearray(64)
+XOR[10] = 1
+XOR[41] = 3
+write("delta_fuzz", "ok-xor_zstd.bin", delta_input(1, 3, 32, BASE16, zstd_frame(bytes(XOR))))
+# xor_planes: changed count, frame sizes (bitmap, plane 0, plane 1), frames.
+bitmap = bytes([0x20, 0, 0x01, 0])  # elements 5 and 16
+frames = [zstd_frame(bitmap), zstd_frame(b"\x01\x03"), zstd_frame(b"\x00\x00")]
+write("delta_fuzz", "ok-xor_planes.bin",
+      delta_input(1, 4, 32, BASE16, struct.pack("<4Q", 2, *map(len, frames)) + b"".join(frames)))
+write("delta_fuzz", "bad-unknown_encoding.bin", delta_input(1, 9, 32, BASE16, b""))
+write("delta_fuzz", "bad-sparse_past_the_end.bin", delta_input(1, 1, 32, BASE16, leb128(32) + b"\x01\x02"))
+write("delta_fuzz", "bad-bitmap_count.bin", delta_input(1, 2, 32, BASE16, b"\x03\x00\x00\x00\x01\x02"))
+write("delta_fuzz", "bad-xor_planes_count.bin",
+      delta_input(1, 4, 32, BASE16, struct.pack("<4Q", 3, *map(len, frames)) + b"".join(frames)))
+write("delta_fuzz", "bad-xor_planes_1_byte.bin",
+      delta_input(0, 4, 64, BASE16, struct.pack("<4Q", 2, *map(len, frames)) + b"".join(frames)))
+write("delta_fuzz", "bad-xor_zstd_size.bin", delta_input(1, 3, 31, BASE16[:62], zstd_frame(bytes(XOR))))
+
 print("seeds written under", os.path.join(HERE, "corpus"), file=sys.stderr)

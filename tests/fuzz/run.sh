@@ -19,7 +19,7 @@ runs=${FUZZ_RUNS:-20000}
 max_time=${FUZZ_MAX_TIME:-60}
 output_base=${FUZZ_OUTPUT_BASE:-/tmp/bzl-fuzz}
 jobs=${FUZZ_JOBS:-2}
-if [ $# -gt 0 ]; then targets=("$@"); else targets=(info_fuzz frame_fuzz wire_fuzz layout_fuzz); fi
+if [ $# -gt 0 ]; then targets=("$@"); else targets=(info_fuzz frame_fuzz wire_fuzz layout_fuzz delta_fuzz); fi
 
 bazel_fuzz() { bazel --output_base="$output_base" "$1" --config=fuzz --symlink_prefix=/ "${@:2}"; }
 
