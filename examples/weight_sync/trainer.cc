@@ -73,6 +73,10 @@ struct totals {
   // workers are called (what a Python trainer's figure includes).
   std::vector<double> update_call_seconds;
   std::uint64_t peak_rss = 0;
+  // Each update's worker CPU seconds (user + system, every thread), averaged over
+  // the workers: from just before the update to its end (verification not
+  // included). Only with workers of this binary (worker_stats).
+  std::vector<double> worker_cpu_s;
   json transports = json::array();  // what each worker's transport chose (ucx), from the last update's stats
   verification check;
 };
@@ -142,6 +146,8 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     model.step(round);
     auto expected = fingerprint_all(model.views);
     if (probed) co_await workers.call_all("loop_lag", empty);
+    std::vector<json> cpu_before;  // (no co_await inside ?: with GCC 12: it destroys a temporary twice)
+    if (probed) cpu_before = co_await workers.call_all("worker_stats", empty);
     const auto call_start = std::chrono::steady_clock::now();
     const auto result = co_await workers.update(*sender, model.layout.meta, model.views, round, update);
     t.update_call_seconds.push_back(
@@ -159,6 +165,13 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
       t.encode_s += d.encode_s;
     }
     t.wire_bytes.push_back(wire);
+    if (probed) {
+      const auto cpu_after = co_await workers.call_all("worker_stats", empty);
+      double sum = 0;
+      for (std::size_t i = 0; i < cpu_after.size(); ++i)
+        sum += cpu_after[i]["cpu_seconds"].get<double>() - cpu_before.at(i)["cpu_seconds"].get<double>();
+      t.worker_cpu_s.push_back(sum / static_cast<double>(cpu_after.size()));
+    }
     if (probed)
       for (const auto& lag : co_await workers.call_all("loop_lag", empty)) {
         t.lag_update_ms = std::max(t.lag_update_ms, lag["max_ms"].get<double>());
@@ -271,6 +284,7 @@ int run_trainer(const options& o) {
                   {{"init", t.lag_init_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
                  {"verified", failure.empty() && t.check.verified}};
   if (!t.transports.empty()) result["transports"] = t.transports;
+  if (!t.worker_cpu_s.empty()) result["worker_cpu_seconds"] = t.worker_cpu_s;
   if (o.delta)
     result["delta"] = {
         {"full_fallbacks", t.full_fallbacks}, {"encoded_buckets", t.encoded_buckets}, {"encode_s", t.encode_s}};

@@ -138,6 +138,14 @@ std::uint64_t peak_rss_bytes() {
   return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
 }
 
+// This process's CPU time so far, user and system, every thread.
+double cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return s(usage.ru_utime) + s(usage.ru_stime);
+}
+
 }  // namespace
 
 int run_worker(const options& o) {
@@ -161,7 +169,7 @@ int run_worker(const options& o) {
     co_return json::object();
   });
   host.add_method("worker_stats", [](const json&) -> asio::awaitable<json> {
-    co_return json{{"peak_rss_bytes", peak_rss_bytes()}};
+    co_return json{{"peak_rss_bytes", peak_rss_bytes()}, {"cpu_seconds", cpu_seconds()}};
   });
   // The event loop's largest stall since the last call (and its p99).
   host.add_method("loop_lag", [&lag](const json&) -> asio::awaitable<json> { co_return lag.take().to_json(); });

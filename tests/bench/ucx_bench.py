@@ -18,7 +18,9 @@ Per round, on one host:
 
 Every refit figure is the main job's (examples/weight_sync) median update time
 after the first (which pays for first touches) over `--updates`, every byte
-verified; GB/s = model bytes / that time (per worker; aggregate for 2). Ratios are
+verified; GB/s = model bytes / that time (per worker; aggregate for 2). Beside it,
+a worker's CPU seconds (user + system, every thread) per GB received, from the
+job's `worker_cpu_seconds` (median over the updates after the first). Ratios are
 taken within a round; the summary gives medians over rounds with [min-max].
 
     python3 tests/bench/ucx_bench.py --job bazel-bin/examples/weight_sync/weight_sync \\
@@ -92,8 +94,12 @@ def job(binary, engine, workers, nbytes, updates, tls, direct=True):
     times = r["update_seconds"][1:] or r["update_seconds"]
     med = statistics.median(times)
     modes = sorted({t.get("mode", "?") for t in r.get("transports", [])})
+    # A worker's CPU seconds per GB received (user + system, every thread), the
+    # median over the updates after the first.
+    cpu = r["worker_cpu_seconds"][1:] or r["worker_cpu_seconds"]
     return {"gbps": r["bytes"] / med / 1e9, "median_s": med, "bytes": r["bytes"], "modes": modes,
-            "transports": r.get("transports", [])[:1], "loop_lag_update_ms": r["worker_loop_lag_ms"]["update"]}
+            "transports": r.get("transports", [])[:1], "loop_lag_update_ms": r["worker_loop_lag_ms"]["update"],
+            "cpu_s_per_gb": statistics.median(cpu) / (r["bytes"] / 1e9)}
 
 
 def nixl(python, nbytes, updates, tls):
@@ -137,7 +143,10 @@ def one_round(a, nbytes):
     if a.nixl_python:
         ratios["ucx_tcp / nixl_tcp"] = g["ucx_tcp"] / g["nixl_tcp"]
         ratios["ucx_smtcp / nixl_smtcp"] = g["ucx_smtcp"] / g["nixl_smtcp"]
-    return {"raw": r, "gbps": g, "ratios": ratios}
+    cpu = {k: v["cpu_s_per_gb"] for k, v in r.items() if isinstance(v, dict)}
+    ratios["worker CPU/GB: ucx_sm_direct / tcp"] = cpu["ucx_sm_direct"] / cpu["tcp"]
+    ratios["worker CPU/GB: ucx_tcp / tcp"] = cpu["ucx_tcp"] / cpu["tcp"]
+    return {"raw": r, "gbps": g, "cpu_s_per_gb": cpu, "ratios": ratios}
 
 
 def spread(values):
@@ -159,14 +168,14 @@ def main():
         print(f"[ucx_bench] round {i + 1}/{a.rounds}", file=sys.stderr, flush=True)
         rounds.append(one_round(a, nbytes))
         print(json.dumps({k: round(v, 3) for k, v in rounds[-1]["gbps"].items()}), file=sys.stderr, flush=True)
-    summary = {"gbps": {k: spread([r["gbps"][k] for r in rounds]) for k in rounds[0]["gbps"]},
-               "ratios": {k: spread([r["ratios"][k] for r in rounds]) for k in rounds[0]["ratios"]}}
+    summary = {section: {k: spread([r[section][k] for r in rounds]) for k in rounds[0][section]}
+               for section in ("gbps", "cpu_s_per_gb", "ratios")}
     out = {"bytes": nbytes, "rounds": a.rounds, "updates": a.updates, "when": time.strftime("%Y-%m-%d"),
            "summary": summary, "per_round": rounds}
     print(f"{'measure':<50} median [min-max]")
-    for section in ("gbps", "ratios"):
+    for section in ("gbps", "cpu_s_per_gb", "ratios"):
         for k, s in summary[section].items():
-            unit = " GB/s" if section == "gbps" else "x"
+            unit = {"gbps": " GB/s", "cpu_s_per_gb": " worker CPU s/GB", "ratios": "x"}[section]
             print(f"{k:<50} {s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]{unit}")
     if a.json:
         with open(a.json, "w") as f:
