@@ -123,3 +123,53 @@ def test_a_worker_host_aborts_the_session_of_a_silent_trainer():
         assert host.weight_info()["weight_version"] == 1
     sender.shutdown()
     host.stop()
+
+
+def test_a_worker_group_sends_deltas_and_a_worker_whose_tensors_changed_gets_the_update_full():
+    """trainer_args "delta": True through a WorkerGroup (tcp star): after the first
+    update each worker gets what changed; a worker whose tensors were written
+    behind refit's back refuses the base and gets that update full. Every update
+    verified by fingerprints on every worker."""
+    rng = np.random.default_rng(5)
+    src = {"w": rng.standard_normal((256, 64)).astype(np.float16),
+           "b": rng.standard_normal(1000).astype(np.float16)}
+    nbytes = sum(a.nbytes for a in src.values())
+    dests = [{k: np.zeros_like(v) for k, v in src.items()} for _ in range(2)]
+    hosts = [refit.WorkerHost("tcp", tensors=d, timeout_ms=10000) for d in dests]
+    sender = refit.Sender("tcp", timeout_ms=10000)
+
+    def step():  # about 1% of the elements move by one unit in the last place
+        for a in src.values():
+            bits = a.reshape(-1).view(np.uint16)
+            at = rng.choice(bits.size, size=max(1, bits.size // 100), replace=False)
+            bits[at] += 1
+
+    with refit.WorkerGroup([f"127.0.0.1:{h.port}" for h in hosts], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0, "delta": True, "topology": "star"})
+        wire = []
+        for version in (1, 2, 3):
+            if version > 1:
+                step()
+            result = group.update(sender, src, version)
+            assert result["verified"], result
+            wire.append([w["stats"]["wire_bytes"] / nbytes for w in result["workers"]])
+        assert all(w >= 1.0 for w in wire[0]), wire  # no base yet: full
+        assert all(w < 0.1 for row in wire[1:] for w in row), wire
+        # Worker 1's model is reloaded behind refit's back (its record of the
+        # version it holds still matches the trainer's offer).
+        dests[1]["w"][:] = 0
+        step()
+        result = group.update(sender, src, 4)
+        assert result["verified"], result
+        got = [w["stats"]["wire_bytes"] / nbytes for w in result["workers"]]
+        assert got[0] < 0.1 and got[1] >= 1.0, got
+        for d in dests:
+            assert all(d[k].tobytes() == src[k].tobytes() for k in src)
+        # And it takes deltas again from the next update on.
+        step()
+        result = group.update(sender, src, 5)
+        assert result["verified"] and all(w["stats"]["wire_bytes"] / nbytes < 0.1 for w in result["workers"])
+    sender.shutdown()
+    for h in hosts:
+        h.stop()
