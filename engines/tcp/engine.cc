@@ -168,12 +168,14 @@ class transport final : public bucket_transport {
       co_return;
     }
     // Read what has come (one call of at most what the loop can afford) and pass
-    // it on while reading more.
+    // it on while reading more. (`dest` holds what the wire carries: an encoded
+    // bucket is smaller than the plan's, and goes on encoded.)
     constexpr std::uint64_t piece = net::loop_bytes_per_call;
     forwarder out(socket_.get_executor(), children_, child_ranks_, timeout_, what(b) + " payload");
+    const std::uint64_t total = asio::buffer_size(dest);
     std::uint64_t at = 0;
-    while (at < b.payload_bytes) {
-      auto next = window(dest, at, std::min(piece, b.payload_bytes - at));
+    while (at < total) {
+      auto next = window(dest, at, std::min(piece, total - at));
       std::size_t got = 0;
       try {
         got = co_await async::with_deadline(socket_.async_read_some(next, asio::use_awaitable), timeout_,
@@ -378,20 +380,20 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
                                           plan.buckets.size(), plan.payload_bytes};
   std::string refusal = wire::check_update_header(u, expected);
   std::optional<wire::delta_header> delta_header;
+  std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
   if ((u.flags & wire::update_flag_delta) != 0) {
-    std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
     co_await net::read_exact(socket, asio::buffer(raw_delta), timeout_, source + ": reading the delta header");
     delta_header = wire::decode<wire::delta_header>(raw_delta);
     if (refusal.empty()) refusal = wire::check_delta_header(*delta_header);
-    if (refusal.empty() && !children.empty())
-      refusal = "the trainer sends a delta update, which only the star topology carries";
   }
   if (refusal.empty() && (u.flags & ~wire::update_flag_delta) != 0)
     refusal = "unknown update flags " + std::to_string(u.flags);
   errc code = errc::protocol_error;
   if (refusal.empty() && !children.empty()) {
-    // The header goes down the tree; this worker accepts only once its children did.
+    // The header (and a delta header) goes down the tree; this worker accepts only
+    // once its children did.
     std::vector<asio::const_buffer> header{asio::buffer(raw)};
+    if (delta_header) header.push_back(asio::buffer(raw_delta));
     co_await links::write_to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
     for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
       auto st = co_await links::read_status(
@@ -437,7 +439,24 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
                      to_hex(delta_header->base_fingerprint) + "): written outside refit since that update";
       }
       delta->accepted = why_full.empty();
-      co_await links::send_status(socket, delta->accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), u.seq,
+      // A relay's stream carries one form of each bucket to its whole subtree: it
+      // takes deltas only when every worker below holds the base too (else the
+      // trainer sends the subtree full, which a worker that holds the base takes
+      // as well).
+      for (std::size_t i = 0; i < children.size(); ++i) {
+        const auto st =
+            co_await links::read_status(*children[i], timeout_,
+                                        me + ": waiting for downstream worker rank " + std::to_string(child_ranks[i]) +
+                                            "'s answer to the delta offer");
+        if (st.code == static_cast<std::uint32_t>(errc::invalid_state)) {
+          if (why_full.empty())
+            why_full = "downstream worker rank " + std::to_string(child_ranks[i]) + ": " + st.message;
+        } else {
+          links::throw_if_failed(
+              st, me + ": downstream worker rank " + std::to_string(child_ranks[i]) + " refused the delta offer");
+        }
+      }
+      co_await links::send_status(socket, why_full.empty() ? 0 : static_cast<std::uint32_t>(errc::invalid_state), u.seq,
                                   why_full, timeout_, me + ": answering the delta offer");
     }
   }

@@ -50,9 +50,6 @@ json sender::prepare(const json& trainer_args) {
   const bool delta = r.optional<bool>("delta", false);
   const auto chosen = topology ? links::topology::parse(*topology, "tcp trainer_args: member 'topology'")
                                : links::topology::default_for(args.world_size - 1);
-  if (delta && !chosen.star())
-    r.fail("member 'delta' needs the star topology (deltas are not relayed yet), got topology '" + chosen.to_string() +
-           "'");
   r.finish();
   topology_ = chosen;
   delta_ = delta;
@@ -388,9 +385,12 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     delta_stats_.delta_bytes = work->delta_bytes;
     delta_stats_.encoded_full = work->encoded_full;
     delta_stats_.encode_s = work->encode_s;
+    // A stream reaches its worker's subtree (relays): each worker there took the
+    // deltas, or got the update full.
     for (const auto& p : peers_) {
-      delta_stats_.delta_workers += p->took_delta ? 1 : 0;
-      delta_stats_.full_fallbacks += p->fell_back ? 1 : 0;
+      const std::size_t reached = topology_.subtree(p->rank, world_size_ - 1).size();
+      delta_stats_.delta_workers += p->took_delta ? reached : 0;
+      delta_stats_.full_fallbacks += p->fell_back ? reached : 0;
     }
   }
   stats_.bytes = plan.tensor_bytes;
@@ -485,14 +485,7 @@ std::string sender::unconfirmed_ranks() const {
   std::vector<int> ranks;
   for (const auto& p : peers_) {
     if (p->confirmed) continue;
-    std::vector<int> todo{p->rank};
-    while (!todo.empty()) {
-      const int r = todo.back();
-      todo.pop_back();
-      ranks.push_back(r);
-      if (!topology_.star())
-        for (int c : topology_.children(r, workers)) todo.push_back(c);
-    }
+    for (int r : topology_.subtree(p->rank, workers)) ranks.push_back(r);
   }
   std::sort(ranks.begin(), ranks.end());
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";

@@ -126,14 +126,16 @@ std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint6
 /// "timeout_ms": int, "delta": bool (optional, false by default)}. prepare()
 /// listens; connect_workers() accepts world_size - 1 workers.
 ///
-/// With "delta": true (star topology only) the sender keeps a host snapshot of the
-/// bytes it last sent, the base (memory: the update's payload bytes, about the
-/// model's size, held from the first send until the sender is destroyed or
-/// prepared without deltas), numbers each update's version and sends each bucket
-/// delta-encoded against the base to every worker that holds exactly that base; a
-/// worker that does not (another version, dirty weights, no model memory to decode
-/// into) gets that update full, counted in last_delta_stats().full_fallbacks.
-/// docs/delta.md has the protocol.
+/// With "delta": true the sender keeps a host snapshot of the bytes it last sent,
+/// the base (memory: the update's payload bytes, about the model's size, held from
+/// the first send until the sender is destroyed or prepared without deltas),
+/// numbers each update's version and sends each bucket delta-encoded against the
+/// base on every stream whose workers all hold exactly that base (in a star, each
+/// worker's own; with relays, a stream reaches a subtree, and its relays forward
+/// the encoded bytes); a stream that reaches a worker that does not (another
+/// version, dirty weights, no model memory to decode into) carries that update
+/// full, counted in last_delta_stats().full_fallbacks. docs/delta.md has the
+/// protocol.
 class sender final : public weight_sender {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
@@ -151,11 +153,13 @@ class sender final : public weight_sender {
 
   /// What the last send did with deltas ("delta": true).
   struct delta_stats {
-    std::uint64_t version = 0;          ///< the version it sent (0: deltas off)
-    std::uint64_t fingerprint = 0;      ///< that version's (delta_fingerprint), as its workers now hold it
-    std::uint64_t base_version = 0;     ///< the base its deltas were against (0: none, every worker got it full)
-    std::size_t delta_workers = 0;      ///< workers that took the deltas
-    std::size_t full_fallbacks = 0;     ///< workers offered deltas that did not hold the base: sent full
+    std::uint64_t version = 0;       ///< the version it sent (0: deltas off)
+    std::uint64_t fingerprint = 0;   ///< that version's (delta_fingerprint), as its workers now hold it
+    std::uint64_t base_version = 0;  ///< the base its deltas were against (0: none, every worker got it full)
+    std::size_t delta_workers = 0;   ///< workers that took the deltas
+    /// Workers offered deltas and sent the update full: they did not hold the base,
+    /// or (relays) a worker their stream also reaches did not.
+    std::size_t full_fallbacks = 0;
     std::uint64_t encoded_buckets = 0;  ///< buckets sent as deltas (the rest full: a delta was not smaller)
     std::uint64_t delta_bytes = 0;      ///< bytes of those deltas (headers not counted)
     std::uint64_t encoded_full = 0;     ///< those buckets' payload bytes (their cost sent full)

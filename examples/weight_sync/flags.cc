@@ -136,7 +136,7 @@ const flag table[] = {
     {"--topology", "star|chain|tree:K", "tcp: how the stream reaches the workers",
      [](options& o, flag_reader& r) { o.topology = r.value(); }},
     {"--delta", "",
-     "tcp star: send each worker only what changed since\n"
+     "tcp: send each worker only what changed since\n"
      "the update it holds (docs/delta.md)",
      [](options& o, flag_reader&) { o.delta = true; }},
     {"--change-fraction", "F",
@@ -281,12 +281,6 @@ options parse_args(int argc, char** argv) {
       throw_error(errc::invalid_argument,
                   "--delta: with --commit staged every worker would take every update full (a staged session "
                   "does not record the version it holds); use --commit in_place");
-    // tcp's default topology is a star for one or two workers, else a chain.
-    const int workers = o.connect.empty() ? o.workers : static_cast<int>(o.connect.size());
-    if (o.topology.empty() ? workers > 2 : o.topology != "star")
-      throw_error(errc::invalid_argument,
-                  "--delta: deltas go over tcp's star only (relays do not carry them); add --topology star" +
-                      (o.topology.empty() ? std::string() : ", not '" + o.topology + "'"));
   }
   if (o.secret_file.empty())
     if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;

@@ -141,13 +141,11 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_TRUE(parse({"--delta"}).delta);  // tcp, two workers: a star by default
   EXPECT_TRUE(parse({"--delta", "--workers", "4", "--topology", "star", "--checksums"}).delta);
   EXPECT_TRUE(parse({"--delta", "--connect", "4001,4002,4003", "--topology", "star"}).delta);
+  EXPECT_TRUE(parse({"--delta", "--workers", "3"}).delta);  // a chain: relays forward the deltas
+  EXPECT_TRUE(parse({"--delta", "--topology", "tree:2", "--workers", "4"}).delta);
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"--delta", "--engine", "ucx"}, "only the tcp engine"},
       {{"--delta", "--engine", "tcp_sharded"}, "only the tcp engine"},
-      {{"--delta", "--topology", "chain"}, "star only"},
-      {{"--delta", "--topology", "tree:2", "--workers", "4"}, "star only"},
-      {{"--delta", "--workers", "3"}, "add --topology star"},  // tcp's default for 3: a chain
-      {{"--delta", "--connect", "4001,4002,4003"}, "add --topology star"},
       {{"--delta", "--no-direct"}, "--no-direct"},
       {{"--delta", "--commit", "staged"}, "--commit in_place"},
       {{"--delta", "--tp", "2"}, "one-trainer job"},

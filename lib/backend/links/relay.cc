@@ -44,6 +44,18 @@ std::vector<int> topology::children(int rank, int workers) const {
   return out;
 }
 
+std::vector<int> topology::subtree(int rank, int workers) const {
+  std::vector<int> out, todo{rank};
+  while (!todo.empty()) {
+    const int r = todo.back();
+    todo.pop_back();
+    out.push_back(r);
+    if (!star())
+      for (int c : children(r, workers)) todo.push_back(c);
+  }
+  return out;
+}
+
 json relay_position::to_json() const {
   return {{"upstream", upstream}, {"address", upstream_address}, {"port", upstream_port}, {"children", children}};
 }

@@ -34,6 +34,9 @@ struct topology {
   int parent(int rank) const noexcept;
   /// The children of worker `rank` (0: the trainer's) among ranks 1..workers.
   std::vector<int> children(int rank, int workers) const;
+  /// Worker `rank` (>= 1) and every worker below it, in no set order: what its
+  /// stream reaches.
+  std::vector<int> subtree(int rank, int workers) const;
 };
 
 /// What the trainer tells a worker after the rendezvous in a relay topology.

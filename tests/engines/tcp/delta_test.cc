@@ -94,7 +94,8 @@ asio::awaitable<void> receive(tcp::engine& engine, std::unique_ptr<update_info> 
   co_await engine.drain_pending();
 }
 
-// A trainer with deltas on and `workers` tcp workers (star), each with its model.
+// A trainer with deltas on and `workers` tcp workers (a star, or `topology`), each
+// with its model.
 struct rig {
   asio::io_context io;
   tcp::sender sender{tcp_config(), trainer_context{io.get_executor(), {}}};
@@ -104,7 +105,7 @@ struct rig {
   json args;
   std::mt19937 rng{7};
 
-  rig(int workers, bool checksums, bool offer = true) {
+  rig(int workers, bool checksums, bool offer = true, const std::string& topology = "star") {
     // bf16 weights around bucket-sized and larger (split over buckets), an fp32
     // norm, an odd-sized tensor, padding between them.
     set.add("embed", dtype::bfloat16, {40000}, 1);  // 80000 bytes: split over 16 KiB buckets
@@ -112,13 +113,9 @@ struct rig {
     set.add("w1", dtype::bfloat16, {64, 100}, 3);
     set.add("bias", dtype::bfloat16, {7}, 4);
     set.add("w2", dtype::bfloat16, {3000}, 5);
-    args = {{"master_address", "127.0.0.1"},
-            {"master_port", 0},
-            {"world_size", workers + 1},
-            {"buffer_bytes", 16384},
-            {"num_buffers", 3},
-            {"checksums", checksums},
-            {"delta", true}};
+    args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", workers + 1},
+            {"buffer_bytes", 16384},         {"num_buffers", 3}, {"checksums", checksums},
+            {"topology", topology},          {"delta", true}};
     for (int i = 0; i < workers; ++i) add_worker(offer);
     connect();
   }
@@ -439,19 +436,52 @@ TEST(delta_wire, headers_are_checked_strictly) {
 INSTANTIATE_TEST_SUITE_P(checksums, delta_updates, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "with_checksums" : "without_checksums"; });
 
-TEST(delta_args, deltas_need_the_star_topology) {
-  asio::io_context io;
-  tcp::sender sender(tcp_config(), trainer_context{io.get_executor(), {}});
-  json args = {
-      {"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 3}, {"topology", "chain"}, {"delta", true}};
-  try {
-    sender.prepare(args);
-    ADD_FAILURE() << "a chain with deltas was accepted";
-  } catch (const error& e) {
-    EXPECT_EQ(e.kind(), errc::invalid_argument);
-    EXPECT_NE(e.message().find("delta"), std::string::npos) << e.message();
+// Relays forward the encoded bytes: every worker of a chain or a tree decodes the
+// same delta against its own base.
+class delta_relays : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(delta_relays, every_worker_below_a_relay_takes_the_deltas_exactly) {
+  rig r(4, true, true, GetParam());
+  r.update_ok();
+  r.expect_exact("the first update");
+  for (int i = 0; i < 3; ++i) {
+    r.change(0.01);
+    r.update_ok();
+    const auto st = r.sender.last_delta_stats();
+    EXPECT_EQ(st.delta_workers, 4u);
+    EXPECT_EQ(st.full_fallbacks, 0u);
+    EXPECT_GT(st.encoded_buckets, 0u);
+    r.expect_exact("delta " + std::to_string(i + 1));
+    for (std::size_t w = 0; w < r.engines.size(); ++w) {
+      const auto& u = r.engines[w]->last_update_stats();
+      EXPECT_LT(u.wire_bytes * 5, u.bytes) << "worker " << w << " received the bucket bytes, not their deltas";
+    }
   }
 }
+
+TEST_P(delta_relays, a_worker_without_the_base_gets_its_stream_full_and_deltas_resume) {
+  rig r(4, true, true, GetParam());
+  r.update_ok();
+  r.change(0.01);
+  r.update_ok();
+  // Worker rank 3: the third of the chain; in tree:2 a child of rank 1 (the
+  // trainer's streams go to ranks 1 and 2).
+  r.models[2]->tamper("w1");
+  r.change(0.01);
+  r.update_ok();
+  const auto st = r.sender.last_delta_stats();
+  const bool chain = std::string(GetParam()) == "chain";
+  EXPECT_EQ(st.full_fallbacks, chain ? 4u : 3u) << "every worker the refusing worker's stream reaches";
+  EXPECT_EQ(st.delta_workers, chain ? 0u : 1u);
+  r.expect_exact("after the full stream");
+  r.change(0.01);
+  r.update_ok();
+  EXPECT_EQ(r.sender.last_delta_stats().delta_workers, 4u);
+  r.expect_exact("deltas again");
+}
+
+INSTANTIATE_TEST_SUITE_P(topologies, delta_relays, ::testing::Values("chain", "tree:2"),
+                         [](const auto& info) { return std::string(info.param) == "chain" ? "chain" : "tree2"; });
 
 }  // namespace
 }  // namespace refit::testing
