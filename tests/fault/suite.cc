@@ -768,15 +768,31 @@ class suite {
     return {};
   }
 
+  // One more fault of `kind` injected; returns its entry of the report's by_kind.
+  json& count_injected(const std::string& kind) {
+    ++r_.injected;
+    json& stats = r_.by_kind[kind];
+    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
+    stats["injected"] = stats["injected"].get<int>() + 1;
+    return stats;
+  }
+  // A scenario's verdict: detected when nothing was missed, else each miss is one
+  // of the report's problems.
+  void count_verdict(json& stats, const std::string& name, const std::vector<std::string>& missed) {
+    if (missed.empty()) {
+      ++r_.detected;
+      stats["detected"] = stats["detected"].get<int>() + 1;
+    } else {
+      for (const auto& m : missed) r_.problems.push_back(name + ": " + m);
+    }
+  }
+
   // delta_wrong_base: a delta trainer's two updates, worker `target`'s model
   // reloaded between them (the proxy holds the first byte of the second update
   // while the suite calls load_model on it).
   void delta_scenario(const std::string& kind) {
     ++r_.scenarios;
-    ++r_.injected;
-    json& stats = r_.by_kind[kind];
-    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
-    stats["injected"] = stats["injected"].get<int>() + 1;
+    json& stats = count_injected(kind);
     const int target = std::uniform_int_distribution<int>(0, o_.workers - 1)(rng_);
     const std::string name =
         kind + "#" + std::to_string(r_.scenarios) + " (in_place, worker " + std::to_string(target) + ")";
@@ -849,12 +865,7 @@ class suite {
         r_.problems.push_back(name + ": worker " + std::to_string(i) + " " + lost);
       }
     }
-    if (missed.empty()) {
-      ++r_.detected;
-      stats["detected"] = stats["detected"].get<int>() + 1;
-    } else {
-      for (auto& m : missed) r_.problems.push_back(name + ": " + m);
-    }
+    count_verdict(stats, name, missed);
     say(name + ": " +
         (missed.empty()
              ? "the reloaded worker refused the base and got the update full; every worker exact at version " +
@@ -890,10 +901,7 @@ class suite {
   // (SIGKILL) once every worker has its chunk, before its finish.
   void session_scenario(const std::string& kind, const std::string& commit) {
     ++r_.scenarios;
-    ++r_.injected;
-    json& stats = r_.by_kind[kind];
-    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
-    stats["injected"] = stats["injected"].get<int>() + 1;
+    json& stats = count_injected(kind);
     const bool frozen = kind == "frozen_trainer";
     const int old_version = version_;
     // The frozen trainer's round is one no other trainer uses: if its late finish
@@ -976,12 +984,7 @@ class suite {
         ++r_.recoveries_failed;
     }
     if (hang) ++r_.hangs;
-    if (missed.empty()) {
-      ++r_.detected;
-      stats["detected"] = stats["detected"].get<int>() + 1;
-    } else {
-      for (auto& m : missed) r_.problems.push_back(name + ": " + m);
-    }
+    count_verdict(stats, name, missed);
     char took[64];
     std::snprintf(took, sizeof took, "%.2f s", aborted_after);
     say(name + ": " +
@@ -1078,10 +1081,7 @@ class suite {
       io_.restart();
       const auto until = clock_type::now() + std::chrono::milliseconds(o_.timeout_ms * 4);
       while (!stale_finished_ && clock_type::now() < until) io_.run_for(20ms);
-      ++r_.injected;
-      json& stats = r_.by_kind[kind];
-      if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
-      stats["injected"] = stats["injected"].get<int>() + 1;
+      json& stats = count_injected(kind);
       std::vector<std::string> missed;
       if (!px.fired) missed.push_back("the point of the stale calls was never reached");
       if (!stale_finished_) missed.push_back("the stale calls did not complete");
@@ -1112,12 +1112,7 @@ class suite {
                                 " but holds other weights");
         }
       }
-      if (missed.empty()) {
-        ++r_.detected;
-        stats["detected"] = stats["detected"].get<int>() + 1;
-      } else {
-        for (auto& m : missed) r_.problems.push_back(name + ": " + m);
-      }
+      count_verdict(stats, name, missed);
       say(name + ": " +
           (missed.empty() ? "every stale call refused; the live update verified" : "MISSED: " + missed.front()));
       if (!verified) {
@@ -1143,10 +1138,7 @@ class suite {
       say(name + (ok ? ": completed and verified" : ": FAILED"));
       return;
     }
-    ++r_.injected;
-    json& stats = r_.by_kind[kind];
-    if (stats.is_null()) stats = {{"injected", 0}, {"detected", 0}};
-    stats["injected"] = stats["injected"].get<int>() + 1;
+    json& stats = count_injected(kind);
 
     // Why the trainer's result holds no error: it reported success, or it printed
     // no result at all (it crashed: under a sanitizer, a report ends the process).
@@ -1261,12 +1253,7 @@ class suite {
         r_.problems.push_back(name + ": worker " + std::to_string(i) + " " + lost);
       }
     }
-    if (detected) {
-      ++r_.detected;
-      stats["detected"] = stats["detected"].get<int>() + 1;
-    } else {
-      for (auto& m : missed) r_.problems.push_back(name + ": " + m);
-    }
+    count_verdict(stats, name, missed);
     say(name + ": " + (detected ? "detected" : "MISSED: " + missed.front()) +
         (trainer_error.empty() ? "" : "; trainer: " + trainer_error.substr(0, 160)));
 
