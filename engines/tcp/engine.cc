@@ -469,10 +469,31 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
   // Every child confirms (its subtree has every byte, verified) before this one does.
   co_await links::confirm_update_for_subtree(socket, children, child_ranks, last_seq_, timeout_, me);
   // The weights now hold the trainer's version (its fingerprint is the hashes of
-  // the bytes that arrived, so a worker that got other bytes never matches). Not
-  // for a chunk staged in an open update session: it may never be committed.
-  if (delta_header && !receiving_into_open_session())
-    held_ = held_version{delta_header->version, delta_fingerprint(metadata_digest(info.metadata), delta->hashes)};
+  // the bytes that arrived, so a worker that got other bytes never matches). A
+  // chunk staged in an open update session holds it once the session commits.
+  if (delta_header) {
+    const held_version now{delta_header->version, delta_fingerprint(metadata_digest(info.metadata), delta->hashes)};
+    if (!receiving_into_open_session()) {
+      held_ = now;
+    } else {
+      if (!staged_held_) before_session_held_ = held;
+      staged_held_ = now;
+    }
+  }
+}
+
+void engine::do_session_committed() {
+  if (staged_held_) held_ = std::exchange(staged_held_, std::nullopt);
+  before_session_held_.reset();
+}
+
+void engine::do_session_finished() {
+  // Not committed: the model holds what it held before the session (unless a
+  // failed commit left it dirty; the base's own hash is checked at the next offer
+  // either way).
+  if (staged_held_ && !weights_dirty()) held_ = before_session_held_;
+  staged_held_.reset();
+  before_session_held_.reset();
 }
 
 std::string engine::base_refusal(const wire::delta_header& d, const std::optional<held_version>& held,

@@ -87,6 +87,8 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
   void do_shutdown() override;
   void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+  void do_session_committed() override;
+  void do_session_finished() override;
 
  private:
   asio::awaitable<void> receive_on(asio::ip::tcp::socket& socket,
@@ -114,6 +116,10 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   int rank_ = -1;
   std::uint64_t last_seq_ = 0;
   std::optional<held_version> held_;  // kept across re-inits: the model's bytes do not change there
+  // A staged chunk of the open update session: the version the model will hold once
+  // the session commits, and what it held before (again its version if the session
+  // is discarded: staged chunks never reach the model).
+  std::optional<held_version> staged_held_, before_session_held_;
 };
 
 /// The fingerprint of a version of an update's bytes, as both sides of a delta

@@ -274,13 +274,6 @@ options parse_args(int argc, char** argv) {
     if (o.no_direct)
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");
-    // The workers commit staged updates through an update session, and a chunk
-    // staged in a session does not set the version a worker holds: every update
-    // after the first would go full (docs/delta.md).
-    if (o.commit == commit_mode::staged)
-      throw_error(errc::invalid_argument,
-                  "--delta: with --commit staged every worker would take every update full (a staged session "
-                  "does not record the version it holds); use --commit in_place");
   }
   if (o.secret_file.empty())
     if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;

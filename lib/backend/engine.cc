@@ -554,6 +554,7 @@ asio::awaitable<void> engine::commit_session() {
   if (stage_) stage_->release_to(0);
   if (state_ == state::committing) state_ = before;
   if (failure) std::rethrow_exception(failure);
+  do_session_committed();
 }
 
 void engine::discard_session() {

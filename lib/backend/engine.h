@@ -39,6 +39,7 @@
 //                                   is about to send is refused (engines with a
 //                                   data path; default: nothing, the trainer fails
 //                                   at its deadline)
+//    do_session_committed()         an update session's staged chunks reached the model
 //    do_session_finished()          release per-session resources (IPC mappings)
 //    staged_commit_refusal()        why staged updates are refused (see above)
 //
@@ -125,6 +126,10 @@ class engine : public weight_transfer_engine {
   /// (init_transfer_engine again before the next update). The base calls it for
   /// the refusals it makes; the control plane for update_info it cannot read.
   virtual void do_refuse_update(errc /*kind*/, const std::string& /*reason*/) noexcept {}
+  /// The staged chunks of an update session were committed: the model now holds
+  /// them (called before do_session_finished; not when the commit failed or the
+  /// session was discarded).
+  virtual void do_session_committed() {}
   /// An update session ended (finish or abort): release per-session resources here
   /// (e.g. IPC mappings).
   virtual void do_session_finished() {}

@@ -362,33 +362,55 @@ TEST_P(delta_updates, bytes_changed_behind_refits_back_get_the_update_full) {
 }
 
 // A chunk staged in an update session is committed by the session, or never: the
-// worker does not take it as the base, so after an abort (the model still holds
-// the version before) the next delta offer is refused and the update sent full.
-TEST_P(delta_updates, a_chunk_staged_in_a_session_is_not_taken_as_the_base) {
+// worker takes its version as the base once the session commits; after an abort
+// (the model still holds the version before) it holds that one again, so the next
+// delta offer (against the aborted version) is refused and the update sent full.
+TEST_P(delta_updates, a_chunk_staged_in_a_session_is_the_base_once_committed_and_not_after_an_abort) {
   rig r(1, GetParam());
   r.update_ok();
+  const auto first = r.engines[0]->held();
+  ASSERT_TRUE(first);
+  // One staged chunk in a session of its own; `finish`: commit it (else abort).
+  const auto staged_session = [&r](bool finish, std::int64_t version) {
+    weight_update_session session(*r.engines[0]);
+    session.start_weight_update();
+    json j = json::object();
+    write_update_metadata(r.set.meta, j);
+    j["commit"] = "staged";
+    auto info = r.engines[0]->parse_update_info(j);
+    auto staged = spawn(r.io, session.update_weights(*info, r.models[0]->as_load_weights()));
+    auto sent = spawn(r.io, send(r.sender, r.set.meta, r.set.views()));
+    ASSERT_TRUE(run_until(r.io, [&] { return staged->done && sent->done; })) << "a hang";
+    ASSERT_FALSE(staged->error) << staged->message();
+    ASSERT_FALSE(sent->error) << sent->message();
+    EXPECT_FALSE(r.engines[0]->held()) << "a staged chunk of an open session is no base yet";
+    if (finish)
+      run_to_completion(r.io, session.finish_weight_update(version));
+    else
+      run_to_completion(r.io, session.abort_weight_update("test"));
+  };
   const auto before = r.set.data;
   r.change(0.01);
-  weight_update_session session(*r.engines[0]);
-  session.start_weight_update();
-  json j = json::object();
-  write_update_metadata(r.set.meta, j);
-  j["commit"] = "staged";
-  auto info = r.engines[0]->parse_update_info(j);
-  auto staged = spawn(r.io, session.update_weights(*info, r.models[0]->as_load_weights()));
-  auto sent = spawn(r.io, send(r.sender, r.set.meta, r.set.views()));
-  ASSERT_TRUE(run_until(r.io, [&] { return staged->done && sent->done; })) << "a hang";
-  ASSERT_FALSE(staged->error) << staged->message();
-  ASSERT_FALSE(sent->error) << sent->message();
+  staged_session(false, 2);
   EXPECT_EQ(r.sender.last_delta_stats().delta_workers, 1u) << "the chunk itself came as deltas";
-  EXPECT_FALSE(r.engines[0]->held()) << "a staged chunk of an open session is no base";
-  run_to_completion(r.io, session.abort_weight_update("test"));
   for (std::size_t t = 0; t < before.size(); ++t)
     EXPECT_TRUE(r.models[0]->bytes(r.set.meta.tensors[t].name) == before[t]) << "the abort left the model as it was";
+  ASSERT_TRUE(r.engines[0]->held()) << "after the abort the model holds the version before again";
+  EXPECT_EQ(r.engines[0]->held()->version, first->version);
   r.change(0.01);
   r.update_ok();
-  EXPECT_EQ(r.sender.last_delta_stats().full_fallbacks, 1u);
+  EXPECT_EQ(r.sender.last_delta_stats().full_fallbacks, 1u) << "the offer was against the aborted version";
   r.expect_exact("after an aborted staged session");
+  // A committed session: its version is the next base.
+  r.change(0.01);
+  staged_session(true, 4);
+  EXPECT_EQ(r.sender.last_delta_stats().delta_workers, 1u);
+  r.expect_exact("after a committed staged session");
+  r.change(0.01);
+  r.update_ok();
+  EXPECT_EQ(r.sender.last_delta_stats().delta_workers, 1u) << "the committed chunk was taken as the base";
+  EXPECT_EQ(r.sender.last_delta_stats().full_fallbacks, 0u);
+  r.expect_exact("a delta after a committed staged session");
 }
 
 TEST(delta_wire, headers_are_checked_strictly) {
