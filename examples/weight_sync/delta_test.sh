@@ -42,6 +42,32 @@ check 0.005 0.1 --workers 3 --model-bytes 8M --updates 3 --delta --buffer-bytes 
 check 0.005 0.1 --workers 4 --topology tree:2 --model-bytes 8M --updates 3 --delta --buffer-bytes 1M \
   --change-fraction 0.01
 
+# --replay: a recorded trajectory (the format of tests/bench/delta_density.py
+# --record) instead of the synthetic model: 4 states of two bf16 tensors, about 1%
+# of the elements moving by one unit between states.
+traj=$(mktemp -d)
+trap 'rm -rf "$traj"' EXIT
+python3 - "$traj" <<'PY'
+import json, os, random, struct, sys
+d = sys.argv[1]
+shapes = {"layers.0.w": [512, 1024], "head": [3000]}
+json.dump({"names": list(shapes), "dtype_names": ["bfloat16"] * 2, "shapes": list(shapes.values())},
+          open(os.path.join(d, "layout.json"), "w"))
+rng = random.Random(3)
+vals = [rng.randrange(0x3000, 0x4000) for _ in range(512 * 1024 + 3000)]
+for step in range(4):
+    if step:
+        for i in rng.sample(range(len(vals)), len(vals) // 100):
+            vals[i] += 1
+    open(os.path.join(d, "step-%04d.bin" % step), "wb").write(struct.pack("<%dH" % len(vals), *vals))
+PY
+check 0.005 0.1 --workers 2 --updates 4 --delta --buffer-bytes 256K --replay "$traj"
+if err=$("$bin" --quiet --workers 1 --updates 5 --replay "$traj" 2>&1); then fail "--replay past its states accepted"; fi
+grep -q "step-0004.bin" <<<"$err" || fail "no reason for refusing --updates past the trajectory: $err"
+head -c 100 "$traj/step-0002.bin" >"$traj/step-0002.bin.cut" && mv "$traj/step-0002.bin.cut" "$traj/step-0002.bin"
+if err=$("$bin" --quiet --workers 1 --updates 3 --replay "$traj" 2>&1); then fail "a cut state accepted"; fi
+grep -q "exactly the layout's" <<<"$err" || fail "no reason for refusing a cut state: $err"
+
 # Without --delta every update is full: wire_bytes is bytes.
 out=$("$bin" --quiet --workers 1 --model-bytes 4M --updates 2 --change-fraction 0.01) || fail "plain run: $out"
 python3 - "$(printf '%s\n' "$out" | tail -n 1)" <<'PY' || fail "plain run: $out"

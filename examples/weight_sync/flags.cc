@@ -149,6 +149,11 @@ const flag table[] = {
        if (v.empty() || !end || *end || !(o.change_fraction > 0 && o.change_fraction <= 1))
          throw_error(errc::invalid_argument, "--change-fraction: expected a fraction in (0, 1], got '" + v + "'");
      }},
+    {"--replay", "DIR",
+     "trainer: send a recorded trajectory instead of the synthetic\n"
+     "model: DIR/layout.json and one DIR/step-NNNN.bin per update\n"
+     "(tests/bench/delta_density.py --record DIR)",
+     [](options& o, flag_reader& r) { o.replay = r.value(); }},
     {"--trainers", "M",
      "M trainer processes with FSDP Shard(0) shards send the\n"
      "--tp workers only what each keeps (tcp_sharded)",
@@ -266,6 +271,10 @@ options parse_args(int argc, char** argv) {
                   "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");
     o.engine = o.broadcast ? "tcp" : "tcp_sharded";
   }
+  if (!o.replay.empty() && (o.sharded_job() || o.one_tensor || o.change_fraction > 0))
+    throw_error(errc::invalid_argument,
+                "--replay: the trajectory is the model and its changes (drop --trainers/--tp, --one-tensor and "
+                "--change-fraction)");
   if (o.delta) {
     if (o.sharded_job())
       throw_error(errc::invalid_argument, "--delta: deltas are for the one-trainer job (drop --trainers/--tp)");

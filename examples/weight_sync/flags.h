@@ -47,6 +47,7 @@ struct options {
   std::string topology;                    // trainer: tcp's "star", "chain" or "tree:K" (empty: the engine's default)
   bool delta = false;                      // trainer: tcp star only; send what changed since the last update
   double change_fraction = 0;              // (0, 1]: each update after the first changes this fraction (0: all)
+  std::string replay;                      // trainer: a recorded trajectory's directory (tests/bench/delta_density.py)
   // Sharded transfers: M trainer ranks with FSDP Shard(0) shards, N workers in
   // vLLM's tensor-parallel layout (fused qkv/gate_up, column/row, vocab-parallel).
   int trainers = 1;

@@ -74,7 +74,7 @@ TEST(WeightSyncFlags, ParserAcceptsEveryFlag) {
       {"NAME", "tcp"},      {"ADDRESS", "127.0.0.1"},
       {"PATH", path},       {"SECONDS_PER_GB", "0.5"},
       {"N[,N...]", "4001"}, {"[HOST:]PORT,...", "127.0.0.1:4001"},
-      {"F", "0.5"},
+      {"F", "0.5"},         {"DIR", "/tmp"},
   };
   for (const auto& f : flags()) {
     std::vector<std::vector<std::string>> forms;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 
 #include <refit/error.h>
 
@@ -82,6 +83,18 @@ void trainer_model::step(int r) {
     return;
   }
   for (std::size_t i = 0; i < views.size(); ++i) fill_pattern(views[i].bytes(), i, r, 0);
+  filled_ = true;
+}
+
+void trainer_model::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw_error(errc::invalid_argument, "--replay: cannot open '" + path + "'");
+  in.read(reinterpret_cast<char*>(arena.data()), static_cast<std::streamsize>(arena.size()));
+  const auto got = static_cast<std::uint64_t>(in.gcount());
+  char extra;
+  if (got != arena.size() || in.read(&extra, 1))
+    throw_error(errc::invalid_argument, "--replay: '" + path + "' does not hold exactly the layout's " +
+                                            std::to_string(arena.size()) + " bytes");
   filled_ = true;
 }
 

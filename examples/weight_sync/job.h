@@ -55,6 +55,9 @@ struct trainer_model {
   /// from a PRNG seeded by round and tensor. The trainer's bytes are what the
   /// workers are verified against, so any deterministic change serves.
   void step(int r);
+  /// The bytes of every tensor, in layout order, from `path` (a recorded state of
+  /// a trajectory: exactly the layout's bytes, else invalid_argument).
+  void load(const std::string& path);
 
  private:
   bool filled_ = false;

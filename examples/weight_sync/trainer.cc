@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include <asio/use_awaitable.hpp>
 
 #include <refit/backend/infos.h>
+#include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
 #include <refit/engines/tcp/tcp.h>
 #include <refit/error.h>
@@ -57,6 +59,14 @@ worker_process start_worker(const options& o, int index) {
 }
 
 namespace {
+
+// --replay: DIR/step-NNNN.bin, the trajectory's state for the update numbered `i`
+// from 0.
+std::string replay_step(const options& o, int i) {
+  char name[32];
+  std::snprintf(name, sizeof name, "/step-%04d.bin", i);
+  return o.replay + name;
+}
 
 struct totals {
   double seconds = 0, receive_s = 0, process_s = 0, overlap = 0;
@@ -143,7 +153,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   update.hold_before_finish = std::chrono::milliseconds(o.hold_before_finish_ms);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
-    model.step(round);
+    if (o.replay.empty())
+      model.step(round);
+    else
+      model.load(replay_step(o, round - o.first_round));
     auto expected = fingerprint_all(model.views);
     if (probed) co_await workers.call_all("loop_lag", empty);
     std::vector<json> cpu_before;  // (no co_await inside ?: with GCC 12: it destroys a temporary twice)
@@ -206,6 +219,21 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
 }
 
 model_layout layout_for(const options& o) {
+  if (!o.replay.empty()) {
+    std::ifstream in(o.replay + "/layout.json");
+    if (!in) throw_error(errc::invalid_argument, "--replay: no " + o.replay + "/layout.json");
+    json j = json::parse(in, nullptr, false);
+    if (j.is_discarded()) throw_error(errc::invalid_argument, "--replay: " + o.replay + "/layout.json is not JSON");
+    json_reader r(j, o.replay + "/layout.json");
+    model_layout l;
+    l.meta = read_update_metadata(r);
+    r.finish();
+    for (int i = 0; i < o.updates; ++i)
+      if (!std::ifstream(replay_step(o, i)))
+        throw_error(errc::invalid_argument, "--replay: " + std::to_string(o.updates) + " updates need " +
+                                                replay_step(o, i) + " (the trajectory has fewer states)");
+    return l;
+  }
   if (!o.one_tensor) return make_layout(o.model_bytes, o.layers, o.vocab);
   if (o.model_bytes < 2) throw_error(errc::invalid_argument, "--one-tensor: --model-bytes must be at least 2");
   model_layout l;

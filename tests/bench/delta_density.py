@@ -4,6 +4,13 @@ of refit's delta updates are chosen from.
 
     python tests/bench/delta_density.py [--model small|100m|both] [--lrs 1e-6,1e-5,1e-4]
                                         [--warmup 20] [--steps 10] [--json FILE]
+                                        [--record DIR]
+
+--record DIR (one model, one learning rate) also writes the trajectory the main job
+replays (`weight_sync --replay DIR`): DIR/layout.json (its update_info: names,
+dtype_names, shapes) and DIR/step-0000.bin, step-0001.bin, ...: every parameter's
+bf16 bytes in layout order, the state before the first steady-state step and after
+each of them.
 
 A trainer keeps fp32 master weights, trains with AdamW (betas 0.9/0.999, weight decay
 0.01) and sends bf16. For each learning rate this trains the Python examples'
@@ -114,7 +121,20 @@ def measure_step(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], co
     return out
 
 
-def run(model_name: str, lr: float, warmup: int, steps: int, costs: bool) -> dict:
+def record(directory: str, index: int, params: dict[str, torch.Tensor]) -> None:
+    """Writes one state of the trajectory (and the layout with the first)."""
+    os.makedirs(directory, exist_ok=True)
+    if index == 0:
+        layout = {"names": list(params), "dtype_names": ["bfloat16"] * len(params),
+                  "shapes": [list(t.shape) for t in params.values()]}
+        with open(os.path.join(directory, "layout.json"), "w") as f:
+            json.dump(layout, f)
+    with open(os.path.join(directory, f"step-{index:04d}.bin"), "wb") as f:
+        for t in params.values():
+            f.write(t.contiguous().view(torch.int16).numpy().tobytes())
+
+
+def run(model_name: str, lr: float, warmup: int, steps: int, costs: bool, record_dir: str = "") -> dict:
     cfg = MODELS[model_name]
     torch.manual_seed(0)
     model = TinyLM(cfg["vocab"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["seq"])
@@ -131,6 +151,10 @@ def run(model_name: str, lr: float, warmup: int, steps: int, costs: bool) -> dic
         train_step(model, opt, cfg["vocab"], cfg["seq"], cfg["batch"], g)
         cur = bf16()
         phase = "first" if step <= 3 else ("steady" if step > 3 + warmup else None)
+        if record_dir and phase == "steady":
+            if step == 3 + warmup + 1:
+                record(record_dir, 0, prev)
+            record(record_dir, step - 3 - warmup, cur)
         if phase:
             phases[phase].append(measure_step(prev, cur, costs))
         prev = cur
@@ -188,12 +212,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-costs", action="store_true", help="densities only (no compression runs)")
     ap.add_argument("--json")
+    ap.add_argument("--record", default="", help="DIR: write the steady-state trajectory for weight_sync --replay")
     args = ap.parse_args()
     models = ["small", "100m"] if args.model == "both" else [args.model]
+    if args.record and (len(models) != 1 or "," in args.lrs):
+        ap.error("--record: one --model and one learning rate in --lrs")
     results = []
     for m in models:
         for lr in (float(x) for x in args.lrs.split(",")):
-            r = run(m, lr, args.warmup, args.steps, not args.no_costs)
+            r = run(m, lr, args.warmup, args.steps, not args.no_costs, args.record)
             print(f"delta_density: {m} lr {lr:g}: {r['seconds']:.0f} s", file=sys.stderr)
             results.append(r)
     print(table(results))

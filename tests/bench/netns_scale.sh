@@ -12,6 +12,10 @@
 #                              [--topologies "star chain tree:2 chain+checksums chain+staged star+delta"]
 #                              [--rounds 3] [--updates 2] [--buffer-bytes 8M] [--change-fraction 0.1]
 #                              [--bin DIR] [--json FILE] [--quick] [--engine tcp|ucx]
+#                              [--replay DIR]
+#   --replay DIR: the main job replays a recorded trajectory (weight_sync --replay,
+#   tests/bench/delta_density.py --record DIR) instead of its synthetic model;
+#   --model-bytes and --change-fraction do not apply then
 #   --engine ucx: the ucx engine over UCX's tcp transport on each host's eth0
 #   (UCX_TLS=tcp,self UCX_NET_DEVICES=eth0: its shared-memory transports would
 #   bypass the emulated network, the namespaces sharing one kernel).
@@ -34,6 +38,7 @@ cd "$(dirname "$0")/../.."
 
 rate=1gbit
 model_bytes=64M
+replay=""  # --replay DIR
 workers_list="1 2 4 8"
 topologies="star chain tree:2 chain+checksums chain+staged star+delta"
 topologies_given=
@@ -54,6 +59,7 @@ while [ $# -gt 0 ]; do
     --updates) updates="$2"; shift 2 ;;
     --buffer-bytes) buffer_bytes="$2"; shift 2 ;;
     --change-fraction) change_fraction="$2"; shift 2 ;;
+    --replay) replay="$2"; shift 2 ;;
     --bin) bin="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
     --engine) engine="$2"; shift 2 ;;
@@ -151,6 +157,11 @@ for h in $(seq 0 "$max_workers"); do
   shape "$ns" eth0
   shape "${p}sw" "s$h"
 done
+model_args=(--model-bytes "$model_bytes")
+if [ -n "$replay" ]; then
+  model_args=(--replay "$(readlink -f "$replay")")
+  model_bytes="replay:$replay"
+fi
 echo "[netns] engine $engine; $((max_workers + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes" \
   "in $buffer_bytes buckets," \
   "$updates updates per run, $rounds rounds" >&2
@@ -166,7 +177,10 @@ run() {
       case "$opt" in
         checksums) extra+=(--checksums) ;;
         staged) extra+=(--commit staged) ;;
-        delta) extra+=(--delta --change-fraction "$change_fraction") ;;
+        delta)
+          extra+=(--delta)
+          [ -n "$replay" ] || extra+=(--change-fraction "$change_fraction")
+          ;;
         *) echo "netns_scale: unknown topology option '$opt' in '$topo'" >&2; return 2 ;;
       esac
     done
@@ -187,7 +201,7 @@ run() {
     connect="${connect:+$connect,}10.77.0.$((h + 1)):$port"
   done
   local rc=0
-  ip netns exec "${p}h0" "$bin" --engine "$engine" --listen 10.77.0.1 --connect "$connect" --load-model --model-bytes "$model_bytes" \
+  ip netns exec "${p}h0" "$bin" --engine "$engine" --listen 10.77.0.1 --connect "$connect" --load-model "${model_args[@]}" \
     --buffer-bytes "$buffer_bytes" \
     --updates "$updates" --topology "$base" "${extra[@]}" --timeout-ms 60000 --quiet >"$out/t.out" 2>"$out/t.err" || rc=$?
   stop_workers
