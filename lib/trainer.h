@@ -94,6 +94,12 @@ class weight_sender {
 
   /// Statistics of the last send.
   virtual update_stats last_send_stats() const { return {}; }
+  /// What the last send did beyond its statistics, as the engine reports it, or
+  /// null for engines with nothing to report. tcp with "delta": true:
+  /// {"delta": {"version", "base_version", "delta_workers", "full_fallbacks",
+  /// "encoded_buckets", "delta_bytes", "encoded_full", "full_bytes", "encode_s"}}
+  /// (docs/delta.md).
+  virtual json last_send_info() const { return nullptr; }
 };
 
 /// Sends a range of tensor views through `sender` (the C++ trainer_send_weights).

@@ -480,6 +480,22 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
   co_await links::await_confirmation(p.socket, s.seq, timeout_, who);
 }
 
+json sender::last_send_info() const {
+  if (!delta_) return nullptr;
+  const auto& d = delta_stats_;
+  return {{"delta",
+           {{"version", d.version},
+            {"fingerprint", d.fingerprint},
+            {"base_version", d.base_version},
+            {"delta_workers", d.delta_workers},
+            {"full_fallbacks", d.full_fallbacks},
+            {"encoded_buckets", d.encoded_buckets},
+            {"delta_bytes", d.delta_bytes},
+            {"encoded_full", d.encoded_full},
+            {"full_bytes", d.full_bytes},
+            {"encode_s", d.encode_s}}}};
+}
+
 std::string sender::unconfirmed_ranks() const {
   const int workers = world_size_ - 1;
   std::vector<int> ranks;

@@ -156,6 +156,8 @@ class sender final : public weight_sender {
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
   void shutdown() override;
   update_stats last_send_stats() const override { return stats_; }
+  /// With deltas on: {"delta": last_delta_stats()'s members}.
+  json last_send_info() const override;
 
   /// What the last send did with deltas ("delta": true).
   struct delta_stats {

@@ -20,7 +20,6 @@
 #include <refit/backend/infos.h>
 #include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
-#include <refit/engines/tcp/tcp.h>
 #include <refit/error.h>
 #include <refit/factory.h>
 #include <refit/integrity/fingerprint.h>
@@ -115,13 +114,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"checksums", o.checksums},
                        {"timeout_ms", o.timeout_ms}};
   if (!o.topology.empty()) trainer_args["topology"] = o.topology;
-  // --delta: flags checked the engine is tcp over a star.
-  tcp::sender* delta_sender = nullptr;
-  if (o.delta) {
-    trainer_args["delta"] = true;
-    delta_sender = dynamic_cast<tcp::sender*>(sender.get());
-    if (!delta_sender) throw_error(errc::invalid_argument, "--delta: the sender is not the tcp engine's");
-  }
+  if (o.delta) trainer_args["delta"] = true;  // (flags checked the engine is tcp)
   // Each worker is its own inference engine here, so each gets its own rank (the
   // group's default); proxies in front of the trainer are advertised instead.
   control::init_options init;
@@ -169,13 +162,19 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     t.seconds += seconds;
     t.update_seconds.push_back(seconds);
     std::uint64_t wire = bytes;
-    if (delta_sender) {
-      const auto& d = delta_sender->last_delta_stats();
+    if (o.delta) {
+      // What the sender did with deltas (tcp: its last_send_info()).
+      const json info = sender->last_send_info();
+      if (!info.is_object() || !info.contains("delta"))
+        throw_error(errc::invalid_argument, "--delta: the " + o.engine + " sender reports no deltas");
+      const json& d = info["delta"];
+      const auto u64 = [&d](const char* k) { return d.at(k).get<std::uint64_t>(); };
       // A worker that took the deltas got them and the buckets no delta made smaller.
-      if (d.base_version != 0 && d.delta_workers > 0) wire = d.full_bytes - d.encoded_full + d.delta_bytes;
-      t.full_fallbacks += d.full_fallbacks;
-      t.encoded_buckets += d.encoded_buckets;
-      t.encode_s += d.encode_s;
+      if (u64("base_version") != 0 && u64("delta_workers") > 0)
+        wire = u64("full_bytes") - u64("encoded_full") + u64("delta_bytes");
+      t.full_fallbacks += u64("full_fallbacks");
+      t.encoded_buckets += u64("encoded_buckets");
+      t.encode_s += d.at("encode_s").get<double>();
     }
     t.wire_bytes.push_back(wire);
     if (probed) {

@@ -378,6 +378,15 @@ class Sender:
     def last_send_stats(self) -> Info:
         return self._impl.last_send_stats()
 
+    @property
+    def last_send_info(self) -> Info | None:
+        """What the last send did beyond its stats, as the engine reports it, or None:
+        the tcp engine with ``"delta": True`` gives ``{"delta": {"version",
+        "base_version", "delta_workers", "full_fallbacks", "encoded_buckets",
+        "delta_bytes", ...}}`` (docs/delta.md)."""
+        info = self._impl.last_send_info()
+        return None if info is None else dict(info)
+
     def shutdown(self) -> None:
         """Closes the sender's connections to the workers; idempotent."""
         self._impl.shutdown()

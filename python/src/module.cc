@@ -420,6 +420,9 @@ class py_sender {
     auto stats = on_loop([this] { return sender_->last_send_stats(); });
     return stats_to_python(stats);
   }
+  nb::object last_send_info() {
+    return to_python(on_loop([this] { return sender_->last_send_info(); }));
+  }
   void shutdown() {
     on_loop([this] {
       sender_->shutdown();
@@ -862,6 +865,7 @@ NB_MODULE(_refit, m) {
           },
           nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("done"))
       .def("last_send_stats", &py_sender::last_send_stats)
+      .def("last_send_info", &py_sender::last_send_info)
       .def("shutdown", &py_sender::shutdown);
 
   auto to_py = [](json& j) { return to_python(j); };

@@ -525,5 +525,11 @@ def test_delta_updates_from_python_are_exact_and_send_less():
             assert engine.fingerprint() == refit.fingerprints(src)
             stats = engine.last_update_stats
             wire.append(stats["wire_bytes"] / stats["bytes"])
+            d = sender.last_send_info["delta"]  # the trainer's side of it
+            assert d["version"] == step + 1 and d["base_version"] == step, d
+            assert (d["delta_workers"], d["full_fallbacks"]) == ((1, 0) if step else (0, 0)), d
+            assert (d["encoded_buckets"] > 0) == (step > 0) and d["delta_bytes"] < d["full_bytes"], d
         assert wire[0] >= 1.0, wire  # the first update has no base: full
         assert all(w < 0.1 for w in wire[1:]), wire
+    with refit.Sender("tcp", timeout_ms=10000) as plain:
+        assert plain.last_send_info is None  # no deltas: nothing beyond the stats
