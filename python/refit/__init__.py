@@ -385,7 +385,7 @@ class Sender:
         "base_version", "delta_workers", "full_fallbacks", "encoded_buckets",
         "delta_bytes", ...}}`` (docs/delta.md)."""
         info = self._impl.last_send_info()
-        return None if info is None else dict(info)
+        return info if isinstance(info, dict) else None
 
     def shutdown(self) -> None:
         """Closes the sender's connections to the workers; idempotent."""
