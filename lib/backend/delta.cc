@@ -98,16 +98,31 @@ void xor_into(std::byte* dst, const std::byte* a, const std::byte* b, std::size_
   for (; i < n; ++i) dst[i] = a[i] ^ b[i];
 }
 
+// This thread's zstd compression context number `k` (one per stream written at
+// once), reset to its defaults: a bucket of many small pieces would otherwise
+// create, and size, 1 + elem contexts per piece.
+ZSTD_CCtx* thread_cctx(std::size_t k) {
+  thread_local std::vector<std::unique_ptr<ZSTD_CCtx, zstd_cctx_deleter>> pool;
+  while (pool.size() <= k) {
+    pool.emplace_back(ZSTD_createCCtx());
+    if (!pool.back()) {
+      pool.pop_back();
+      throw_error(errc::resource_exhausted, "delta: zstd could not allocate a compression context");
+    }
+  }
+  ZSTD_CCtx_reset(pool[k].get(), ZSTD_reset_session_and_parameters);
+  return pool[k].get();
+}
+
 // One zstd frame, written piece by piece onto the end of `dst`; with `pledged`, its
 // header carries the content size (which the pieces must add up to).
 class zstd_writer {
  public:
-  zstd_writer(std::vector<std::byte>& dst, int level, std::optional<std::size_t> pledged)
-      : dst_(&dst), cctx_(ZSTD_createCCtx()) {
-    if (!cctx_) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a compression context");
-    ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_compressionLevel, level);
-    ZSTD_CCtx_setParameter(cctx_.get(), ZSTD_c_contentSizeFlag, pledged ? 1 : 0);
-    if (pledged) ZSTD_CCtx_setPledgedSrcSize(cctx_.get(), *pledged);
+  zstd_writer(std::vector<std::byte>& dst, int level, std::optional<std::size_t> pledged, std::size_t stream = 0)
+      : dst_(&dst), cctx_(thread_cctx(stream)) {
+    ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, level);
+    ZSTD_CCtx_setParameter(cctx_, ZSTD_c_contentSizeFlag, pledged ? 1 : 0);
+    if (pledged) ZSTD_CCtx_setPledgedSrcSize(cctx_, *pledged);
   }
   // Compresses `in`; with `last`, ends the frame. (Through a buffer of its own:
   // growing dst to hand zstd room would zero that room on every call.)
@@ -116,7 +131,7 @@ class zstd_writer {
     if (room_.empty()) room_.resize(ZSTD_CStreamOutSize());
     for (;;) {
       ZSTD_outBuffer ob{room_.data(), room_.size(), 0};
-      const std::size_t r = ZSTD_compressStream2(cctx_.get(), &ob, &ib, last ? ZSTD_e_end : ZSTD_e_continue);
+      const std::size_t r = ZSTD_compressStream2(cctx_, &ob, &ib, last ? ZSTD_e_end : ZSTD_e_continue);
       if (ZSTD_isError(r))
         throw_error(errc::invalid_argument, std::string("delta: zstd compression failed: ") + ZSTD_getErrorName(r));
       dst_->insert(dst_->end(), room_.begin(), room_.begin() + static_cast<std::ptrdiff_t>(ob.pos));
@@ -126,22 +141,36 @@ class zstd_writer {
 
  private:
   std::vector<std::byte>* dst_;
-  std::unique_ptr<ZSTD_CCtx, zstd_cctx_deleter> cctx_;
+  ZSTD_CCtx* cctx_;
   std::vector<std::byte> room_;
 };
+
+// The same for decompression contexts (one per stream read at once).
+ZSTD_DCtx* thread_dctx(std::size_t k) {
+  thread_local std::vector<std::unique_ptr<ZSTD_DCtx, zstd_dctx_deleter>> pool;
+  while (pool.size() <= k) {
+    pool.emplace_back(ZSTD_createDCtx());
+    if (!pool.back()) {
+      pool.pop_back();
+      throw_error(errc::resource_exhausted, "delta: zstd could not allocate a decompression context");
+    }
+  }
+  ZSTD_DCtx_reset(pool[k].get(), ZSTD_reset_session_and_parameters);
+  return pool[k].get();
+}
 
 // Reads one zstd frame that must hold exactly `expect` bytes, piece by piece;
 // error(protocol_error) naming `what` for anything else. A frame whose header
 // does not say its size (size_in_header false) is held to `expect` by reading.
 class zstd_reader {
  public:
-  zstd_reader(std::span<const std::byte> frame, std::uint64_t expect, std::string what, bool size_in_header = true)
-      : in_{frame.data(), frame.size(), 0}, dctx_(ZSTD_createDCtx()), what_(std::move(what)) {
+  zstd_reader(std::span<const std::byte> frame, std::uint64_t expect, std::string what, bool size_in_header = true,
+              std::size_t stream = 0)
+      : in_{frame.data(), frame.size(), 0}, dctx_(thread_dctx(stream)), what_(std::move(what)) {
     const unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
     if (size == ZSTD_CONTENTSIZE_ERROR || (size == ZSTD_CONTENTSIZE_UNKNOWN ? size_in_header : size != expect))
       throw_error(errc::protocol_error,
                   "delta: " + what_ + " frame does not say it holds " + std::to_string(expect) + " bytes");
-    if (!dctx_) throw_error(errc::resource_exhausted, "delta: zstd could not allocate a decompression context");
   }
   // The frame's next dst.size() bytes.
   void read(std::span<std::byte> dst) {
@@ -169,12 +198,12 @@ class zstd_reader {
 
  private:
   void step(ZSTD_outBuffer& ob) {
-    left_ = ZSTD_decompressStream(dctx_.get(), &ob, &in_);
+    left_ = ZSTD_decompressStream(dctx_, &ob, &in_);
     if (ZSTD_isError(left_))
       throw_error(errc::protocol_error, "delta: " + what_ + " frame is corrupt: " + ZSTD_getErrorName(left_));
   }
   ZSTD_inBuffer in_;
-  std::unique_ptr<ZSTD_DCtx, zstd_dctx_deleter> dctx_;
+  ZSTD_DCtx* dctx_;
   std::string what_;
   std::size_t left_ = 1;  // ZSTD_decompressStream's last hint (0: the frame ended)
 };
@@ -216,9 +245,11 @@ std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const s
   std::vector<std::vector<std::byte>> frames(1 + elem);
   std::vector<zstd_writer> streams;
   streams.reserve(1 + elem);
-  streams.emplace_back(frames[0], level, (n + 7) / 8);
-  for (std::size_t j = 0; j < elem; ++j) streams.emplace_back(frames[1 + j], level, std::nullopt);
-  std::vector<std::byte> map(planes_block / 8), planes(elem * planes_block);
+  streams.emplace_back(frames[0], level, (n + 7) / 8, 0);
+  for (std::size_t j = 0; j < elem; ++j) streams.emplace_back(frames[1 + j], level, std::nullopt, 1 + j);
+  // Scratch for one block (a small piece needs less than a whole one).
+  const std::size_t block = std::min(planes_block, (n + 7) / 8 * 8);
+  std::vector<std::byte> map(block / 8), planes(elem * block);
   std::size_t prev = 0;  // index after the previous changed element
   for (std::size_t b0 = 0; b0 < n;) {
     const std::size_t m = std::min(planes_block, n - b0);
@@ -228,7 +259,7 @@ std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const s
     const std::byte* b = next.data() + b0 * elem;
     for_each_changed(a, b, m, elem, [&](std::size_t i) {
       map[i / 8] |= static_cast<std::byte>(1u << (i % 8));
-      for (std::size_t j = 0; j < elem; ++j) planes[j * planes_block + k] = a[i * elem + j] ^ b[i * elem + j];
+      for (std::size_t j = 0; j < elem; ++j) planes[j * block + k] = a[i * elem + j] ^ b[i * elem + j];
       ++k;
       counts.sparse += leb128_size(b0 + i - prev) + elem;
       prev = b0 + i + 1;
@@ -237,7 +268,7 @@ std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const s
     b0 += m;
     const bool last = b0 == n;
     streams[0].write({map.data(), (m + 7) / 8}, last);
-    for (std::size_t j = 0; j < elem; ++j) streams[1 + j].write({planes.data() + j * planes_block, k}, last);
+    for (std::size_t j = 0; j < elem; ++j) streams[1 + j].write({planes.data() + j * block, k}, last);
   }
   const std::size_t start = out.size();
   std::size_t total = planes_header_bytes(elem);
@@ -283,12 +314,13 @@ void decode_xor_planes(std::span<const std::byte> payload, std::span<std::byte> 
     throw_error(errc::protocol_error,
                 "delta: " + std::to_string(payload.size() - at) + " bytes after the last xor_planes frame");
   // Every plane holds one byte per changed element.
-  zstd_reader map_in(frames[0], (n + 7) / 8, "xor_planes bitmap");
+  zstd_reader map_in(frames[0], (n + 7) / 8, "xor_planes bitmap", true, 0);
   std::vector<zstd_reader> plane_in;
   plane_in.reserve(elem);
   for (std::size_t j = 0; j < elem; ++j)
-    plane_in.emplace_back(frames[1 + j], changed, "xor_planes plane " + std::to_string(j), false);
-  std::vector<std::byte> map(planes_block / 8), planes(elem * planes_block);
+    plane_in.emplace_back(frames[1 + j], changed, "xor_planes plane " + std::to_string(j), false, 1 + j);
+  const std::size_t block = std::min(planes_block, (n + 7) / 8 * 8);
+  std::vector<std::byte> map(block / 8), planes(elem * block);
   std::uint64_t seen = 0;
   for (std::size_t b0 = 0; b0 < n;) {
     const std::size_t m = std::min(planes_block, n - b0), map_bytes = (m + 7) / 8;
@@ -301,14 +333,14 @@ void decode_xor_planes(std::span<const std::byte> payload, std::span<std::byte> 
       throw_error(errc::protocol_error, "delta: xor_planes bitmap marks more than the " + std::to_string(changed) +
                                             " changed elements its planes carry");
     seen += k;
-    for (std::size_t j = 0; j < elem; ++j) plane_in[j].read({planes.data() + j * planes_block, k});
+    for (std::size_t j = 0; j < elem; ++j) plane_in[j].read({planes.data() + j * block, k});
     std::byte* o = out.data() + b0 * elem;
     std::size_t t = 0;
     for (std::size_t q = 0; q < map_bytes; ++q) {
       auto bits = static_cast<std::uint8_t>(map[q]);
       while (bits != 0) {
         const std::size_t i = q * 8 + static_cast<std::size_t>(std::countr_zero(bits));
-        for (std::size_t j = 0; j < elem; ++j) o[i * elem + j] ^= planes[j * planes_block + t];
+        for (std::size_t j = 0; j < elem; ++j) o[i * elem + j] ^= planes[j * block + t];
         ++t;
         bits &= static_cast<std::uint8_t>(bits - 1);
       }
