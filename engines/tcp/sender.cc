@@ -120,6 +120,20 @@ void sender::fail_all() {
   }
 }
 
+json delta_send_info(const delta_send_stats& d) {
+  return {{"delta",
+           {{"version", d.version},
+            {"fingerprint", d.fingerprint},
+            {"base_version", d.base_version},
+            {"delta_workers", d.delta_workers},
+            {"full_fallbacks", d.full_fallbacks},
+            {"encoded_buckets", d.encoded_buckets},
+            {"delta_bytes", d.delta_bytes},
+            {"encoded_full", d.encoded_full},
+            {"full_bytes", d.full_bytes},
+            {"encode_s", d.encode_s}}}};
+}
+
 std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums) {
   const std::array<asio::const_buffer, 2> parts{asio::buffer(&digest, sizeof digest),
                                                 asio::buffer(bucket_checksums.data(), bucket_checksums.size_bytes())};
@@ -482,18 +496,7 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
 
 json sender::last_send_info() const {
   if (!delta_) return nullptr;
-  const auto& d = delta_stats_;
-  return {{"delta",
-           {{"version", d.version},
-            {"fingerprint", d.fingerprint},
-            {"base_version", d.base_version},
-            {"delta_workers", d.delta_workers},
-            {"full_fallbacks", d.full_fallbacks},
-            {"encoded_buckets", d.encoded_buckets},
-            {"delta_bytes", d.delta_bytes},
-            {"encoded_full", d.encoded_full},
-            {"full_bytes", d.full_bytes},
-            {"encode_s", d.encode_s}}}};
+  return delta_send_info(delta_stats_);
 }
 
 std::string sender::unconfirmed_ranks() const {

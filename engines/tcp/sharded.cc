@@ -14,6 +14,7 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/delta.h>
 #include <refit/backend/infos.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/status_io.h>
@@ -50,6 +51,41 @@ void close_socket(asio::ip::tcp::socket& s) noexcept {
   std::error_code ignored;
   s.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
   s.close(ignored);
+}
+
+// The element size a pair's frames are delta-encoded with: its items' dtype size
+// when they all share one, else 1 (both sides compute it from the global metadata).
+std::size_t pair_element_size(const sharded_layouts& l, const pair_plan& pair) {
+  std::size_t elem = 0;
+  for (const auto& it : pair.items) {
+    const std::size_t e = element_size(l.global.tensors.at(it.source).dtype);
+    if (elem != 0 && e != elem) return 1;
+    elem = e;
+  }
+  return elem == 0 ? 1 : elem;
+}
+
+std::vector<asio::const_buffer> const_buffers(const stream_frame& f) {
+  std::vector<asio::const_buffer> out;
+  out.reserve(f.runs.size());
+  for (const auto& r : f.runs) out.emplace_back(r.data, r.bytes);
+  return out;
+}
+
+// Copies a frame's runs into `out` (f.bytes of room), in order.
+void gather(const stream_frame& f, std::byte* out) {
+  for (const auto& r : f.runs) {
+    std::memcpy(out, r.data, r.bytes);
+    out += r.bytes;
+  }
+}
+
+// The delta fingerprint of a pair's bytes as they are now in `frames`.
+std::uint64_t frames_fingerprint(std::uint64_t digest, const std::vector<stream_frame>& frames) {
+  std::vector<std::uint64_t> hashes;
+  hashes.reserve(frames.size());
+  for (const auto& f : frames) hashes.push_back(checksum(std::span<const asio::const_buffer>(const_buffers(f))));
+  return delta_fingerprint(digest, hashes);
 }
 
 }  // namespace
@@ -207,22 +243,37 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   // Where each tensor lands: the model's own memory where it offers host memory,
   // else the engine's fallback area (load_weights then copies from it).
   model_target* target = receive_target();
+  const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
+  // Which version each pair holds is known only until this update changes it.
+  held_.resize(sockets_.size());
+  std::vector<std::optional<held_version>> held = std::exchange(held_, {});
+  held_.resize(sockets_.size());
+  // Deltas decode against the tensors' current bytes: in place, the model's memory
+  // the bytes land in; staged, the model's (the stage takes the decoded bytes).
+  auto current = std::make_shared<std::vector<const std::byte*>>(dest.tensors.size(), nullptr);
   std::vector<std::byte*> bases(dest.tensors.size(), nullptr);
   std::vector<std::uint64_t> fallback_at(dest.tensors.size(), ~0ull);
   std::uint64_t fallback_bytes = 0;
   bool direct = false;
+  const auto host_view = [](model_target* m, const tensor_spec& spec) -> std::optional<tensor_view> {
+    std::optional<tensor_view> d = m ? m->destination(spec) : std::nullopt;
+    if (d && d->device.is_cpu() && d->nbytes() == spec.nbytes() && (d->data || spec.nbytes() == 0)) return d;
+    return std::nullopt;
+  };
   for (std::size_t i = 0; i < dest.tensors.size(); ++i) {
     // Thousands of lookups in the model: in stretches, the loop is shared.
     if (i % 512 == 511) co_await async::yield_now();
     const auto& spec = dest.tensors[i].spec;
-    std::optional<tensor_view> d = target ? target->destination(spec) : std::nullopt;
-    if (d && d->device.is_cpu() && d->nbytes() == spec.nbytes()) {
+    if (auto d = host_view(target, spec)) {
       bases[i] = d->data;
       direct = true;
+      if (!staged) (*current)[i] = d->data;
     } else {
       fallback_at[i] = fallback_bytes;
       fallback_bytes += (spec.nbytes() + 63) / 64 * 64;
     }
+    if (staged)
+      if (auto m = host_view(context().model, spec)) (*current)[i] = m->data;
   }
   if (fallback_.size() < fallback_bytes) {
     // Allocated and faulted in on the processing executor, not the event loop.
@@ -258,17 +309,20 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   // waits out its deadline for bytes that will not come.
   struct shared {
     std::vector<socket_ptr> sockets;
+    std::vector<pair_state> states;
     bool failed = false;
   };
   auto s = std::make_shared<shared>();
   s->sockets = sockets_;
+  s->states.resize(sockets_.size());
+  for (std::size_t r = 0; r < sockets_.size(); ++r) s->states[r] = {held[r], current, staged, std::nullopt, 0};
   std::vector<asio::awaitable<void>> pairs;
   for (std::size_t r = 0; r < sockets_.size(); ++r)
     pairs.push_back([](sharded_engine* self, std::shared_ptr<shared> s, int r, std::shared_ptr<const sharded_layouts> l,
                        std::vector<std::byte*> bases) -> asio::awaitable<void> {
       std::exception_ptr failure;
       try {
-        co_await self->receive_pair(s->sockets[r], r, std::move(l), std::move(bases));
+        co_await self->receive_pair(s->sockets[r], r, std::move(l), std::move(bases), &s->states[r]);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -302,7 +356,8 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   }
   auto& stats = mutable_stats();
   stats.bytes = plan.ingress[worker_];
-  stats.wire_bytes = stats.bytes;
+  stats.wire_bytes = 0;
+  for (const auto& st : s->states) stats.wire_bytes += st.wire_bytes;
   stats.tensors = dest.tensors.size();
   stats.receive_s = since(start);
   // The update, whole: views of the model's memory (received in place) or of the
@@ -317,53 +372,121 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   stats.process_s = since(loading);
   stats.wall_s = since(start);
   stats.finalize();
+  // The pairs from ranks with deltas on now hold those ranks' versions (each
+  // fingerprint hashes the bytes that arrived). A chunk staged in an open update
+  // session holds them once the session commits.
+  std::vector<std::optional<held_version>> now(s->states.size());
+  bool any = false;
+  for (std::size_t r = 0; r < now.size(); ++r) {
+    now[r] = s->states[r].now;
+    any = any || now[r].has_value();
+  }
+  if (!any) co_return;
+  if (!receiving_into_open_session()) {
+    held_ = std::move(now);
+  } else {
+    if (!staged_pending_) before_session_held_ = std::move(held);
+    staged_pending_ = true;
+    staged_held_ = std::move(now);
+  }
+}
+
+void sharded_engine::do_session_committed() {
+  if (staged_pending_) held_ = std::exchange(staged_held_, {});
+  staged_pending_ = false;
+  before_session_held_.clear();
+}
+
+void sharded_engine::do_session_finished() {
+  // Not committed: the model holds what it held before the session (unless a
+  // failed commit left it dirty; each base's hash is checked at the next offer
+  // either way).
+  if (staged_pending_ && !weights_dirty()) held_ = std::move(before_session_held_);
+  staged_pending_ = false;
+  staged_held_.clear();
+  before_session_held_.clear();
+}
+
+std::string sharded_engine::base_refusal(const wire::delta_header& d, const pair_state& st,
+                                         const sharded_layouts& layouts, int rank) const {
+  const auto hex = [](std::uint64_t v) { return to_hex(v); };
+  if (!st.held)
+    return "this worker does not know which version its weights hold of trainer rank " + std::to_string(rank) +
+           "'s bytes (no complete update from it with deltas on since this worker started, or the last one failed "
+           "or was staged in a session)";
+  if (st.held->version != d.base_version || st.held->fingerprint != d.base_fingerprint)
+    return "this worker holds version " + std::to_string(st.held->version) + " (fingerprint " +
+           hex(st.held->fingerprint) + ") of trainer rank " + std::to_string(rank) +
+           "'s bytes, the deltas are against version " + std::to_string(d.base_version) + " (fingerprint " +
+           hex(d.base_fingerprint) + ")";
+  if (weights_dirty()) return "this worker's weights are dirty: " + dirty_reason();
+  const auto& dest = layouts.workers.at(worker_);
+  for (const auto& it : layouts.plan->pair(rank, worker_).items)
+    if (it.bytes > 0 && (*st.current).at(it.dest) == nullptr)
+      return "the model offers no host memory holding '" + dest.tensors.at(it.dest).spec.name +
+             "' to decode a delta against (deltas need a model target with destination())";
+  return {};
 }
 
 asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
                                                    std::shared_ptr<const sharded_layouts> layouts,
-                                                   std::vector<std::byte*> bases) {
+                                                   std::vector<std::byte*> bases, pair_state* state) {
   const std::string me = who() + ": trainer rank " + std::to_string(rank);
   const auto& plan = *layouts->plan;
   const auto& pair = plan.pair(rank, worker_);
   const auto& dest = layouts->workers[worker_];
+  const std::uint64_t frame_bytes = wire_.buffer_bytes;
+  const std::uint64_t digest = pair_digest(plan.digest, rank, worker_);
   // The pair's runs over this worker's tensors, made off the loop (a row-parallel
   // shard is one run per row).
+  const auto frames_over = [d = &dest, items = &pair.items, frame_bytes](const std::vector<std::byte*>& at) {
+    const auto runs = pair_runs(*items, item_side::destination, [&](const transfer_item& it) {
+      const auto& spec = d->tensors[it.dest].spec;
+      return tensor_place{at[it.dest], spec.shape, element_size(spec.dtype)};
+    });
+    return cut_frames(runs, frame_bytes);
+  };
   std::vector<stream_frame> frames;
   {
     auto* f = &frames;
-    auto* d = &dest;
     auto* b = &bases;
-    auto* items = &pair.items;
-    const std::uint64_t frame_bytes = wire_.buffer_bytes;
-    co_await async::offload(processing_executor(), [f, d, b, items, frame_bytes] {
-      const auto runs = pair_runs(*items, item_side::destination, [&](const transfer_item& it) {
-        const auto& spec = d->tensors[it.dest].spec;
-        return tensor_place{(*b)[it.dest], spec.shape, element_size(spec.dtype)};
-      });
-      *f = cut_frames(runs, frame_bytes);
-    });
+    co_await async::offload(processing_executor(), [f, b, &frames_over] { *f = frames_over(*b); });
   }
   // The pair's header: its plan digest first (a layout that differs between the
-  // sides is named as such), then its size; a refusal is sent back before any byte.
+  // sides is named as such), then its size; with deltas on, the delta header; a
+  // refusal is sent back before any byte.
+  std::optional<wire::delta_header> delta;
+  std::uint64_t seq = 0;
   {
     std::array<std::byte, sizeof(wire::update)> raw;
     co_await net::read_exact(*socket, asio::buffer(raw), timeout_, me + ": waiting for the update header");
     const auto u = wire::decode<wire::update>(raw);
     if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
     std::string refusal;
-    if (u.seq <= last_seq_[rank])
+    if ((u.flags & wire::update_flag_delta) != 0) {
+      std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
+      co_await net::read_exact(*socket, asio::buffer(raw_delta), timeout_, me + ": reading the delta header");
+      delta = wire::decode<wire::delta_header>(raw_delta);
+      refusal = wire::check_delta_header(*delta);
+    }
+    if (!refusal.empty()) {
+      // (the delta header is malformed)
+    } else if ((u.flags & ~wire::update_flag_delta) != 0) {
+      refusal = "unknown update flags " + std::to_string(u.flags);
+    } else if (u.seq <= last_seq_[rank]) {
       refusal = "update sequence " + std::to_string(u.seq) + " is not after " + std::to_string(last_seq_[rank]);
-    else if (u.digest != pair_digest(plan.digest, rank, worker_))
+    } else if (u.digest != digest) {
       refusal =
           "the transfer plans differ: the trainer rank planned another layout or other metadata than this "
           "worker's update_info (plan digest " +
           to_hex(plan.digest) + " here)";
-    else if (u.tensors != pair.items.size() || u.buckets != frames.size() || u.payload_bytes != pair.bytes)
+    } else if (u.tensors != pair.items.size() || u.buckets != frames.size() || u.payload_bytes != pair.bytes) {
       refusal = "the pair's stream differs: the trainer sends " + std::to_string(u.tensors) + " boxes, " +
                 std::to_string(u.payload_bytes) + " bytes in " + std::to_string(u.buckets) +
                 " frames; this worker expects " + std::to_string(pair.items.size()) + ", " +
                 std::to_string(pair.bytes) + " in " + std::to_string(frames.size()) +
                 " (are both on the same refit version?)";
+    }
     if (!refusal.empty()) {
       co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, refusal, timeout_,
                                   me + ": refusing the update");
@@ -371,28 +494,110 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
     }
     co_await links::send_status(*socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
     last_seq_[rank] = u.seq;
+    seq = u.seq;
+  }
+  // Offered deltas: this worker says whether it holds the base (then frames may
+  // arrive encoded) or not (then every frame comes full), before any byte changes.
+  // The recorded version is not enough: the tensors' bytes are hashed (off the
+  // loop), so bytes written outside refit since get the pair full.
+  bool accepted = false;
+  std::vector<stream_frame> base_frames;  // staged: the current bytes' frames (else `frames`)
+  if (delta && (delta->flags & wire::delta_flag_has_base) != 0) {
+    std::string why_full = base_refusal(*delta, *state, *layouts, rank);
+    if (why_full.empty()) {
+      const std::vector<stream_frame>* over = &frames;
+      if (state->staged) {
+        std::vector<std::byte*> at(state->current->size());
+        for (std::size_t i = 0; i < at.size(); ++i) at[i] = const_cast<std::byte*>((*state->current)[i]);
+        auto* bf = &base_frames;
+        co_await async::offload(processing_executor(), [bf, &at, &frames_over] { *bf = frames_over(at); });
+        over = &base_frames;
+      }
+      const std::uint64_t now =
+          co_await async::offload(processing_executor(), [over, digest] { return frames_fingerprint(digest, *over); });
+      if (now != delta->base_fingerprint)
+        why_full = "this worker's tensors no longer hold version " + std::to_string(delta->base_version) +
+                   " of trainer rank " + std::to_string(rank) + "'s bytes (their fingerprint is " + to_hex(now) +
+                   ", the base's " + to_hex(delta->base_fingerprint) + "): written outside refit since that update";
+    }
+    accepted = why_full.empty();
+    co_await links::send_status(*socket, accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), seq,
+                                why_full, timeout_, me + ": answering the delta offer");
   }
   if (auto* t = std::exchange(direct_target_, nullptr)) t->direct_write_begins();
+  const std::size_t elem = pair_element_size(*layouts, pair);
+  std::vector<std::uint64_t> hashes(frames.size(), 0);
+  std::vector<std::byte> encoded, scratch;
   for (std::size_t k = 0; k < frames.size(); ++k) {
     const std::string what = me + ": frame " + std::to_string(k);
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
     co_await net::read_exact(*socket, asio::buffer(raw), timeout_, what + " header");
     const auto h = wire::decode<wire::bucket_header>(raw);
-    if (auto bad = wire::check_bucket_header(h, k, frames[k].bytes, wire_.checksums); !bad.empty())
-      throw_error(errc::protocol_error, what + ": " + bad);
+    const std::string bad =
+        delta ? wire::check_delta_bucket_header(h, k, frames[k].bytes, wire_.checksums, accepted)
+              : wire::check_bucket_header(h, k, frames[k].bytes, wire_.checksums);
+    if (!bad.empty()) throw_error(errc::protocol_error, what + ": " + bad);
     auto buffers = mutable_buffers(frames[k]);
+    const bool is_delta = (h.flags & wire::flag_delta) != 0;
     // At most a loop's budget of bytes per system call: the loop is shared.
-    co_await net::read_exact(*socket, buffers, timeout_, what, net::loop_bytes_per_call);
-    if (wire_.checksums) {
-      auto* b = &buffers;
-      const std::uint64_t got = co_await async::offload(
-          processing_executor(), [b] { return checksum(std::span<const asio::mutable_buffer>(*b)); });
-      if (got != h.checksum)
-        throw_error(errc::integrity_error,
-                    what + ": payload checksum " + to_hex(got) + " differs from the trainer's " + to_hex(h.checksum));
+    if (is_delta) {
+      encoded.resize(h.payload_bytes);
+      co_await net::read_exact(*socket, asio::buffer(encoded), timeout_, what, net::loop_bytes_per_call);
+    } else {
+      co_await net::read_exact(*socket, buffers, timeout_, what, net::loop_bytes_per_call);
     }
+    state->wire_bytes += h.payload_bytes;
+    if (!is_delta && !wire_.checksums && !delta) continue;
+    // Decoded (a delta frame) and hashed on the processing executor: the checksum
+    // covers the decoded bytes, and with deltas on every frame's hash is a part
+    // of the fingerprint of the version this worker then holds.
+    const stream_frame* out = &frames[k];
+    const stream_frame* base = state->staged && !base_frames.empty() ? &base_frames[k] : out;
+    const std::uint64_t at = k * frame_bytes;
+    auto* b = &buffers;
+    auto* e = &encoded;
+    auto* sc = &scratch;
+    const auto* named = &what;
+    // (Only trivially destructible captures: GCC 12 destroys some temporaries of a
+    // co_await expression twice.)
+    const std::uint64_t got = co_await async::offload(processing_executor(), [=] {
+      if (is_delta) {
+        const std::size_t piece = backend::delta::piece_elem(elem, at, out->bytes);
+        try {
+          if (out->runs.size() == 1 && base->runs.size() == 1) {
+            const backend::delta::piece_out p{
+                std::span<const std::byte>(base->runs[0].data, base->bytes),
+                std::span<std::byte>(out->runs[0].data, out->bytes), piece};
+            backend::delta::decode_pieces(*e, std::span(&p, 1));
+          } else {
+            // Runs of several rows: decoded in one contiguous copy of the frame.
+            sc->resize(out->bytes);
+            gather(*base, sc->data());
+            const backend::delta::piece_out p{std::span<const std::byte>(sc->data(), sc->size()),
+                                              std::span<std::byte>(sc->data(), sc->size()), piece};
+            backend::delta::decode_pieces(*e, std::span(&p, 1));
+            const std::byte* from = sc->data();
+            for (const auto& r : out->runs) {
+              std::memcpy(r.data, from, r.bytes);
+              from += r.bytes;
+            }
+          }
+        } catch (const error& err) {
+          throw_error(err.kind(), *named + ": " + err.message());
+        }
+      }
+      return checksum(std::span<const asio::mutable_buffer>(*b));
+    });
+    if (wire_.checksums && got != h.checksum)
+      throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
+                                             to_hex(h.checksum) +
+                                             (is_delta ? " after decoding its delta (corrupted in transit, or this "
+                                                         "worker's tensors did not hold the base)"
+                                                       : ""));
+    hashes[k] = got;
   }
   co_await links::confirm_update(*socket, last_seq_[rank], timeout_, me);
+  if (delta) state->now = held_version{delta->version, delta_fingerprint(digest, hashes)};
 }
 
 void sharded_engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
@@ -434,6 +639,7 @@ json sharded_sender::prepare(const json& trainer_args) {
   json layout = r.required<json>("layout");
   const wire_params wire = wire_params::read(r);
   const auto timeout = std::chrono::milliseconds(r.optional<std::int64_t>("timeout_ms", config_.timeout.count()));
+  const bool delta = r.optional<bool>("delta", false);
   if (!trainers.is_array() || trainers.empty()) r.fail("member 'trainers' must be a non-empty array");
   if (rank < 0 || rank >= static_cast<int>(trainers.size()))
     r.fail("member 'rank' is " + std::to_string(rank) + ", not one of the " + std::to_string(trainers.size()) +
@@ -455,6 +661,8 @@ json sharded_sender::prepare(const json& trainer_args) {
   layout_spec_ = std::move(layout);
   wire_ = wire;
   timeout_ = timeout;
+  delta_ = delta;
+  if (!delta_) bases_.clear();  // no snapshot held without deltas
   if (!io_pool_) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     io_pool_ = std::make_unique<asio::thread_pool>(std::min<unsigned>(cores, static_cast<unsigned>(workers_)));
@@ -551,6 +759,15 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
                 who + ": the tensors go on past the " + std::to_string(local.tensors.size()) + " declared");
   const std::uint64_t seq = ++seq_;
   sent_.assign(workers_, 0);
+  // Deltas on: number this version; each pair whose snapshot holds the last
+  // version of that same pair is offered deltas against it.
+  delta_stats_ = {};
+  if (delta_) {
+    ++version_;
+    delta_stats_.version = version_;
+    delta_stats_.full_bytes = plan.egress[rank_];
+    bases_.resize(workers_);
+  }
   std::vector<asio::awaitable<void>> streams;
   for (int w = 0; w < workers_; ++w) {
     const auto& pair = plan.pair(rank_, w);
@@ -559,11 +776,36 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       return tensor_place{bases[it.source], spec.shape, element_size(spec.dtype)};
     });
     auto frames = std::make_shared<const std::vector<stream_frame>>(cut_frames(runs, wire_.buffer_bytes));
-    const auto header =
-        links::update_header(seq, pair.items.size(), pair_digest(plan.digest, rank_, w), frames->size(), pair.bytes);
+    const std::uint64_t digest = pair_digest(plan.digest, rank_, w);
+    auto header = links::update_header(seq, pair.items.size(), digest, frames->size(), pair.bytes);
+    std::optional<pair_delta> delta;
+    if (delta_) {
+      pair_base& b = bases_[w];
+      wire::update u = wire::decode<wire::update>(header);
+      u.flags |= wire::update_flag_delta;
+      header = wire::encode(u);
+      wire::delta_header d;
+      d.version = version_;
+      delta.emplace();
+      delta->offers_base = b.valid && b.digest == digest && b.size == pair.bytes;
+      if (delta->offers_base) {
+        d.flags = wire::delta_flag_has_base;
+        d.base_version = b.version;
+        d.base_fingerprint = b.fingerprint;
+        delta_stats_.base_version = b.version;
+      }
+      delta->header = wire::encode(d);
+      delta->base = &b;
+      delta->elem = pair_element_size(*layouts, pair);
+      b.valid = false;  // a mix of two versions until this send completes
+      b.digest = digest;
+      b.size = pair.bytes;
+      b.version = version_;
+    }
     sent_[w] = pair.bytes;
     auto p = peers_.at(w);
-    streams.push_back(asio::co_spawn(p->strand, stream_to(p, header, std::move(frames), seq), asio::use_awaitable));
+    streams.push_back(
+        asio::co_spawn(p->strand, stream_to(p, header, std::move(frames), seq, std::move(delta)), asio::use_awaitable));
   }
   std::exception_ptr failure;
   try {
@@ -575,6 +817,23 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
     fail_all();  // the workers fail at once; init again before the next update
     std::rethrow_exception(failure);
   }
+  if (delta_) {
+    // Every worker confirmed: each snapshot is this version's bytes of its pair,
+    // the next update's base.
+    for (int w = 0; w < workers_; ++w) {
+      auto& b = bases_[w];
+      const auto& p = *peers_[w];
+      b.valid = true;
+      b.fingerprint = delta_fingerprint(b.digest, p.hashes);
+      auto& d = delta_stats_;
+      d.delta_workers += p.took_delta ? 1 : 0;
+      d.full_fallbacks += p.fell_back ? 1 : 0;
+      d.encoded_buckets += p.encoded_frames;
+      d.delta_bytes += p.delta_bytes;
+      d.encoded_full += p.encoded_full;
+      d.encode_s += p.encode_s;
+    }
+  }
   stats_.bytes = plan.egress[rank_];
   stats_.tensors = local.tensors.size();
   stats_.wall_s = since(start);
@@ -584,22 +843,99 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
 
 asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::array<std::byte, 48> header,
                                                 std::shared_ptr<const std::vector<stream_frame>> frames,
-                                                std::uint64_t seq) {
+                                                std::uint64_t seq, std::optional<pair_delta> delta) {
   const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_) + ": worker " + std::to_string(p->worker);
+  p->took_delta = p->fell_back = false;
+  p->encoded_frames = p->delta_bytes = p->encoded_full = 0;
+  p->encode_s = 0;
   std::exception_ptr failure;
   try {
-    co_await links::announce_update(p->socket, header, timeout_, who);
+    bool deltas = false;
+    if (!delta) {
+      co_await links::announce_update(p->socket, header, timeout_, who);
+    } else {
+      // The update header and its delta header, then the worker's answers: it
+      // accepts the update, then (when offered deltas) says whether it holds the base.
+      std::vector<asio::const_buffer> headers{asio::buffer(header), asio::buffer(delta->header)};
+      co_await net::write_all(p->socket, headers, timeout_, who + ": update header");
+      links::throw_if_failed(
+          co_await links::read_status(p->socket, timeout_,
+                                      who + ": waiting for the worker to accept update " + std::to_string(seq)),
+          who + " refused the update");
+      if (delta->offers_base) {
+        const auto answer =
+            co_await links::read_status(p->socket, timeout_, who + ": waiting for its answer to the delta offer");
+        if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
+          p->fell_back = true;  // it does not hold the base: this update goes to it full
+        } else {
+          links::throw_if_failed(answer, who + " refused the delta offer");
+          deltas = true;
+          p->took_delta = true;
+        }
+      }
+      // The snapshot grows here, on this I/O thread (its bytes are kept only when
+      // they are this update's base, whose size is the same).
+      pair_base& b = *delta->base;
+      const std::uint64_t need = std::max<std::uint64_t>(b.size, 1);
+      if (b.capacity < need) {
+        b.bytes.reset();
+        b.capacity = 0;
+        b.bytes = std::make_unique_for_overwrite<std::byte[]>(static_cast<std::size_t>(need));
+        b.capacity = need;
+      }
+      p->hashes.assign(frames->size(), 0);
+    }
     std::vector<asio::const_buffer> buffers;
-    for (std::size_t k = 0; k < frames->size(); ++k) {
+    std::vector<std::byte> next, encoded;
+    std::uint64_t at = 0;  // the frame's place in the pair's stream
+    for (std::size_t k = 0; k < frames->size(); at += (*frames)[k].bytes, ++k) {
       const auto& f = (*frames)[k];
-      buffers.clear();
-      for (const auto& r : f.runs) buffers.emplace_back(r.data, r.bytes);
+      buffers = const_buffers(f);
       wire::bucket_header h;
       h.index = k;
       h.payload_bytes = f.bytes;
-      if (wire_.checksums) {
-        h.flags |= wire::flag_checksum;
-        h.checksum = checksum(std::span<const asio::const_buffer>(buffers));  // on this I/O thread
+      if (wire_.checksums || delta) {
+        const std::uint64_t sum = checksum(std::span<const asio::const_buffer>(buffers));  // on this I/O thread
+        if (wire_.checksums) {
+          h.flags |= wire::flag_checksum;
+          h.checksum = sum;
+        }
+        if (delta) p->hashes[k] = sum;
+      }
+      bool encode = false;
+      if (delta) {
+        // The frame against the snapshot (taking deltas), then the snapshot takes
+        // the frame's new bytes.
+        std::byte* old = delta->base->bytes.get() + at;
+        if (deltas) {
+          const auto t0 = clock_type::now();
+          const std::byte* now = f.runs.size() == 1 ? f.runs[0].data : nullptr;
+          if (!now) {
+            next.resize(f.bytes);
+            gather(f, next.data());
+            now = next.data();
+          }
+          const backend::delta::piece_in piece{std::span<const std::byte>(old, f.bytes),
+                                               std::span<const std::byte>(now, f.bytes),
+                                               backend::delta::piece_elem(delta->elem, at, f.bytes)};
+          encoded.clear();
+          const auto r = backend::delta::encode_pieces(std::span(&piece, 1), encoded);
+          encode = r.bytes < f.bytes;  // else full: a delta was not smaller
+          if (encode) {
+            ++p->encoded_frames;
+            p->delta_bytes += r.bytes;
+            p->encoded_full += f.bytes;
+          }
+          std::memcpy(old, now, f.bytes);
+          p->encode_s += since(t0);
+        } else {
+          gather(f, old);
+        }
+      }
+      if (encode) {
+        h.flags |= wire::flag_delta;
+        h.payload_bytes = encoded.size();
+        buffers.assign(1, asio::buffer(encoded));
       }
       const auto raw = wire::encode(h);
       buffers.insert(buffers.begin(), asio::buffer(raw));
@@ -611,6 +947,11 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
   }
   // A worker that fails says why before it closes: that reason is the error.
   if (failure) co_await links::rethrow_with_peer_reason(p->socket, failure, who);
+}
+
+json sharded_sender::last_send_info() const {
+  if (!delta_) return nullptr;
+  return delta_send_info(delta_stats_);
 }
 
 }  // namespace refit::tcp

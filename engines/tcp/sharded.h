@@ -12,12 +12,21 @@
 // sends it an empty stream, which keeps the pair's sequence in step). Per update,
 // per pair: header (accepted or refused), frames of at most buffer_bytes each
 // (wire::bucket_header + payload, XXH3 checksums when enabled), confirmation.
+//
+// Deltas ("delta": true in a rank's trainer_args; docs/delta.md): each pair is a
+// stream of its own versions. The rank keeps a snapshot of the bytes it last sent
+// each worker, offers each worker deltas against it (a delta header after the
+// pair's header, as tcp's), and a worker that holds exactly that pair's base (its
+// version, and a hash of its tensors' current bytes equal to the base's
+// fingerprint) takes each frame as a delta of the frame's bytes; any other gets
+// that pair full.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +40,7 @@
 #include <refit/engine.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
+#include <refit/engines/tcp/tcp.h>
 #include <refit/trainer.h>
 
 namespace refit::tcp {
@@ -99,17 +109,37 @@ class sharded_engine final : public backend::engine {
   int worker() const noexcept { return worker_; }
   /// Closes every connection now (an update in flight fails).
   void disconnect() noexcept { do_shutdown(); }
+  /// By trainer rank: the version of that rank's pair this worker holds (known
+  /// after an update from ranks with deltas on completed; a delta is taken only
+  /// against exactly this).
+  const std::vector<std::optional<held_version>>& held() const noexcept { return held_; }
 
  protected:
   asio::awaitable<void> do_init(const refit::init_info& info) override;
   asio::awaitable<void> do_receive(const refit::update_info& info, load_weights_fn load_weights) override;
   void do_shutdown() override;
   void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+  void do_session_committed() override;
+  void do_session_finished() override;
 
  private:
   using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
+  // One pair's part of an update: what it held, where its tensors' current bytes
+  // are (to decode deltas against; nullptr: none the model offers), and what it
+  // brought.
+  struct pair_state {
+    std::optional<held_version> held;
+    std::shared_ptr<const std::vector<const std::byte*>> current;
+    bool staged = false;                     // current is not where the bytes land
+    std::optional<held_version> now;         // the version it holds after this update
+    std::uint64_t wire_bytes = 0;
+  };
   asio::awaitable<void> receive_pair(socket_ptr socket, int rank, std::shared_ptr<const sharded_layouts> layouts,
-                                     std::vector<std::byte*> bases);
+                                     std::vector<std::byte*> bases, pair_state* state);
+  // Why this worker cannot take deltas on its pair with `rank` ("" when it can, as
+  // far as what it recorded tells; the bytes' hash is checked next).
+  std::string base_refusal(const links::wire::delta_header& d, const pair_state& st,
+                           const sharded_layouts& layouts, int rank) const;
   std::string who() const { return "tcp_sharded worker " + std::to_string(worker_); }
 
   std::vector<socket_ptr> sockets_;  // by trainer rank
@@ -123,12 +153,20 @@ class sharded_engine final : public backend::engine {
   // updates; load_weights copies from it).
   std::vector<std::byte> fallback_;
   model_target* direct_target_ = nullptr;  // to tell when the update's first bytes land
+  // By trainer rank (deltas): what the model holds, kept across re-inits with the
+  // same ranks; what an open session's staged chunks will make it, and what it
+  // held before them.
+  std::vector<std::optional<held_version>> held_, staged_held_, before_session_held_;
+  bool staged_pending_ = false;
 };
 
 /// Trainer side: one rank. trainer_args: {"rank": int, "trainers": [{"address",
 /// "port"}, ...] (every rank's listen address in rank order; this rank's port may be
 /// 0: any free port), "workers": int, "layout": {"source", "destination"},
-/// "buffer_bytes", "checksums", "timeout_ms"}. prepare() listens and returns the
+/// "buffer_bytes", "checksums", "timeout_ms", "delta": bool (optional, false by
+/// default: with true, the snapshot of what this rank last sent, its egress bytes,
+/// is held from the first send until the sender is destroyed or prepared without
+/// deltas)}. prepare() listens and returns the
 /// workers' init info (rank_offset 1); connect_workers() accepts every worker.
 /// send_weights(declared, source): `declared` is the GLOBAL metadata (what the
 /// workers' update_info carries); `source` yields this rank's local shards in the
@@ -148,6 +186,10 @@ class sharded_sender final : public weight_sender {
   asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
   void shutdown() override;
   update_stats last_send_stats() const override { return stats_; }
+  /// With deltas on: {"delta": last_delta_stats()'s members}.
+  json last_send_info() const override;
+  /// What the last send did with deltas (fingerprint: 0, as each pair has its own).
+  const delta_send_stats& last_delta_stats() const noexcept { return delta_stats_; }
   /// Bytes this rank sent each worker in the last update.
   const std::vector<std::uint64_t>& last_bytes_per_worker() const noexcept { return sent_; }
   /// Seconds the last update spent planning (0 when the plan was cached).
@@ -160,9 +202,31 @@ class sharded_sender final : public weight_sender {
     int worker = 0;
     pool_strand strand;
     asio::ip::tcp::socket socket;
+    // Deltas on, the last update: what the worker answered, what was encoded, and
+    // each frame's hash (the fingerprint's parts).
+    bool took_delta = false, fell_back = false;
+    std::uint64_t encoded_frames = 0, delta_bytes = 0, encoded_full = 0;
+    double encode_s = 0;
+    std::vector<std::uint64_t> hashes;
+  };
+  // The bytes this rank last sent one worker (deltas on), laid out as the pair's
+  // stream.
+  struct pair_base {
+    std::unique_ptr<std::byte[]> bytes;
+    std::uint64_t capacity = 0;
+    bool valid = false;  // holds exactly `version`'s bytes of the pair `digest` names
+    std::uint64_t digest = 0, size = 0, version = 0, fingerprint = 0;
+  };
+  // A pair's delta work for stream_to (deltas on).
+  struct pair_delta {
+    std::array<std::byte, 32> header;
+    bool offers_base = false;
+    pair_base* base = nullptr;
+    std::size_t elem = 1;  // the pair's element size (1 where dtypes of several sizes mix)
   };
   asio::awaitable<void> stream_to(std::shared_ptr<peer> p, std::array<std::byte, 48> header,
-                                  std::shared_ptr<const std::vector<stream_frame>> frames, std::uint64_t seq);
+                                  std::shared_ptr<const std::vector<stream_frame>> frames, std::uint64_t seq,
+                                  std::optional<pair_delta> delta);
   void fail_all();
 
   weight_transfer_config config_;
@@ -180,6 +244,10 @@ class sharded_sender final : public weight_sender {
   update_stats stats_;
   std::vector<std::uint64_t> sent_;
   double plan_s_ = 0;
+  bool delta_ = false;         // trainer_args "delta"
+  std::uint64_t version_ = 0;  // the last version numbered (deltas on)
+  std::vector<pair_base> bases_;  // by worker (deltas on)
+  delta_send_stats delta_stats_;
 };
 
 }  // namespace refit::tcp

@@ -30,6 +30,32 @@
 
 namespace refit::tcp {
 
+/// A version of the weights a worker holds, as a trainer with deltas on numbered
+/// it, and its fingerprint (delta_fingerprint of the bytes that arrived).
+struct held_version {
+  std::uint64_t version = 0;
+  std::uint64_t fingerprint = 0;
+};
+
+/// What a sender's last send did with deltas (tcp and tcp_sharded with "delta":
+/// true; docs/delta.md).
+struct delta_send_stats {
+  std::uint64_t version = 0;       ///< the version it sent (0: deltas off)
+  std::uint64_t fingerprint = 0;   ///< tcp: that version's (delta_fingerprint), as its workers now hold it
+  std::uint64_t base_version = 0;  ///< the base its deltas were against (0: none, every worker got it full)
+  std::size_t delta_workers = 0;   ///< workers that took the deltas
+  /// Workers offered deltas and sent the update full: they did not hold the base,
+  /// or (relays) a worker their stream also reaches did not.
+  std::size_t full_fallbacks = 0;
+  std::uint64_t encoded_buckets = 0;  ///< buckets (sharded: frames) sent as deltas (the rest full: not smaller)
+  std::uint64_t delta_bytes = 0;      ///< bytes of those deltas (headers not counted)
+  std::uint64_t encoded_full = 0;     ///< those buckets' payload bytes (their cost sent full)
+  std::uint64_t full_bytes = 0;       ///< the update's payload bytes (what a full update sends)
+  double encode_s = 0;                ///< time spent encoding (off the event loop)
+};
+/// {"delta": {every member of `d`}}: what last_send_info() reports with deltas on.
+json delta_send_info(const delta_send_stats& d);
+
 /// Worker init info, like vLLM's NCCL engine's plus the trainer's wire parameters:
 /// {"master_address": str, "master_port": int, "rank_offset": int,
 ///  "world_size": int, "buffer_bytes": int, "num_buffers": int, "timeout_ms": int,
@@ -76,10 +102,6 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   /// (delta_fingerprint of the bytes that arrived), known after an update from a
   /// trainer with deltas on completed (docs/delta.md); a delta update is taken only
   /// against exactly this (and clean weights).
-  struct held_version {
-    std::uint64_t version = 0;
-    std::uint64_t fingerprint = 0;
-  };
   std::optional<held_version> held() const noexcept { return held_; }
 
  protected:
@@ -160,20 +182,7 @@ class sender final : public weight_sender {
   json last_send_info() const override;
 
   /// What the last send did with deltas ("delta": true).
-  struct delta_stats {
-    std::uint64_t version = 0;       ///< the version it sent (0: deltas off)
-    std::uint64_t fingerprint = 0;   ///< that version's (delta_fingerprint), as its workers now hold it
-    std::uint64_t base_version = 0;  ///< the base its deltas were against (0: none, every worker got it full)
-    std::size_t delta_workers = 0;   ///< workers that took the deltas
-    /// Workers offered deltas and sent the update full: they did not hold the base,
-    /// or (relays) a worker their stream also reaches did not.
-    std::size_t full_fallbacks = 0;
-    std::uint64_t encoded_buckets = 0;  ///< buckets sent as deltas (the rest full: a delta was not smaller)
-    std::uint64_t delta_bytes = 0;      ///< bytes of those deltas (headers not counted)
-    std::uint64_t encoded_full = 0;     ///< those buckets' payload bytes (their cost sent full)
-    std::uint64_t full_bytes = 0;       ///< the update's payload bytes (what a full update sends)
-    double encode_s = 0;                ///< time spent encoding (off the event loop)
-  };
+  using delta_stats = delta_send_stats;
   const delta_stats& last_delta_stats() const noexcept { return delta_stats_; }
 
  private:

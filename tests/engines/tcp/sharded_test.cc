@@ -55,6 +55,14 @@ struct full_model {
       for (std::size_t k = 0; k < data[i].size(); ++k) data[i][k] = pattern_byte(round * 1000 + i, k);
     }
   }
+  // The next step of a trajectory: one bf16 element in `every` of each tensor
+  // moves by its lowest bit (where an element starts at `offset`, mod every).
+  full_model step(std::size_t every, std::size_t offset) const {
+    full_model next = *this;
+    for (auto& t : next.data)
+      for (std::size_t e = offset % every; e * 2 < t.size(); e += every) t[e * 2] ^= std::byte{1};
+    return next;
+  }
   // Rank r's shards (contiguous copies of its local boxes).
   std::vector<std::vector<std::byte>> shards(const source_layout& l, int rank) const {
     std::vector<std::vector<std::byte>> out;
@@ -135,7 +143,7 @@ struct sharded_group {
   json init;
   std::vector<update_metadata> locals;
 
-  sharded_group(int m, int n, bool checksums, std::chrono::milliseconds timeout = 5s)
+  sharded_group(int m, int n, bool checksums, std::chrono::milliseconds timeout = 5s, bool delta = false)
       : ranks(m), workers(n), spec(layout_spec(m, n)) {
     json trainers = json::array();
     for (int r = 0; r < m; ++r) trainers.push_back({{"address", "127.0.0.1"}, {"port", 0}});
@@ -143,6 +151,7 @@ struct sharded_group {
       senders.push_back(std::make_unique<tcp::sharded_sender>(config(timeout), trainer_context{io.get_executor(), {}}));
       json args = {{"rank", r},      {"trainers", trainers}, {"workers", n},
                    {"layout", spec}, {"buffer_bytes", 4096}, {"checksums", checksums}};
+      if (delta) args["delta"] = true;
       auto info = senders.back()->prepare(args);
       trainers[r]["port"] = info["trainers"][r]["port"];
       init = info;
@@ -371,6 +380,130 @@ TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
   auto b = cache.get(checkpoint(), layout_spec(2, 2), "test");
   EXPECT_EQ(a.get(), b.get());
   EXPECT_NE(cache.get(checkpoint(3), layout_spec(2, 2), "test").get(), a.get());
+}
+
+
+// ---- Deltas (docs/delta.md): each (rank, worker) pair is a version of its own.
+
+// Every worker holds exactly `model`'s bytes of its tensors.
+void expect_holds(sharded_group& g, const tcp::sharded_layouts& layouts, const full_model& model,
+                  const std::string& when) {
+  for (int w = 0; w < g.workers; ++w)
+    for (const auto& [name, bytes] : model.expected(layouts.workers[w]))
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << when << ": worker " << w << " " << name;
+}
+
+void expect_ok(const std::vector<std::shared_ptr<outcome>>& sent, const std::vector<std::shared_ptr<outcome>>& got) {
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+}
+
+class tcp_sharded_delta : public ::testing::TestWithParam<bool> {};  // checksums
+
+TEST_P(tcp_sharded_delta, frames_go_as_deltas_to_workers_holding_the_base_and_every_byte_is_exact) {
+  // Worker 0 offers its model's memory (deltas decode there); worker 1 does not
+  // (its bytes go through the engine's own area): it gets every update full.
+  sharded_group g(2, 2, GetParam(), 5s, /*delta=*/true);
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 11);
+  for (int round = 1; round <= 4; ++round) {
+    if (round > 1) model = model.step(50, static_cast<std::size_t>(round));
+    auto [sent, got] = g.update(model, shards);
+    expect_ok(sent, got);
+    expect_holds(g, layouts, model, "round " + std::to_string(round));
+    for (int r = 0; r < 2; ++r) {
+      const auto& d = g.senders[r]->last_delta_stats();
+      EXPECT_EQ(d.version, static_cast<std::uint64_t>(round));
+      EXPECT_EQ(d.full_bytes, layouts.plan->egress[r]);
+      if (round == 1) {
+        EXPECT_EQ(d.base_version, 0u);  // nothing to be a delta of yet
+        EXPECT_EQ(d.delta_workers + d.full_fallbacks, 0u);
+      } else {
+        EXPECT_EQ(d.base_version, static_cast<std::uint64_t>(round - 1));
+        EXPECT_EQ(d.delta_workers, 1u) << "rank " << r;   // worker 0
+        EXPECT_EQ(d.full_fallbacks, 1u) << "rank " << r;  // worker 1: no model memory to decode into
+        EXPECT_GT(d.encoded_buckets, 0u);
+        EXPECT_LT(d.delta_bytes, d.encoded_full / 4) << "2% of the elements moved";
+      }
+      const json info = g.senders[r]->last_send_info();
+      EXPECT_EQ(info.at("delta").at("version").get<std::uint64_t>(), static_cast<std::uint64_t>(round));
+    }
+    const auto& w0 = g.engines[0]->last_update_stats();
+    EXPECT_EQ(w0.bytes, layouts.plan->ingress[0]);
+    if (round > 1) {
+      EXPECT_LT(w0.wire_bytes, w0.bytes / 4);
+    } else {
+      EXPECT_EQ(w0.wire_bytes, w0.bytes);
+    }
+    EXPECT_EQ(g.engines[1]->last_update_stats().wire_bytes, layouts.plan->ingress[1]);
+    // Both workers know the version of each rank's pair they now hold.
+    for (int w = 0; w < 2; ++w)
+      for (int r = 0; r < 2; ++r) {
+        ASSERT_TRUE(g.engines[w]->held().at(r)) << "worker " << w << " rank " << r;
+        EXPECT_EQ(g.engines[w]->held()[r]->version, static_cast<std::uint64_t>(round));
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(checksums, tcp_sharded_delta, ::testing::Bool());
+
+TEST(tcp_sharded, a_delta_against_bytes_changed_outside_refit_is_refused_and_sent_full) {
+  sharded_group g(2, 2, true, 5s, /*delta=*/true);
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 21);
+  auto [sent, got] = g.update(model, shards);
+  expect_ok(sent, got);
+  // Worker 0's model changes one byte that rank 1 sends it (a reload, a write in
+  // place): its recorded version is right, its bytes are not. (The final norm is
+  // whole on every worker; rank 1 holds its second half.)
+  auto& bytes = g.models[0]->tensors_.at("model.norm.weight");
+  bytes.back() ^= std::byte{0x40};
+  model = model.step(40, 3);
+  auto [sent2, got2] = g.update(model, shards);
+  expect_ok(sent2, got2);
+  expect_holds(g, layouts, model, "after the outside write");
+  EXPECT_EQ(g.senders[0]->last_delta_stats().delta_workers, 1u);  // rank 0's pair with worker 0 is intact
+  EXPECT_EQ(g.senders[1]->last_delta_stats().delta_workers, 0u);
+  EXPECT_EQ(g.senders[1]->last_delta_stats().full_fallbacks, 2u);
+  // Then deltas again, from both ranks.
+  model = model.step(40, 5);
+  auto [sent3, got3] = g.update(model, shards);
+  expect_ok(sent3, got3);
+  expect_holds(g, layouts, model, "the update after");
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(g.senders[r]->last_delta_stats().delta_workers, 1u) << "rank " << r;
+}
+
+TEST(tcp_sharded, staged_delta_updates_decode_into_the_stage_and_a_failed_one_leaves_the_base) {
+  sharded_group g(2, 2, true, 5s, /*delta=*/true);
+  g.commit = "staged";
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 31);
+  for (int round = 1; round <= 3; ++round) {
+    if (round > 1) model = model.step(30, static_cast<std::size_t>(round));
+    auto [sent, got] = g.update(model, shards);
+    expect_ok(sent, got);
+    expect_holds(g, layouts, model, "staged round " + std::to_string(round));
+    if (round > 1) {
+      for (int r = 0; r < 2; ++r) EXPECT_EQ(g.senders[r]->last_delta_stats().delta_workers, 1u);
+    }
+  }
+  // A rank lost mid-way: staged, every model keeps the last version whole, and
+  // clean; the worker no longer claims a version it may not hold.
+  g.senders[1]->shutdown();
+  full_model lost = model.step(30, 7);
+  auto [sent4, got4] = g.update(lost, shards);
+  for (auto& o : got4) ASSERT_TRUE(o->error);
+  expect_holds(g, layouts, model, "after the failed update");
+  for (int w = 0; w < 2; ++w) {
+    EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
+    for (const auto& h : g.engines[w]->held()) EXPECT_FALSE(h) << "worker " << w << " claims version " << h->version;
+  }
 }
 
 }  // namespace
