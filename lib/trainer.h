@@ -7,12 +7,14 @@
 #include <memory>
 #include <optional>
 #include <ranges>
+#include <string>
 #include <string_view>
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 
 #include <refit/config.h>
+#include <refit/error.h>
 #include <refit/json.h>
 #include <refit/metadata.h>
 #include <refit/stats.h>
@@ -62,6 +64,17 @@ struct trainer_context {
   const void* native_stream = nullptr;
 };
 
+/// What a caller asks of one send (weight_sender::set_next_send).
+struct send_options {
+  /// Deltas (docs/delta.md), for a sender prepared with them (tcp, tcp_sharded with
+  /// "delta": true). nullopt: as prepared; false: this update goes full to every
+  /// worker (still numbered, and the sender's base is refreshed, so the next one
+  /// may be a delta); true: the sender must have been prepared with deltas, else
+  /// the call fails (error(invalid_argument), or unsupported where the engine
+  /// sends no deltas).
+  std::optional<bool> delta;
+};
+
 /// The trainer-side half of a backend. Typical use:
 ///   auto sender = factory.create_sender(config, ctx);
 ///   json init_info = sender->prepare(trainer_args);   // e.g. listen
@@ -91,6 +104,14 @@ class weight_sender {
 
   /// Closes connections. Idempotent.
   virtual void shutdown() = 0;
+
+  /// What the next send_weights (that one only) does beyond the defaults. This
+  /// implementation, for engines that send no deltas, refuses delta == true with
+  /// unsupported and accepts the rest.
+  virtual void set_next_send(const send_options& options) {
+    if (options.delta.value_or(false))
+      throw_error(errc::unsupported, std::string(backend()) + " sender: this engine sends no delta updates");
+  }
 
   /// Statistics of the last send.
   virtual update_stats last_send_stats() const { return {}; }

@@ -231,6 +231,8 @@ class checksum_feed {
 }  // namespace
 
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
+  // set_next_send's choice holds for this send only, whatever becomes of it.
+  const bool allow_base = std::exchange(next_delta_, std::nullopt).value_or(true);
   if (peers_.empty())
     throw_error(errc::invalid_state,
                 "tcp trainer: send_weights before init (or after a failed update; "
@@ -269,7 +271,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     if (delta_) {
       const std::uint64_t digest = metadata_digest(declared);
       const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
-                            base_.buckets == plan.buckets.size();
+                            base_.buckets == plan.buckets.size() && allow_base;
       base_.valid = false;  // it holds a mix of two versions until this send completes
       wire::update u = wire::decode<wire::update>(s.update);
       u.flags |= wire::update_flag_delta;
@@ -492,6 +494,13 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
     if (s.encoded_left && --s.encoded_left[i] == 0) std::vector<std::byte>().swap(s.encoded[i]);
   }
   co_await links::await_confirmation(p.socket, s.seq, timeout_, who);
+}
+
+void sender::set_next_send(const send_options& options) {
+  if (options.delta.value_or(false) && !delta_)
+    throw_error(errc::invalid_argument,
+                "tcp trainer: a delta update asked of a sender prepared without \"delta\": true");
+  next_delta_ = options.delta;
 }
 
 json sender::last_send_info() const {

@@ -713,6 +713,8 @@ void sharded_sender::shutdown() {
 }
 
 asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declared, tensor_source& source) {
+  // set_next_send's choice holds for this send only, whatever becomes of it.
+  const bool allow_base = std::exchange(next_delta_, std::nullopt).value_or(true);
   const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_);
   if (peers_.empty())
     throw_error(errc::invalid_state, who + ": send_weights before init (or after a failed update; call init again)");
@@ -787,7 +789,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       wire::delta_header d;
       d.version = version_;
       delta.emplace();
-      delta->offers_base = b.valid && b.digest == digest && b.size == pair.bytes;
+      delta->offers_base = b.valid && b.digest == digest && b.size == pair.bytes && allow_base;
       if (delta->offers_base) {
         d.flags = wire::delta_flag_has_base;
         d.base_version = b.version;
@@ -947,6 +949,13 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
   }
   // A worker that fails says why before it closes: that reason is the error.
   if (failure) co_await links::rethrow_with_peer_reason(p->socket, failure, who);
+}
+
+void sharded_sender::set_next_send(const send_options& options) {
+  if (options.delta.value_or(false) && !delta_)
+    throw_error(errc::invalid_argument, "tcp_sharded trainer rank " + std::to_string(rank_) +
+                                            ": a delta update asked of a sender prepared without \"delta\": true");
+  next_delta_ = options.delta;
 }
 
 json sharded_sender::last_send_info() const {

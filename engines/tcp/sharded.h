@@ -188,6 +188,9 @@ class sharded_sender final : public weight_sender {
   update_stats last_send_stats() const override { return stats_; }
   /// With deltas on: {"delta": last_delta_stats()'s members}.
   json last_send_info() const override;
+  /// delta: false sends the next update full (a delta sender only); true needs
+  /// "delta": true at prepare.
+  void set_next_send(const send_options& options) override;
   /// What the last send did with deltas (fingerprint: 0, as each pair has its own).
   const delta_send_stats& last_delta_stats() const noexcept { return delta_stats_; }
   /// Bytes this rank sent each worker in the last update.
@@ -244,9 +247,10 @@ class sharded_sender final : public weight_sender {
   update_stats stats_;
   std::vector<std::uint64_t> sent_;
   double plan_s_ = 0;
-  bool delta_ = false;         // trainer_args "delta"
-  std::uint64_t version_ = 0;  // the last version numbered (deltas on)
-  std::vector<pair_base> bases_;  // by worker (deltas on)
+  bool delta_ = false;              // trainer_args "delta"
+  std::optional<bool> next_delta_;  // set_next_send's, for the next send only
+  std::uint64_t version_ = 0;       // the last version numbered (deltas on)
+  std::vector<pair_base> bases_;    // by worker (deltas on)
   delta_send_stats delta_stats_;
 };
 

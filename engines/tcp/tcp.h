@@ -180,6 +180,9 @@ class sender final : public weight_sender {
   update_stats last_send_stats() const override { return stats_; }
   /// With deltas on: {"delta": last_delta_stats()'s members}.
   json last_send_info() const override;
+  /// delta: false sends the next update full (a delta sender only); true needs
+  /// "delta": true at prepare.
+  void set_next_send(const send_options& options) override;
 
   /// What the last send did with deltas ("delta": true).
   using delta_stats = delta_send_stats;
@@ -240,6 +243,7 @@ class sender final : public weight_sender {
   std::uint64_t seq_ = 0;
   update_stats stats_;
   bool delta_ = false;         // trainer_args "delta"
+  std::optional<bool> next_delta_;  // set_next_send's, for the next send only
   std::uint64_t version_ = 0;  // the last version numbered (deltas on)
   base_snapshot base_;
   delta_stats delta_stats_;

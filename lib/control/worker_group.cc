@@ -177,6 +177,8 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
   update_result result;
   result.version = version;
   result.workers.resize(clients_.size());
+  // Before any worker is told (a sender that cannot do it refuses here).
+  if (options.delta) sender.set_next_send({.delta = options.delta});
   const auto t0 = clock_type::now();
   co_await call_all("start_weight_update");
   co_await both(call_all("update_weights", std::move(update_body)), send(sender, meta, source));

@@ -114,6 +114,10 @@ struct update_options {
   /// Members added to every worker's update_info besides the metadata and commit
   /// (backend-specific per-update info). Optional.
   json update_info = json::object();
+  /// Deltas for this update (send_options::delta, given to the sender's
+  /// set_next_send): nullopt as the sender was prepared, false full, true a
+  /// delta where workers hold the base (the sender must be prepared with deltas).
+  std::optional<bool> delta;
 };
 
 /// One worker's part of an update.

@@ -368,11 +368,16 @@ class Sender:
     async def connect_workers_async(self) -> None:
         await _run(_keep(self, self._impl._start_connect_workers))
 
-    def send_weights(self, tensors: Tensors, metadata: Info | None = None) -> None:
-        self._impl.send_weights(tensors=tensors, metadata=metadata)
+    def send_weights(self, tensors: Tensors, metadata: Info | None = None, *, delta: bool | None = None) -> None:
+        """Sends one update. ``delta`` (a sender prepared with ``"delta": True``):
+        ``False`` sends this one full, ``True`` requires deltas to be on; ``None``
+        as prepared (docs/delta.md)."""
+        self._impl.send_weights(tensors=tensors, metadata=metadata, delta=delta)
 
-    async def send_weights_async(self, tensors: Tensors, metadata: Info | None = None) -> None:
-        await _run(_keep(self, self._impl._start_send_weights), tensors=tensors, metadata=metadata)
+    async def send_weights_async(
+        self, tensors: Tensors, metadata: Info | None = None, *, delta: bool | None = None
+    ) -> None:
+        await _run(_keep(self, self._impl._start_send_weights), tensors=tensors, metadata=metadata, delta=delta)
 
     @property
     def last_send_stats(self) -> Info:
@@ -504,8 +509,10 @@ class WorkerGroup:
         update_info: Info | None = None,
         expected: _Mapping[str, int] | None = None,
         metadata: Info | None = None,
+        delta: bool | None = None,
     ) -> Info:
-        """One update of every worker; returns {"version", "seconds", "verified", "workers"}."""
+        """One update of every worker; returns {"version", "seconds", "verified", "workers"}.
+        ``delta``: as :meth:`Sender.send_weights`'s, for this update."""
         return self._impl.update(
             sender=sender._impl,
             tensors=tensors,
@@ -515,6 +522,7 @@ class WorkerGroup:
             update_info=update_info,
             expected=expected,
             metadata=metadata,
+            delta=delta,
         )
 
     async def update_async(
@@ -528,6 +536,7 @@ class WorkerGroup:
         update_info: Info | None = None,
         expected: _Mapping[str, int] | None = None,
         metadata: Info | None = None,
+        delta: bool | None = None,
     ) -> Info:
         return await _run(
             _keep((self, sender), self._impl._start_update),
@@ -539,6 +548,7 @@ class WorkerGroup:
             update_info=update_info,
             expected=expected,
             metadata=metadata,
+            delta=delta,
         )
 
     def call_all(self, method: str, params: Info | None = None) -> list[_Any]:

@@ -550,9 +550,10 @@ control::init_options make_init_options(const std::string& ranks) {
 }
 
 control::update_options make_update_options(bool verify, const std::optional<std::string>& commit,
-                                            nb::handle update_info, nb::handle expected) {
+                                            nb::handle update_info, nb::handle expected, std::optional<bool> delta) {
   control::update_options o;
   o.verify = verify;
+  o.delta = delta;
   if (commit) {
     if (*commit == "in_place")
       o.commit = commit_mode::in_place;
@@ -852,18 +853,20 @@ NB_MODULE(_refit, m) {
           nb::arg("done"))
       .def(
           "send_weights",
-          [](py_sender& s, nb::handle tensors, nb::handle metadata) {
+          [](py_sender& s, nb::handle tensors, nb::handle metadata, std::optional<bool> delta) {
             auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
+            if (delta) s.sender().set_next_send({.delta = delta});
             block_on(py_sender::send(&s.sender(), std::move(held), std::move(declared)));
           },
-          nb::arg("tensors"), nb::arg("metadata").none())
+          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("delta").none() = nb::none())
       .def(
           "_start_send_weights",
-          [](py_sender& s, nb::handle tensors, nb::handle metadata, nb::object done) {
+          [](py_sender& s, nb::handle tensors, nb::handle metadata, std::optional<bool> delta, nb::object done) {
             auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
+            if (delta) s.sender().set_next_send({.delta = delta});
             return start_void(py_sender::send(&s.sender(), std::move(held), std::move(declared)), std::move(done));
           },
-          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("done"))
+          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("delta").none(), nb::arg("done"))
       .def("last_send_stats", &py_sender::last_send_stats)
       .def("last_send_info", &py_sender::last_send_info)
       .def("shutdown", &py_sender::shutdown);
@@ -899,28 +902,31 @@ NB_MODULE(_refit, m) {
       .def(
           "update",
           [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
-                  std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata) {
+                  std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
+                  std::optional<bool> delta) {
             auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-            auto options = make_update_options(verify, commit, update_info, expected);
+            auto options = make_update_options(verify, commit, update_info, expected, delta);
             json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                         version, std::move(options)));
             return nb::cast<nb::dict>(to_py(out));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
-          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none())
+          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
+          nb::arg("delta").none() = nb::none())
       .def(
           "_start_update",
           [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                   std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
-                  nb::object done) {
+                  std::optional<bool> delta, nb::object done) {
             auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-            auto options = make_update_options(verify, commit, update_info, expected);
+            auto options = make_update_options(verify, commit, update_info, expected, delta);
             return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                        version, std::move(options)),
                                to_py, std::move(done));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
-          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(), nb::arg("done"))
+          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
+          nb::arg("delta").none(), nb::arg("done"))
       .def(
           "call_all",
           [to_py](py_worker_group& g, const std::string& method, nb::handle params) {

@@ -170,6 +170,32 @@ def test_a_worker_group_sends_deltas_and_a_worker_whose_tensors_changed_gets_the
         step()
         result = group.update(sender, src, 5)
         assert result["verified"] and all(w["stats"]["wire_bytes"] / nbytes < 0.1 for w in result["workers"])
+        # One update forced full (delta=False), then deltas again.
+        step()
+        result = group.update(sender, src, 6, delta=False)
+        assert result["verified"] and all(w["stats"]["wire_bytes"] >= nbytes for w in result["workers"]), result
+        assert sender.last_send_info["delta"]["base_version"] == 0
+        step()
+        result = group.update(sender, src, 7, delta=True)
+        assert result["verified"] and all(w["stats"]["wire_bytes"] / nbytes < 0.1 for w in result["workers"])
     sender.shutdown()
     for h in hosts:
         h.stop()
+
+
+def test_a_delta_update_asked_of_a_sender_without_deltas_is_a_typed_error():
+    """delta=True needs a sender prepared with "delta": True (tcp), or an engine
+    that sends deltas at all: refused before any worker is told."""
+    src = {"w": np.ones(64, dtype=np.float16)}
+    dest = {"w": np.zeros(64, dtype=np.float16)}
+    host = refit.WorkerHost("tcp", tensors=dest, timeout_ms=10000)
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        with pytest.raises(refit.InvalidArgumentError, match="prepared without"):
+            group.update(sender, src, 1, delta=True)
+        # Nothing was started: the next update runs as usual.
+        assert group.update(sender, src, 1, delta=False)["verified"]
+    sender.shutdown()
+    host.stop()

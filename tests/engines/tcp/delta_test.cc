@@ -228,6 +228,27 @@ TEST_P(delta_updates, sparse_updates_in_a_row_are_sent_as_deltas_and_land_exactl
   r.expect_exact("an unchanged update");
 }
 
+TEST_P(delta_updates, one_update_asked_full_goes_full_and_the_next_is_a_delta_again) {
+  rig r(2, GetParam());
+  r.update_ok();
+  r.change(0.01);
+  r.sender.set_next_send({.delta = false});
+  r.update_ok();
+  auto st = r.sender.last_delta_stats();
+  EXPECT_EQ(st.version, 2u) << "a full update is still a numbered version";
+  EXPECT_EQ(st.base_version, 0u) << "no base offered";
+  EXPECT_EQ(st.delta_workers + st.full_fallbacks, 0u);
+  for (auto& e : r.engines) EXPECT_GE(e->last_update_stats().wire_bytes, e->last_update_stats().bytes);  // (padding)
+  r.expect_exact("the update asked full");
+  // The choice held for that send only.
+  r.change(0.01);
+  r.update_ok();
+  st = r.sender.last_delta_stats();
+  EXPECT_EQ(st.base_version, 2u);
+  EXPECT_EQ(st.delta_workers, 2u);
+  r.expect_exact("the delta after it");
+}
+
 TEST_P(delta_updates, every_element_new_falls_back_to_full_buckets) {
   rig r(1, GetParam());
   r.update_ok();
@@ -411,6 +432,37 @@ TEST_P(delta_updates, a_chunk_staged_in_a_session_is_the_base_once_committed_and
   EXPECT_EQ(r.sender.last_delta_stats().delta_workers, 1u) << "the committed chunk was taken as the base";
   EXPECT_EQ(r.sender.last_delta_stats().full_fallbacks, 0u);
   r.expect_exact("a delta after a committed staged session");
+}
+
+TEST(delta_options, a_delta_asked_of_a_sender_without_deltas_is_refused) {
+  asio::io_context io;
+  tcp::sender plain(tcp_config(), trainer_context{io.get_executor(), {}});
+  plain.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+  try {
+    plain.set_next_send({.delta = true});
+    FAIL() << "accepted";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::invalid_argument) << e.message();
+    EXPECT_NE(e.message().find("prepared without"), std::string::npos) << e.message();
+  }
+  plain.set_next_send({.delta = false});  // full: what it does anyway
+  plain.shutdown();
+  // An engine that sends no deltas at all (weight_sender's own answer).
+  struct no_deltas final : weight_sender {
+    std::string_view backend() const noexcept override { return "test"; }
+    json prepare(const json&) override { return json::object(); }
+    asio::awaitable<void> connect_workers() override { co_return; }
+    asio::awaitable<void> send_weights(const update_metadata&, tensor_source&) override { co_return; }
+    void shutdown() override {}
+  } other;
+  try {
+    other.set_next_send({.delta = true});
+    FAIL() << "accepted";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::unsupported) << e.message();
+  }
+  other.set_next_send({.delta = false});
+  other.set_next_send({});
 }
 
 TEST(delta_wire, headers_are_checked_strictly) {

@@ -449,6 +449,31 @@ TEST_P(tcp_sharded_delta, frames_go_as_deltas_to_workers_holding_the_base_and_ev
 
 INSTANTIATE_TEST_SUITE_P(checksums, tcp_sharded_delta, ::testing::Bool());
 
+TEST(tcp_sharded, an_update_asked_full_goes_full_from_every_rank_and_deltas_resume) {
+  sharded_group g(2, 2, true, 5s, /*delta=*/true);
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 41);
+  auto [sent, got] = g.update(model, shards);
+  expect_ok(sent, got);
+  model = model.step(50, 1);
+  for (auto& s : g.senders) s->set_next_send({.delta = false});
+  auto [sent2, got2] = g.update(model, shards);
+  expect_ok(sent2, got2);
+  expect_holds(g, layouts, model, "the update asked full");
+  for (auto& s : g.senders) {
+    EXPECT_EQ(s->last_delta_stats().base_version, 0u);
+    EXPECT_EQ(s->last_delta_stats().delta_workers, 0u);
+  }
+  EXPECT_EQ(g.engines[0]->last_update_stats().wire_bytes, layouts.plan->ingress[0]);
+  model = model.step(50, 2);
+  auto [sent3, got3] = g.update(model, shards);
+  expect_ok(sent3, got3);
+  expect_holds(g, layouts, model, "the delta after it");
+  for (auto& s : g.senders) EXPECT_EQ(s->last_delta_stats().delta_workers, 1u);
+}
+
 TEST(tcp_sharded, a_delta_against_bytes_changed_outside_refit_is_refused_and_sent_full) {
   sharded_group g(2, 2, true, 5s, /*delta=*/true);
   g.connect();
