@@ -521,8 +521,8 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
                    ", the base's " + to_hex(delta->base_fingerprint) + "): written outside refit since that update";
     }
     accepted = why_full.empty();
-    co_await links::send_status(*socket, accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), seq,
-                                why_full, timeout_, me + ": answering the delta offer");
+    co_await links::send_status(*socket, accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), seq, why_full,
+                                timeout_, me + ": answering the delta offer");
   }
   if (auto* t = std::exchange(direct_target_, nullptr)) t->direct_write_begins();
   const std::size_t elem = pair_element_size(*layouts, pair);
@@ -533,9 +533,8 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
     co_await net::read_exact(*socket, asio::buffer(raw), timeout_, what + " header");
     const auto h = wire::decode<wire::bucket_header>(raw);
-    const std::string bad =
-        delta ? wire::check_delta_bucket_header(h, k, frames[k].bytes, wire_.checksums, accepted)
-              : wire::check_bucket_header(h, k, frames[k].bytes, wire_.checksums);
+    const std::string bad = delta ? wire::check_delta_bucket_header(h, k, frames[k].bytes, wire_.checksums, accepted)
+                                  : wire::check_bucket_header(h, k, frames[k].bytes, wire_.checksums);
     if (!bad.empty()) throw_error(errc::protocol_error, what + ": " + bad);
     auto buffers = mutable_buffers(frames[k]);
     const bool is_delta = (h.flags & wire::flag_delta) != 0;
@@ -565,9 +564,8 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
         const std::size_t piece = backend::delta::piece_elem(elem, at, out->bytes);
         try {
           if (out->runs.size() == 1 && base->runs.size() == 1) {
-            const backend::delta::piece_out p{
-                std::span<const std::byte>(base->runs[0].data, base->bytes),
-                std::span<std::byte>(out->runs[0].data, out->bytes), piece};
+            const backend::delta::piece_out p{std::span<const std::byte>(base->runs[0].data, base->bytes),
+                                              std::span<std::byte>(out->runs[0].data, out->bytes), piece};
             backend::delta::decode_pieces(*e, std::span(&p, 1));
           } else {
             // Runs of several rows: decoded in one contiguous copy of the frame.

@@ -38,9 +38,9 @@
 #include <refit/backend/engine.h>
 #include <refit/backend/shard_io.h>
 #include <refit/engine.h>
+#include <refit/engines/tcp/tcp.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
-#include <refit/engines/tcp/tcp.h>
 #include <refit/trainer.h>
 
 namespace refit::tcp {
@@ -130,16 +130,16 @@ class sharded_engine final : public backend::engine {
   struct pair_state {
     std::optional<held_version> held;
     std::shared_ptr<const std::vector<const std::byte*>> current;
-    bool staged = false;                     // current is not where the bytes land
-    std::optional<held_version> now;         // the version it holds after this update
+    bool staged = false;              // current is not where the bytes land
+    std::optional<held_version> now;  // the version it holds after this update
     std::uint64_t wire_bytes = 0;
   };
   asio::awaitable<void> receive_pair(socket_ptr socket, int rank, std::shared_ptr<const sharded_layouts> layouts,
                                      std::vector<std::byte*> bases, pair_state* state);
   // Why this worker cannot take deltas on its pair with `rank` ("" when it can, as
   // far as what it recorded tells; the bytes' hash is checked next).
-  std::string base_refusal(const links::wire::delta_header& d, const pair_state& st,
-                           const sharded_layouts& layouts, int rank) const;
+  std::string base_refusal(const links::wire::delta_header& d, const pair_state& st, const sharded_layouts& layouts,
+                           int rank) const;
   std::string who() const { return "tcp_sharded worker " + std::to_string(worker_); }
 
   std::vector<socket_ptr> sockets_;  // by trainer rank

@@ -242,9 +242,9 @@ class sender final : public weight_sender {
   links::topology topology_;
   std::uint64_t seq_ = 0;
   update_stats stats_;
-  bool delta_ = false;         // trainer_args "delta"
+  bool delta_ = false;              // trainer_args "delta"
   std::optional<bool> next_delta_;  // set_next_send's, for the next send only
-  std::uint64_t version_ = 0;  // the last version numbered (deltas on)
+  std::uint64_t version_ = 0;       // the last version numbered (deltas on)
   base_snapshot base_;
   delta_stats delta_stats_;
 };

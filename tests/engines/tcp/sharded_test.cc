@@ -382,7 +382,6 @@ TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
   EXPECT_NE(cache.get(checkpoint(3), layout_spec(2, 2), "test").get(), a.get());
 }
 
-
 // ---- Deltas (docs/delta.md): each (rank, worker) pair is a version of its own.
 
 // Every worker holds exactly `model`'s bytes of its tensors.
