@@ -184,6 +184,12 @@ class Engine:
     before a byte moves (``ResourceExhaustedError``, the trainer told at once).
     Outside a session, a staged ``receive`` lands whole at its end.
 
+    ``keep_base=True`` (without ``tensors``) keeps a host copy of every tensor the
+    engine last delivered (memory: the model's bytes, on the host) and receives
+    into it: ``load_weights`` gets views of the copy, and a trainer's delta updates
+    (``"delta": True``, docs/delta.md) decode against it where the model's own
+    memory cannot be read back (vLLM's fused parameters, GPU tensors).
+
     ``check_update(update_info)``, when given, is called with every update's
     ``{"names", "dtype_names", "shapes"}`` before any byte of it moves (on refit's
     loop thread); what it raises refuses the update: the trainer learns why at once
@@ -210,6 +216,7 @@ class Engine:
         framework: str = "auto",
         max_stage_bytes: int = 0,
         check_update: _Callable[[Info], None] | None = None,
+        keep_base: bool = False,
     ) -> None:
         self._impl = _refit._Engine(
             backend=backend,
@@ -227,6 +234,7 @@ class Engine:
             framework=framework,
             max_stage_bytes=int(max_stage_bytes),
             check_update=check_update,
+            keep_base=bool(keep_base),
         )
         self._tensors = tensors  # referenced for as long as the engine writes them
 

@@ -22,6 +22,7 @@
 #include <refit/factory.h>
 #include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
+#include <refit/model/host_copy_target.h>
 #include <refit/model/tensor_map_target.h>
 #include <refit/session.h>
 #include <refit/trainer.h>
@@ -217,7 +218,7 @@ class py_engine {
   py_engine(const std::string& backend, const std::string& device, std::int64_t timeout_ms, const std::string& commit,
             const std::optional<std::string>& secret_file, std::size_t processing_threads,
             std::size_t socket_buffer_bytes, int tp_rank, int tp_size, int dp_rank, int dp_size, nb::handle tensors,
-            const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update)
+            const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update, bool keep_base)
       : fw_(parse_framework(fw)) {
     auto config =
         make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes, max_stage_bytes);
@@ -229,8 +230,15 @@ class py_engine {
     ctx.ranks.dp_rank = dp_rank;
     ctx.ranks.dp_size = dp_size;
     if (!tensors.is_none()) {
+      if (keep_base)
+        throw_error(errc::invalid_argument,
+                    "Engine: keep_base=True with tensors=: the tensors already hold the bytes deltas decode against");
       held_ = held_target::make(tensors, "Engine(tensors=...)", ctx.device);
       ctx.model = held_->target.get();
+    }
+    if (keep_base) {
+      copy_ = std::make_unique<host_copy_target>();
+      ctx.model = copy_.get();
     }
     if (!check_update.is_none()) {
       checked_ = std::make_unique<checked_target>(nb::borrow(check_update), ctx.model);
@@ -280,7 +288,10 @@ class py_engine {
   /// finish, for deferred processing) raises it as itself.
   load_weights_fn loader(nb::object load_weights) {
     slot_->take();  // a new update: an exception kept from an older one is stale
-    if (!load_weights.is_none()) return python_loader(std::move(load_weights), fw_, slot_);
+    if (!load_weights.is_none()) {
+      auto fn = python_loader(std::move(load_weights), fw_, slot_);
+      return copy_ ? copy_->loading_through(std::move(fn)) : fn;
+    }
     if (!held_)
       throw_error(errc::invalid_argument,
                   "receive: give load_weights, or create the Engine with tensors= to "
@@ -373,7 +384,8 @@ class py_engine {
   framework fw_;
   std::shared_ptr<python_error_slot> slot_ = std::make_shared<python_error_slot>();
   std::unique_ptr<held_target> held_;
-  std::unique_ptr<checked_target> checked_;  // check_update=, in front of held_'s target
+  std::unique_ptr<checked_target> checked_;  // check_update=, in front of held_'s target (or copy_)
+  std::unique_ptr<host_copy_target> copy_;   // keep_base=: what deltas decode against
   std::unique_ptr<weight_transfer_engine> engine_;
   std::unique_ptr<weight_update_session> session_;
 };
@@ -760,11 +772,12 @@ NB_MODULE(_refit, m) {
   nb::class_<py_engine>(m, "_Engine")
       .def(nb::init<const std::string&, const std::string&, std::int64_t, const std::string&,
                     const std::optional<std::string>&, std::size_t, std::size_t, int, int, int, int, nb::handle,
-                    const std::string&, std::uint64_t, nb::handle>(),
+                    const std::string&, std::uint64_t, nb::handle, bool>(),
            nb::arg("backend"), nb::arg("device"), nb::arg("timeout_ms"), nb::arg("commit"),
            nb::arg("auth_secret_file").none(), nb::arg("processing_threads"), nb::arg("socket_buffer_bytes"),
            nb::arg("tp_rank"), nb::arg("tp_size"), nb::arg("dp_rank"), nb::arg("dp_size"), nb::arg("tensors").none(),
-           nb::arg("framework"), nb::arg("max_stage_bytes"), nb::arg("check_update").none())
+           nb::arg("framework"), nb::arg("max_stage_bytes"), nb::arg("check_update").none(),
+           nb::arg("keep_base") = false)
       .def_prop_ro("backend", &py_engine::backend)
       .def_prop_ro("defers_processing", &py_engine::defers_processing)
       .def("state", &py_engine::state)

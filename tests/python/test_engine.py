@@ -533,3 +533,36 @@ def test_delta_updates_from_python_are_exact_and_send_less():
         assert all(w < 0.1 for w in wire[1:]), wire
     with refit.Sender("tcp", timeout_ms=10000) as plain:
         assert plain.last_send_info is None  # no deltas: nothing beyond the stats
+
+
+def test_keep_base_lets_a_worker_without_tensors_take_deltas():
+    """keep_base=True: the engine keeps a host copy of what it delivered (the
+    model's load_weights sees views of it), and a delta trainer's updates decode
+    against the copy, in place and staged; what the model is given is exact."""
+    rng = np.random.default_rng(12)
+    src = {"w": rng.integers(-30000, 30000, size=1 << 16, dtype=np.int16),
+           "b": rng.integers(-30000, 30000, size=4096, dtype=np.int16)}
+    got = Recorder()
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, keep_base=True)
+        connect(sender, [engine], delta=True)
+        for step in range(4):
+            if step:
+                for a in src.values():
+                    at = rng.choice(a.size, size=max(1, a.size // 100), replace=False)
+                    a[at] += 1
+            meta = refit.describe(src)
+            if step < 3:
+                transfer(sender, [engine], src, load_weights=got, metadata=meta)
+            else:  # staged: the stage decodes against the copy, the commit refreshes it
+                send = Background(sender.send_weights, src, meta)
+                engine.receive(dict(meta, commit="staged"), got)
+                send.join()
+            for k in src:
+                assert np.asarray(got.got[k]).tobytes() == src[k].tobytes(), (step, k)
+            stats = engine.last_update_stats
+            assert (stats["wire_bytes"] / stats["bytes"] < 0.1) == (step > 0), (step, stats)
+            assert sender.last_send_info["delta"]["delta_workers"] == (1 if step else 0)
+        engine.shutdown()
+    with pytest.raises(refit.InvalidArgumentError, match="keep_base"):
+        refit.Engine("tcp", keep_base=True, tensors={"w": np.zeros(4, dtype=np.int16)})

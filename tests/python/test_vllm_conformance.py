@@ -617,6 +617,67 @@ def test_trainer_engine_in_process_client(backend):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("commit", ["staged", "in_place"])
+def test_delta_updates_decode_against_the_workers_host_copy(commit):
+    """trainer_args {"delta": True}: the workers keep a host copy of what refit
+    delivered (keep_base, set by the trainer engine), so each round after the first
+    goes as deltas against it and vLLM's load_weights still gets every tensor whole
+    and exact; with worker_options keep_base False the worker says it cannot and
+    gets the round full."""
+    engine, model, client = one_worker()
+    trainer_model = TrainerModel(seed=21)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        trainer_info(world_size=2, trainer_args={"delta": True},
+                     worker_options={"timeout_ms": TIMEOUT_MS, "commit": commit}),
+        client=client, source=ModuleSource(trainer_model))
+    g = torch.Generator().manual_seed(5)
+
+    @torch.no_grad()
+    def nudge() -> None:  # about 1% of each float parameter's elements move one ulp
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        for p in trainer_model.parameters():
+            if not p.dtype.is_floating_point:
+                continue
+            t = p.detach().clone().reshape(-1)
+            at = torch.randperm(t.numel(), generator=g)[: max(1, t.numel() // 100)]
+            bits = t.view(ints[t.element_size()])
+            bits[at] += 1
+            p.copy_(t.view(p.shape))
+
+    try:
+        assert client.calls[0][1]["keep_base"] is True
+        trainer.send_weights()
+        assert_received(model, expected_of(trainer_model))
+        for _ in range(2):
+            model.reset()
+            nudge()
+            trainer.send_weights()
+            d = trainer.sender.last_send_info["delta"]
+            assert (d["delta_workers"], d["full_fallbacks"]) == (1, 0), d
+            assert d["encoded_buckets"] > 0 and d["delta_bytes"] < d["full_bytes"] / 2, d
+            assert_received(model, expected_of(trainer_model))
+    finally:
+        trainer.shutdown()
+        engine.shutdown()
+    # Without the copy: the worker refuses the base and gets each round full.
+    engine, model, client = one_worker()
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        trainer_info(world_size=2, trainer_args={"delta": True},
+                     worker_options={"timeout_ms": TIMEOUT_MS, "commit": commit, "keep_base": False}),
+        client=client, source=ModuleSource(trainer_model))
+    try:
+        trainer.send_weights()
+        model.reset()
+        nudge()
+        trainer.send_weights()
+        d = trainer.sender.last_send_info["delta"]
+        assert (d["delta_workers"], d["full_fallbacks"]) == (0, 1), d
+        assert_received(model, expected_of(trainer_model))
+    finally:
+        trainer.shutdown()
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("where", ["update", "worker_default"])
 def test_staged_commit(where):
     """refit's staged commit (the update lands at finish_weight_update), asked for per

@@ -78,13 +78,14 @@ def state(env):
     return {"now": now, "original": original, "original_completion": now.completion}
 
 
-def vllm_trainer(env, tensors, source=None, refit_backend="tcp", **worker_options):
+def vllm_trainer(env, tensors, source=None, refit_backend="tcp", trainer_args=None, **worker_options):
     """vLLM's own trainer path: WeightTransferTrainerFactory.trainer_init with refit's
     init info, vLLM's HTTP client, a WeightSource (over `tensors` by default)."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
     info = RefitTrainerInitInfo(
         master_address="127.0.0.1", world_size=2, rank=0, timeout_ms=TRAINER_TIMEOUT_MS, refit_backend=refit_backend,
+        trainer_args=dict(trainer_args or {}),
         auth_secret_file=worker_options.pop("auth_secret_file", env["secret"]),
         worker_options={"timeout_ms": DEADLINE_MS, **worker_options},
     )
@@ -223,6 +224,41 @@ def test_the_ucx_backend_updates_the_server(env, state):
         assert restored.tokens == state["original_completion"].tokens
         assert restored.logprobs == state["original_completion"].logprobs
         landed(env, state, state["original"], "ucx-2")
+    finally:
+        trainer.shutdown()
+
+
+def test_delta_updates_reach_the_server_through_its_host_copy(env, state):
+    """trainer_args {"delta": True}: vLLM's worker keeps a host copy of what refit
+    delivered (keep_base, which refit's trainer engine sets), so an update that
+    changes 1% of the elements goes as deltas against it, and vLLM's loader still
+    gets every tensor whole: the original weights pushed back as a delta restore
+    the original completion token for token."""
+    server = env["server"]
+    g = torch.Generator().manual_seed(3)
+    nudged = {}
+    for name, t in state["original"].items():
+        t = t.clone()
+        if t.is_floating_point() and t.element_size() in (2, 4):
+            flat = t.reshape(-1)
+            bits = flat.view(torch.int16 if t.element_size() == 2 else torch.int32)
+            at = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+            bits[at] += 1
+        nudged[name] = t
+    trainer = vllm_trainer(env, nudged, trainer_args={"delta": True})
+    try:
+        trainer.send_weights("delta-1")  # no base yet: full
+        assert server.weight_version() == "delta-1"
+        assert trainer.sender.last_send_info["delta"]["delta_workers"] == 0
+        trainer.source = DictSource.make(state["original"])
+        trainer.send_weights("delta-2")
+        d = trainer.sender.last_send_info["delta"]
+        assert (d["delta_workers"], d["full_fallbacks"]) == (1, 0), d
+        assert d["encoded_buckets"] > 0 and d["delta_bytes"] < d["full_bytes"] / 4, d
+        restored = server.complete(PROMPT)
+        assert restored.tokens == state["original_completion"].tokens
+        assert restored.logprobs == state["original_completion"].logprobs
+        landed(env, state, state["original"], "delta-2")
     finally:
         trainer.shutdown()
 

@@ -92,7 +92,8 @@ class RefitTrainerInitInfo(TrainerInitInfo):
             workers' default (staged) when None.
         worker_options: further members of the workers' ``RefitInitInfo``
             (``timeout_ms``, ``commit``, ``device``, ``layerwise_reload``,
-            ``validate``).
+            ``validate``, ``keep_base``: on by default when ``trainer_args`` has
+            ``"delta": True``).
         rank: this trainer process's rank (keyword-only); rank 0 sends.
     """
 
@@ -220,6 +221,10 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             "refit_backend": init_info.refit_backend,
             "init_info": worker_init_info,
         }
+        # Deltas decode against what the worker holds; vLLM's own parameters cannot
+        # be read back by the trainer's names, so the worker keeps a host copy.
+        if init_info.trainer_args.get("delta") is True:
+            payload.setdefault("keep_base", True)
         _rendezvous(self.sender, lambda: _call("init_weight_transfer_engine",
                                                self.client.init_weight_transfer_engine, payload))
         self._connected = True

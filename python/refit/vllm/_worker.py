@@ -86,6 +86,13 @@ class RefitInitInfo(WeightTransferInitInfo):
             shapes, dtypes, whole layers) before a byte moves. On by default;
             a model loaded without a safetensors checkpoint is checked by vLLM's
             loader only (a warning says so).
+        keep_base: keep a host copy of the weights refit last delivered, by the
+            trainer's names (memory: the model's bytes, on the host), so that a
+            trainer's delta updates (``"delta": True``) decode against it: vLLM's
+            parameters are fused and repacked, so their own bytes cannot be read
+            back as the trainer sends them. Set by refit's trainer engine when its
+            ``trainer_args`` turn deltas on; without it such a worker gets every
+            update full (its engine says why).
 
     The auth secret file is the worker's own ``$REFIT_AUTH_SECRET_FILE`` (never
     sent over the wire).
@@ -98,6 +105,7 @@ class RefitInitInfo(WeightTransferInitInfo):
     device: str | None = None
     layerwise_reload: bool | None = None
     validate: bool = True
+    keep_base: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.init_info, dict):
@@ -110,6 +118,8 @@ class RefitInitInfo(WeightTransferInitInfo):
             raise ValueError(f"`timeout_ms` must be a positive int, got {self.timeout_ms!r}")
         if not isinstance(self.validate, bool):
             raise ValueError(f"`validate` must be a bool, got {self.validate!r}")
+        if not isinstance(self.keep_base, bool):
+            raise ValueError(f"`keep_base` must be a bool, got {self.keep_base!r}")
 
 
 @dataclass
@@ -255,6 +265,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             tp_rank=index,
             tp_size=count,
             check_update=self._check_update if init_info.validate else None,
+            keep_base=init_info.keep_base,
         )
         try:
             engine.init(_bounded_wait(init_info.init_info, init_info.timeout_ms))

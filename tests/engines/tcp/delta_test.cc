@@ -13,6 +13,7 @@
 
 #include <refit/backend/links/wire.h>
 #include <refit/integrity/fingerprint.h>
+#include <refit/model/host_copy_target.h>
 #include <refit/session.h>
 
 #include "tests/support/run.h"
@@ -89,8 +90,8 @@ asio::awaitable<void> send(tcp::sender& sender, const update_metadata& meta, std
   co_await trainer_send_weights(sender, meta, views);
 }
 
-asio::awaitable<void> receive(tcp::engine& engine, std::unique_ptr<update_info> info, model_target* model) {
-  co_await engine.receive_weights(*info, model->as_load_weights());
+asio::awaitable<void> receive(tcp::engine& engine, std::unique_ptr<update_info> info, load_weights_fn load) {
+  co_await engine.receive_weights(*info, std::move(load));
   co_await engine.drain_pending();
 }
 
@@ -101,11 +102,16 @@ struct rig {
   tcp::sender sender{tcp_config(), trainer_context{io.get_executor(), {}}};
   tensor_set set;
   std::vector<std::unique_ptr<host_model>> models;
+  std::vector<std::unique_ptr<host_copy_target>> copies;  // by worker, with `copy` (else null)
   std::vector<std::unique_ptr<tcp::engine>> engines;
   json args;
   std::mt19937 rng{7};
+  bool copy_ = false;
 
-  rig(int workers, bool checksums, bool offer = true, const std::string& topology = "star") {
+  // copy: each worker's engine gets a host_copy_target over its model (which then
+  // usually offers no memory of its own: offer = false).
+  rig(int workers, bool checksums, bool offer = true, const std::string& topology = "star", bool copy = false)
+      : copy_(copy) {
     // bf16 weights around bucket-sized and larger (split over buckets), an fp32
     // norm, an odd-sized tensor, padding between them.
     set.add("embed", dtype::bfloat16, {40000}, 1);  // 80000 bytes: split over 16 KiB buckets
@@ -121,8 +127,13 @@ struct rig {
   }
   void add_worker(bool offer) {
     models.push_back(std::make_unique<host_model>(set.meta, offer));
-    engines.push_back(
-        std::make_unique<tcp::engine>(tcp_config(), engine_context{io.get_executor(), {}, {}, models.back().get()}));
+    copies.push_back(copy_ ? std::make_unique<host_copy_target>(models.back().get()) : nullptr);
+    model_target* target = copy_ ? static_cast<model_target*>(copies.back().get()) : models.back().get();
+    engines.push_back(std::make_unique<tcp::engine>(tcp_config(), engine_context{io.get_executor(), {}, {}, target}));
+  }
+  load_weights_fn load_of(std::size_t i) {
+    auto load = models[i]->as_load_weights();
+    return copies[i] ? copies[i]->loading_through(std::move(load)) : load;
   }
   // (Re)connects every worker.
   void connect() {
@@ -164,7 +175,7 @@ struct rig {
     std::vector<std::shared_ptr<outcome>> all;
     std::vector<std::unique_ptr<update_info>> infos;
     for (std::size_t i = 0; i < engines.size(); ++i)
-      all.push_back(spawn(io, receive(*engines[i], engines[i]->parse_update_info(j), models[i].get())));
+      all.push_back(spawn(io, receive(*engines[i], engines[i]->parse_update_info(j), load_of(i))));
     all.push_back(spawn(io, send(sender, set.meta, set.views())));
     EXPECT_TRUE(run_until(io, [&] {
       for (auto& o : all)
@@ -247,6 +258,33 @@ TEST_P(delta_updates, one_update_asked_full_goes_full_and_the_next_is_a_delta_ag
   EXPECT_EQ(st.base_version, 2u);
   EXPECT_EQ(st.delta_workers, 2u);
   r.expect_exact("the delta after it");
+}
+
+TEST_P(delta_updates, a_host_copy_lets_a_model_without_readable_memory_take_deltas) {
+  // The models offer no memory (vLLM's fused parameters, device memory): each
+  // engine keeps a host copy, which deltas decode against, in place and staged.
+  rig r(2, GetParam(), /*offer=*/false, "star", /*copy=*/true);
+  r.update_ok();
+  r.expect_exact("first (full) update");
+  for (const char* commit : {"in_place", "in_place", "staged", "staged", "in_place"}) {
+    r.change(0.01);
+    r.update_ok(commit);
+    const auto st = r.sender.last_delta_stats();
+    EXPECT_EQ(st.delta_workers, 2u) << commit;
+    EXPECT_EQ(st.full_fallbacks, 0u) << commit;
+    for (auto& e : r.engines) EXPECT_LT(e->last_update_stats().wire_bytes * 5, e->last_update_stats().bytes) << commit;
+    r.expect_exact(std::string("a delta through the host copy, ") + commit);
+  }
+  for (auto& c : r.copies) EXPECT_EQ(c->bytes(), r.set.meta.total_bytes());
+  // A failed load leaves the copy ahead of what the model got: refused, sent full.
+  r.models[1]->fail_next_load();
+  r.change(0.01);
+  auto outcomes = r.update();
+  EXPECT_TRUE(outcomes[1]->error) << "the failed load is the worker's error";
+  r.change(0.01);
+  r.update_ok();
+  EXPECT_EQ(r.sender.last_delta_stats().full_fallbacks, 1u);
+  r.expect_exact("after the failed load");
 }
 
 TEST_P(delta_updates, every_element_new_falls_back_to_full_buckets) {
