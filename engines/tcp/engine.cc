@@ -14,7 +14,6 @@
 #include <refit/backend/async/event.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
-#include <refit/backend/delta.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
@@ -93,45 +92,6 @@ std::vector<asio::mutable_buffer> window(std::span<const asio::mutable_buffer> d
   return out;
 }
 
-// The delta fingerprint of the bytes `tensors` hold now (per tensor its first
-// byte; nullptr for an empty one), laid out in buckets as `plan` says: every
-// bucket's pieces with its padding as zeros, as the trainer sends them.
-std::uint64_t fingerprint_of(const bucket_plan& plan, const std::vector<const std::byte*>& tensors,
-                             std::uint64_t digest) {
-  static constexpr std::array<std::byte, 4096> zeros{};
-  std::vector<std::uint64_t> hashes;
-  hashes.reserve(plan.buckets.size());
-  std::vector<asio::const_buffer> parts;
-  const auto pad = [&parts](std::uint64_t n) {
-    for (; n > 0; n -= std::min<std::uint64_t>(n, zeros.size()))
-      parts.emplace_back(zeros.data(), std::min<std::uint64_t>(n, zeros.size()));
-  };
-  for (const auto& b : plan.buckets) {
-    parts.clear();
-    std::uint64_t at = 0;
-    for (const auto& p : plan.pieces_of(b)) {
-      pad(p.bucket_offset - at);
-      if (p.bytes > 0) parts.emplace_back(tensors.at(p.tensor) + p.tensor_offset, p.bytes);
-      at = p.bucket_offset + p.bytes;
-    }
-    pad(b.payload_bytes - at);
-    hashes.push_back(checksum(std::span<const asio::const_buffer>(parts)));
-  }
-  return delta_fingerprint(digest, hashes);
-}
-
-// What an update that came with a delta header (docs/delta.md) needs on its way
-// through the transport: whether its buckets may arrive as deltas, what to decode
-// them against, and the hash of every bucket's bytes (the fingerprint's parts).
-struct delta_receive {
-  bool accepted = false;  // this worker holds the base: buckets may arrive encoded
-  const update_metadata* meta = nullptr;
-  // Per tensor, its current bytes when they are not where the new ones go (a staged
-  // update decodes from the model into the stage); nullptr: decoded in place.
-  std::vector<const std::byte*> base;
-  std::vector<std::uint64_t> hashes;  // per bucket, set by its check
-};
-
 // Receives one bucket: its header checked against the plan (begin), then the
 // payload straight into the destination (no intermediate copy); its checksum is
 // verified on the processing executor while the next bucket arrives (check). With
@@ -141,7 +101,7 @@ class transport final : public bucket_transport {
  public:
   transport(asio::ip::tcp::socket& s, std::chrono::milliseconds timeout, std::string source, bool checksums,
             const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks,
-            delta_receive* delta = nullptr)
+            backend::delta_receive* delta = nullptr)
       : socket_(s), timeout_(timeout), source_(std::move(source)), checksums_(checksums), children_(children),
         child_ranks_(child_ranks), delta_(delta) {}
 
@@ -197,40 +157,16 @@ class transport final : public bucket_transport {
     // With a delta header every bucket is hashed (checksums or not): the hashes make
     // the fingerprint of the version this worker then holds.
     std::uint64_t* keep = delta_ ? &delta_->hashes.at(b.index) : nullptr;
-    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_,
-            checksums = checksums_, keep, what = what(b), encoded = encoded_.has_value()] {
-      const std::uint64_t got = checksum(dest);
-      if (checksums && got != expected)
-        throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
-                                               to_hex(expected) +
-                                               (encoded ? " after decoding its delta (corrupted in transit, or "
-                                                          "this worker's tensors did not hold the base)"
-                                                        : " (corrupted in transit)"));
-      if (keep) *keep = got;
-    };
+    return backend::bucket_hash_check(dest, checksums_ ? std::optional<std::uint64_t>(expected_) : std::nullopt, keep,
+                                      what(b), encoded_.has_value());
   }
 
   std::optional<std::uint64_t> encoded_bytes(const bucket&) override { return encoded_; }
 
   std::function<void()> decode(const bucket& b, std::span<const std::byte> encoded,
                                std::vector<decode_target> pieces) override {
-    if (!delta_ || !delta_->accepted) throw_error(errc::protocol_error, what(b) + ": an unexpected delta bucket");
-    std::vector<backend::delta::piece_out> out;
-    out.reserve(pieces.size());
-    for (const auto& p : pieces) {
-      const auto& spec = delta_->meta->tensors.at(p.tensor);
-      const std::byte* base = delta_->base.at(p.tensor);
-      out.push_back({base ? std::span<const std::byte>(base + p.tensor_offset, p.out.size())
-                          : std::span<const std::byte>(p.out.data(), p.out.size()),
-                     p.out, backend::delta::piece_elem(element_size(spec.dtype), p.tensor_offset, p.out.size())});
-    }
-    return [encoded, out = std::move(out), what = what(b)] {
-      try {
-        backend::delta::decode_pieces(encoded, out);
-      } catch (const error& e) {
-        throw_error(e.kind(), what + ": " + e.message());
-      }
-    };
+    if (!delta_) throw_error(errc::protocol_error, what(b) + ": an unexpected delta bucket");
+    return backend::delta_decode(*delta_, encoded, std::move(pieces), what(b));
   }
 
  private:
@@ -241,7 +177,7 @@ class transport final : public bucket_transport {
   bool checksums_;
   const std::vector<socket_ptr>& children_;
   const std::vector<int>& child_ranks_;
-  delta_receive* delta_;
+  backend::delta_receive* delta_;
   std::uint64_t expected_ = 0;
   std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
 };
@@ -417,22 +353,26 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
   // A delta update: this worker says whether it holds the base (then its buckets
   // may arrive encoded) or not (then every bucket comes full), before any byte of
   // the model changes.
-  std::optional<delta_receive> delta;
+  std::optional<backend::delta_receive> delta;
   if (delta_header) {
     delta.emplace();
     delta->meta = &info.metadata;
     delta->hashes.assign(plan.buckets.size(), 0);
     if ((delta_header->flags & wire::delta_flag_has_base) != 0) {
       std::vector<const std::byte*> current;
-      std::string why_full = base_refusal(*delta_header, held, info, delta->base, current);
+      const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
+      std::string why_full = backend::delta_base_refusal(
+          *delta_header, held, weights_dirty() ? dirty_reason() : std::string(), info.metadata,
+          staged ? context().model : receive_target(), staged, delta->base, current);
       if (why_full.empty()) {
         // The version's fingerprint says what arrived, not what the tensors hold now:
         // hash them (off the loop) so that bytes written outside refit since (a model
         // reloaded, a tensor changed in place) get the update full, not a delta
         // decoded against other bytes.
         const std::uint64_t digest = metadata_digest(info.metadata);
-        const std::uint64_t now = co_await async::offload(
-            processing_executor(), [&plan, &current, digest] { return fingerprint_of(plan, current, digest); });
+        const std::uint64_t now = co_await async::offload(processing_executor(), [&plan, &current, digest] {
+          return backend::fingerprint_of(plan, current, digest);
+        });
         if (now != delta_header->base_fingerprint)
           why_full = "this worker's tensors no longer hold version " + std::to_string(delta_header->base_version) +
                      "'s bytes (their fingerprint is " + to_hex(now) + ", the base's " +
@@ -494,37 +434,6 @@ void engine::do_session_finished() {
   if (staged_held_ && !weights_dirty()) held_ = before_session_held_;
   staged_held_.reset();
   before_session_held_.reset();
-}
-
-std::string engine::base_refusal(const wire::delta_header& d, const std::optional<held_version>& held,
-                                 const update_info& info, std::vector<const std::byte*>& base,
-                                 std::vector<const std::byte*>& current_bytes) {
-  const auto hex = [](std::uint64_t v) { return to_hex(v); };
-  if (!held)
-    return "this worker does not know which version its weights hold (no complete update from a trainer with "
-           "deltas on since it started, or the last one failed or was staged in a session)";
-  if (held->version != d.base_version || held->fingerprint != d.base_fingerprint)
-    return "this worker holds version " + std::to_string(held->version) + " (fingerprint " + hex(held->fingerprint) +
-           "), the deltas are against version " + std::to_string(d.base_version) + " (fingerprint " +
-           hex(d.base_fingerprint) + ")";
-  if (weights_dirty()) return "this worker's weights are dirty: " + dirty_reason();
-  // Deltas decode against the tensors' current bytes: in place, in the memory the
-  // model offers (destination()); staged, from there into the stage.
-  const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
-  model_target* current = staged ? context().model : receive_target();
-  base.assign(info.metadata.tensors.size(), nullptr);
-  current_bytes.assign(info.metadata.tensors.size(), nullptr);
-  for (std::size_t i = 0; i < info.metadata.tensors.size(); ++i) {
-    const auto& spec = info.metadata.tensors[i];
-    if (spec.nbytes() == 0) continue;
-    std::optional<tensor_view> d = current ? current->destination(spec) : std::nullopt;
-    if (!d || d->nbytes() != spec.nbytes() || !d->device.is_cpu() || d->data == nullptr)
-      return "the model offers no host memory holding '" + spec.name +
-             "' to decode a delta against (deltas need a model target with destination())";
-    current_bytes[i] = static_cast<const std::byte*>(d->data);
-    if (staged) base[i] = d->data;
-  }
-  return {};
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {

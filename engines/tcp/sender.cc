@@ -17,7 +17,6 @@
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
-#include <refit/backend/delta.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
@@ -120,74 +119,7 @@ void sender::fail_all() {
   }
 }
 
-json delta_send_info(const delta_send_stats& d) {
-  return {{"delta",
-           {{"version", d.version},
-            {"fingerprint", d.fingerprint},
-            {"base_version", d.base_version},
-            {"delta_workers", d.delta_workers},
-            {"full_fallbacks", d.full_fallbacks},
-            {"encoded_buckets", d.encoded_buckets},
-            {"delta_bytes", d.delta_bytes},
-            {"encoded_full", d.encoded_full},
-            {"full_bytes", d.full_bytes},
-            {"encode_s", d.encode_s}}}};
-}
-
-std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums) {
-  const std::array<asio::const_buffer, 2> parts{asio::buffer(&digest, sizeof digest),
-                                                asio::buffer(bucket_checksums.data(), bucket_checksums.size_bytes())};
-  return checksum(std::span<const asio::const_buffer>(parts));
-}
-
 namespace {
-
-// A delta update's work per bucket, on the feed's thread as each checksum is
-// computed: encode the bucket's pieces against the base snapshot (when the sender
-// offers one), then copy the new bytes into the snapshot.
-struct delta_work {
-  const bucket_plan* plan = nullptr;
-  std::vector<const std::byte*> next;  // per tensor: the trainer's bytes
-  std::vector<std::size_t> dtype_size;
-  std::byte* snapshot = nullptr;
-  std::vector<std::uint64_t> starts;  // per bucket: its place in the snapshot
-  bool has_base = false;
-  std::vector<std::vector<std::byte>>* encoded = nullptr;
-  std::vector<std::uint64_t> hashes;
-  std::uint64_t encoded_buckets = 0, delta_bytes = 0, encoded_full = 0;
-  double encode_s = 0;
-
-  void encode_bucket(std::size_t k, std::uint64_t hash, std::span<const asio::const_buffer> payload) {
-    hashes[k] = hash;
-    const refit::bucket& b = plan->buckets[k];
-    std::byte* old = snapshot + starts[k];
-    if (has_base) {
-      const auto t0 = clock_type::now();
-      std::vector<backend::delta::piece_in> pieces;
-      for (const auto& p : plan->pieces_of(b)) {
-        if (p.bytes == 0) continue;
-        const auto n = static_cast<std::size_t>(p.bytes);
-        pieces.push_back({std::span<const std::byte>(old + p.bucket_offset, n),
-                          std::span<const std::byte>(next[p.tensor] + p.tensor_offset, n),
-                          backend::delta::piece_elem(dtype_size[p.tensor], p.tensor_offset, p.bytes)});
-      }
-      auto& out = (*encoded)[k];
-      out.clear();
-      const auto r = backend::delta::encode_pieces(pieces, out);
-      // A delta never needs more room than the bucket: full when it is not smaller.
-      if (r.bytes >= b.payload_bytes) {
-        out.clear();
-        out.shrink_to_fit();
-      } else {
-        ++encoded_buckets;
-        delta_bytes += r.bytes;
-        encoded_full += b.payload_bytes;
-      }
-      encode_s += std::chrono::duration<double>(clock_type::now() - t0).count();
-    }
-    pack_pieces(payload, old);
-  }
-};
 
 // The checksums of an update's buckets, computed in bucket order on a thread of
 // their own while the streams send earlier buckets: each stream receives them, in
@@ -207,7 +139,7 @@ class checksum_feed {
 
   // Hashes (and with `delta`, encodes) every bucket on the calling thread; stops
   // early once stop() was called. Returns whether it did every bucket.
-  bool run(const std::vector<std::vector<asio::const_buffer>>& payloads, delta_work* delta) {
+  bool run(const std::vector<std::vector<asio::const_buffer>>& payloads, backend::bucket_delta_work* delta) {
     for (std::size_t k = 0; k < payloads.size(); ++k) {
       if (stopped_) return false;
       const std::uint64_t h = checksum(payloads[k]);
@@ -250,7 +182,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   delta_stats_ = {};
 
   std::exception_ptr failure;
-  std::shared_ptr<delta_work> work;  // deltas on
+  std::shared_ptr<backend::bucket_delta_work> work;  // deltas on
   try {
     // Walk (and check) every tensor the source yields before any byte leaves: a
     // divergent or extra tensor fails the update while workers have nothing of it.
@@ -297,23 +229,10 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       base_.version = d.version;
     }
     if (delta_) {
-      work = std::make_shared<delta_work>();
-      work->plan = &plan;
-      work->next.resize(declared.tensors.size());
-      work->dtype_size.resize(declared.tensors.size());
-      for (std::size_t i = 0; i < declared.tensors.size(); ++i) {
-        work->next[i] = cursor.view(i).data;
-        work->dtype_size[i] = element_size(declared.tensors[i].dtype);
-      }
-      work->starts.resize(plan.buckets.size());
-      std::uint64_t at = 0;
-      for (const bucket& b : plan.buckets) {
-        work->starts[b.index] = at;
-        at += b.payload_bytes;
-      }
-      work->has_base = s.offers_base;
-      work->encoded = &s.encoded;
-      work->hashes.assign(plan.buckets.size(), 0);
+      work = std::make_shared<backend::bucket_delta_work>();
+      std::vector<const std::byte*> next(declared.tensors.size());
+      for (std::size_t i = 0; i < declared.tensors.size(); ++i) next[i] = cursor.view(i).data;
+      work->prepare(plan, declared, std::move(next), s.offers_base, &s.encoded);
     }
 
     // Each worker's stream runs on its own strand of the I/O pool, at its own pace:
@@ -331,7 +250,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     if (feed) {
       if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
       const auto* payloads = &s.payloads;
-      base_snapshot* base = work ? &base_ : nullptr;
+      backend::delta_snapshot* base = work ? &base_ : nullptr;
       streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads, work, base] {
         struct on_failure {
           checksum_feed& feed;
@@ -341,16 +260,8 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
           }
         } guard{*feed};
         if (base) {
-          // The snapshot grows here, off the event loop (its old bytes are kept
-          // only when they are this update's base, whose size is the same).
-          const std::uint64_t need = std::max<std::uint64_t>(base->payload_bytes, 1);
-          if (base->capacity < need) {
-            base->bytes.reset();
-            base->capacity = 0;
-            base->bytes = std::make_unique_for_overwrite<std::byte[]>(static_cast<std::size_t>(need));
-            base->capacity = need;
-          }
-          work->snapshot = base->bytes.get();
+          // The snapshot grows here, off the event loop.
+          work->snapshot = base->reserve(base->payload_bytes);
         }
         if (feed->run(*payloads, work.get()) && base) base->fingerprint = delta_fingerprint(base->digest, work->hashes);
         guard.armed = false;

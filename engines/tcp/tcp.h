@@ -20,6 +20,7 @@
 #include <asio/thread_pool.hpp>
 
 #include <refit/backend/bucket_plan.h>
+#include <refit/backend/delta_stream.h>
 #include <refit/backend/engine.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/relay.h>
@@ -30,31 +31,12 @@
 
 namespace refit::tcp {
 
-/// A version of the weights a worker holds, as a trainer with deltas on numbered
-/// it, and its fingerprint (delta_fingerprint of the bytes that arrived).
-struct held_version {
-  std::uint64_t version = 0;
-  std::uint64_t fingerprint = 0;
-};
-
-/// What a sender's last send did with deltas (tcp and tcp_sharded with "delta":
-/// true; docs/delta.md).
-struct delta_send_stats {
-  std::uint64_t version = 0;       ///< the version it sent (0: deltas off)
-  std::uint64_t fingerprint = 0;   ///< tcp: that version's (delta_fingerprint), as its workers now hold it
-  std::uint64_t base_version = 0;  ///< the base its deltas were against (0: none, every worker got it full)
-  std::size_t delta_workers = 0;   ///< workers that took the deltas
-  /// Workers offered deltas and sent the update full: they did not hold the base,
-  /// or (relays) a worker their stream also reaches did not.
-  std::size_t full_fallbacks = 0;
-  std::uint64_t encoded_buckets = 0;  ///< buckets (sharded: frames) sent as deltas (the rest full: not smaller)
-  std::uint64_t delta_bytes = 0;      ///< bytes of those deltas (headers not counted)
-  std::uint64_t encoded_full = 0;     ///< those buckets' payload bytes (their cost sent full)
-  std::uint64_t full_bytes = 0;       ///< the update's payload bytes (what a full update sends)
-  double encode_s = 0;                ///< time spent encoding (off the event loop)
-};
-/// {"delta": {every member of `d`}}: what last_send_info() reports with deltas on.
-json delta_send_info(const delta_send_stats& d);
+// The deltas' shared vocabulary (lib/backend/delta_stream.h), as this engine's API
+// has named it.
+using backend::delta_fingerprint;
+using backend::delta_send_info;
+using backend::delta_send_stats;
+using backend::held_version;
 
 /// Worker init info, like vLLM's NCCL engine's plus the trainer's wire parameters:
 /// {"master_address": str, "master_port": int, "rank_offset": int,
@@ -117,12 +99,6 @@ class engine final : public backend::typed_engine<init_info, update_info> {
                                    const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
                                    const update_info& info, load_weights_fn load_weights);
   asio::awaitable<void> join_relay(const init_info& info);
-  // Why this worker cannot take deltas against d's base, as far as what it recorded
-  // tells ("" when it can; then `base` is set: per tensor, where its current bytes
-  // are when not decoded in place, and `current_bytes`: where they are).
-  std::string base_refusal(const links::wire::delta_header& d, const std::optional<held_version>& held,
-                           const update_info& info, std::vector<const std::byte*>& base,
-                           std::vector<const std::byte*>& current_bytes);
   std::string who() const { return "tcp worker rank " + std::to_string(rank_); }
   std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
 
@@ -143,11 +119,6 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   // is discarded: staged chunks never reach the model).
   std::optional<held_version> staged_held_, before_session_held_;
 };
-
-/// The fingerprint of a version of an update's bytes, as both sides of a delta
-/// update compute it: XXH3-64 over the metadata digest and the checksum of every
-/// bucket's payload bytes (padding included), in order.
-std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums);
 
 /// Trainer side. trainer_args: {"master_address": str, "master_port": int (0: any
 /// free port), "world_size": int, "buffer_bytes": int, "num_buffers": int,
@@ -211,14 +182,6 @@ class sender final : public weight_sender {
     mutable std::vector<std::vector<std::byte>> encoded;
     std::unique_ptr<std::atomic<std::size_t>[]> encoded_left;
   };
-  // The snapshot of the bytes last sent (deltas on).
-  struct base_snapshot {
-    std::unique_ptr<std::byte[]> bytes;
-    std::uint64_t capacity = 0;
-    bool valid = false;  // holds exactly version's bytes
-    std::uint64_t digest = 0, payload_bytes = 0, buckets = 0;
-    std::uint64_t version = 0, fingerprint = 0;
-  };
   using checksum_channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s,
                                   std::shared_ptr<checksum_channel> checksums);
@@ -245,7 +208,7 @@ class sender final : public weight_sender {
   bool delta_ = false;              // trainer_args "delta"
   std::optional<bool> next_delta_;  // set_next_send's, for the next send only
   std::uint64_t version_ = 0;       // the last version numbered (deltas on)
-  base_snapshot base_;
+  backend::delta_snapshot base_;    // the bytes last sent (deltas on)
   delta_stats delta_stats_;
 };
 

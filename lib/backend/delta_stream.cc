@@ -1,0 +1,184 @@
+#include <refit/backend/delta_stream.h>
+
+#include <algorithm>
+#include <array>
+
+#include <refit/backend/checksum.h>
+#include <refit/backend/send_cursor.h>
+#include <refit/error.h>
+#include <refit/internal/hex.h>
+
+namespace refit::backend {
+
+json delta_send_info(const delta_send_stats& d) {
+  return {{"delta",
+           {{"version", d.version},
+            {"fingerprint", d.fingerprint},
+            {"base_version", d.base_version},
+            {"delta_workers", d.delta_workers},
+            {"full_fallbacks", d.full_fallbacks},
+            {"encoded_buckets", d.encoded_buckets},
+            {"delta_bytes", d.delta_bytes},
+            {"encoded_full", d.encoded_full},
+            {"full_bytes", d.full_bytes},
+            {"encode_s", d.encode_s}}}};
+}
+
+std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums) {
+  const std::array<asio::const_buffer, 2> parts{asio::buffer(&digest, sizeof digest),
+                                                asio::buffer(bucket_checksums.data(), bucket_checksums.size_bytes())};
+  return checksum(std::span<const asio::const_buffer>(parts));
+}
+
+std::uint64_t fingerprint_of(const bucket_plan& plan, const std::vector<const std::byte*>& tensors,
+                             std::uint64_t digest) {
+  static constexpr std::array<std::byte, 4096> zeros{};
+  std::vector<std::uint64_t> hashes;
+  hashes.reserve(plan.buckets.size());
+  std::vector<asio::const_buffer> parts;
+  const auto pad = [&parts](std::uint64_t n) {
+    for (; n > 0; n -= std::min<std::uint64_t>(n, zeros.size()))
+      parts.emplace_back(zeros.data(), std::min<std::uint64_t>(n, zeros.size()));
+  };
+  for (const auto& b : plan.buckets) {
+    parts.clear();
+    std::uint64_t at = 0;
+    for (const auto& p : plan.pieces_of(b)) {
+      pad(p.bucket_offset - at);
+      if (p.bytes > 0) parts.emplace_back(tensors.at(p.tensor) + p.tensor_offset, p.bytes);
+      at = p.bucket_offset + p.bytes;
+    }
+    pad(b.payload_bytes - at);
+    hashes.push_back(checksum(std::span<const asio::const_buffer>(parts)));
+  }
+  return delta_fingerprint(digest, hashes);
+}
+
+std::byte* delta_snapshot::reserve(std::uint64_t need) {
+  need = std::max<std::uint64_t>(need, 1);
+  if (capacity < need) {
+    bytes.reset();
+    capacity = 0;
+    bytes = std::make_unique_for_overwrite<std::byte[]>(static_cast<std::size_t>(need));
+    capacity = need;
+  }
+  return bytes.get();
+}
+
+void bucket_delta_work::prepare(const bucket_plan& p, const update_metadata& meta, std::vector<const std::byte*> n,
+                                bool base, std::vector<std::vector<std::byte>>* out) {
+  plan = &p;
+  next = std::move(n);
+  dtype_size.resize(meta.tensors.size());
+  for (std::size_t i = 0; i < meta.tensors.size(); ++i) dtype_size[i] = element_size(meta.tensors[i].dtype);
+  starts.resize(p.buckets.size());
+  std::uint64_t at = 0;
+  for (const bucket& b : p.buckets) {
+    starts[b.index] = at;
+    at += b.payload_bytes;
+  }
+  has_base = base;
+  encoded = out;
+  hashes.assign(p.buckets.size(), 0);
+}
+
+void bucket_delta_work::encode_bucket(std::size_t k, std::uint64_t hash, std::span<const asio::const_buffer> payload) {
+  using clock_type = std::chrono::steady_clock;
+  hashes[k] = hash;
+  const refit::bucket& b = plan->buckets[k];
+  std::byte* old = snapshot + starts[k];
+  if (has_base) {
+    const auto t0 = clock_type::now();
+    std::vector<delta::piece_in> pieces;
+    for (const auto& p : plan->pieces_of(b)) {
+      if (p.bytes == 0) continue;
+      const auto n = static_cast<std::size_t>(p.bytes);
+      pieces.push_back({std::span<const std::byte>(old + p.bucket_offset, n),
+                        std::span<const std::byte>(next[p.tensor] + p.tensor_offset, n),
+                        delta::piece_elem(dtype_size[p.tensor], p.tensor_offset, p.bytes)});
+    }
+    auto& out = (*encoded)[k];
+    out.clear();
+    const auto r = delta::encode_pieces(pieces, out);
+    // A delta never needs more room than the bucket: full when it is not smaller.
+    if (r.bytes >= b.payload_bytes) {
+      out.clear();
+      out.shrink_to_fit();
+    } else {
+      ++encoded_buckets;
+      delta_bytes += r.bytes;
+      encoded_full += b.payload_bytes;
+    }
+    encode_s += std::chrono::duration<double>(clock_type::now() - t0).count();
+  }
+  pack_pieces(payload, old);
+}
+
+std::string delta_base_refusal(const links::wire::delta_header& d, const std::optional<held_version>& held,
+                               const std::string& dirty_reason, const update_metadata& meta, model_target* current,
+                               bool staged, std::vector<const std::byte*>& base,
+                               std::vector<const std::byte*>& current_bytes) {
+  const auto hex = [](std::uint64_t v) { return to_hex(v); };
+  if (!held)
+    return "this worker does not know which version its weights hold (no complete update from a trainer with "
+           "deltas on since it started, or the last one failed or was staged in a session)";
+  if (held->version != d.base_version || held->fingerprint != d.base_fingerprint)
+    return "this worker holds version " + std::to_string(held->version) + " (fingerprint " + hex(held->fingerprint) +
+           "), the deltas are against version " + std::to_string(d.base_version) + " (fingerprint " +
+           hex(d.base_fingerprint) + ")";
+  if (!dirty_reason.empty()) return "this worker's weights are dirty: " + dirty_reason;
+  // Deltas decode against the tensors' current bytes: in place, in the memory the
+  // model offers (destination()); staged, from there into the stage.
+  base.assign(meta.tensors.size(), nullptr);
+  current_bytes.assign(meta.tensors.size(), nullptr);
+  for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
+    const auto& spec = meta.tensors[i];
+    if (spec.nbytes() == 0) continue;
+    std::optional<tensor_view> v = current ? current->destination(spec) : std::nullopt;
+    if (!v || v->nbytes() != spec.nbytes() || !v->device.is_cpu() || v->data == nullptr)
+      return "the model offers no host memory holding '" + spec.name +
+             "' to decode a delta against (deltas need a model target with destination())";
+    current_bytes[i] = static_cast<const std::byte*>(v->data);
+    if (staged) base[i] = static_cast<const std::byte*>(v->data);
+  }
+  return {};
+}
+
+std::function<void()> delta_decode(const delta_receive& d, std::span<const std::byte> encoded,
+                                   std::vector<bucket_transport::decode_target> pieces, std::string what) {
+  if (!d.accepted) throw_error(errc::protocol_error, what + ": an unexpected delta bucket");
+  std::vector<delta::piece_out> out;
+  out.reserve(pieces.size());
+  for (const auto& p : pieces) {
+    const auto& spec = d.meta->tensors.at(p.tensor);
+    const std::byte* base = d.base.at(p.tensor);
+    out.push_back({base ? std::span<const std::byte>(base + p.tensor_offset, p.out.size())
+                        : std::span<const std::byte>(p.out.data(), p.out.size()),
+                   p.out, delta::piece_elem(element_size(spec.dtype), p.tensor_offset, p.out.size())});
+  }
+  return [encoded, out = std::move(out), what = std::move(what)] {
+    try {
+      delta::decode_pieces(encoded, out);
+    } catch (const error& e) {
+      throw_error(e.kind(), what + ": " + e.message());
+    }
+  };
+}
+
+std::function<void()> bucket_hash_check(std::span<const asio::mutable_buffer> dest,
+                                        std::optional<std::uint64_t> expected, std::uint64_t* keep, std::string what,
+                                        bool encoded) {
+  return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected, keep, what = std::move(what),
+          encoded] {
+    const std::uint64_t got = checksum(dest);
+    if (expected && got != *expected)
+      throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
+                                             to_hex(*expected) +
+                                             (encoded ? " after decoding its delta (corrupted in transit, or "
+                                                        "this worker's tensors did not hold the base)"
+                                                      : " (corrupted in transit)"));
+    if (keep) *keep = got;
+  };
+}
+
+}  // namespace refit::backend
