@@ -36,6 +36,8 @@ struct downstream {
   std::unique_ptr<endpoint> ep;
   std::map<std::uint32_t, region> regions;
   endpoint_report report;
+  // The trainer's last update with deltas on: what the worker answered.
+  bool took_delta = false, fell_back = false;
 
   /// Keys first (while the endpoint's worker lives), then the endpoint (a send in
   /// flight finds it closed before it touches a key again), then the socket.

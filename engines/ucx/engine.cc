@@ -166,20 +166,44 @@ class transport final : public bucket_transport {
  public:
   transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
             std::vector<std::uint32_t>& announced, bool puts, std::uint64_t seq, std::chrono::milliseconds timeout,
-            std::string who, bool checksums, const std::vector<std::shared_ptr<downstream>>& children)
+            std::string who, bool checksums, const std::vector<std::shared_ptr<downstream>>& children,
+            backend::delta_receive* delta = nullptr)
       : socket_(s), worker_(std::move(w)), staging_(staging), announced_(announced), puts_(puts), seq_(seq),
-        timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children) {}
+        timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children), delta_(delta) {}
+
+  // Deltas taken: the trainer says first in what form the bucket comes.
+  asio::awaitable<void> begin(const bucket& b) override {
+    encoded_.reset();
+    if (!delta_ || !delta_->accepted) co_return;
+    const std::string what = who_ + ": bucket " + std::to_string(b.index);
+    std::array<std::byte, sizeof(wire::form)> raw;
+    co_await net::read_exact(socket_, asio::buffer(raw), timeout_, what + ": waiting for its form");
+    const auto f = wire::decode<wire::form>(raw);
+    if (f.magic != wire::form_magic || f.index != b.index ||
+        f.encoded_bytes >= std::max<std::uint64_t>(b.payload_bytes, 1))
+      throw_error(errc::protocol_error, what + ": expected its form (a delta of fewer than " +
+                                            std::to_string(b.payload_bytes) + " bytes, or 0), got bucket " +
+                                            std::to_string(f.index) + " of " + std::to_string(f.encoded_bytes));
+    if (f.encoded_bytes > 0) encoded_ = f.encoded_bytes;
+  }
+  std::optional<std::uint64_t> encoded_bytes(const bucket&) override { return encoded_; }
+  std::function<void()> decode(const bucket& b, std::span<const std::byte> encoded,
+                               std::vector<decode_target> pieces) override {
+    if (!delta_)
+      throw_error(errc::protocol_error, who_ + ": bucket " + std::to_string(b.index) + ": an unexpected delta");
+    return backend::delta_decode(*delta_, encoded, std::move(pieces), who_ + ": bucket " + std::to_string(b.index));
+  }
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
     const std::string what = who_ + ": bucket " + std::to_string(b.index);
     wire::grant g;
     g.index = b.index;
-    g.payload_bytes = b.payload_bytes;
+    g.payload_bytes = asio::buffer_size(dest);  // a delta's bytes, or the bucket's
     std::vector<std::byte> key;
     std::unique_ptr<tag_receive> posted;
     const registration* reg = nullptr;
     std::uint32_t id = 0;
-    if (b.payload_bytes == 0) {
+    if (g.payload_bytes == 0) {
       reg = &staging_.slot_registration(0);  // nothing is put; any granted region will do
     } else if (puts_ && dest.size() == 1) {
       std::tie(id, reg) = staging_.find(static_cast<const std::byte*>(dest[0].data()), dest[0].size());
@@ -187,7 +211,7 @@ class transport final : public bucket_transport {
     if (reg) {
       g.mode = wire::mode_put;
       g.region = id;
-      g.remote = b.payload_bytes == 0 ? reinterpret_cast<std::uint64_t>(reg->base())
+      g.remote = g.payload_bytes == 0 ? reinterpret_cast<std::uint64_t>(reg->base())
                                       : reinterpret_cast<std::uint64_t>(dest[0].data());
       if (std::find(announced_.begin(), announced_.end(), id) == announced_.end()) {
         key = reg->packed_rkey();
@@ -243,14 +267,12 @@ class transport final : public bucket_transport {
   }
 
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
-    if (!checksums_) return {};
-    return [dest = std::vector<asio::mutable_buffer>(dest.begin(), dest.end()), expected = expected_,
-            what = who_ + ": bucket " + std::to_string(b.index)] {
-      const std::uint64_t got = checksum(dest);
-      if (got != expected)
-        throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
-                                               to_hex(expected) + " (corrupted on the way)");
-    };
+    if (!checksums_ && !delta_) return {};
+    // With a delta header every bucket is hashed (checksums or not): the hashes make
+    // the fingerprint of the version this worker then holds.
+    return backend::bucket_hash_check(dest, checksums_ ? std::optional<std::uint64_t>(expected_) : std::nullopt,
+                                      delta_ ? &delta_->hashes.at(b.index) : nullptr,
+                                      who_ + ": bucket " + std::to_string(b.index), encoded_.has_value());
   }
 
  private:
@@ -264,7 +286,9 @@ class transport final : public bucket_transport {
   std::string who_;
   bool checksums_;
   const std::vector<std::shared_ptr<downstream>>& children_;
+  backend::delta_receive* delta_;
   std::uint64_t expected_ = 0;
+  std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
   // A bucket's forward to the children: set when it ended, with its error.
   struct forwarding {
     explicit forwarding(asio::any_io_executor ex) : done(std::move(ex)) {}
@@ -454,13 +478,34 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
   try {
     worker::engaged progressing(w);
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-    last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
-                                                          plan, timeout_, me, source);
+    // Which version the weights hold is known only until this update changes them.
+    const std::optional<backend::held_version> held = std::exchange(held_, std::nullopt);
+    // A trainer with deltas on sends a delta header (star only: a relay refuses it).
+    std::optional<links::wire::delta_header> delta_header;
+    if (children.empty())
+      last_seq_ = co_await links::accept_update(*from, last_seq_, info.metadata, plan, timeout_, source, &delta_header);
+    else
+      last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
+                                                            plan, timeout_, me, source);
+    std::optional<backend::delta_receive> delta;
+    if (delta_header) co_await answer_delta_offer(*from, *delta_header, held, info, plan, delta.emplace(), source);
     transport t(*from, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, source,
-                pipeline_->params().checksums, children);
+                pipeline_->params().checksums, children, delta ? &*delta : nullptr);
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                                 receive_target());
     co_await links::confirm_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, timeout_, me);
+    // The weights now hold the trainer's version (its fingerprint: the hashes of the
+    // bytes that arrived); a chunk staged in an open session, once it commits.
+    if (delta_header) {
+      const backend::held_version now{delta_header->version,
+                                      backend::delta_fingerprint(metadata_digest(info.metadata), delta->hashes)};
+      if (!receiving_into_open_session()) {
+        held_ = now;
+      } else {
+        if (!staged_held_) before_session_held_ = held;
+        staged_held_ = now;
+      }
+    }
   } catch (...) {
     failure = std::current_exception();
   }
@@ -473,6 +518,51 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     close();
     std::rethrow_exception(failure);
   }
+}
+
+asio::awaitable<void> engine::answer_delta_offer(asio::ip::tcp::socket& socket, const links::wire::delta_header& d,
+                                                 const std::optional<backend::held_version>& held,
+                                                 const update_info& info, const bucket_plan& plan,
+                                                 backend::delta_receive& delta, const std::string& source) {
+  delta.meta = &info.metadata;
+  delta.hashes.assign(plan.buckets.size(), 0);
+  if ((d.flags & links::wire::delta_flag_has_base) == 0) co_return;
+  // Whether this worker holds the base (then its buckets may arrive encoded) or not
+  // (then every bucket comes full), before any byte of the model changes; the
+  // tensors' bytes are hashed (off the loop), so bytes written outside refit since
+  // get the update full.
+  const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
+  std::vector<const std::byte*> current;
+  std::string why_full =
+      backend::delta_base_refusal(d, held, weights_dirty() ? dirty_reason() : std::string(), info.metadata,
+                                  staged ? context().model : receive_target(), staged, delta.base, current);
+  if (why_full.empty()) {
+    const std::uint64_t digest = metadata_digest(info.metadata);
+    const auto* p = &plan;
+    const auto* c = &current;
+    const std::uint64_t now = co_await async::offload(
+        processing_executor(), [p, c, digest] { return backend::fingerprint_of(*p, *c, digest); });
+    if (now != d.base_fingerprint)
+      why_full = "this worker's tensors no longer hold version " + std::to_string(d.base_version) +
+                 "'s bytes (their fingerprint is " + to_hex(now) + ", the base's " + to_hex(d.base_fingerprint) +
+                 "): written outside refit since that update";
+  }
+  delta.accepted = why_full.empty();
+  co_await links::send_status(socket, delta.accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), last_seq_,
+                              why_full, timeout_, source + ": answering the delta offer");
+}
+
+void engine::do_session_committed() {
+  if (staged_held_) held_ = std::exchange(staged_held_, std::nullopt);
+  before_session_held_.reset();
+}
+
+void engine::do_session_finished() {
+  // Not committed: the model holds what it held before the session (unless a
+  // failed commit left it dirty; the base's own hash is checked at the next offer).
+  if (staged_held_ && !weights_dirty()) held_ = before_session_held_;
+  staged_held_.reset();
+  before_session_held_.reset();
 }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {

@@ -5,10 +5,15 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/delta_stream.h>
+#include <refit/backend/links/status_io.h>
+#include <refit/backend/links/wire.h>
+#include <refit/backend/net.h>
 #include <refit/backend/send_cursor.h>
 #include <refit/engines/ucx/ucx.h>
 #include "downstream.h"  // private to this engine
 #include "ucp.h"         // private to this engine
+#include "wire.h"        // private to this engine
 
 namespace refit::ucx {
 
@@ -60,20 +65,62 @@ asio::awaitable<void> sender::connected() {
   co_await async::all_of(std::move(ops));
 }
 
+void sender::prepared() {
+  if (delta_ && !topology_.star())
+    throw_error(errc::invalid_argument,
+                "ucx trainer_args: \"delta\": true needs topology star (deltas over ucx relays are not built)");
+  if (!delta_) base_ = {};  // no snapshot held without deltas
+}
+
+void sender::set_next_send(const send_options& options) {
+  if (options.delta.value_or(false) && !delta_)
+    throw_error(errc::invalid_argument,
+                "ucx trainer: a delta update asked of a sender prepared without \"delta\": true");
+  next_delta_ = options.delta;
+}
+
+json sender::last_send_info() const {
+  if (!delta_) return nullptr;
+  return backend::delta_send_info(delta_stats_);
+}
+
 asio::awaitable<void> sender::stream_to(std::shared_ptr<downstream> p, std::shared_ptr<worker> w,
                                         const std::vector<std::vector<asio::const_buffer>>& payloads,
                                         const std::vector<std::uint64_t>& checksums, const bucket_plan& plan,
-                                        std::uint64_t seq) {
+                                        std::uint64_t seq, const std::vector<std::vector<std::byte>>* encoded) {
+  const bool deltas = encoded && p->took_delta;
   for (const bucket& b : plan.buckets) {
     std::optional<std::uint64_t> sum;
-    if (!checksums.empty()) sum = checksums[b.index];
-    co_await send_bucket(w, p, b.index, payloads[b.index], seq, sum, args_.timeout);
+    if (args_.wire.checksums) sum = checksums[b.index];
+    if (!deltas) {
+      co_await send_bucket(w, p, b.index, payloads[b.index], seq, sum, args_.timeout);
+      continue;
+    }
+    // The bucket's form first (the worker grants a slot for a delta), then its
+    // bytes: the delta's, or the bucket's own.
+    const auto& e = (*encoded)[b.index];
+    wire::form f;
+    f.index = b.index;
+    f.encoded_bytes = e.size();
+    const auto raw = wire::encode(f);
+    co_await net::write_all(*p->socket, asio::buffer(raw), args_.timeout,
+                            p->name + ": bucket " + std::to_string(b.index) + ": its form");
+    if (e.empty()) {
+      co_await send_bucket(w, p, b.index, payloads[b.index], seq, sum, args_.timeout);
+    } else {
+      const asio::const_buffer bytes(e.data(), e.size());
+      co_await send_bucket(w, p, b.index, std::span<const asio::const_buffer>(&bytes, 1), seq, sum, args_.timeout);
+    }
   }
 }
 
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
+  // set_next_send's choice holds for this send only, whatever becomes of it.
+  const bool allow_base = std::exchange(next_delta_, std::nullopt).value_or(true);
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
+  for (auto& p : peers_by_rank_) p->took_delta = p->fell_back = false;
+  delta_stats_ = {};
   try {
     worker::engaged progressing(worker_);
     // Every tensor the source yields is walked (and checked) before a byte leaves.
@@ -84,25 +131,109 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       payloads[b.index].assign(g.begin(), g.end());
     }
     cursor.finish();
-    // Checksums: one pass over the whole update, off the event loop, before the
-    // first byte is sent (each "done" carries its bucket's).
+    // Deltas on: number this version and offer deltas against the snapshot when
+    // it holds the last update's bytes of these same tensors (docs/delta.md).
+    auto header = links::update_header(seq, declared, plan);
+    std::optional<std::array<std::byte, sizeof(links::wire::delta_header)>> delta_header;
+    std::shared_ptr<backend::bucket_delta_work> work;
+    std::vector<std::vector<std::byte>> encoded;
+    if (delta_) {
+      const std::uint64_t digest = metadata_digest(declared);
+      const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
+                            base_.buckets == plan.buckets.size() && allow_base;
+      base_.valid = false;  // it holds a mix of two versions until this send completes
+      auto u = links::wire::decode<links::wire::update>(header);
+      u.flags |= links::wire::update_flag_delta;
+      header = links::wire::encode(u);
+      links::wire::delta_header d;
+      d.version = ++version_;
+      if (has_base) {
+        d.flags = links::wire::delta_flag_has_base;
+        d.base_version = base_.version;
+        d.base_fingerprint = base_.fingerprint;
+      }
+      delta_header = links::wire::encode(d);
+      delta_stats_.version = d.version;
+      delta_stats_.base_version = d.base_version;
+      delta_stats_.full_bytes = plan.payload_bytes;
+      base_.digest = digest;
+      base_.payload_bytes = plan.payload_bytes;
+      base_.buckets = plan.buckets.size();
+      base_.version = d.version;
+      encoded.resize(plan.buckets.size());
+      work = std::make_shared<backend::bucket_delta_work>();
+      std::vector<const std::byte*> next(declared.tensors.size());
+      for (std::size_t i = 0; i < declared.tensors.size(); ++i) next[i] = cursor.view(i).data;
+      work->prepare(plan, declared, std::move(next), has_base, &encoded);
+    }
+    // Checksums (and deltas): one pass over the whole update, off the event loop,
+    // before the first byte is sent (each "done" carries its bucket's checksum).
     std::vector<std::uint64_t> checksums;
-    if (args_.wire.checksums) {
+    if (args_.wire.checksums || work) {
       if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
       const auto* all = &payloads;
-      checksums = co_await async::offload(hash_pool_->get_executor(), [all] {
+      auto* base = work ? &base_ : nullptr;
+      // (Raw pointers: GCC 12 may destroy an owning capture of a lambda written
+      // inside co_await twice, async/offload.h.)
+      auto* work_ptr = work.get();
+      checksums = co_await async::offload(hash_pool_->get_executor(), [all, work = work_ptr, base] {
+        if (work) work->snapshot = base->reserve(base->payload_bytes);
         std::vector<std::uint64_t> out;
         out.reserve(all->size());
-        for (const auto& p : *all) out.push_back(checksum(p));
+        for (std::size_t k = 0; k < all->size(); ++k) {
+          out.push_back(checksum((*all)[k]));
+          if (work) work->encode_bucket(k, out.back(), (*all)[k]);
+        }
+        if (work) base->fingerprint = backend::delta_fingerprint(base->digest, work->hashes);
         return out;
       });
     }
-    co_await announce_all(peers_, links::update_header(seq, declared, plan));
+    if (!delta_header) {
+      co_await announce_all(peers_, header);
+    } else {
+      // Each worker accepts the update, then (offered a base) says whether it holds it.
+      std::vector<asio::awaitable<void>> offers;
+      for (auto& p : peers_by_rank_)
+        offers.push_back([](std::shared_ptr<downstream> p, std::array<std::byte, 48> header,
+                            std::array<std::byte, 32> dh, bool offered, std::uint64_t seq,
+                            std::chrono::milliseconds timeout) -> asio::awaitable<void> {
+          std::vector<asio::const_buffer> headers{asio::buffer(header), asio::buffer(dh)};
+          co_await net::write_all(*p->socket, headers, timeout, p->name + ": update header");
+          links::throw_if_failed(
+              co_await links::read_status(*p->socket, timeout,
+                                          p->name + ": waiting for the worker to accept update " + std::to_string(seq)),
+              p->name + " refused the update");
+          if (!offered) co_return;
+          const auto answer =
+              co_await links::read_status(*p->socket, timeout, p->name + ": waiting for its answer to the delta offer");
+          if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
+            p->fell_back = true;  // it does not hold the base: this update goes to it full
+          } else {
+            links::throw_if_failed(answer, p->name + " refused the delta offer");
+            p->took_delta = true;
+          }
+        }(p, header, *delta_header, work->has_base, seq, args_.timeout));
+      co_await async::all_of(std::move(offers));
+    }
     std::vector<asio::awaitable<void>> streams;
     for (auto& p : peers_by_rank_)
-      streams.push_back(with_peer_reason(stream_to(p, worker_, payloads, checksums, plan, seq), p));
+      streams.push_back(
+          with_peer_reason(stream_to(p, worker_, payloads, checksums, plan, seq, work ? &encoded : nullptr), p));
     co_await async::all_of(std::move(streams));
     co_await confirm_all(peers_, seq);
+    if (work) {
+      // Every worker confirmed: the snapshot is this version's bytes, the next base.
+      base_.valid = true;
+      delta_stats_.fingerprint = base_.fingerprint;
+      delta_stats_.encoded_buckets = work->encoded_buckets;
+      delta_stats_.delta_bytes = work->delta_bytes;
+      delta_stats_.encoded_full = work->encoded_full;
+      delta_stats_.encode_s = work->encode_s;
+      for (const auto& p : peers_by_rank_) {
+        delta_stats_.delta_workers += p->took_delta ? 1 : 0;
+        delta_stats_.full_fallbacks += p->fell_back ? 1 : 0;
+      }
+    }
   } catch (...) {
     close();
     throw;

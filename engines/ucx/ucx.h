@@ -43,11 +43,13 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <asio/thread_pool.hpp>
 
+#include <refit/backend/delta_stream.h>
 #include <refit/backend/engine.h>
 #include <refit/backend/links/engine_base.h>
 #include <refit/backend/links/links.h>
@@ -125,12 +127,17 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   /// What UCX chose for this worker's data, once initialised (null before):
   /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank"}.
   json transport_info() const override;
+  /// The trainer's version of the weights this worker holds, known after an update
+  /// from a trainer with deltas on completed (docs/delta.md).
+  std::optional<backend::held_version> held() const noexcept { return held_; }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;
   asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
   void do_shutdown() override;
   void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+  void do_session_committed() override;
+  void do_session_finished() override;
 
  private:
   std::string who() const { return "ucx worker rank " + std::to_string(rank_); }
@@ -138,6 +145,11 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   asio::awaitable<void> join_relay(const init_info& info);
   asio::awaitable<void> offer_upstream(const init_info& info);
   std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
+  // Answers a delta offer (d has a base): whether this worker holds it; fills `delta`.
+  asio::awaitable<void> answer_delta_offer(asio::ip::tcp::socket& socket, const links::wire::delta_header& d,
+                                           const std::optional<backend::held_version>& held, const update_info& info,
+                                           const bucket_plan& plan, backend::delta_receive& delta,
+                                           const std::string& source);
 
   std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
   std::shared_ptr<worker> worker_;
@@ -156,12 +168,18 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::uint64_t last_seq_ = 0;
   endpoint_report report_;
   bool initialized_ = false;
+  // Deltas: the version the model holds (kept across re-inits), what an open
+  // session's staged chunks will make it, and what it held before them.
+  std::optional<backend::held_version> held_, staged_held_, before_session_held_;
 };
 
 /// Trainer side; trainer_args as links::trainer_args plus "topology" ("star",
 /// "chain", "tree:K"; default star for one or two workers, else chain) as the tcp
-/// engine's. With checksums, every bucket's checksum is computed in one pass over
-/// the update (on a thread of the sender's) before its first byte is sent.
+/// engine's, and "delta": bool (optional, false by default; star only): delta
+/// updates as the tcp engine's (docs/delta.md), each bucket's form announced before
+/// its grant. With checksums (or deltas), every bucket's checksum (and delta) is
+/// computed in one pass over the update (on a thread of the sender's) before its
+/// first byte is sent.
 class sender final : public links::sender_base {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
@@ -173,25 +191,37 @@ class sender final : public links::sender_base {
   /// a star, its children in a chain or tree), by rank (empty before
   /// connect_workers).
   json transport_info() const;
+  /// With deltas on: {"delta": last_delta_stats()'s members}.
+  json last_send_info() const override;
+  void set_next_send(const send_options& options) override;
+  const backend::delta_send_stats& last_delta_stats() const noexcept { return delta_stats_; }
 
  protected:
   bool relays() const noexcept override { return true; }
   bool verifies_checksums() const noexcept override { return true; }
+  bool sends_deltas() const noexcept override { return true; }
+  void prepared() override;
   asio::awaitable<void> connected() override;
   void close_transport() noexcept override;
 
  private:
   // The peers and the UCX worker are held: a shutdown() mid-update closes them
   // (the send then fails) but frees nothing a stream still uses.
+  // `encoded` (deltas on): per bucket its delta, empty where it goes full; sent as
+  // deltas to a peer that took them.
   asio::awaitable<void> stream_to(std::shared_ptr<downstream> p, std::shared_ptr<worker> w,
                                   const std::vector<std::vector<asio::const_buffer>>& payloads,
                                   const std::vector<std::uint64_t>& checksums, const bucket_plan& plan,
-                                  std::uint64_t seq);
+                                  std::uint64_t seq, const std::vector<std::vector<std::byte>>* encoded);
 
   std::shared_ptr<ucx::context> ucp_;
   std::shared_ptr<worker> worker_;
   std::vector<std::shared_ptr<downstream>> peers_by_rank_;
-  std::unique_ptr<asio::thread_pool> hash_pool_;  // the checksums, off the event loop
+  std::unique_ptr<asio::thread_pool> hash_pool_;  // the checksums (and deltas), off the event loop
+  std::optional<bool> next_delta_;                // set_next_send's, for the next send only
+  std::uint64_t version_ = 0;                     // the last version numbered (deltas on)
+  backend::delta_snapshot base_;                  // the bytes last sent (deltas on)
+  backend::delta_send_stats delta_stats_;
 };
 
 }  // namespace refit::ucx

@@ -18,6 +18,7 @@ namespace refit::ucx::wire {
 inline constexpr std::uint32_t offer_magic = 0x4f435552;  // "RUCO"
 inline constexpr std::uint32_t grant_magic = 0x47435552;  // "RUCG"
 inline constexpr std::uint32_t done_magic = 0x44435552;   // "RUCD"
+inline constexpr std::uint32_t form_magic = 0x46435552;   // "RUCF"
 /// Largest offer accepted: a UCX address and a few dozen packed keys are far less.
 inline constexpr std::uint32_t max_offer = 1u << 20;
 /// Largest packed remote key accepted in a grant.
@@ -63,7 +64,17 @@ struct done {
   std::uint64_t checksum = 0;
 };
 
-static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 24);
+/// Delta updates a worker took (docs/delta.md): before bucket `index`'s grant, the
+/// trainer says in what form it comes: `encoded_bytes` of delta records (fewer
+/// than the bucket's payload bytes), or 0: the bucket's bytes themselves.
+struct form {
+  std::uint32_t magic = form_magic;
+  std::uint32_t reserved = 0;
+  std::uint64_t index = 0;
+  std::uint64_t encoded_bytes = 0;
+};
+
+static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 24 && sizeof(form) == 24);
 
 // The bytes of a header struct: the links' encoder (the structs have no padding).
 using links::wire::encode;

@@ -41,6 +41,11 @@ check 0.005 0.1 "${common[@]}" --change-fraction 0.01 --commit staged
 check 0.005 0.1 --workers 3 --model-bytes 8M --updates 3 --delta --buffer-bytes 1M --change-fraction 0.01 --checksums
 check 0.005 0.1 --workers 4 --topology tree:2 --model-bytes 8M --updates 3 --delta --buffer-bytes 1M \
   --change-fraction 0.01
+# Over ucx (shared memory here; a star): each bucket's form before its grant, the
+# deltas put into granted slots, with checksums and staged commits too.
+UCX_TLS=sm,self check 0.005 0.1 "${common[@]}" --engine ucx --change-fraction 0.01 --checksums
+UCX_TLS=sm,self check 0.005 0.1 "${common[@]}" --engine ucx --change-fraction 0.01 --commit staged
+UCX_TLS=tcp,self UCX_NET_DEVICES=lo check 0.005 0.1 "${common[@]}" --engine ucx --change-fraction 0.01
 
 # --replay: a recorded trajectory (the format of tests/bench/delta_density.py
 # --record) instead of the synthetic model: 4 states of two bf16 tensors, about 1%
@@ -78,5 +83,5 @@ PY
 
 # Refused before anything starts.
 if err=$("$bin" --delta --engine tcp_sharded 2>&1); then fail "--delta over tcp_sharded accepted"; fi
-grep -q "only the tcp engine" <<<"$err" || fail "no reason for refusing --delta over tcp_sharded: $err"
+grep -q "the tcp and ucx engines" <<<"$err" || fail "no reason for refusing --delta over tcp_sharded: $err"
 echo PASS

@@ -136,7 +136,7 @@ const flag table[] = {
     {"--topology", "star|chain|tree:K", "tcp: how the stream reaches the workers",
      [](options& o, flag_reader& r) { o.topology = r.value(); }},
     {"--delta", "",
-     "tcp: send each worker only what changed since\n"
+     "tcp, ucx (star): send each worker only what changed since\n"
      "the update it holds (docs/delta.md)",
      [](options& o, flag_reader&) { o.delta = true; }},
     {"--change-fraction", "F",
@@ -278,8 +278,10 @@ options parse_args(int argc, char** argv) {
   if (o.delta) {
     if (o.sharded_job())
       throw_error(errc::invalid_argument, "--delta: deltas are for the one-trainer job (drop --trainers/--tp)");
-    if (o.engine != "tcp")
-      throw_error(errc::invalid_argument, "--delta: only the tcp engine sends deltas, not '" + o.engine + "'");
+    if (o.engine != "tcp" && o.engine != "ucx")
+      throw_error(errc::invalid_argument, "--delta: the tcp and ucx engines send deltas, not '" + o.engine + "'");
+    if (o.engine == "ucx" && !(o.topology == "star" || (o.topology.empty() && o.workers <= 2)))
+      throw_error(errc::invalid_argument, "--delta: ucx sends deltas over a star only (--topology star)");
     if (o.no_direct)
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");

@@ -144,9 +144,11 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_TRUE(parse({"--delta", "--workers", "3"}).delta);  // a chain: relays forward the deltas
   EXPECT_TRUE(parse({"--delta", "--topology", "tree:2", "--workers", "4"}).delta);
   EXPECT_TRUE(parse({"--delta", "--commit", "staged"}).delta);  // a session's commit records the version
+  EXPECT_TRUE(parse({"--delta", "--engine", "ucx"}).delta);     // two workers: a star
+  EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "4", "--topology", "star"}).delta);
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
-      {{"--delta", "--engine", "ucx"}, "only the tcp engine"},
-      {{"--delta", "--engine", "tcp_sharded"}, "only the tcp engine"},
+      {{"--delta", "--engine", "ucx", "--workers", "3"}, "over a star only"},
+      {{"--delta", "--engine", "tcp_sharded"}, "the tcp and ucx engines"},
       {{"--delta", "--no-direct"}, "--no-direct"},
       {{"--delta", "--tp", "2"}, "one-trainer job"},
       {{"--delta", "--trainers", "2", "--tp", "2"}, "one-trainer job"},

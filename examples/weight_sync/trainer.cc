@@ -73,7 +73,7 @@ struct totals {
   double lag_update_p99_ms = 0;
   int overlap_samples = 0;
   std::vector<double> update_seconds;  // each update's time (the first pays for first touches)
-  // Each update's payload bytes to one worker: with --delta what the tcp sender
+  // Each update's payload bytes to one worker: with --delta what the sender
   // sent a worker that took the deltas (headers not counted), else the model's bytes.
   std::vector<std::uint64_t> wire_bytes;
   std::uint64_t full_fallbacks = 0, encoded_buckets = 0;  // --delta: summed over the updates
@@ -114,7 +114,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
                        {"buffer_bytes", o.buffer_bytes}, {"num_buffers", o.num_buffers}, {"checksums", o.checksums},
                        {"timeout_ms", o.timeout_ms}};
   if (!o.topology.empty()) trainer_args["topology"] = o.topology;
-  if (o.delta) trainer_args["delta"] = true;  // (flags checked the engine is tcp)
+  if (o.delta) trainer_args["delta"] = true;  // (flags checked the engine is tcp or ucx)
   // Each worker is its own inference engine here, so each gets its own rank (the
   // group's default); proxies in front of the trainer are advertised instead.
   control::init_options init;
@@ -163,7 +163,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
     t.update_seconds.push_back(seconds);
     std::uint64_t wire = bytes;
     if (o.delta) {
-      // What the sender did with deltas (tcp: its last_send_info()).
+      // What the sender did with deltas (its last_send_info()).
       const json info = sender->last_send_info();
       if (!info.is_object() || !info.contains("delta"))
         throw_error(errc::invalid_argument, "--delta: the " + o.engine + " sender reports no deltas");

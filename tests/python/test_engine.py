@@ -535,7 +535,8 @@ def test_delta_updates_from_python_are_exact_and_send_less():
         assert plain.last_send_info is None  # no deltas: nothing beyond the stats
 
 
-def test_keep_base_lets_a_worker_without_tensors_take_deltas():
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_keep_base_lets_a_worker_without_tensors_take_deltas(backend):
     """keep_base=True: the engine keeps a host copy of what it delivered (the
     model's load_weights sees views of it), and a delta trainer's updates decode
     against the copy, in place and staged; what the model is given is exact."""
@@ -543,8 +544,8 @@ def test_keep_base_lets_a_worker_without_tensors_take_deltas():
     src = {"w": rng.integers(-30000, 30000, size=1 << 16, dtype=np.int16),
            "b": rng.integers(-30000, 30000, size=4096, dtype=np.int16)}
     got = Recorder()
-    with refit.Sender("tcp", timeout_ms=10000) as sender:
-        engine = refit.Engine("tcp", timeout_ms=10000, keep_base=True)
+    with refit.Sender(backend, timeout_ms=10000) as sender:
+        engine = refit.Engine(backend, timeout_ms=10000, keep_base=True)
         connect(sender, [engine], delta=True)
         for step in range(4):
             if step:

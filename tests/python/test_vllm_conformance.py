@@ -617,8 +617,9 @@ def test_trainer_engine_in_process_client(backend):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
 @pytest.mark.parametrize("commit", ["staged", "in_place"])
-def test_delta_updates_decode_against_the_workers_host_copy(commit):
+def test_delta_updates_decode_against_the_workers_host_copy(commit, backend):
     """trainer_args {"delta": True}: the workers keep a host copy of what refit
     delivered (keep_base, set by the trainer engine), so each round after the first
     goes as deltas against it and vLLM's load_weights still gets every tensor whole
@@ -627,7 +628,7 @@ def test_delta_updates_decode_against_the_workers_host_copy(commit):
     engine, model, client = one_worker()
     trainer_model = TrainerModel(seed=21)
     trainer = WeightTransferTrainerFactory.trainer_init(
-        trainer_info(world_size=2, trainer_args={"delta": True},
+        trainer_info(world_size=2, refit_backend=backend, trainer_args={"delta": True},
                      worker_options={"timeout_ms": TIMEOUT_MS, "commit": commit}),
         client=client, source=ModuleSource(trainer_model))
     g = torch.Generator().manual_seed(5)
@@ -662,7 +663,7 @@ def test_delta_updates_decode_against_the_workers_host_copy(commit):
     # Without the copy: the worker refuses the base and gets each round full.
     engine, model, client = one_worker()
     trainer = WeightTransferTrainerFactory.trainer_init(
-        trainer_info(world_size=2, trainer_args={"delta": True},
+        trainer_info(world_size=2, refit_backend=backend, trainer_args={"delta": True},
                      worker_options={"timeout_ms": TIMEOUT_MS, "commit": commit, "keep_base": False}),
         client=client, source=ModuleSource(trainer_model))
     try:

@@ -115,6 +115,7 @@ json sender_base::prepare(const json& trainer_args) {
     t = text ? topology::parse(*text, name + " trainer_args: member 'topology'")
              : topology::default_for(args.world_size - 1);
   }
+  const bool delta = sends_deltas() && r.optional<bool>("delta", false);
   r.finish();
   if (args.wire.checksums && !verifies_checksums())
     throw_error(errc::invalid_argument, name + " trainer_args: member 'checksums' is not supported by " + name +
@@ -122,6 +123,7 @@ json sender_base::prepare(const json& trainer_args) {
   shutdown();
   args_ = args;
   topology_ = t;
+  delta_ = delta;
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, args_.address, args_.port));
   prepared();
   json info = worker_init_info(args_, acceptor_->local_endpoint().port());

@@ -90,6 +90,9 @@ class sender_base : public weight_sender {
   /// accepted). Both false by default: the args refuse them.
   virtual bool relays() const noexcept { return false; }
   virtual bool verifies_checksums() const noexcept { return false; }
+  /// Whether the engine sends delta updates (trainer_args' "delta": bool is read
+  /// into delta_; docs/delta.md). False by default: the args refuse "delta".
+  virtual bool sends_deltas() const noexcept { return false; }
   /// What each worker's welcome carries (e.g. a communicator id).
   virtual std::string welcome() { return {}; }
   /// After every worker joined: e.g. join the communicator.
@@ -120,6 +123,7 @@ class sender_base : public weight_sender {
   trainer_context context_;
   trainer_args args_;
   topology topology_;            ///< star unless relays()
+  bool delta_ = false;           ///< trainer_args' "delta" (sends_deltas())
   std::vector<member> peers_;    ///< the workers the trainer sends to (in a relay: its children)
   std::vector<member> relayed_;  ///< the others' side channels (relay topologies), kept open
   update_stats stats_;

@@ -328,7 +328,8 @@ asio::awaitable<void> announce_update(asio::ip::tcp::socket& socket, const std::
 
 asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std::uint64_t last_seq,
                                              const update_metadata& meta, const bucket_plan& plan,
-                                             std::chrono::milliseconds timeout, std::string who) {
+                                             std::chrono::milliseconds timeout, std::string who,
+                                             std::optional<wire::delta_header>* delta) {
   std::array<std::byte, sizeof(wire::update)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), timeout, who + ": waiting for the update header");
   auto u = wire::decode<wire::update>(raw);
@@ -336,7 +337,14 @@ asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std:
   const wire::update_expectation expected{last_seq, meta.tensors.size(), metadata_digest(meta), plan.buckets.size(),
                                           plan.payload_bytes};
   std::string mismatch = wire::check_update_header(u, expected);
-  // Delta updates (a delta_header follows) are the tcp engine's own (engines/tcp).
+  if (delta && (u.flags & wire::update_flag_delta) != 0) {
+    // A delta header follows (docs/delta.md).
+    std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
+    co_await net::read_exact(socket, asio::buffer(raw_delta), timeout, who + ": reading the delta header");
+    *delta = wire::decode<wire::delta_header>(raw_delta);
+    if (mismatch.empty()) mismatch = wire::check_delta_header(**delta);
+    u.flags &= ~wire::update_flag_delta;
+  }
   if (mismatch.empty() && u.flags != 0)
     mismatch = (u.flags & wire::update_flag_delta) != 0
                    ? "the trainer sends a delta update; this engine takes full updates only"

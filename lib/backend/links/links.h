@@ -18,6 +18,7 @@
 
 #include <refit/backend/bucket_plan.h>
 #include <refit/backend/json_reader.h>
+#include <refit/backend/links/wire.h>
 #include <refit/engine.h>
 #include <refit/metadata.h>
 
@@ -109,9 +110,13 @@ asio::awaitable<void> announce_update(asio::ip::tcp::socket& socket, const std::
 /// Worker side: reads the trainer's update header and checks it against this
 /// worker's own metadata and plan; refuses (telling the trainer why) and throws
 /// protocol_error on a mismatch, else accepts. Returns the update's sequence number.
+/// With `delta` (an engine that takes delta updates), the delta header that follows
+/// a header flagged update_flag_delta is read (and checked) into it; without, such
+/// a header is refused.
 asio::awaitable<std::uint64_t> accept_update(asio::ip::tcp::socket& socket, std::uint64_t last_seq,
                                              const update_metadata& meta, const bucket_plan& plan,
-                                             std::chrono::milliseconds timeout, std::string who);
+                                             std::chrono::milliseconds timeout, std::string who,
+                                             std::optional<wire::delta_header>* delta = nullptr);
 
 /// Worker side, for an update it refuses before reading its header: tells the
 /// trainer (a status with `kind` and `reason` for update `seq`, which its

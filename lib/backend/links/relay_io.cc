@@ -72,6 +72,11 @@ asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& 
   const wire::update_expectation expected{last_seq, meta.tensors.size(), metadata_digest(meta), plan.buckets.size(),
                                           plan.payload_bytes};
   std::string refusal = wire::check_update_header(u, expected);
+  // Relays here pass full updates on (a delta header is engines/tcp's relays' own).
+  if (refusal.empty() && u.flags != 0)
+    refusal = (u.flags & wire::update_flag_delta) != 0 ? "the trainer sends a delta update; this relay takes full "
+                                                         "updates only"
+                                                       : "unknown update flags " + std::to_string(u.flags);
   errc code = errc::protocol_error;
   if (refusal.empty()) {
     std::vector<asio::const_buffer> header{asio::buffer(raw)};  // (GCC 12: no braced list in co_await)

@@ -16,6 +16,7 @@
 #include <refit/control/client.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
+#include <refit/model/host_copy_target.h>
 
 #include "tests/conformance/conformance.h"
 
@@ -318,19 +319,27 @@ TEST(ucx, the_init_answer_and_weight_info_carry_the_transports) {
 struct ucx_group {
   asio::io_context io;
   std::unique_ptr<ucx::sender> sender;
+  std::vector<std::unique_ptr<host_copy_target>> copies;  // by worker (null: no model target)
   std::vector<std::unique_ptr<ucx::engine>> workers;
   std::vector<std::unique_ptr<capture>> got;
   json init;
 
-  ucx_group(int n, const std::string& topology, bool checksums, wire_params wire = small_wire()) {
+  // delta: the trainer sends deltas; the first `with_copy` workers keep a host copy
+  // of what they delivered (their model target: what deltas decode against).
+  ucx_group(int n, const std::string& topology, bool checksums, wire_params wire = small_wire(), bool delta = false,
+            int with_copy = 0) {
     for (int i = 0; i < n; ++i) got.push_back(std::make_unique<capture>());
     sender = std::make_unique<ucx::sender>(ucx_config(), trainer_context{io.get_executor(), {}});
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", n + 1}, {"topology", topology}};
+    if (delta) args["delta"] = true;
     wire.checksums = checksums;
     wire.write(args);
     init = sender->prepare(args);
-    for (int i = 0; i < n; ++i)
-      workers.push_back(std::make_unique<ucx::engine>(ucx_config(), engine_context{io.get_executor()}));
+    for (int i = 0; i < n; ++i) {
+      copies.push_back(i < with_copy ? std::make_unique<host_copy_target>() : nullptr);
+      workers.push_back(
+          std::make_unique<ucx::engine>(ucx_config(), engine_context{io.get_executor(), {}, {}, copies.back().get()}));
+    }
   }
   ~ucx_group() {
     sender->shutdown();
@@ -368,7 +377,7 @@ struct ucx_group {
     json info = json::object();
     write_update_metadata(set.meta, info);
     for (std::size_t i = 0; i < workers.size(); ++i) {
-      load_weights_fn load = got[i]->fn();
+      load_weights_fn load = copies[i] ? copies[i]->loading_through(got[i]->fn()) : got[i]->fn();
       if (extra && i == at)
         load = [inner = load, extra](std::span<const tensor_view> v) {
           extra(v);
@@ -424,6 +433,118 @@ void every_worker_gets_every_byte(int n, const std::string& topology, bool check
       EXPECT_NO_THROW(g.got[i]->check_equals(set)) << "rank " << i + 1 << ", round " << int(round);
     }
   }
+}
+
+// ---- Delta updates (docs/delta.md), star only.
+
+// About one element in `every` of each tensor moves by its lowest bit.
+void nudge(tensor_set& set, std::size_t every, std::size_t offset) {
+  for (std::size_t t = 0; t < set.data.size(); ++t) {
+    const std::size_t elem = element_size(set.meta.tensors[t].dtype);
+    auto& d = set.data[t];
+    for (std::size_t e = offset % every; (e + 1) * elem <= d.size(); e += every) d[e * elem] ^= std::byte{1};
+  }
+}
+
+class ucx_delta : public ::testing::TestWithParam<bool> {};  // checksums
+
+TEST_P(ucx_delta, updates_after_the_first_go_as_deltas_to_workers_holding_the_base) {
+  // Worker 1 keeps a host copy (deltas decode against it); worker 2 has no model
+  // memory to decode against: it is offered the deltas, refuses, gets every update full.
+  ucx_group g(2, "star", GetParam(), small_wire(), /*delta=*/true, /*with_copy=*/1);
+  g.connect();
+  tensor_set set = mixed(3);
+  for (std::uint64_t round = 1; round <= 4; ++round) {
+    if (round > 1) nudge(set, 50, round);
+    g.reset_captures();
+    auto [sent, received] = g.update(set);
+    ASSERT_FALSE(sent->error) << sent->message();
+    for (std::size_t i = 0; i < received.size(); ++i) {
+      ASSERT_FALSE(received[i]->error) << "rank " << i + 1 << ": " << received[i]->message();
+      EXPECT_NO_THROW(g.got[i]->check_equals(set)) << "rank " << i + 1 << ", round " << round;
+      ASSERT_TRUE(g.workers[i]->held()) << "rank " << i + 1;
+      EXPECT_EQ(g.workers[i]->held()->version, round);
+      EXPECT_EQ(g.workers[i]->held()->fingerprint, g.sender->last_delta_stats().fingerprint);
+    }
+    const auto& d = g.sender->last_delta_stats();
+    EXPECT_EQ(d.version, round);
+    const auto& w1 = g.workers[0]->last_update_stats();
+    if (round == 1) {
+      EXPECT_EQ(d.base_version, 0u);
+      EXPECT_GE(w1.wire_bytes, w1.bytes);  // full: every bucket's bytes
+    } else {
+      EXPECT_EQ(d.base_version, round - 1);
+      EXPECT_EQ(d.delta_workers, 1u);
+      EXPECT_EQ(d.full_fallbacks, 1u);
+      EXPECT_GT(d.encoded_buckets, 0u);
+      EXPECT_LT(w1.wire_bytes * 4, w1.bytes) << "2% of the elements moved";
+    }
+    EXPECT_GE(g.workers[1]->last_update_stats().wire_bytes, g.workers[1]->last_update_stats().bytes);
+    EXPECT_EQ(g.sender->last_send_info().at("delta").at("version").get<std::uint64_t>(), round);
+  }
+  // One update asked full, then deltas again.
+  nudge(set, 50, 7);
+  g.sender->set_next_send({.delta = false});
+  g.reset_captures();
+  auto [sent, received] = g.update(set);
+  ASSERT_FALSE(sent->error) << sent->message();
+  for (auto& r : received) ASSERT_FALSE(r->error) << r->message();
+  EXPECT_EQ(g.sender->last_delta_stats().delta_workers, 0u);
+  EXPECT_NO_THROW(g.got[0]->check_equals(set));
+  nudge(set, 50, 8);
+  g.reset_captures();
+  auto [sent2, received2] = g.update(set);
+  ASSERT_FALSE(sent2->error) << sent2->message();
+  for (auto& r : received2) ASSERT_FALSE(r->error) << r->message();
+  EXPECT_EQ(g.sender->last_delta_stats().delta_workers, 1u);
+  EXPECT_NO_THROW(g.got[0]->check_equals(set));
+}
+
+INSTANTIATE_TEST_SUITE_P(checksums, ucx_delta, ::testing::Bool());
+
+TEST(ucx_delta, a_copy_changed_behind_the_engine_is_refused_and_sent_full) {
+  ucx_group g(1, "star", false, small_wire(), /*delta=*/true, /*with_copy=*/1);
+  g.connect();
+  tensor_set set = mixed(4);
+  auto [s1, r1] = g.update(set);
+  ASSERT_FALSE(s1->error) << s1->message();
+  // Bytes the worker holds change outside refit: its recorded version is right,
+  // its bytes are not; the offer is refused and the update comes full, exact.
+  auto view = g.copies[0]->destination(set.meta.tensors[0]);
+  ASSERT_TRUE(view);
+  static_cast<std::byte*>(view->data)[17] ^= std::byte{0x20};
+  nudge(set, 40, 1);
+  g.reset_captures();
+  auto [s2, r2] = g.update(set);
+  ASSERT_FALSE(s2->error) << s2->message();
+  ASSERT_FALSE(r2[0]->error) << r2[0]->message();
+  EXPECT_EQ(g.sender->last_delta_stats().full_fallbacks, 1u);
+  EXPECT_NO_THROW(g.got[0]->check_equals(set));
+  nudge(set, 40, 2);
+  g.reset_captures();
+  auto [s3, r3] = g.update(set);
+  ASSERT_FALSE(s3->error) << s3->message();
+  EXPECT_EQ(g.sender->last_delta_stats().delta_workers, 1u);
+  EXPECT_NO_THROW(g.got[0]->check_equals(set));
+}
+
+TEST(ucx_delta, deltas_over_relays_and_without_deltas_on_are_refused) {
+  asio::io_context io;
+  ucx::sender s(ucx_config(), trainer_context{io.get_executor(), {}});
+  try {
+    s.prepare({{"master_address", "127.0.0.1"},
+               {"master_port", 0},
+               {"world_size", 3},
+               {"topology", "chain"},
+               {"delta", true}});
+    FAIL() << "deltas over a chain accepted";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::invalid_argument) << e.message();
+  }
+  s.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+  EXPECT_THROW(s.set_next_send({.delta = true}), error);
+  EXPECT_TRUE(s.last_send_info().is_null());
+  s.shutdown();
 }
 
 TEST(ucx_relay, a_chain_of_three_gets_every_byte) { every_worker_gets_every_byte(3, "chain", false); }
