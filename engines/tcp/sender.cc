@@ -47,11 +47,13 @@ json sender::prepare(const json& trainer_args) {
   const auto args = links::trainer_args::read(r, config_.timeout);
   const auto topology = r.maybe<std::string>("topology");
   const bool delta = r.optional<bool>("delta", false);
+  const std::uint64_t delta_max = backend::read_delta_max_bytes(r);
   const auto chosen = topology ? links::topology::parse(*topology, "tcp trainer_args: member 'topology'")
                                : links::topology::default_for(args.world_size - 1);
   r.finish();
   topology_ = chosen;
   delta_ = delta;
+  delta_max_ = delta_max;
   if (!delta_) base_ = {};  // no snapshot held without deltas
   args_ = args;
   world_size_ = args.world_size;
@@ -199,8 +201,15 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
 
     // Deltas on: number this version, offer deltas against the base when the
     // snapshot holds the last update's bytes of these same tensors, and prepare
-    // the work that encodes each bucket and refreshes the snapshot.
-    if (delta_) {
+    // the work that encodes each bucket and refreshes the snapshot. An update
+    // larger than the bound goes plain, and the snapshot is let go.
+    const bool deltas = delta_ && (delta_max_ == 0 || plan.payload_bytes <= delta_max_);
+    if (delta_ && !deltas) {
+      base_ = {};
+      delta_stats_.over_bound = true;
+      delta_stats_.full_bytes = plan.payload_bytes;
+    }
+    if (deltas) {
       const std::uint64_t digest = metadata_digest(declared);
       const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
                             base_.buckets == plan.buckets.size() && allow_base;
@@ -228,7 +237,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       base_.buckets = plan.buckets.size();
       base_.version = d.version;
     }
-    if (delta_) {
+    if (deltas) {
       work = std::make_shared<backend::bucket_delta_work>();
       std::vector<const std::byte*> next(declared.tensors.size());
       for (std::size_t i = 0; i < declared.tensors.size(); ++i) next[i] = cursor.view(i).data;
@@ -312,6 +321,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     delta_stats_.delta_bytes = work->delta_bytes;
     delta_stats_.encoded_full = work->encoded_full;
     delta_stats_.encode_s = work->encode_s;
+    delta_stats_.snapshot_bytes = base_.capacity;
     // A stream reaches its worker's subtree (relays): each worker there took the
     // deltas, or got the update full.
     for (const auto& p : peers_) {

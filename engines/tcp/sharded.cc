@@ -638,6 +638,7 @@ json sharded_sender::prepare(const json& trainer_args) {
   const wire_params wire = wire_params::read(r);
   const auto timeout = std::chrono::milliseconds(r.optional<std::int64_t>("timeout_ms", config_.timeout.count()));
   const bool delta = r.optional<bool>("delta", false);
+  const std::uint64_t delta_max = backend::read_delta_max_bytes(r);
   if (!trainers.is_array() || trainers.empty()) r.fail("member 'trainers' must be a non-empty array");
   if (rank < 0 || rank >= static_cast<int>(trainers.size()))
     r.fail("member 'rank' is " + std::to_string(rank) + ", not one of the " + std::to_string(trainers.size()) +
@@ -660,6 +661,7 @@ json sharded_sender::prepare(const json& trainer_args) {
   wire_ = wire;
   timeout_ = timeout;
   delta_ = delta;
+  delta_max_ = delta_max;
   if (!delta_) bases_.clear();  // no snapshot held without deltas
   if (!io_pool_) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
@@ -762,7 +764,14 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
   // Deltas on: number this version; each pair whose snapshot holds the last
   // version of that same pair is offered deltas against it.
   delta_stats_ = {};
-  if (delta_) {
+  // The snapshots hold this rank's egress: beyond the bound the update goes plain.
+  const bool deltas = delta_ && (delta_max_ == 0 || plan.egress[rank_] <= delta_max_);
+  if (delta_ && !deltas) {
+    bases_.clear();
+    delta_stats_.over_bound = true;
+    delta_stats_.full_bytes = plan.egress[rank_];
+  }
+  if (deltas) {
     ++version_;
     delta_stats_.version = version_;
     delta_stats_.full_bytes = plan.egress[rank_];
@@ -779,7 +788,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
     const std::uint64_t digest = pair_digest(plan.digest, rank_, w);
     auto header = links::update_header(seq, pair.items.size(), digest, frames->size(), pair.bytes);
     std::optional<pair_delta> delta;
-    if (delta_) {
+    if (deltas) {
       pair_base& b = bases_[w];
       wire::update u = wire::decode<wire::update>(header);
       u.flags |= wire::update_flag_delta;
@@ -817,7 +826,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
     fail_all();  // the workers fail at once; init again before the next update
     std::rethrow_exception(failure);
   }
-  if (delta_) {
+  if (deltas) {
     // Every worker confirmed: each snapshot is this version's bytes of its pair,
     // the next update's base.
     for (int w = 0; w < workers_; ++w) {
@@ -832,6 +841,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       d.delta_bytes += p.delta_bytes;
       d.encoded_full += p.encoded_full;
       d.encode_s += p.encode_s;
+      d.snapshot_bytes += b.capacity;
     }
   }
   stats_.bytes = plan.egress[rank_];

@@ -248,6 +248,7 @@ class sharded_sender final : public weight_sender {
   std::vector<std::uint64_t> sent_;
   double plan_s_ = 0;
   bool delta_ = false;              // trainer_args "delta"
+  std::uint64_t delta_max_ = 0;     // trainer_args "delta_max_bytes" (0: no bound)
   std::optional<bool> next_delta_;  // set_next_send's, for the next send only
   std::uint64_t version_ = 0;       // the last version numbered (deltas on)
   std::vector<pair_base> bases_;    // by worker (deltas on)

@@ -206,6 +206,7 @@ class sender final : public weight_sender {
   std::uint64_t seq_ = 0;
   update_stats stats_;
   bool delta_ = false;              // trainer_args "delta"
+  std::uint64_t delta_max_ = 0;     // trainer_args "delta_max_bytes" (0: no bound)
   std::optional<bool> next_delta_;  // set_next_send's, for the next send only
   std::uint64_t version_ = 0;       // the last version numbered (deltas on)
   backend::delta_snapshot base_;    // the bytes last sent (deltas on)

@@ -137,7 +137,14 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     std::optional<std::array<std::byte, sizeof(links::wire::delta_header)>> delta_header;
     std::shared_ptr<backend::bucket_delta_work> work;
     std::vector<std::vector<std::byte>> encoded;
-    if (delta_) {
+    // Beyond the bound the update goes plain, and the snapshot is let go.
+    const bool deltas = delta_ && (delta_max_ == 0 || plan.payload_bytes <= delta_max_);
+    if (delta_ && !deltas) {
+      base_ = {};
+      delta_stats_.over_bound = true;
+      delta_stats_.full_bytes = plan.payload_bytes;
+    }
+    if (deltas) {
       const std::uint64_t digest = metadata_digest(declared);
       const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
                             base_.buckets == plan.buckets.size() && allow_base;
@@ -229,6 +236,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
       delta_stats_.delta_bytes = work->delta_bytes;
       delta_stats_.encoded_full = work->encoded_full;
       delta_stats_.encode_s = work->encode_s;
+      delta_stats_.snapshot_bytes = base_.capacity;
       for (const auto& p : peers_by_rank_) {
         delta_stats_.delta_workers += p->took_delta ? 1 : 0;
         delta_stats_.full_fallbacks += p->fell_back ? 1 : 0;

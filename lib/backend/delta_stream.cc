@@ -21,7 +21,9 @@ json delta_send_info(const delta_send_stats& d) {
             {"delta_bytes", d.delta_bytes},
             {"encoded_full", d.encoded_full},
             {"full_bytes", d.full_bytes},
-            {"encode_s", d.encode_s}}}};
+            {"encode_s", d.encode_s},
+            {"over_bound", d.over_bound},
+            {"snapshot_bytes", d.snapshot_bytes}}}};
 }
 
 std::uint64_t delta_fingerprint(std::uint64_t digest, std::span<const std::uint64_t> bucket_checksums) {

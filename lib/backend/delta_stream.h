@@ -20,6 +20,7 @@
 
 #include <refit/backend/bucket_plan.h>
 #include <refit/backend/delta.h>
+#include <refit/backend/json_reader.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
@@ -48,7 +49,17 @@ struct delta_send_stats {
   std::uint64_t encoded_full = 0;     ///< those buckets' payload bytes (their cost sent full)
   std::uint64_t full_bytes = 0;       ///< the update's payload bytes (what a full update sends)
   double encode_s = 0;                ///< time spent encoding (off the event loop)
+  /// The update was larger than the sender's "delta_max_bytes": sent as a plain
+  /// update (no delta header, no version), and no snapshot is held.
+  bool over_bound = false;
+  std::uint64_t snapshot_bytes = 0;  ///< the memory of the snapshot held after the send
 };
+
+/// trainer_args' "delta_max_bytes" (optional, 0: no bound): the largest snapshot
+/// a sender with deltas on holds; an update larger than it goes without deltas.
+inline std::uint64_t read_delta_max_bytes(json_reader& r) {
+  return r.optional<std::uint64_t>("delta_max_bytes", 0);
+}
 /// {"delta": {every member of `d`}}: what last_send_info() reports with deltas on.
 json delta_send_info(const delta_send_stats& d);
 

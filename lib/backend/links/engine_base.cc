@@ -7,6 +7,7 @@
 
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
+#include <refit/backend/delta_stream.h>
 #include <refit/backend/engine.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/net.h>
@@ -116,6 +117,7 @@ json sender_base::prepare(const json& trainer_args) {
              : topology::default_for(args.world_size - 1);
   }
   const bool delta = sends_deltas() && r.optional<bool>("delta", false);
+  const std::uint64_t delta_max = sends_deltas() ? backend::read_delta_max_bytes(r) : 0;
   r.finish();
   if (args.wire.checksums && !verifies_checksums())
     throw_error(errc::invalid_argument, name + " trainer_args: member 'checksums' is not supported by " + name +
@@ -124,6 +126,7 @@ json sender_base::prepare(const json& trainer_args) {
   args_ = args;
   topology_ = t;
   delta_ = delta;
+  delta_max_ = delta_max;
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, args_.address, args_.port));
   prepared();
   json info = worker_init_info(args_, acceptor_->local_endpoint().port());

@@ -124,6 +124,7 @@ class sender_base : public weight_sender {
   trainer_args args_;
   topology topology_;            ///< star unless relays()
   bool delta_ = false;           ///< trainer_args' "delta" (sends_deltas())
+  std::uint64_t delta_max_ = 0;  ///< trainer_args' "delta_max_bytes" (0: no bound)
   std::vector<member> peers_;    ///< the workers the trainer sends to (in a relay: its children)
   std::vector<member> relayed_;  ///< the others' side channels (relay topologies), kept open
   update_stats stats_;

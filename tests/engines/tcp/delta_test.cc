@@ -472,6 +472,40 @@ TEST_P(delta_updates, a_chunk_staged_in_a_session_is_the_base_once_committed_and
   r.expect_exact("a delta after a committed staged session");
 }
 
+TEST(delta_options, an_update_larger_than_the_snapshot_bound_goes_plain_and_lets_the_snapshot_go) {
+  rig r(1, false);
+  r.update_ok();
+  r.change(0.01);
+  r.update_ok();
+  EXPECT_EQ(r.sender.last_delta_stats().delta_workers, 1u);
+  EXPECT_GE(r.sender.last_delta_stats().snapshot_bytes, r.sender.last_delta_stats().full_bytes);
+  // A bound below the update: plain updates, no snapshot, no version claimed.
+  r.args["delta_max_bytes"] = 1000;
+  r.connect();
+  r.change(0.01);
+  r.update_ok();
+  auto st = r.sender.last_delta_stats();
+  EXPECT_TRUE(st.over_bound);
+  EXPECT_EQ(st.snapshot_bytes, 0u);
+  EXPECT_EQ(st.version, 0u);
+  EXPECT_EQ(st.delta_workers + st.full_fallbacks, 0u);
+  EXPECT_TRUE(r.sender.last_send_info().at("delta").at("over_bound").get<bool>());
+  EXPECT_FALSE(r.engines[0]->held()) << "a plain update leaves no version to take deltas against";
+  for (std::size_t t = 0; t < r.set.data.size(); ++t)
+    EXPECT_TRUE(r.models[0]->bytes(r.set.meta.tensors[t].name) == r.set.data[t]) << r.set.meta.tensors[t].name;
+  // A bound above it: deltas again (the first update after has no base).
+  r.args["delta_max_bytes"] = 1 << 30;
+  r.connect();
+  for (int k = 0; k < 2; ++k) {
+    r.change(0.01);
+    r.update_ok();
+  }
+  st = r.sender.last_delta_stats();
+  EXPECT_FALSE(st.over_bound);
+  EXPECT_EQ(st.delta_workers, 1u);
+  r.expect_exact("deltas again under the bound");
+}
+
 TEST(delta_options, a_delta_asked_of_a_sender_without_deltas_is_refused) {
   asio::io_context io;
   tcp::sender plain(tcp_config(), trainer_context{io.get_executor(), {}});

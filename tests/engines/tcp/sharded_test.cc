@@ -448,6 +448,33 @@ TEST_P(tcp_sharded_delta, frames_go_as_deltas_to_workers_holding_the_base_and_ev
 
 INSTANTIATE_TEST_SUITE_P(checksums, tcp_sharded_delta, ::testing::Bool());
 
+TEST(tcp_sharded, a_rank_whose_egress_is_over_the_snapshot_bound_sends_plain_updates) {
+  sharded_group g(1, 2, true, 5s, /*delta=*/true);
+  // Rank 0 re-prepared with a bound below its egress.
+  json trainers = json::array({{{"address", "127.0.0.1"}, {"port", 0}}});
+  g.init = g.senders[0]->prepare({{"rank", 0},
+                                  {"trainers", trainers},
+                                  {"workers", 2},
+                                  {"layout", g.spec},
+                                  {"buffer_bytes", 4096},
+                                  {"checksums", true},
+                                  {"delta", true},
+                                  {"delta_max_bytes", 1024}});
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 51);
+  for (int round = 0; round < 2; ++round) {
+    if (round) model = model.step(50, 1);
+    auto [sent, got] = g.update(model, shards);
+    expect_ok(sent, got);
+    expect_holds(g, layouts, model, "over the bound");
+    EXPECT_TRUE(g.senders[0]->last_delta_stats().over_bound);
+    EXPECT_EQ(g.senders[0]->last_delta_stats().snapshot_bytes, 0u);
+    EXPECT_FALSE(g.engines[0]->held().at(0)) << "a plain pair claims no version";
+  }
+}
+
 TEST(tcp_sharded, an_update_asked_full_goes_full_from_every_rank_and_deltas_resume) {
   sharded_group g(2, 2, true, 5s, /*delta=*/true);
   g.connect();

@@ -502,6 +502,30 @@ TEST_P(ucx_delta, updates_after_the_first_go_as_deltas_to_workers_holding_the_ba
 
 INSTANTIATE_TEST_SUITE_P(checksums, ucx_delta, ::testing::Bool());
 
+TEST(ucx_delta, an_update_larger_than_the_snapshot_bound_goes_plain) {
+  wire_params wire = small_wire();
+  ucx_group g(1, "star", false, wire, /*delta=*/true, /*with_copy=*/1);
+  // Re-prepared with a bound below the update.
+  json args = {
+      {"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}, {"topology", "star"}, {"delta", true},
+      {"delta_max_bytes", 4096}};
+  wire.write(args);
+  g.init = g.sender->prepare(args);
+  g.connect();
+  tensor_set set = mixed(5);
+  for (int round = 0; round < 2; ++round) {
+    if (round) nudge(set, 50, 1);
+    g.reset_captures();
+    auto [sent, received] = g.update(set);
+    ASSERT_FALSE(sent->error) << sent->message();
+    ASSERT_FALSE(received[0]->error) << received[0]->message();
+    EXPECT_NO_THROW(g.got[0]->check_equals(set));
+    EXPECT_TRUE(g.sender->last_delta_stats().over_bound);
+    EXPECT_EQ(g.sender->last_delta_stats().snapshot_bytes, 0u);
+    EXPECT_FALSE(g.workers[0]->held());
+  }
+}
+
 TEST(ucx_delta, a_copy_changed_behind_the_engine_is_refused_and_sent_full) {
   ucx_group g(1, "star", false, small_wire(), /*delta=*/true, /*with_copy=*/1);
   g.connect();
@@ -543,6 +567,8 @@ TEST(ucx_delta, deltas_over_relays_and_without_deltas_on_are_refused) {
   }
   s.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
   EXPECT_THROW(s.set_next_send({.delta = true}), error);
+  EXPECT_THROW(s.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}, {"delta_bytes", 1}}),
+               error);  // (strict: an unknown member)
   EXPECT_TRUE(s.last_send_info().is_null());
   s.shutdown();
 }
