@@ -307,7 +307,7 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
       position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
   // Which version the weights hold is known only until this update changes them.
-  const std::optional<held_version> held = std::exchange(held_, std::nullopt);
+  const std::optional<held_version> held = held_.take();
   std::array<std::byte, sizeof(wire::update)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), timeout_, source + ": waiting for the update header");
   auto u = wire::decode<wire::update>(raw);
@@ -359,25 +359,16 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
     delta->meta = &info.metadata;
     delta->hashes.assign(plan.buckets.size(), 0);
     if ((delta_header->flags & wire::delta_flag_has_base) != 0) {
-      std::vector<const std::byte*> current;
+      // Hashes the tensors (off the loop) too: bytes written outside refit since (a
+      // model reloaded, a tensor changed in place) get the update full.
+      // (Arguments named first: GCC 12 may destroy a temporary of a co_await
+      // expression twice.)
       const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
-      std::string why_full = backend::delta_base_refusal(
-          *delta_header, held, weights_dirty() ? dirty_reason() : std::string(), info.metadata,
-          staged ? context().model : receive_target(), staged, delta->base, current);
-      if (why_full.empty()) {
-        // The version's fingerprint says what arrived, not what the tensors hold now:
-        // hash them (off the loop) so that bytes written outside refit since (a model
-        // reloaded, a tensor changed in place) get the update full, not a delta
-        // decoded against other bytes.
-        const std::uint64_t digest = metadata_digest(info.metadata);
-        const std::uint64_t now = co_await async::offload(processing_executor(), [&plan, &current, digest] {
-          return backend::fingerprint_of(plan, current, digest);
-        });
-        if (now != delta_header->base_fingerprint)
-          why_full = "this worker's tensors no longer hold version " + std::to_string(delta_header->base_version) +
-                     "'s bytes (their fingerprint is " + to_hex(now) + ", the base's " +
-                     to_hex(delta_header->base_fingerprint) + "): written outside refit since that update";
-      }
+      const std::string dirty = weights_dirty() ? dirty_reason() : std::string();
+      model_target* const current = staged ? context().model : receive_target();
+      const asio::any_io_executor processing = processing_executor();
+      std::string why_full = co_await backend::check_delta_base(*delta_header, held, dirty, info.metadata, current,
+                                                                staged, plan, processing, delta->base);
       delta->accepted = why_full.empty();
       // A relay's stream carries one form of each bucket to its whole subtree: it
       // takes deltas only when every worker below holds the base too (else the
@@ -412,29 +403,14 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
   // the bytes that arrived, so a worker that got other bytes never matches). A
   // chunk staged in an open update session holds it once the session commits.
   if (delta_header) {
-    const held_version now{delta_header->version, delta_fingerprint(metadata_digest(info.metadata), delta->hashes)};
-    if (!receiving_into_open_session()) {
-      held_ = now;
-    } else {
-      if (!staged_held_) before_session_held_ = held;
-      staged_held_ = now;
-    }
+    held_.record({delta_header->version, delta_fingerprint(metadata_digest(info.metadata), delta->hashes)},
+                 receiving_into_open_session(), held);
   }
 }
 
-void engine::do_session_committed() {
-  if (staged_held_) held_ = std::exchange(staged_held_, std::nullopt);
-  before_session_held_.reset();
-}
+void engine::do_session_committed() { held_.committed(); }
 
-void engine::do_session_finished() {
-  // Not committed: the model holds what it held before the session (unless a
-  // failed commit left it dirty; the base's own hash is checked at the next offer
-  // either way).
-  if (staged_held_ && !weights_dirty()) held_ = before_session_held_;
-  staged_held_.reset();
-  before_session_held_.reset();
-}
+void engine::do_session_finished() { held_.finished(weights_dirty()); }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
   if (!upstream()) return;

@@ -203,40 +203,19 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     // snapshot holds the last update's bytes of these same tensors, and prepare
     // the work that encodes each bucket and refreshes the snapshot. An update
     // larger than the bound goes plain, and the snapshot is let go.
-    const bool deltas = delta_ && (delta_max_ == 0 || plan.payload_bytes <= delta_max_);
-    if (delta_ && !deltas) {
-      base_ = {};
-      delta_stats_.over_bound = true;
-      delta_stats_.full_bytes = plan.payload_bytes;
-    }
-    if (deltas) {
-      const std::uint64_t digest = metadata_digest(declared);
-      const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
-                            base_.buckets == plan.buckets.size() && allow_base;
-      base_.valid = false;  // it holds a mix of two versions until this send completes
-      wire::update u = wire::decode<wire::update>(s.update);
-      u.flags |= wire::update_flag_delta;
-      s.update = wire::encode(u);
-      wire::delta_header d;
-      d.version = ++version_;
-      if (has_base) {
-        d.flags = wire::delta_flag_has_base;
-        d.base_version = base_.version;
-        d.base_fingerprint = base_.fingerprint;
+    std::optional<backend::delta_offer> offer;
+    if (delta_) {
+      offer =
+          backend::start_delta_send(base_, version_, delta_max_, declared, plan, allow_base, s.update, delta_stats_);
+      if (offer) {
+        s.delta = offer->header;
+        s.offers_base = offer->has_base;
+        s.encoded.resize(plan.buckets.size());
+        s.encoded_left = std::make_unique<std::atomic<std::size_t>[]>(plan.buckets.size());
+        for (std::size_t k = 0; k < plan.buckets.size(); ++k) s.encoded_left[k] = peers_.size();
       }
-      s.delta = wire::encode(d);
-      s.offers_base = has_base;
-      s.encoded.resize(plan.buckets.size());
-      s.encoded_left = std::make_unique<std::atomic<std::size_t>[]>(plan.buckets.size());
-      for (std::size_t k = 0; k < plan.buckets.size(); ++k) s.encoded_left[k] = peers_.size();
-      delta_stats_.version = d.version;
-      delta_stats_.base_version = d.base_version;
-      delta_stats_.full_bytes = plan.payload_bytes;
-      base_.digest = digest;
-      base_.payload_bytes = plan.payload_bytes;
-      base_.buckets = plan.buckets.size();
-      base_.version = d.version;
     }
+    const bool deltas = offer.has_value();
     if (deltas) {
       work = std::make_shared<backend::bucket_delta_work>();
       std::vector<const std::byte*> next(declared.tensors.size());
@@ -315,13 +294,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   if (work) {
     // Every bucket was encoded and copied into the snapshot, and every worker
     // confirmed: the snapshot is this version's bytes, the next update's base.
-    base_.valid = true;
-    delta_stats_.fingerprint = base_.fingerprint;
-    delta_stats_.encoded_buckets = work->encoded_buckets;
-    delta_stats_.delta_bytes = work->delta_bytes;
-    delta_stats_.encoded_full = work->encoded_full;
-    delta_stats_.encode_s = work->encode_s;
-    delta_stats_.snapshot_bytes = base_.capacity;
+    backend::finish_delta_send(base_, *work, delta_stats_);
     // A stream reaches its worker's subtree (relays): each worker there took the
     // deltas, or got the update full.
     for (const auto& p : peers_) {

@@ -84,7 +84,7 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   /// (delta_fingerprint of the bytes that arrived), known after an update from a
   /// trainer with deltas on completed (docs/delta.md); a delta update is taken only
   /// against exactly this (and clean weights).
-  std::optional<held_version> held() const noexcept { return held_; }
+  std::optional<held_version> held() const noexcept { return held_.held(); }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;
@@ -113,11 +113,7 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::chrono::milliseconds timeout_{0};
   int rank_ = -1;
   std::uint64_t last_seq_ = 0;
-  std::optional<held_version> held_;  // kept across re-inits: the model's bytes do not change there
-  // A staged chunk of the open update session: the version the model will hold once
-  // the session commits, and what it held before (again its version if the session
-  // is discarded: staged chunks never reach the model).
-  std::optional<held_version> staged_held_, before_session_held_;
+  backend::held_record held_;  // the version the model holds (deltas)
 };
 
 /// Trainer side. trainer_args: {"master_address": str, "master_port": int (0: any

@@ -479,7 +479,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     worker::engaged progressing(w);
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
     // Which version the weights hold is known only until this update changes them.
-    const std::optional<backend::held_version> held = std::exchange(held_, std::nullopt);
+    const std::optional<backend::held_version> held = held_.take();
     // A trainer with deltas on sends a delta header (star only: a relay refuses it).
     std::optional<links::wire::delta_header> delta_header;
     if (children.empty())
@@ -497,14 +497,8 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     // The weights now hold the trainer's version (its fingerprint: the hashes of the
     // bytes that arrived); a chunk staged in an open session, once it commits.
     if (delta_header) {
-      const backend::held_version now{delta_header->version,
-                                      backend::delta_fingerprint(metadata_digest(info.metadata), delta->hashes)};
-      if (!receiving_into_open_session()) {
-        held_ = now;
-      } else {
-        if (!staged_held_) before_session_held_ = held;
-        staged_held_ = now;
-      }
+      held_.record({delta_header->version, backend::delta_fingerprint(metadata_digest(info.metadata), delta->hashes)},
+                   receiving_into_open_session(), held);
     }
   } catch (...) {
     failure = std::current_exception();
@@ -531,39 +525,22 @@ asio::awaitable<void> engine::answer_delta_offer(asio::ip::tcp::socket& socket, 
   // (then every bucket comes full), before any byte of the model changes; the
   // tensors' bytes are hashed (off the loop), so bytes written outside refit since
   // get the update full.
+  // (Arguments named first: GCC 12 may destroy a temporary of a co_await
+  // expression twice.)
   const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
-  std::vector<const std::byte*> current;
-  std::string why_full =
-      backend::delta_base_refusal(d, held, weights_dirty() ? dirty_reason() : std::string(), info.metadata,
-                                  staged ? context().model : receive_target(), staged, delta.base, current);
-  if (why_full.empty()) {
-    const std::uint64_t digest = metadata_digest(info.metadata);
-    const auto* p = &plan;
-    const auto* c = &current;
-    const std::uint64_t now = co_await async::offload(
-        processing_executor(), [p, c, digest] { return backend::fingerprint_of(*p, *c, digest); });
-    if (now != d.base_fingerprint)
-      why_full = "this worker's tensors no longer hold version " + std::to_string(d.base_version) +
-                 "'s bytes (their fingerprint is " + to_hex(now) + ", the base's " + to_hex(d.base_fingerprint) +
-                 "): written outside refit since that update";
-  }
+  const std::string dirty = weights_dirty() ? dirty_reason() : std::string();
+  model_target* const current = staged ? context().model : receive_target();
+  const asio::any_io_executor processing = processing_executor();
+  const std::string why_full =
+      co_await backend::check_delta_base(d, held, dirty, info.metadata, current, staged, plan, processing, delta.base);
   delta.accepted = why_full.empty();
   co_await links::send_status(socket, delta.accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), last_seq_,
                               why_full, timeout_, source + ": answering the delta offer");
 }
 
-void engine::do_session_committed() {
-  if (staged_held_) held_ = std::exchange(staged_held_, std::nullopt);
-  before_session_held_.reset();
-}
+void engine::do_session_committed() { held_.committed(); }
 
-void engine::do_session_finished() {
-  // Not committed: the model holds what it held before the session (unless a
-  // failed commit left it dirty; the base's own hash is checked at the next offer).
-  if (staged_held_ && !weights_dirty()) held_ = before_session_held_;
-  staged_held_.reset();
-  before_session_held_.reset();
-}
+void engine::do_session_finished() { held_.finished(weights_dirty()); }
 
 void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
   if (!upstream()) return;

@@ -134,44 +134,19 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     // Deltas on: number this version and offer deltas against the snapshot when
     // it holds the last update's bytes of these same tensors (docs/delta.md).
     auto header = links::update_header(seq, declared, plan);
-    std::optional<std::array<std::byte, sizeof(links::wire::delta_header)>> delta_header;
     std::shared_ptr<backend::bucket_delta_work> work;
     std::vector<std::vector<std::byte>> encoded;
-    // Beyond the bound the update goes plain, and the snapshot is let go.
-    const bool deltas = delta_ && (delta_max_ == 0 || plan.payload_bytes <= delta_max_);
-    if (delta_ && !deltas) {
-      base_ = {};
-      delta_stats_.over_bound = true;
-      delta_stats_.full_bytes = plan.payload_bytes;
+    std::optional<backend::delta_offer> offer;
+    if (delta_) {
+      // Beyond the bound the update goes plain, and the snapshot is let go.
+      offer = backend::start_delta_send(base_, version_, delta_max_, declared, plan, allow_base, header, delta_stats_);
     }
-    if (deltas) {
-      const std::uint64_t digest = metadata_digest(declared);
-      const bool has_base = base_.valid && base_.digest == digest && base_.payload_bytes == plan.payload_bytes &&
-                            base_.buckets == plan.buckets.size() && allow_base;
-      base_.valid = false;  // it holds a mix of two versions until this send completes
-      auto u = links::wire::decode<links::wire::update>(header);
-      u.flags |= links::wire::update_flag_delta;
-      header = links::wire::encode(u);
-      links::wire::delta_header d;
-      d.version = ++version_;
-      if (has_base) {
-        d.flags = links::wire::delta_flag_has_base;
-        d.base_version = base_.version;
-        d.base_fingerprint = base_.fingerprint;
-      }
-      delta_header = links::wire::encode(d);
-      delta_stats_.version = d.version;
-      delta_stats_.base_version = d.base_version;
-      delta_stats_.full_bytes = plan.payload_bytes;
-      base_.digest = digest;
-      base_.payload_bytes = plan.payload_bytes;
-      base_.buckets = plan.buckets.size();
-      base_.version = d.version;
+    if (offer) {
       encoded.resize(plan.buckets.size());
       work = std::make_shared<backend::bucket_delta_work>();
       std::vector<const std::byte*> next(declared.tensors.size());
       for (std::size_t i = 0; i < declared.tensors.size(); ++i) next[i] = cursor.view(i).data;
-      work->prepare(plan, declared, std::move(next), has_base, &encoded);
+      work->prepare(plan, declared, std::move(next), offer->has_base, &encoded);
     }
     // Checksums (and deltas): one pass over the whole update, off the event loop,
     // before the first byte is sent (each "done" carries its bucket's checksum).
@@ -195,7 +170,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
         return out;
       });
     }
-    if (!delta_header) {
+    if (!offer) {
       co_await announce_all(peers_, header);
     } else {
       // Each worker accepts the update, then (offered a base) says whether it holds it.
@@ -219,7 +194,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
             links::throw_if_failed(answer, p->name + " refused the delta offer");
             p->took_delta = true;
           }
-        }(p, header, *delta_header, work->has_base, seq, args_.timeout));
+        }(p, header, offer->header, offer->has_base, seq, args_.timeout));
       co_await async::all_of(std::move(offers));
     }
     std::vector<asio::awaitable<void>> streams;
@@ -230,13 +205,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     co_await confirm_all(peers_, seq);
     if (work) {
       // Every worker confirmed: the snapshot is this version's bytes, the next base.
-      base_.valid = true;
-      delta_stats_.fingerprint = base_.fingerprint;
-      delta_stats_.encoded_buckets = work->encoded_buckets;
-      delta_stats_.delta_bytes = work->delta_bytes;
-      delta_stats_.encoded_full = work->encoded_full;
-      delta_stats_.encode_s = work->encode_s;
-      delta_stats_.snapshot_bytes = base_.capacity;
+      backend::finish_delta_send(base_, *work, delta_stats_);
       for (const auto& p : peers_by_rank_) {
         delta_stats_.delta_workers += p->took_delta ? 1 : 0;
         delta_stats_.full_fallbacks += p->fell_back ? 1 : 0;

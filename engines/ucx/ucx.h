@@ -129,7 +129,7 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   json transport_info() const override;
   /// The trainer's version of the weights this worker holds, known after an update
   /// from a trainer with deltas on completed (docs/delta.md).
-  std::optional<backend::held_version> held() const noexcept { return held_; }
+  std::optional<backend::held_version> held() const noexcept { return held_.held(); }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;
@@ -168,9 +168,7 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::uint64_t last_seq_ = 0;
   endpoint_report report_;
   bool initialized_ = false;
-  // Deltas: the version the model holds (kept across re-inits), what an open
-  // session's staged chunks will make it, and what it held before them.
-  std::optional<backend::held_version> held_, staged_held_, before_session_held_;
+  backend::held_record held_;  // the version the model holds (deltas)
 };
 
 /// Trainer side; trainer_args as links::trainer_args plus "topology" ("star",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 
+#include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
 #include <refit/backend/send_cursor.h>
 #include <refit/error.h>
@@ -65,6 +66,51 @@ std::byte* delta_snapshot::reserve(std::uint64_t need) {
     capacity = need;
   }
   return bytes.get();
+}
+
+std::optional<delta_offer> start_delta_send(delta_snapshot& base, std::uint64_t& version, std::uint64_t max_bytes,
+                                            const update_metadata& declared, const bucket_plan& plan, bool allow_base,
+                                            std::array<std::byte, 48>& update_header, delta_send_stats& stats) {
+  namespace wire = links::wire;
+  stats.full_bytes = plan.payload_bytes;
+  if (max_bytes != 0 && plan.payload_bytes > max_bytes) {
+    base = {};
+    stats.over_bound = true;
+    return std::nullopt;
+  }
+  const std::uint64_t digest = metadata_digest(declared);
+  delta_offer offer;
+  offer.has_base = base.valid && base.digest == digest && base.payload_bytes == plan.payload_bytes &&
+                   base.buckets == plan.buckets.size() && allow_base;
+  base.valid = false;  // it holds a mix of two versions until this send completes
+  auto u = wire::decode<wire::update>(update_header);
+  u.flags |= wire::update_flag_delta;
+  update_header = wire::encode(u);
+  wire::delta_header d;
+  d.version = ++version;
+  if (offer.has_base) {
+    d.flags = wire::delta_flag_has_base;
+    d.base_version = base.version;
+    d.base_fingerprint = base.fingerprint;
+  }
+  offer.header = wire::encode(d);
+  stats.version = d.version;
+  stats.base_version = d.base_version;
+  base.digest = digest;
+  base.payload_bytes = plan.payload_bytes;
+  base.buckets = plan.buckets.size();
+  base.version = d.version;
+  return offer;
+}
+
+void finish_delta_send(delta_snapshot& base, const bucket_delta_work& work, delta_send_stats& stats) {
+  base.valid = true;
+  stats.fingerprint = base.fingerprint;
+  stats.encoded_buckets = work.encoded_buckets;
+  stats.delta_bytes = work.delta_bytes;
+  stats.encoded_full = work.encoded_full;
+  stats.encode_s = work.encode_s;
+  stats.snapshot_bytes = base.capacity;
 }
 
 void bucket_delta_work::prepare(const bucket_plan& p, const update_metadata& meta, std::vector<const std::byte*> n,
@@ -144,6 +190,27 @@ std::string delta_base_refusal(const links::wire::delta_header& d, const std::op
     if (staged) base[i] = static_cast<const std::byte*>(v->data);
   }
   return {};
+}
+
+asio::awaitable<std::string> check_delta_base(const links::wire::delta_header& d,
+                                              const std::optional<held_version>& held, std::string dirty_reason,
+                                              const update_metadata& meta, model_target* current, bool staged,
+                                              const bucket_plan& plan, asio::any_io_executor processing,
+                                              std::vector<const std::byte*>& base) {
+  std::vector<const std::byte*> bytes;
+  std::string why = delta_base_refusal(d, held, dirty_reason, meta, current, staged, base, bytes);
+  if (!why.empty()) co_return why;
+  // The version's fingerprint says what arrived, not what the tensors hold now.
+  const std::uint64_t digest = metadata_digest(meta);
+  const auto* p = &plan;
+  const auto* b = &bytes;
+  const std::uint64_t now =
+      co_await async::offload(processing, [p, b, digest] { return fingerprint_of(*p, *b, digest); });
+  if (now != d.base_fingerprint)
+    co_return "this worker's tensors no longer hold version " + std::to_string(d.base_version) +
+        "'s bytes (their fingerprint is " + to_hex(now) + ", the base's " + to_hex(d.base_fingerprint) +
+        "): written outside refit since that update";
+  co_return std::string();
 }
 
 std::function<void()> delta_decode(const delta_receive& d, std::span<const std::byte> encoded,

@@ -16,6 +16,11 @@
 #include <string>
 #include <vector>
 
+#include <array>
+#include <utility>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
 #include <asio/buffer.hpp>
 
 #include <refit/backend/bucket_plan.h>
@@ -57,9 +62,7 @@ struct delta_send_stats {
 
 /// trainer_args' "delta_max_bytes" (optional, 0: no bound): the largest snapshot
 /// a sender with deltas on holds; an update larger than it goes without deltas.
-inline std::uint64_t read_delta_max_bytes(json_reader& r) {
-  return r.optional<std::uint64_t>("delta_max_bytes", 0);
-}
+inline std::uint64_t read_delta_max_bytes(json_reader& r) { return r.optional<std::uint64_t>("delta_max_bytes", 0); }
 /// {"delta": {every member of `d`}}: what last_send_info() reports with deltas on.
 json delta_send_info(const delta_send_stats& d);
 
@@ -89,6 +92,28 @@ struct delta_snapshot {
   /// event loop: the allocation may be the model's size.
   std::byte* reserve(std::uint64_t need);
 };
+
+/// The delta header of a send that goes with deltas.
+struct delta_offer {
+  std::array<std::byte, sizeof(links::wire::delta_header)> header;
+  bool has_base = false;  ///< it offers `base` as the base (else every worker gets it full)
+};
+
+/// Starts a send of `plan` (the tensors `declared`) by a sender with deltas on.
+/// Over `max_bytes` (0: no bound) it goes plain: the snapshot is let go,
+/// `stats.over_bound` is set and nullopt returned. Otherwise it numbers a new
+/// version (++version), offers `base` as its base when the snapshot holds the last
+/// version of the same tensors and plan and `allow_base`, flags `update_header`,
+/// fills `stats`' version, base and full bytes, and marks the snapshot as this
+/// version's, invalid until finish_delta_send.
+std::optional<delta_offer> start_delta_send(delta_snapshot& base, std::uint64_t& version, std::uint64_t max_bytes,
+                                            const update_metadata& declared, const bucket_plan& plan, bool allow_base,
+                                            std::array<std::byte, 48>& update_header, delta_send_stats& stats);
+
+struct bucket_delta_work;
+/// After every worker confirmed: the snapshot is the version's bytes (the next
+/// base, with the fingerprint `work` made), and `stats` get what was encoded.
+void finish_delta_send(delta_snapshot& base, const bucket_delta_work& work, delta_send_stats& stats);
 
 /// A delta update's work per bucket, in bucket order on one thread (with each
 /// bucket's checksum): encode the bucket's pieces against the snapshot (when the
@@ -126,6 +151,50 @@ std::string delta_base_refusal(const links::wire::delta_header& d, const std::op
                                const std::string& dirty_reason, const update_metadata& meta, model_target* current,
                                bool staged, std::vector<const std::byte*>& base,
                                std::vector<const std::byte*>& current_bytes);
+
+/// The whole check a worker makes before it answers a delta offer with a base:
+/// delta_base_refusal, then the fingerprint of its tensors' current bytes (hashed
+/// on `processing`, as the trainer laid them out in `plan`) against the base's, so
+/// that bytes written outside refit since get the update full. "" when it takes the
+/// deltas (`base` is then set: see delta_receive).
+asio::awaitable<std::string> check_delta_base(const links::wire::delta_header& d,
+                                              const std::optional<held_version>& held, std::string dirty_reason,
+                                              const update_metadata& meta, model_target* current, bool staged,
+                                              const bucket_plan& plan, asio::any_io_executor processing,
+                                              std::vector<const std::byte*>& base);
+
+/// The version a worker records, across update sessions: taken at the start of
+/// each update (it is known only until that update changes the weights), recorded
+/// after it completed; a chunk staged in an open session counts once the session
+/// commits, and a session discarded leaves what was held before it.
+class held_record {
+ public:
+  std::optional<held_version> take() { return std::exchange(held_, std::nullopt); }
+  /// After an update that brought `now` completed; `before`: what take() returned.
+  void record(held_version now, bool in_session, const std::optional<held_version>& before) {
+    if (!in_session) {
+      held_ = now;
+      return;
+    }
+    if (!staged_) before_ = before;
+    staged_ = now;
+  }
+  void committed() {
+    if (staged_) held_ = std::exchange(staged_, std::nullopt);
+    before_.reset();
+  }
+  /// The session ended; `dirty`: a failed commit left the weights dirty.
+  void finished(bool dirty) {
+    if (staged_ && !dirty) held_ = before_;
+    staged_.reset();
+    before_.reset();
+  }
+  const std::optional<held_version>& held() const noexcept { return held_; }
+
+ private:
+  std::optional<held_version> held_;  // kept across re-inits: the model's bytes do not change there
+  std::optional<held_version> staged_, before_;
+};
 
 /// What an update that came with a delta header needs on its way through the
 /// transport: whether its buckets may arrive as deltas, what to decode them
