@@ -391,10 +391,7 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
 }
 
 void sender::set_next_send(const send_options& options) {
-  if (options.delta.value_or(false) && !delta_)
-    throw_error(errc::invalid_argument,
-                "tcp trainer: a delta update asked of a sender prepared without \"delta\": true");
-  next_delta_ = options.delta;
+  next_delta_ = backend::next_delta_choice(options, delta_, "tcp trainer");
 }
 
 json sender::last_send_info() const {

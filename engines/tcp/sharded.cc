@@ -960,10 +960,7 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
 }
 
 void sharded_sender::set_next_send(const send_options& options) {
-  if (options.delta.value_or(false) && !delta_)
-    throw_error(errc::invalid_argument, "tcp_sharded trainer rank " + std::to_string(rank_) +
-                                            ": a delta update asked of a sender prepared without \"delta\": true");
-  next_delta_ = options.delta;
+  next_delta_ = backend::next_delta_choice(options, delta_, "tcp_sharded trainer rank " + std::to_string(rank_));
 }
 
 json sharded_sender::last_send_info() const {

@@ -73,10 +73,7 @@ void sender::prepared() {
 }
 
 void sender::set_next_send(const send_options& options) {
-  if (options.delta.value_or(false) && !delta_)
-    throw_error(errc::invalid_argument,
-                "ucx trainer: a delta update asked of a sender prepared without \"delta\": true");
-  next_delta_ = options.delta;
+  next_delta_ = backend::next_delta_choice(options, delta_, "ucx trainer");
 }
 
 json sender::last_send_info() const {

@@ -103,6 +103,12 @@ std::optional<delta_offer> start_delta_send(delta_snapshot& base, std::uint64_t&
   return offer;
 }
 
+std::optional<bool> next_delta_choice(const send_options& options, bool on, const std::string& who) {
+  if (options.delta.value_or(false) && !on)
+    throw_error(errc::invalid_argument, who + ": a delta update asked of a sender prepared without \"delta\": true");
+  return options.delta;
+}
+
 void finish_delta_send(delta_snapshot& base, const bucket_delta_work& work, delta_send_stats& stats) {
   base.valid = true;
   stats.fingerprint = base.fingerprint;

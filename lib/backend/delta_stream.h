@@ -30,6 +30,7 @@
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
 #include <refit/json.h>
+#include <refit/trainer.h>
 
 namespace refit::backend {
 
@@ -114,6 +115,11 @@ struct bucket_delta_work;
 /// After every worker confirmed: the snapshot is the version's bytes (the next
 /// base, with the fingerprint `work` made), and `stats` get what was encoded.
 void finish_delta_send(delta_snapshot& base, const bucket_delta_work& work, delta_send_stats& stats);
+
+/// set_next_send's delta choice for a sender whose deltas are `on`: delta == true
+/// asks for deltas, which a sender prepared without them refuses
+/// (invalid_argument naming `who`). Returns the choice for the next send.
+std::optional<bool> next_delta_choice(const send_options& options, bool on, const std::string& who);
 
 /// A delta update's work per bucket, in bucket order on one thread (with each
 /// bucket's checksum): encode the bucket's pieces against the snapshot (when the
