@@ -98,20 +98,27 @@ void xor_into(std::byte* dst, const std::byte* a, const std::byte* b, std::size_
   for (; i < n; ++i) dst[i] = a[i] ^ b[i];
 }
 
-// This thread's zstd compression context number `k` (one per stream written at
-// once), reset to its defaults: a bucket of many small pieces would otherwise
-// create, and size, 1 + elem contexts per piece.
-ZSTD_CCtx* thread_cctx(std::size_t k) {
-  thread_local std::vector<std::unique_ptr<ZSTD_CCtx, zstd_cctx_deleter>> pool;
+// This thread's zstd context number `k` (compression or decompression: one per
+// stream written or read at once), reset to its defaults: a bucket of many small
+// pieces would otherwise create, and size, 1 + elem contexts per piece.
+template <class Ctx, class Deleter, class Reset>
+Ctx* thread_context(std::size_t k, Ctx* (*create)(), Reset reset, const char* what) {
+  thread_local std::vector<std::unique_ptr<Ctx, Deleter>> pool;
   while (pool.size() <= k) {
-    pool.emplace_back(ZSTD_createCCtx());
+    pool.emplace_back(create());
     if (!pool.back()) {
       pool.pop_back();
-      throw_error(errc::resource_exhausted, "delta: zstd could not allocate a compression context");
+      throw_error(errc::resource_exhausted, std::string("delta: zstd could not allocate a ") + what + " context");
     }
   }
-  ZSTD_CCtx_reset(pool[k].get(), ZSTD_reset_session_and_parameters);
+  reset(pool[k].get(), ZSTD_reset_session_and_parameters);
   return pool[k].get();
+}
+ZSTD_CCtx* thread_cctx(std::size_t k) {
+  return thread_context<ZSTD_CCtx, zstd_cctx_deleter>(k, ZSTD_createCCtx, ZSTD_CCtx_reset, "compression");
+}
+ZSTD_DCtx* thread_dctx(std::size_t k) {
+  return thread_context<ZSTD_DCtx, zstd_dctx_deleter>(k, ZSTD_createDCtx, ZSTD_DCtx_reset, "decompression");
 }
 
 // One zstd frame, written piece by piece onto the end of `dst`; with `pledged`, its
@@ -144,20 +151,6 @@ class zstd_writer {
   ZSTD_CCtx* cctx_;
   std::vector<std::byte> room_;
 };
-
-// The same for decompression contexts (one per stream read at once).
-ZSTD_DCtx* thread_dctx(std::size_t k) {
-  thread_local std::vector<std::unique_ptr<ZSTD_DCtx, zstd_dctx_deleter>> pool;
-  while (pool.size() <= k) {
-    pool.emplace_back(ZSTD_createDCtx());
-    if (!pool.back()) {
-      pool.pop_back();
-      throw_error(errc::resource_exhausted, "delta: zstd could not allocate a decompression context");
-    }
-  }
-  ZSTD_DCtx_reset(pool[k].get(), ZSTD_reset_session_and_parameters);
-  return pool[k].get();
-}
 
 // Reads one zstd frame that must hold exactly `expect` bytes, piece by piece;
 // error(protocol_error) naming `what` for anything else. A frame whose header
