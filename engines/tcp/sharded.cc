@@ -246,8 +246,8 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
   // Which version each pair holds is known only until this update changes it.
   held_.resize(sockets_.size());
-  std::vector<std::optional<held_version>> held = std::exchange(held_, {});
-  held_.resize(sockets_.size());
+  std::vector<std::optional<held_version>> held;
+  for (auto& h : held_) held.push_back(h.take());
   // Deltas decode against the tensors' current bytes: in place, the model's memory
   // the bytes land in; staged, the model's (the stage takes the decoded bytes).
   auto current = std::make_shared<std::vector<const std::byte*>>(dest.tensors.size(), nullptr);
@@ -375,36 +375,16 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   // The pairs from ranks with deltas on now hold those ranks' versions (each
   // fingerprint hashes the bytes that arrived). A chunk staged in an open update
   // session holds them once the session commits.
-  std::vector<std::optional<held_version>> now(s->states.size());
-  bool any = false;
-  for (std::size_t r = 0; r < now.size(); ++r) {
-    now[r] = s->states[r].now;
-    any = any || now[r].has_value();
-  }
-  if (!any) co_return;
-  if (!receiving_into_open_session()) {
-    held_ = std::move(now);
-  } else {
-    if (!staged_pending_) before_session_held_ = std::move(held);
-    staged_pending_ = true;
-    staged_held_ = std::move(now);
-  }
+  for (std::size_t r = 0; r < s->states.size(); ++r)
+    if (const auto& now = s->states[r].now) held_[r].record(*now, receiving_into_open_session(), held[r]);
 }
 
 void sharded_engine::do_session_committed() {
-  if (staged_pending_) held_ = std::exchange(staged_held_, {});
-  staged_pending_ = false;
-  before_session_held_.clear();
+  for (auto& h : held_) h.committed();
 }
 
 void sharded_engine::do_session_finished() {
-  // Not committed: the model holds what it held before the session (unless a
-  // failed commit left it dirty; each base's hash is checked at the next offer
-  // either way).
-  if (staged_pending_ && !weights_dirty()) held_ = std::move(before_session_held_);
-  staged_pending_ = false;
-  staged_held_.clear();
-  before_session_held_.clear();
+  for (auto& h : held_) h.finished(weights_dirty());
 }
 
 std::string sharded_engine::base_refusal(const wire::delta_header& d, const pair_state& st,

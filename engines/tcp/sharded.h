@@ -112,7 +112,11 @@ class sharded_engine final : public backend::engine {
   /// By trainer rank: the version of that rank's pair this worker holds (known
   /// after an update from ranks with deltas on completed; a delta is taken only
   /// against exactly this).
-  const std::vector<std::optional<held_version>>& held() const noexcept { return held_; }
+  std::vector<std::optional<held_version>> held() const {
+    std::vector<std::optional<held_version>> out;
+    for (const auto& h : held_) out.push_back(h.held());
+    return out;
+  }
 
  protected:
   asio::awaitable<void> do_init(const refit::init_info& info) override;
@@ -153,11 +157,9 @@ class sharded_engine final : public backend::engine {
   // updates; load_weights copies from it).
   std::vector<std::byte> fallback_;
   model_target* direct_target_ = nullptr;  // to tell when the update's first bytes land
-  // By trainer rank (deltas): what the model holds, kept across re-inits with the
-  // same ranks; what an open session's staged chunks will make it, and what it
-  // held before them.
-  std::vector<std::optional<held_version>> held_, staged_held_, before_session_held_;
-  bool staged_pending_ = false;
+  // By trainer rank (deltas): the version of that rank's pair the model holds,
+  // kept across re-inits with the same ranks.
+  std::vector<backend::held_record> held_;
 };
 
 /// Trainer side: one rank. trainer_args: {"rank": int, "trainers": [{"address",
