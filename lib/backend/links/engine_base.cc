@@ -127,8 +127,8 @@ json sender_base::prepare(const json& trainer_args) {
   topology_ = t;
   delta_ = delta;
   delta_max_ = delta_max;
+  prepared();  // before listening: an engine that refuses its args leaves nothing open
   acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, args_.address, args_.port));
-  prepared();
   json info = worker_init_info(args_, acceptor_->local_endpoint().port());
   if (!topology_.star()) info["topology"] = topology_.to_string();
   return info;

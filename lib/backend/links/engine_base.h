@@ -82,7 +82,8 @@ class sender_base : public weight_sender {
   update_stats last_send_stats() const override { return stats_; }
 
  protected:
-  /// After the trainer args were read (and checksums refused): allocate buffers.
+  /// After the trainer args were read (and checksums refused), before listening:
+  /// check what the engine's own args allow, allocate buffers.
   virtual void prepared() {}
   /// Whether the engine relays (trainer_args' "topology": "star", "chain",
   /// "tree:K" is read, default relay.h's default_for; peers_ are then the
