@@ -1,6 +1,13 @@
 #include <refit/backend/delta.h>
 #include <refit/error.h>
+// The planes' compression parameters below (ZSTD_c_literalCompressionMode) are
+// zstd's experimental API: stable within the release refit links statically
+// (third_party/BUILD: Debian's libzstd.a).
+#define ZSTD_STATIC_LINKING_ONLY
 #include <zstd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -11,6 +18,9 @@
 
 namespace refit::backend::delta {
 namespace {
+
+// The wire format's integers and the element lanes below are read with memcpy.
+static_assert(std::endian::native == std::endian::little, "refit's delta codec assumes a little-endian host");
 
 constexpr std::size_t scratch_bytes = 256 << 10;
 
@@ -79,6 +89,67 @@ void for_each_changed(const std::byte* a, const std::byte* b, std::size_t n, std
     if (std::memcmp(a + i * elem, b + i * elem, elem) != 0) f(i);
 }
 
+// 64 two-byte elements at a and b: returns the mask of those that differ (bit k:
+// element k) and writes their 64 XORs to x. (SSE2 is part of x86-64; elsewhere the
+// lanes are tested 4 at a time in 64-bit words.)
+inline std::uint64_t changed64_2(const std::byte* a, const std::byte* b, std::uint16_t* x) {
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  std::uint64_t m = 0;
+  for (int q = 0; q < 4; ++q) {
+    const auto* pa = reinterpret_cast<const __m128i*>(a + 32 * q);
+    const auto* pb = reinterpret_cast<const __m128i*>(b + 32 * q);
+    const __m128i d0 = _mm_xor_si128(_mm_loadu_si128(pa), _mm_loadu_si128(pb));
+    const __m128i d1 = _mm_xor_si128(_mm_loadu_si128(pa + 1), _mm_loadu_si128(pb + 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x + 16 * q), d0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x + 16 * q + 8), d1);
+    // One byte per element (0xff where equal), then one bit per element.
+    const __m128i equal = _mm_packs_epi16(_mm_cmpeq_epi16(d0, zero), _mm_cmpeq_epi16(d1, zero));
+    m |= static_cast<std::uint64_t>(static_cast<std::uint16_t>(~_mm_movemask_epi8(equal))) << (16 * q);
+  }
+  return m;
+#else
+  std::uint64_t m = 0;
+  for (std::size_t w = 0; w < 16; ++w) {
+    std::uint64_t p, q;
+    std::memcpy(&p, a + 8 * w, 8);
+    std::memcpy(&q, b + 8 * w, 8);
+    const std::uint64_t d = p ^ q;
+    std::memcpy(x + 4 * w, &d, 8);
+    m |= nonzero_lanes16(d) << (4 * w);
+  }
+  return m;
+#endif
+}
+
+// The bitmap and the two byte planes of m two-byte elements (xor_planes' scan, the
+// encoder's hot loop at the densities deltas are for): 64 elements at a time, the
+// mask stored as 8 bytes of the bitmap and each changed element's XOR split into
+// lo and hi. Returns how many changed. map holds (m + 7) / 8 bytes, lo and hi m.
+std::size_t scan_planes2(const std::byte* a, const std::byte* b, std::size_t m, std::byte* map, std::byte* lo,
+                         std::byte* hi) {
+  std::size_t k = 0, i = 0;
+  alignas(16) std::uint16_t x[64];
+  for (; i + 64 <= m; i += 64) {
+    std::uint64_t mask = changed64_2(a + 2 * i, b + 2 * i, x);
+    std::memcpy(map + i / 8, &mask, 8);
+    for (; mask != 0; mask &= mask - 1) {
+      const std::uint16_t v = x[std::countr_zero(mask)];
+      lo[k] = static_cast<std::byte>(v);
+      hi[k] = static_cast<std::byte>(v >> 8);
+      ++k;
+    }
+  }
+  if (i < m) std::memset(map + i / 8, 0, (m + 7) / 8 - i / 8);
+  for_each_changed(a + 2 * i, b + 2 * i, m - i, 2, [&](std::size_t j) {
+    map[(i + j) / 8] |= static_cast<std::byte>(1u << ((i + j) % 8));
+    lo[k] = a[2 * (i + j)] ^ b[2 * (i + j)];
+    hi[k] = a[2 * (i + j) + 1] ^ b[2 * (i + j) + 1];
+    ++k;
+  });
+  return k;
+}
+
 struct zstd_cctx_deleter {
   void operator()(ZSTD_CCtx* c) const { ZSTD_freeCCtx(c); }
 };
@@ -121,13 +192,28 @@ ZSTD_DCtx* thread_dctx(std::size_t k) {
   return thread_context<ZSTD_DCtx, zstd_dctx_deleter>(k, ZSTD_createDCtx, ZSTD_DCtx_reset, "decompression");
 }
 
+// zstd_writer's level for the parameters tuned for xor_planes' streams.
+constexpr int planes_tuned = 1000;
+
 // One zstd frame, written piece by piece onto the end of `dst`; with `pledged`, its
 // header carries the content size (which the pieces must add up to).
 class zstd_writer {
  public:
+  // level: a zstd level, or planes_tuned.
   zstd_writer(std::vector<std::byte>& dst, int level, std::optional<std::size_t> pledged, std::size_t stream = 0)
       : dst_(&dst), cctx_(thread_cctx(stream)) {
-    ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, level);
+    if (level == planes_tuned) {
+      // xor_planes' streams (a bitmap, XOR bytes of small moves) hold few long
+      // matches: a fast level with a small hash table and long minimum matches
+      // spends little on looking for them, and Huffman-coded literals keep the
+      // size (level 1's or smaller on the measured streams: docs/delta.md).
+      ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, -3);
+      ZSTD_CCtx_setParameter(cctx_, ZSTD_c_literalCompressionMode, ZSTD_ps_enable);
+      ZSTD_CCtx_setParameter(cctx_, ZSTD_c_minMatch, 7);
+      ZSTD_CCtx_setParameter(cctx_, ZSTD_c_hashLog, 8);
+    } else {
+      ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, level);
+    }
     ZSTD_CCtx_setParameter(cctx_, ZSTD_c_contentSizeFlag, pledged ? 1 : 0);
     if (pledged) ZSTD_CCtx_setPledgedSrcSize(cctx_, *pledged);
   }
@@ -224,39 +310,51 @@ constexpr std::size_t planes_block = 1 << 16;
 
 std::size_t planes_header_bytes(std::size_t elem) { return 8 * (2 + elem); }
 
-// What one pass over a bucket finds: the changed elements and the exact size of
-// their sparse form.
+// What one pass over a bucket finds: the changed elements and, where counted, the
+// exact size of their sparse form.
 struct scan_counts {
   std::size_t changed = 0, sparse = 0;
+  bool sparse_counted = false;
 };
 
-// Appends the xor_planes encoding to out, counting as it goes (one pass: the
-// planes need no count up front; the header says how many changed).
+// The exact size of the sparse form, counted in a pass of its own.
+std::size_t sparse_bytes(const std::byte* a, const std::byte* b, std::size_t n, std::size_t elem) {
+  std::size_t bytes = 0, prev = 0;  // prev: the index after the previous changed element
+  for_each_changed(a, b, n, elem, [&](std::size_t i) {
+    bytes += leb128_size(i - prev) + elem;
+    prev = i + 1;
+  });
+  return bytes;
+}
+
+// Appends the xor_planes encoding to out, counting the changed elements as it goes
+// (one pass: the planes need no count up front; the header says how many changed).
 std::size_t append_xor_planes(std::span<const std::byte> base, std::span<const std::byte> next, std::size_t elem,
                               std::vector<std::byte>& out, int level, scan_counts& counts) {
   const std::size_t n = base.size() / elem;
   std::vector<std::vector<std::byte>> frames(1 + elem);
   std::vector<zstd_writer> streams;
   streams.reserve(1 + elem);
-  streams.emplace_back(frames[0], level, (n + 7) / 8, 0);
+  streams.emplace_back(frames[0], level, (n + 7) / 8, 0);  // (level: a zstd level or planes_tuned)
   for (std::size_t j = 0; j < elem; ++j) streams.emplace_back(frames[1 + j], level, std::nullopt, 1 + j);
   // Scratch for one block (a small piece needs less than a whole one).
   const std::size_t block = std::min(planes_block, (n + 7) / 8 * 8);
   std::vector<std::byte> map(block / 8), planes(elem * block);
-  std::size_t prev = 0;  // index after the previous changed element
   for (std::size_t b0 = 0; b0 < n;) {
     const std::size_t m = std::min(planes_block, n - b0);
-    std::fill(map.begin(), map.end(), std::byte{0});
     std::size_t k = 0;
     const std::byte* a = base.data() + b0 * elem;
     const std::byte* b = next.data() + b0 * elem;
-    for_each_changed(a, b, m, elem, [&](std::size_t i) {
-      map[i / 8] |= static_cast<std::byte>(1u << (i % 8));
-      for (std::size_t j = 0; j < elem; ++j) planes[j * block + k] = a[i * elem + j] ^ b[i * elem + j];
-      ++k;
-      counts.sparse += leb128_size(b0 + i - prev) + elem;
-      prev = b0 + i + 1;
-    });
+    if (elem == 2) {
+      k = scan_planes2(a, b, m, map.data(), planes.data(), planes.data() + block);
+    } else {
+      std::fill(map.begin(), map.end(), std::byte{0});
+      for_each_changed(a, b, m, elem, [&](std::size_t i) {
+        map[i / 8] |= static_cast<std::byte>(1u << (i % 8));
+        for (std::size_t j = 0; j < elem; ++j) planes[j * block + k] = a[i * elem + j] ^ b[i * elem + j];
+        ++k;
+      });
+    }
     counts.changed += k;
     b0 += m;
     const bool last = b0 == n;
@@ -313,29 +411,44 @@ void decode_xor_planes(std::span<const std::byte> payload, std::span<std::byte> 
   for (std::size_t j = 0; j < elem; ++j)
     plane_in.emplace_back(frames[1 + j], changed, "xor_planes plane " + std::to_string(j), false, 1 + j);
   const std::size_t block = std::min(planes_block, (n + 7) / 8 * 8);
-  std::vector<std::byte> map(block / 8), planes(elem * block);
+  // The map's scratch is read 8 bytes at a time: zeros past a short block's end.
+  std::vector<std::byte> map((block + 63) / 64 * 8), planes(elem * block);
   std::uint64_t seen = 0;
   for (std::size_t b0 = 0; b0 < n;) {
     const std::size_t m = std::min(planes_block, n - b0), map_bytes = (m + 7) / 8;
     map_in.read({map.data(), map_bytes});
+    std::fill(map.begin() + static_cast<std::ptrdiff_t>(map_bytes), map.end(), std::byte{0});
     if (m % 8 != 0 && (static_cast<std::uint8_t>(map[map_bytes - 1]) >> (m % 8)) != 0)
       throw_error(errc::protocol_error, "delta: xor_planes bitmap marks elements past the end");
+    const std::size_t words = (map_bytes + 7) / 8;
     std::size_t k = 0;
-    for (std::size_t q = 0; q < map_bytes; ++q) k += std::popcount(static_cast<std::uint8_t>(map[q]));
+    for (std::size_t q = 0; q < words; ++q) {
+      std::uint64_t w;
+      std::memcpy(&w, map.data() + 8 * q, 8);
+      k += static_cast<std::size_t>(std::popcount(w));
+    }
     if (k > changed - seen)
       throw_error(errc::protocol_error, "delta: xor_planes bitmap marks more than the " + std::to_string(changed) +
                                             " changed elements its planes carry");
     seen += k;
     for (std::size_t j = 0; j < elem; ++j) plane_in[j].read({planes.data() + j * block, k});
     std::byte* o = out.data() + b0 * elem;
+    const std::byte* lo = planes.data();
+    const std::byte* hi = planes.data() + block;
     std::size_t t = 0;
-    for (std::size_t q = 0; q < map_bytes; ++q) {
-      auto bits = static_cast<std::uint8_t>(map[q]);
-      while (bits != 0) {
-        const std::size_t i = q * 8 + static_cast<std::size_t>(std::countr_zero(bits));
-        for (std::size_t j = 0; j < elem; ++j) o[i * elem + j] ^= planes[j * block + t];
-        ++t;
-        bits &= static_cast<std::uint8_t>(bits - 1);
+    for (std::size_t q = 0; q < words; ++q) {
+      std::uint64_t bits;
+      std::memcpy(&bits, map.data() + 8 * q, 8);
+      for (; bits != 0; bits &= bits - 1, ++t) {
+        const std::size_t i = 64 * q + static_cast<std::size_t>(std::countr_zero(bits));
+        if (elem == 2) {  // (bf16, fp16: what deltas are for)
+          std::uint16_t v;
+          std::memcpy(&v, o + 2 * i, 2);
+          v ^= static_cast<std::uint16_t>(static_cast<unsigned>(lo[t]) | static_cast<unsigned>(hi[t]) << 8);
+          std::memcpy(o + 2 * i, &v, 2);
+        } else {
+          for (std::size_t j = 0; j < elem; ++j) o[i * elem + j] ^= planes[j * block + t];
+        }
       }
     }
     b0 += m;
@@ -382,13 +495,15 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
   const std::size_t full = base.size();
   encode_result r;
   const std::size_t start = out.size();
-  // One pass: how many changed and the exact size of the sparse form, with the
-  // xor_planes form made on the way where it may be used (it usually wins; else
-  // it is dropped and a second pass writes the smaller form).
+  // One pass: the xor_planes form where it may be used, counting the changed
+  // elements on the way (it usually wins; else it is dropped and a second pass
+  // writes the smaller form), or else the changed elements and the exact size of
+  // the sparse form.
   scan_counts counts;
   std::size_t planes = 0;
   if (options.allow_zstd && options.allow_planes && elem >= 2) {
-    planes = append_xor_planes(base, next, elem, out, options.zstd_level, counts);
+    planes = append_xor_planes(base, next, elem, out, options.fast_planes ? planes_tuned : options.zstd_level,
+                               counts);
   } else {
     std::size_t prev = 0;  // index after the previous changed element
     for_each_changed(base.data(), next.data(), n, elem, [&](std::size_t i) {
@@ -396,8 +511,15 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
       counts.sparse += leb128_size(i - prev) + elem;
       prev = i + 1;
     });
+    counts.sparse_counted = true;
   }
-  const std::size_t changed = counts.changed, sparse = counts.sparse;
+  const std::size_t changed = counts.changed;
+  // The sparse form takes at least 1 + elem bytes per changed element: counted
+  // only where it could be no larger than xor_planes (few changes, a short pass).
+  std::size_t sparse = counts.sparse;
+  if (!counts.sparse_counted)
+    sparse = planes != 0 && planes < changed * (1 + elem) ? changed * (1 + elem)
+                                                          : sparse_bytes(base.data(), next.data(), n, elem);
   const std::size_t bitmap = (n + 7) / 8 + changed * elem;
   r.changed = changed;
   std::size_t best = std::min(sparse, bitmap);

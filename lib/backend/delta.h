@@ -58,6 +58,11 @@ struct encode_options {
   bool allow_planes = true;
   /// Also try xor_zstd where xor_planes applies (the smaller wins; slower).
   bool zstd_with_planes = false;
+  /// Compress xor_planes' streams with parameters tuned for them (zstd level -3,
+  /// Huffman-coded literals, minimum match 7, hash log 8: faster than level 1 and
+  /// no larger on measured streams, docs/delta.md); false: at zstd_level.
+  bool fast_planes = true;
+  /// zstd's level for xor_zstd (and for xor_planes without fast_planes).
   int zstd_level = 1;
   /// xor_zstd is tried only when the best of sparse, bitmap and xor_planes
   /// exceeds this fraction of the full bytes: below it they are already small and

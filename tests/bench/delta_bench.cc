@@ -13,15 +13,17 @@
 //   wire_fraction              encoded bytes / model bytes, bucket headers included
 //   ideal_fraction             the best single encoding of the whole model at once
 //                              (no bucket boundaries, no per-bucket choice; of
-//                              sparse, bitmap, xor_zstd and xor_planes)
+//                              sparse, bitmap, xor_zstd and xor_planes at both
+//                              stream settings)
 //   wire_vs_ideal              wire / ideal (target <= 1.2)
 //
 // Every decode is checked against the encoded bytes. Prints a table and, with
 // --json FILE, the numbers.
 //   bazel run -c opt //tests/bench:delta_bench -- [--model-mib 256] [--bucket-mib 16]
 //       [--fractions 0.01,0.042,0.1,0.2,0.5,1] [--rounds 3] [--zstd-level 1] [--planes 0|1]
-//       [--json FILE]
-// (--planes 0: the encoder without xor_planes, xor_zstd in its place.)
+//       [--fast-planes 0|1] [--json FILE]
+// (--planes 0: the encoder without xor_planes, xor_zstd in its place; --fast-planes 0:
+// xor_planes' streams at --zstd-level instead of the parameters tuned for them.)
 #include <refit/backend/delta.h>
 
 #include <algorithm>
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
   std::size_t model_mib = 256, bucket_mib = 16;
   int rounds = 3, zstd_level = 1;
   bool planes = true;  // --planes 0: xor_zstd in xor_planes' place (the encoder before it)
+  bool fast_planes = true;
   std::vector<double> fractions = {0.01, 0.042, 0.1, 0.2, 0.5, 1.0};
   std::string json_path;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -81,6 +84,8 @@ int main(int argc, char** argv) {
       zstd_level = std::stoi(v);
     else if (a == "--planes")
       planes = v != "0";
+    else if (a == "--fast-planes")
+      fast_planes = v != "0";
     else if (a == "--json")
       json_path = v;
     else if (a == "--fractions") {
@@ -90,7 +95,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: delta_bench [--model-mib N] [--bucket-mib N] [--fractions F,F,...] [--rounds R] "
-                   "[--zstd-level L] [--planes 0|1] [--json FILE]\n");
+                   "[--zstd-level L] [--planes 0|1] [--fast-planes 0|1] [--json FILE]\n");
       return 2;
     }
   }
@@ -112,7 +117,8 @@ int main(int argc, char** argv) {
               "memcpy GB/s", "wire", "ideal", "wire/ideal", "encodings");
   std::ostringstream json;
   json << "{\"model_mib\": " << model_mib << ", \"bucket_mib\": " << bucket_mib << ", \"rounds\": " << rounds
-       << ", \"planes\": " << (planes ? "true" : "false") << ", \"results\": [";
+       << ", \"planes\": " << (planes ? "true" : "false") << ", \"fast_planes\": " << (fast_planes ? "true" : "false")
+       << ", \"results\": [";
   bool first = true, verified = true;
   for (double f : fractions) {
     stat enc, dec, mem, wire_f, ideal_f;
@@ -137,7 +143,7 @@ int main(int argc, char** argv) {
       for (std::size_t b = 0; b < wire.size(); ++b) {
         const std::size_t at = b * bucket, len = std::min(bucket, bytes - at);
         auto res = delta::encode({base.data() + at, len}, {next.data() + at, len}, 2, wire[b],
-                                 {.allow_planes = planes, .zstd_level = zstd_level});
+                                 {.allow_planes = planes, .fast_planes = fast_planes, .zstd_level = zstd_level});
         kind[b] = res.kind;
         wire_bytes += res.bytes + 32;  // + a bucket header (lib/backend/links/wire.h)
       }
@@ -158,7 +164,8 @@ int main(int argc, char** argv) {
       for (const delta::encode_options& o :
            {delta::encode_options{.allow_zstd = false},
             delta::encode_options{.allow_planes = false, .zstd_level = zstd_level, .zstd_above_fraction = 0},
-            delta::encode_options{.zstd_level = zstd_level, .zstd_above_fraction = 0}}) {
+            delta::encode_options{.zstd_level = zstd_level, .zstd_above_fraction = 0},
+            delta::encode_options{.fast_planes = false, .zstd_level = zstd_level, .zstd_above_fraction = 0}}) {
         std::vector<std::byte> whole;
         ideal = std::min(ideal, delta::encode(base, next, 2, whole, o).bytes);
       }

@@ -1,7 +1,7 @@
 // Delta payloads (lib/backend/delta.h), as a worker decodes what a trainer sent,
 // and the encoder's round trip.
 //
-// Input: a config byte (element size 1 << (c & 3); bits 5-7: the encoder's
+// Input: a config byte (element size 1 << (c & 3); bits 4-7: the encoder's
 // options), the encoding's wire value, a u16 element count (at most 1024), the
 // base's bytes, then the payload. decode() must accept it or refuse it with
 // protocol_error (an unknown wire value too), never read or write out of bounds,
@@ -49,7 +49,8 @@ bool run(std::span<const std::uint8_t> input) {
     for (std::size_t i = 0; i < payload.size(); ++i) next[(i * 2654435761u) % next.size()] ^= payload[i];
   const delta::encode_options options{.allow_zstd = (config & 0x20) == 0,
                                       .allow_planes = (config & 0x40) == 0,
-                                      .zstd_with_planes = (config & 0x80) != 0};
+                                      .zstd_with_planes = (config & 0x80) != 0,
+                                      .fast_planes = (config & 0x10) == 0};
   expect("round trip", {}, [&] {
     std::vector<std::byte> wire;
     const auto r = delta::encode(base, next, elem, wire, options);

@@ -119,6 +119,43 @@ TEST(Delta, XorPlanesSpanManyBlocksForEveryElementSize) {
   }
 }
 
+TEST(Delta, TwoByteElementsAtEveryTailAndBlockEdge) {
+  // bf16's scan goes 64 elements at a time, then the tail one by one: every tail
+  // length, changes in the low byte, the high byte or both, the first and the last
+  // element, around the 64 Ki-element block edge; the planes at both settings.
+  std::vector<std::size_t> sizes;
+  for (std::size_t n = 1; n <= 130; ++n) sizes.push_back(n);
+  for (std::size_t n : {65472u, 65535u, 65536u, 65537u, 65599u, 65600u, 131073u}) sizes.push_back(n);
+  for (std::size_t n : sizes) {
+    auto base = random_bytes(2 * n, static_cast<std::uint32_t>(n));
+    std::mt19937 rng(static_cast<std::uint32_t>(n) + 1);
+    for (int form = 0; form < 3; ++form) {
+      auto next = base;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (i != 0 && i != n - 1 && rng() % 4 != 0) continue;
+        if (form != 1) next[2 * i] ^= std::byte{0x01};
+        if (form != 0) next[2 * i + 1] ^= std::byte{0x80};
+      }
+      for (bool fast : {true, false}) {
+        auto r = round_trip(base, next, 2, {.fast_planes = fast, .zstd_above_fraction = 0});
+        ASSERT_EQ(r.changed, count_changed(base, next, 2)) << "n " << n << ", form " << form;
+      }
+    }
+  }
+}
+
+TEST(Delta, AHandfulOfChangesGoSparseWithPlanesAllowed) {
+  // xor_planes' header and frames cost more than a few sparse records: the
+  // sparse form is counted and chosen, at its exact size.
+  auto base = random_bytes(1 << 20, 12);
+  auto next = base;
+  for (std::size_t i : {5u, 70000u, 400000u}) next[2 * i] ^= std::byte{1};
+  auto r = round_trip(base, next, 2);
+  EXPECT_EQ(r.kind, encoding::sparse);
+  EXPECT_EQ(r.bytes, round_trip(base, next, 2, {.allow_zstd = false}).bytes);
+  EXPECT_EQ(r.changed, 3u);
+}
+
 TEST(Delta, EverythingChangedFallsBackToFull) {
   auto base = random_bytes(1 << 16, 8);
   auto next = random_bytes(1 << 16, 9);
