@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <string>
+#include <string_view>
 
 #include <asio/posix/stream_descriptor.hpp>
 #include <asio/post.hpp>
@@ -52,8 +54,15 @@ context::context() {
   // the environment sets them (UCX_TCP_TX_SEG_SIZE, UCX_TCP_RX_SEG_SIZE), its
   // values stand. (The names without the transport's prefix: only UCX's tcp
   // transport has these fields.)
+  // (Only where UCX may load its tcp transport: with UCX_TLS naming others only,
+  // no transport knows the keys and UCX warns about them.)
+  const char* tls = std::getenv("UCX_TLS");
+  const std::string_view t = tls ? tls : "";
+  const bool tcp_possible =
+      t.empty() || t.front() == '^' || t.find("tcp") != t.npos || t.find("all") != t.npos;
   for (const char* key : {"TX_SEG_SIZE", "RX_SEG_SIZE"})
-    if (!std::getenv((std::string("UCX_TCP_") + key).c_str())) (void)ucp_config_modify(config, key, "512K");
+    if (tcp_possible && !std::getenv((std::string("UCX_TCP_") + key).c_str()))
+      (void)ucp_config_modify(config, key, "512K");
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

@@ -109,11 +109,17 @@ int serve_worker(asio::io_context& io, control::worker_host& host, std::uint16_t
     });
     co_return json::object();
   });
-  std::printf("REFIT_WORKER_PORT %u\n", static_cast<unsigned>(port));
-  std::fflush(stdout);
+  report_port(port);
   asio::co_spawn(io, host.serve(), asio::detached);
   io.run();
   return 0;
+}
+
+void report_port(unsigned port) {
+  std::printf("REFIT_WORKER_PORT %u\n", port);
+  std::fflush(stdout);
+  if (dup2(STDERR_FILENO, STDOUT_FILENO) < 0)
+    throw_error(errc::io_error, std::string("pointing stdout at stderr: ") + std::strerror(errno));
 }
 
 void die_with_trainer(int signal) {

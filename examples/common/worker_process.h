@@ -36,6 +36,12 @@ worker_process start_worker_process(const std::vector<std::string>& args, std::c
 /// status (-1 when it had to be killed).
 int reap_worker(pid_t pid, std::chrono::milliseconds timeout);
 
+/// Prints "REFIT_WORKER_PORT <port>" (the line start_worker_process waits for),
+/// then points stdout at stderr: the parent reads that one line and closes its
+/// end, so anything later printed on stdout (UCX logs there by default) would
+/// end this process with SIGPIPE.
+void report_port(unsigned port);
+
 /// The worker's side of start_worker_process: adds a "shutdown" control method
 /// (calls `on_shutdown`, then stops `host`), prints "REFIT_WORKER_PORT <port>" and
 /// serves on `io` until the host stops and nothing else runs there (so

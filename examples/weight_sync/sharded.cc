@@ -292,8 +292,7 @@ int run_trainer_rank(const options& o) {
   json trainers = json::array();
   for (int r = 0; r < o.trainers; ++r) trainers.push_back({{"address", o.listen}, {"port", 0}});
   const json info = sender->prepare(sharded_trainer_args(o, trainers, o.rank));
-  std::printf("REFIT_WORKER_PORT %d\n", info["trainers"][o.rank]["port"].get<int>());
-  std::fflush(stdout);
+  report_port(info["trainers"][o.rank]["port"].get<unsigned>());
   json stats = {{"rank", o.rank}, {"egress_bytes", json::array()}, {"send_seconds", json::array()}};
   std::string failure;
   asio::co_spawn(
