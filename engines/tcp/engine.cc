@@ -308,47 +308,11 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
   bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
   // Which version the weights hold is known only until this update changes them.
   const std::optional<held_version> held = held_.take();
-  std::array<std::byte, sizeof(wire::update)> raw;
-  co_await net::read_exact(socket, asio::buffer(raw), timeout_, source + ": waiting for the update header");
-  auto u = wire::decode<wire::update>(raw);
-  if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
-  const wire::update_expectation expected{last_seq_, info.metadata.tensors.size(), metadata_digest(info.metadata),
-                                          plan.buckets.size(), plan.payload_bytes};
-  std::string refusal = wire::check_update_header(u, expected);
+  // The header (and a delta header) goes down the tree; this worker accepts only
+  // once its children did.
   std::optional<wire::delta_header> delta_header;
-  std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
-  if ((u.flags & wire::update_flag_delta) != 0) {
-    co_await net::read_exact(socket, asio::buffer(raw_delta), timeout_, source + ": reading the delta header");
-    delta_header = wire::decode<wire::delta_header>(raw_delta);
-    if (refusal.empty()) refusal = wire::check_delta_header(*delta_header);
-  }
-  if (refusal.empty() && (u.flags & ~wire::update_flag_delta) != 0)
-    refusal = "unknown update flags " + std::to_string(u.flags);
-  errc code = errc::protocol_error;
-  if (refusal.empty() && !children.empty()) {
-    // The header (and a delta header) goes down the tree; this worker accepts only
-    // once its children did.
-    std::vector<asio::const_buffer> header{asio::buffer(raw)};
-    if (delta_header) header.push_back(asio::buffer(raw_delta));
-    co_await links::write_to_children(children, child_ranks, std::move(header), timeout_, me + ": update header");
-    for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
-      auto st = co_await links::read_status(
-          *children[i], timeout_,
-          me + ": waiting for downstream worker rank " + std::to_string(child_ranks[i]) + " to accept");
-      if (st.code != 0) {
-        code = st.code <= static_cast<std::uint32_t>(last_errc) ? static_cast<errc>(st.code) : errc::protocol_error;
-        refusal = "downstream worker rank " + std::to_string(child_ranks[i]) + " refused the update: " + st.message;
-      }
-    }
-  }
-  if (!refusal.empty()) {
-    const std::string said = children.empty() ? refusal : me + ": " + refusal;
-    co_await links::send_status(socket, static_cast<std::uint32_t>(code), u.seq, said, timeout_,
-                                me + ": refusing the update");
-    throw_error(code, (children.empty() ? source : me) + ": " + refusal);
-  }
-  co_await links::send_status(socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
-  last_seq_ = u.seq;
+  last_seq_ = co_await links::accept_update_for_subtree(socket, children, child_ranks, last_seq_, info.metadata, plan,
+                                                        timeout_, me, source, &delta_header);
 
   // A delta update: this worker says whether it holds the base (then its buckets
   // may arrive encoded) or not (then every bucket comes full), before any byte of
@@ -370,25 +334,10 @@ asio::awaitable<void> engine::receive_on(asio::ip::tcp::socket& socket, const st
       std::string why_full = co_await backend::check_delta_base(*delta_header, held, dirty, info.metadata, current,
                                                                 staged, plan, processing, delta->base);
       delta->accepted = why_full.empty();
-      // A relay's stream carries one form of each bucket to its whole subtree: it
-      // takes deltas only when every worker below holds the base too (else the
-      // trainer sends the subtree full, which a worker that holds the base takes
-      // as well).
-      for (std::size_t i = 0; i < children.size(); ++i) {
-        const auto st =
-            co_await links::read_status(*children[i], timeout_,
-                                        me + ": waiting for downstream worker rank " + std::to_string(child_ranks[i]) +
-                                            "'s answer to the delta offer");
-        if (st.code == static_cast<std::uint32_t>(errc::invalid_state)) {
-          if (why_full.empty())
-            why_full = "downstream worker rank " + std::to_string(child_ranks[i]) + ": " + st.message;
-        } else {
-          links::throw_if_failed(
-              st, me + ": downstream worker rank " + std::to_string(child_ranks[i]) + " refused the delta offer");
-        }
-      }
-      co_await links::send_status(socket, why_full.empty() ? 0 : static_cast<std::uint32_t>(errc::invalid_state), u.seq,
-                                  why_full, timeout_, me + ": answering the delta offer");
+      // With children the subtree answers as one (relay_io.h). Each bucket's header
+      // says its form, so a worker that holds the base takes a full stream too.
+      co_await links::answer_delta_offer_for_subtree(socket, children, child_ranks, std::move(why_full), last_seq_,
+                                                     timeout_, me);
     }
   }
 

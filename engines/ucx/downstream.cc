@@ -132,10 +132,19 @@ asio::awaitable<wire::grant> read_grant(asio::ip::tcp::socket& s, std::chrono::m
 
 asio::awaitable<void> send_bucket(std::shared_ptr<worker> w, std::shared_ptr<downstream> keep, std::uint64_t index,
                                   std::span<const asio::const_buffer> payload, std::uint64_t seq,
-                                  std::optional<std::uint64_t> checksum, std::chrono::milliseconds timeout) {
+                                  std::optional<std::uint64_t> checksum, std::chrono::milliseconds timeout,
+                                  std::optional<std::uint64_t> form) {
   downstream& p = *keep;
   const std::string what = p.name + ": bucket " + std::to_string(index);
   const std::uint64_t payload_bytes = asio::buffer_size(payload);
+  if (form) {
+    // The worker grants a slot of the delta's size, or the bucket's destination.
+    wire::form f;
+    f.index = index;
+    f.encoded_bytes = *form;
+    const auto raw = wire::encode(f);
+    co_await net::write_all(*p.socket, asio::buffer(raw), timeout, what + ": its form");
+  }
   const wire::grant g = co_await read_grant(*p.socket, timeout, what);
   if (g.index != index || g.payload_bytes != payload_bytes)
     throw_error(errc::protocol_error, what + ": the worker granted bucket " + std::to_string(g.index) + " of " +

@@ -51,12 +51,15 @@ asio::awaitable<void> connect_downstream(std::shared_ptr<downstream> d, std::sha
                                          std::chrono::milliseconds timeout);
 
 /// Bucket `index` (its bytes `payload`, from anywhere in this process) to `d` for
-/// update `seq`: its grant, the puts and their flush or the tagged send (either
-/// abandoned with peer_lost as soon as `d` hangs up its side channel), then
-/// "done" carrying `checksum` when there is one.
+/// update `seq`: with `form` (`d` took a delta offer), the bucket's form first
+/// (wire::form: the delta's bytes, which `payload` then holds, or 0 for the
+/// bucket's own), then its grant, the puts and their flush or the tagged send
+/// (either abandoned with peer_lost as soon as `d` hangs up its side channel),
+/// then "done" carrying `checksum` when there is one.
 asio::awaitable<void> send_bucket(std::shared_ptr<worker> w, std::shared_ptr<downstream> d, std::uint64_t index,
                                   std::span<const asio::const_buffer> payload, std::uint64_t seq,
-                                  std::optional<std::uint64_t> checksum, std::chrono::milliseconds timeout);
+                                  std::optional<std::uint64_t> checksum, std::chrono::milliseconds timeout,
+                                  std::optional<std::uint64_t> form = std::nullopt);
 
 /// Awaits `op` towards `d`; if it fails, the worker's own reason (it says why
 /// before it closes) is the error where it gave one.

@@ -167,9 +167,10 @@ class transport final : public bucket_transport {
   transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
             std::vector<std::uint32_t>& announced, bool puts, std::uint64_t seq, std::chrono::milliseconds timeout,
             std::string who, bool checksums, const std::vector<std::shared_ptr<downstream>>& children,
-            backend::delta_receive* delta = nullptr)
+            std::vector<bool> child_forms, backend::delta_receive* delta = nullptr)
       : socket_(s), worker_(std::move(w)), staging_(staging), announced_(announced), puts_(puts), seq_(seq),
-        timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children), delta_(delta) {}
+        timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children),
+        child_forms_(std::move(child_forms)), delta_(delta) {}
 
   // Deltas taken: the trainer says first in what form the bucket comes.
   asio::awaitable<void> begin(const bucket& b) override {
@@ -246,10 +247,16 @@ class transport final : public bucket_transport {
       // failure names it and fails this bucket's check.
       std::optional<std::uint64_t> sum;
       if (checksums_) sum = expected_;  // the trainer's, passed on unchanged
+      // The bytes as they came: a delta's (then each child decodes it against its
+      // own base) or the bucket's; a child that took the deltas hears which first.
+      std::vector<std::optional<std::uint64_t>> forms(children_.size());
+      for (std::size_t i = 0; i < forms.size(); ++i)
+        if (child_forms_.at(i)) forms[i] = encoded_.value_or(0);
       auto st = std::make_shared<forwarding>(worker_->executor());
       asio::co_spawn(worker_->executor(),
                      forward(std::exchange(last_, st), st, worker_, children_,
-                             std::vector<asio::const_buffer>(dest.begin(), dest.end()), b.index, seq_, sum, timeout_),
+                             std::vector<asio::const_buffer>(dest.begin(), dest.end()), b.index, seq_, sum,
+                             std::move(forms), timeout_),
                      asio::detached);
       forwards_[b.index] = std::move(st);
     }
@@ -286,6 +293,7 @@ class transport final : public bucket_transport {
   std::string who_;
   bool checksums_;
   const std::vector<std::shared_ptr<downstream>>& children_;
+  std::vector<bool> child_forms_;  // per child: it took a delta offer (it reads each bucket's form)
   backend::delta_receive* delta_;
   std::uint64_t expected_ = 0;
   std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
@@ -303,15 +311,18 @@ class transport final : public bucket_transport {
   static asio::awaitable<void> forward(std::shared_ptr<forwarding> prev, std::shared_ptr<forwarding> st,
                                        std::shared_ptr<worker> w, std::vector<std::shared_ptr<downstream>> children,
                                        std::vector<asio::const_buffer> payload, std::uint64_t index, std::uint64_t seq,
-                                       std::optional<std::uint64_t> sum, std::chrono::milliseconds timeout) {
+                                       std::optional<std::uint64_t> sum,
+                                       std::vector<std::optional<std::uint64_t>> forms,
+                                       std::chrono::milliseconds timeout) {
     try {
       if (prev) {
         co_await prev->done.wait();
         if (prev->error) std::rethrow_exception(prev->error);
       }
       std::vector<asio::awaitable<void>> sends;
-      for (const auto& c : children)
-        sends.push_back(with_peer_reason(send_bucket(w, c, index, payload, seq, sum, timeout), c));
+      for (std::size_t i = 0; i < children.size(); ++i)
+        sends.push_back(
+            with_peer_reason(send_bucket(w, children[i], index, payload, seq, sum, timeout, forms[i]), children[i]));
       co_await async::all_of(std::move(sends));
     } catch (...) {
       st->error = std::current_exception();
@@ -480,17 +491,17 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
     // Which version the weights hold is known only until this update changes them.
     const std::optional<backend::held_version> held = held_.take();
-    // A trainer with deltas on sends a delta header (star only: a relay refuses it).
+    // A trainer with deltas on sends a delta header (a relay passes it down).
     std::optional<links::wire::delta_header> delta_header;
-    if (children.empty())
-      last_seq_ = co_await links::accept_update(*from, last_seq_, info.metadata, plan, timeout_, source, &delta_header);
-    else
-      last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
-                                                            plan, timeout_, me, source);
+    last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
+                                                          plan, timeout_, me, source, &delta_header);
     std::optional<backend::delta_receive> delta;
-    if (delta_header) co_await answer_delta_offer(*from, *delta_header, held, info, plan, delta.emplace(), source);
+    std::vector<bool> child_forms(children.size(), false);
+    if (delta_header)
+      child_forms =
+          co_await answer_delta_offer(*from, child_sockets, child_ranks, *delta_header, held, info, plan, delta.emplace());
     transport t(*from, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, source,
-                pipeline_->params().checksums, children, delta ? &*delta : nullptr);
+                pipeline_->params().checksums, children, std::move(child_forms), delta ? &*delta : nullptr);
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                                 receive_target());
     co_await links::confirm_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, timeout_, me);
@@ -514,13 +525,16 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
   }
 }
 
-asio::awaitable<void> engine::answer_delta_offer(asio::ip::tcp::socket& socket, const links::wire::delta_header& d,
-                                                 const std::optional<backend::held_version>& held,
-                                                 const update_info& info, const bucket_plan& plan,
-                                                 backend::delta_receive& delta, const std::string& source) {
+asio::awaitable<std::vector<bool>> engine::answer_delta_offer(asio::ip::tcp::socket& socket,
+                                                              const std::vector<links::socket_ptr>& children,
+                                                              const std::vector<int>& child_ranks,
+                                                              const links::wire::delta_header& d,
+                                                              const std::optional<backend::held_version>& held,
+                                                              const update_info& info, const bucket_plan& plan,
+                                                              backend::delta_receive& delta) {
   delta.meta = &info.metadata;
   delta.hashes.assign(plan.buckets.size(), 0);
-  if ((d.flags & links::wire::delta_flag_has_base) == 0) co_return;
+  if ((d.flags & links::wire::delta_flag_has_base) == 0) co_return std::vector<bool>(children.size(), false);
   // Whether this worker holds the base (then its buckets may arrive encoded) or not
   // (then every bucket comes full), before any byte of the model changes; the
   // tensors' bytes are hashed (off the loop), so bytes written outside refit since
@@ -531,11 +545,16 @@ asio::awaitable<void> engine::answer_delta_offer(asio::ip::tcp::socket& socket, 
   const std::string dirty = weights_dirty() ? dirty_reason() : std::string();
   model_target* const current = staged ? context().model : receive_target();
   const asio::any_io_executor processing = processing_executor();
-  const std::string why_full =
+  std::string why_full =
       co_await backend::check_delta_base(d, held, dirty, info.metadata, current, staged, plan, processing, delta.base);
-  delta.accepted = why_full.empty();
-  co_await links::send_status(socket, delta.accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), last_seq_,
-                              why_full, timeout_, source + ": answering the delta offer");
+  // One stream carries one form of each bucket to the whole subtree: this worker
+  // reads forms only when all of it took the deltas; a child that took them reads
+  // a form (0: the bucket's own bytes) of each bucket this worker forwards.
+  const std::string me = who();
+  const links::subtree_delta_answer answer = co_await links::answer_delta_offer_for_subtree(
+      socket, children, child_ranks, std::move(why_full), last_seq_, timeout_, me);
+  delta.accepted = answer.why_full.empty();
+  co_return answer.child_took;
 }
 
 void engine::do_session_committed() { held_.committed(); }

@@ -66,9 +66,6 @@ asio::awaitable<void> sender::connected() {
 }
 
 void sender::prepared() {
-  if (delta_ && !topology_.star())
-    throw_error(errc::invalid_argument,
-                "ucx trainer_args: \"delta\": true needs topology star (deltas over ucx relays are not built)");
   if (!delta_) base_ = {};  // no snapshot held without deltas
 }
 
@@ -89,25 +86,16 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<downstream> p, std::shar
   for (const bucket& b : plan.buckets) {
     std::optional<std::uint64_t> sum;
     if (args_.wire.checksums) sum = checksums[b.index];
-    if (!deltas) {
-      co_await send_bucket(w, p, b.index, payloads[b.index], seq, sum, args_.timeout);
-      continue;
-    }
-    // The bucket's form first (the worker grants a slot for a delta), then its
-    // bytes: the delta's, or the bucket's own.
-    const auto& e = (*encoded)[b.index];
-    wire::form f;
-    f.index = b.index;
-    f.encoded_bytes = e.size();
-    const auto raw = wire::encode(f);
-    co_await net::write_all(*p->socket, asio::buffer(raw), args_.timeout,
-                            p->name + ": bucket " + std::to_string(b.index) + ": its form");
-    if (e.empty()) {
-      co_await send_bucket(w, p, b.index, payloads[b.index], seq, sum, args_.timeout);
-    } else {
-      const asio::const_buffer bytes(e.data(), e.size());
-      co_await send_bucket(w, p, b.index, std::span<const asio::const_buffer>(&bytes, 1), seq, sum, args_.timeout);
-    }
+    // With deltas taken, the bucket's form first, then its bytes: the delta's,
+    // or (none smaller) the bucket's own.
+    const std::vector<std::byte>* e = deltas ? &(*encoded)[b.index] : nullptr;
+    const asio::const_buffer delta_bytes = e ? asio::buffer(*e) : asio::const_buffer();
+    const std::span<const asio::const_buffer> payload =
+        e && !e->empty() ? std::span<const asio::const_buffer>(&delta_bytes, 1)
+                         : std::span<const asio::const_buffer>(payloads[b.index]);
+    std::optional<std::uint64_t> form;
+    if (e) form = e->size();
+    co_await send_bucket(w, p, b.index, payload, seq, sum, args_.timeout, form);
   }
 }
 
@@ -203,9 +191,12 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     if (work) {
       // Every worker confirmed: the snapshot is this version's bytes, the next base.
       backend::finish_delta_send(base_, *work, delta_stats_);
+      // A stream reaches its worker's subtree (relays): each worker there took the
+      // deltas, or got the update full.
       for (const auto& p : peers_by_rank_) {
-        delta_stats_.delta_workers += p->took_delta ? 1 : 0;
-        delta_stats_.full_fallbacks += p->fell_back ? 1 : 0;
+        const std::size_t reached = topology_.subtree(p->rank, args_.world_size - 1).size();
+        delta_stats_.delta_workers += p->took_delta ? reached : 0;
+        delta_stats_.full_fallbacks += p->fell_back ? reached : 0;
       }
     }
   } catch (...) {

@@ -145,11 +145,16 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   asio::awaitable<void> join_relay(const init_info& info);
   asio::awaitable<void> offer_upstream(const init_info& info);
   std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
-  // Answers a delta offer (d has a base): whether this worker holds it; fills `delta`.
-  asio::awaitable<void> answer_delta_offer(asio::ip::tcp::socket& socket, const links::wire::delta_header& d,
-                                           const std::optional<backend::held_version>& held, const update_info& info,
-                                           const bucket_plan& plan, backend::delta_receive& delta,
-                                           const std::string& source);
+  // Answers a delta offer (when d has a base): whether this worker, and with
+  // children its whole subtree, holds it (links/relay_io.h); fills `delta`.
+  // Returns, per child, whether it took the deltas (it reads each bucket's form).
+  asio::awaitable<std::vector<bool>> answer_delta_offer(asio::ip::tcp::socket& socket,
+                                                        const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
+                                                        const std::vector<int>& child_ranks,
+                                                        const links::wire::delta_header& d,
+                                                        const std::optional<backend::held_version>& held,
+                                                        const update_info& info, const bucket_plan& plan,
+                                                        backend::delta_receive& delta);
 
   std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
   std::shared_ptr<worker> worker_;
@@ -173,9 +178,9 @@ class engine final : public backend::typed_engine<init_info, update_info> {
 
 /// Trainer side; trainer_args as links::trainer_args plus "topology" ("star",
 /// "chain", "tree:K"; default star for one or two workers, else chain) as the tcp
-/// engine's, and "delta": bool (optional, false by default; star only): delta
-/// updates as the tcp engine's (docs/delta.md), each bucket's form announced before
-/// its grant. With checksums (or deltas), every bucket's checksum (and delta) is
+/// engine's, and "delta": bool (optional, false by default): delta updates as the
+/// tcp engine's (docs/delta.md), each bucket's form announced before its grant
+/// (relays pass the form and the encoded bytes on). With checksums (or deltas), every bucket's checksum (and delta) is
 /// computed in one pass over the update (on a thread of the sender's) before its
 /// first byte is sent.
 class sender final : public links::sender_base {

@@ -42,10 +42,13 @@ check 0.005 0.1 --workers 3 --model-bytes 8M --updates 3 --delta --buffer-bytes 
 check 0.005 0.1 --workers 4 --topology tree:2 --model-bytes 8M --updates 3 --delta --buffer-bytes 1M \
   --change-fraction 0.01
 # Over ucx (shared memory here; a star): each bucket's form before its grant, the
-# deltas put into granted slots, with checksums and staged commits too.
+# deltas put into granted slots, with checksums and staged commits too; a chain of
+# 3, whose relays forward the encoded bytes.
 UCX_TLS=sm,self check 0.005 0.1 "${common[@]}" --engine ucx --change-fraction 0.01 --checksums
 UCX_TLS=sm,self check 0.005 0.1 "${common[@]}" --engine ucx --change-fraction 0.01 --commit staged
 UCX_TLS=tcp,self UCX_NET_DEVICES=lo check 0.005 0.1 "${common[@]}" --engine ucx --change-fraction 0.01
+UCX_TLS=sm,self check 0.005 0.1 --workers 3 --topology chain --model-bytes 8M --updates 3 --delta --buffer-bytes 1M \
+  --engine ucx --change-fraction 0.01 --checksums
 
 # --replay: a recorded trajectory (the format of tests/bench/delta_density.py
 # --record) instead of the synthetic model: 4 states of two bf16 tensors, about 1%

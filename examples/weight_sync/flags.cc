@@ -280,8 +280,6 @@ options parse_args(int argc, char** argv) {
       throw_error(errc::invalid_argument, "--delta: deltas are for the one-trainer job (drop --trainers/--tp)");
     if (o.engine != "tcp" && o.engine != "ucx")
       throw_error(errc::invalid_argument, "--delta: the tcp and ucx engines send deltas, not '" + o.engine + "'");
-    if (o.engine == "ucx" && !(o.topology == "star" || (o.topology.empty() && o.workers <= 2)))
-      throw_error(errc::invalid_argument, "--delta: ucx sends deltas over a star only (--topology star)");
     if (o.no_direct)
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");

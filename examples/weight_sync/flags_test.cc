@@ -146,8 +146,8 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_TRUE(parse({"--delta", "--commit", "staged"}).delta);  // a session's commit records the version
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx"}).delta);     // two workers: a star
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "4", "--topology", "star"}).delta);
+  EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "3"}).delta);  // ucx relays forward them too
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
-      {{"--delta", "--engine", "ucx", "--workers", "3"}, "over a star only"},
       {{"--delta", "--engine", "tcp_sharded"}, "the tcp and ucx engines"},
       {{"--delta", "--no-direct"}, "--no-direct"},
       {{"--delta", "--tp", "2"}, "one-trainer job"},

@@ -62,8 +62,8 @@ asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& 
                                                          const std::vector<int>& child_ranks, std::uint64_t last_seq,
                                                          const update_metadata& meta, const bucket_plan& plan,
                                                          std::chrono::milliseconds timeout, std::string me,
-                                                         std::string source) {
-  if (children.empty()) co_return co_await accept_update(socket, last_seq, meta, plan, timeout, source);
+                                                         std::string source, std::optional<wire::delta_header>* delta) {
+  if (children.empty()) co_return co_await accept_update(socket, last_seq, meta, plan, timeout, source, delta);
   // The header goes down the tree; this worker accepts only once its children did.
   std::array<std::byte, sizeof(wire::update)> raw;
   co_await net::read_exact(socket, asio::buffer(raw), timeout, source + ": waiting for the update header");
@@ -72,14 +72,22 @@ asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& 
   const wire::update_expectation expected{last_seq, meta.tensors.size(), metadata_digest(meta), plan.buckets.size(),
                                           plan.payload_bytes};
   std::string refusal = wire::check_update_header(u, expected);
-  // Relays here pass full updates on (a delta header is engines/tcp's relays' own).
-  if (refusal.empty() && u.flags != 0)
-    refusal = (u.flags & wire::update_flag_delta) != 0 ? "the trainer sends a delta update; this relay takes full "
-                                                         "updates only"
-                                                       : "unknown update flags " + std::to_string(u.flags);
+  std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
+  const bool delta_follows = delta && (u.flags & wire::update_flag_delta) != 0;
+  if (delta_follows) {
+    co_await net::read_exact(socket, asio::buffer(raw_delta), timeout, source + ": reading the delta header");
+    *delta = wire::decode<wire::delta_header>(raw_delta);
+    if (refusal.empty()) refusal = wire::check_delta_header(**delta);
+  }
+  const std::uint32_t other_flags = u.flags & (delta_follows ? ~wire::update_flag_delta : ~0u);
+  if (refusal.empty() && other_flags != 0)
+    refusal = (other_flags & wire::update_flag_delta) != 0 ? "the trainer sends a delta update; this relay takes "
+                                                             "full updates only"
+                                                           : "unknown update flags " + std::to_string(other_flags);
   errc code = errc::protocol_error;
   if (refusal.empty()) {
     std::vector<asio::const_buffer> header{asio::buffer(raw)};  // (GCC 12: no braced list in co_await)
+    if (delta_follows) header.push_back(asio::buffer(raw_delta));
     co_await write_to_children(children, child_ranks, std::move(header), timeout, me + ": update header");
     for (std::size_t i = 0; i < children.size() && refusal.empty(); ++i) {
       auto st = co_await read_status(
@@ -98,6 +106,29 @@ asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& 
   }
   co_await send_status(socket, 0, u.seq, {}, timeout, me + ": accepting the update");
   co_return u.seq;
+}
+
+asio::awaitable<subtree_delta_answer> answer_delta_offer_for_subtree(asio::ip::tcp::socket& upstream,
+                                                                    const std::vector<socket_ptr>& children,
+                                                                    const std::vector<int>& child_ranks,
+                                                                    std::string why_full, std::uint64_t seq,
+                                                                    std::chrono::milliseconds timeout, std::string me) {
+  subtree_delta_answer out;
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    const std::string child = "downstream worker rank " + std::to_string(child_ranks[i]);
+    const auto st = co_await read_status(*children[i], timeout, me + ": waiting for " + child + "'s answer to the delta offer");
+    const bool took = st.code == 0;
+    if (st.code == static_cast<std::uint32_t>(errc::invalid_state)) {
+      if (why_full.empty()) why_full = child + ": " + st.message;
+    } else {
+      throw_if_failed(st, me + ": " + child + " refused the delta offer");
+    }
+    out.child_took.push_back(took);
+  }
+  co_await send_status(upstream, why_full.empty() ? 0 : static_cast<std::uint32_t>(errc::invalid_state), seq, why_full,
+                       timeout, me + ": answering the delta offer");
+  out.why_full = std::move(why_full);
+  co_return out;
 }
 
 asio::awaitable<void> confirm_update_for_subtree(asio::ip::tcp::socket& socket, const std::vector<socket_ptr>& children,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include <refit/backend/bucket_plan.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/relay.h>
+#include <refit/backend/links/wire.h>
 #include <refit/metadata.h>
 
 namespace refit::links {
@@ -39,13 +41,37 @@ asio::awaitable<relay_position> read_position(asio::ip::tcp::socket& trainer, to
 /// and `plan` (as accept_update). With children, the header goes on to them and
 /// this worker accepts only once every child accepted; a child's refusal is sent
 /// upstream naming that child, and thrown. Returns the update's sequence number.
-/// `me` names this worker, `source` what it reads from.
+/// `me` names this worker, `source` what it reads from. With `delta` (an engine
+/// that takes delta updates), a delta header is read into it (as accept_update)
+/// and goes down with the update header; without, a delta update is refused.
 asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& upstream,
                                                          const std::vector<socket_ptr>& children,
                                                          const std::vector<int>& child_ranks, std::uint64_t last_seq,
                                                          const update_metadata& meta, const bucket_plan& plan,
                                                          std::chrono::milliseconds timeout, std::string me,
-                                                         std::string source);
+                                                         std::string source,
+                                                         std::optional<wire::delta_header>* delta = nullptr);
+
+/// A subtree's answer to a delta offer (answer_delta_offer_for_subtree).
+struct subtree_delta_answer {
+  /// Why the subtree takes the update full (this worker's reason or the first
+  /// child's, "downstream worker rank N: ..."); empty: it takes the deltas.
+  std::string why_full;
+  /// Per child (in the order of `children`): whether its subtree took them.
+  std::vector<bool> child_took;
+};
+
+/// Worker side, after its own check of a delta offer with a base (docs/delta.md):
+/// one stream carries one form of each bucket to the whole subtree, so it takes
+/// deltas only when this worker holds the base (`why_full` empty) and every
+/// child's subtree answered 0; else it answers invalid_state upstream with the
+/// first reason, and the trainer sends that stream full (which a worker below that
+/// holds the base takes as well). A child's other failure is thrown.
+asio::awaitable<subtree_delta_answer> answer_delta_offer_for_subtree(asio::ip::tcp::socket& upstream,
+                                                                    const std::vector<socket_ptr>& children,
+                                                                    const std::vector<int>& child_ranks,
+                                                                    std::string why_full, std::uint64_t seq,
+                                                                    std::chrono::milliseconds timeout, std::string me);
 
 /// Worker side, after its last bucket: waits for every child's confirmation of
 /// update `seq` (a child's failure goes upstream, naming it, and is thrown), then

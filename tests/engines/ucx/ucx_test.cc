@@ -324,10 +324,11 @@ struct ucx_group {
   std::vector<std::unique_ptr<capture>> got;
   json init;
 
-  // delta: the trainer sends deltas; the first `with_copy` workers keep a host copy
-  // of what they delivered (their model target: what deltas decode against).
+  // delta: the trainer sends deltas; the first `with_copy` workers (or those
+  // `copy_mask` marks) keep a host copy of what they delivered (their model
+  // target: what deltas decode against).
   ucx_group(int n, const std::string& topology, bool checksums, wire_params wire = small_wire(), bool delta = false,
-            int with_copy = 0) {
+            int with_copy = 0, std::vector<bool> copy_mask = {}) {
     for (int i = 0; i < n; ++i) got.push_back(std::make_unique<capture>());
     sender = std::make_unique<ucx::sender>(ucx_config(), trainer_context{io.get_executor(), {}});
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", n + 1}, {"topology", topology}};
@@ -336,7 +337,8 @@ struct ucx_group {
     wire.write(args);
     init = sender->prepare(args);
     for (int i = 0; i < n; ++i) {
-      copies.push_back(i < with_copy ? std::make_unique<host_copy_target>() : nullptr);
+      const bool keeps = copy_mask.empty() ? i < with_copy : copy_mask.at(static_cast<std::size_t>(i));
+      copies.push_back(keeps ? std::make_unique<host_copy_target>() : nullptr);
       workers.push_back(
           std::make_unique<ucx::engine>(ucx_config(), engine_context{io.get_executor(), {}, {}, copies.back().get()}));
     }
@@ -435,7 +437,7 @@ void every_worker_gets_every_byte(int n, const std::string& topology, bool check
   }
 }
 
-// ---- Delta updates (docs/delta.md), star only.
+// ---- Delta updates (docs/delta.md).
 
 // About one element in `every` of each tensor moves by its lowest bit.
 void nudge(tensor_set& set, std::size_t every, std::size_t offset) {
@@ -552,19 +554,90 @@ TEST(ucx_delta, a_copy_changed_behind_the_engine_is_refused_and_sent_full) {
   EXPECT_NO_THROW(g.got[0]->check_equals(set));
 }
 
-TEST(ucx_delta, deltas_over_relays_and_without_deltas_on_are_refused) {
+// One update over `g`; every worker exact, holding the trainer's version and
+// fingerprint. Returns the trainer's delta stats.
+backend::delta_send_stats exact_update(ucx_group& g, tensor_set& set, std::uint64_t version) {
+  g.reset_captures();
+  auto [sent, received] = g.update(set);
+  EXPECT_FALSE(sent->error) << sent->message();
+  for (std::size_t i = 0; i < received.size(); ++i) {
+    EXPECT_FALSE(received[i]->error) << "rank " << i + 1 << ": " << received[i]->message();
+    EXPECT_NO_THROW(g.got[i]->check_equals(set)) << "rank " << i + 1 << ", version " << version;
+    EXPECT_TRUE(g.workers[i]->held()) << "rank " << i + 1;
+    if (!g.workers[i]->held()) continue;
+    EXPECT_EQ(g.workers[i]->held()->version, version) << "rank " << i + 1;
+    EXPECT_EQ(g.workers[i]->held()->fingerprint, g.sender->last_delta_stats().fingerprint) << "rank " << i + 1;
+  }
+  return g.sender->last_delta_stats();
+}
+
+// Relays forward the encoded bytes: every worker of a chain or tree of 4 decodes
+// them against its own base. A worker whose bytes changed behind the engine gets
+// its stream full (its relay and siblings below that relay too), then deltas again.
+class ucx_delta_relay : public ::testing::TestWithParam<std::string> {};  // topology
+
+TEST_P(ucx_delta_relay, relays_forward_deltas_and_a_tampered_worker_gets_its_stream_full) {
+  const std::string topology = GetParam();
+  const auto t = links::topology::parse(topology, "test");
+  ucx_group g(4, topology, /*checksums=*/topology == "chain", small_wire(), /*delta=*/true, /*with_copy=*/4);
+  g.connect();
+  tensor_set set = mixed(6);
+  std::uint64_t version = 0;
+  for (int round = 1; round <= 3; ++round) {
+    if (round > 1) nudge(set, 50, static_cast<std::size_t>(round));
+    const auto d = exact_update(g, set, ++version);
+    if (round == 1) continue;
+    EXPECT_EQ(d.delta_workers, 4u) << "round " << round;
+    EXPECT_EQ(d.full_fallbacks, 0u);
+    for (std::size_t i = 0; i < g.workers.size(); ++i) {
+      const auto& w = g.workers[i]->last_update_stats();
+      EXPECT_LT(w.wire_bytes * 4, w.bytes) << "rank " << i + 1 << ": 2% of the elements moved";
+    }
+  }
+  // Rank 4's copy changes outside refit: the stream that reaches it goes full.
+  auto view = g.copies[3]->destination(set.meta.tensors[0]);
+  ASSERT_TRUE(view);
+  static_cast<std::byte*>(view->data)[5] ^= std::byte{0x40};
+  int root = 4;
+  while (t.parent(root) != 0) root = t.parent(root);
+  const std::size_t full = t.subtree(root, 4).size();
+  nudge(set, 50, 9);
+  auto d = exact_update(g, set, ++version);
+  EXPECT_EQ(d.full_fallbacks, full);
+  EXPECT_EQ(d.delta_workers, 4u - full);
+  EXPECT_GE(g.workers[3]->last_update_stats().wire_bytes, g.workers[3]->last_update_stats().bytes);
+  nudge(set, 50, 10);
+  d = exact_update(g, set, ++version);
+  EXPECT_EQ(d.delta_workers, 4u) << "deltas again once every worker holds the base";
+}
+
+INSTANTIATE_TEST_SUITE_P(topologies, ucx_delta_relay, ::testing::Values("chain", "tree:2"),
+                         [](const auto& info) { return info.param == "chain" ? "chain" : "tree2"; });
+
+TEST(ucx_delta, a_relay_without_the_base_forwards_full_buckets_to_children_that_hold_it) {
+  // A chain 1 -> 2 -> 3: rank 2 has no model memory to decode against. The stream
+  // goes full; rank 3 took the offer and reads each bucket's form (0, its own
+  // bytes) from rank 2. Then rank 3 alone lacks the base: rank 2 answers for it.
+  for (const std::vector<bool> mask : {std::vector<bool>{true, false, true}, std::vector<bool>{true, true, false}}) {
+    ucx_group g(3, "chain", false, small_wire(), /*delta=*/true, 0, mask);
+    g.connect();
+    tensor_set set = mixed(7);
+    std::uint64_t version = 0;
+    for (int round = 1; round <= 3; ++round) {
+      if (round > 1) nudge(set, 50, static_cast<std::size_t>(round));
+      const auto d = exact_update(g, set, ++version);
+      if (round == 1) continue;
+      EXPECT_EQ(d.full_fallbacks, 3u);
+      EXPECT_EQ(d.delta_workers, 0u);
+      for (std::size_t i = 0; i < g.workers.size(); ++i)
+        EXPECT_GE(g.workers[i]->last_update_stats().wire_bytes, g.workers[i]->last_update_stats().bytes);
+    }
+  }
+}
+
+TEST(ucx_delta, without_deltas_on_a_delta_send_is_refused) {
   asio::io_context io;
   ucx::sender s(ucx_config(), trainer_context{io.get_executor(), {}});
-  try {
-    s.prepare({{"master_address", "127.0.0.1"},
-               {"master_port", 0},
-               {"world_size", 3},
-               {"topology", "chain"},
-               {"delta", true}});
-    FAIL() << "deltas over a chain accepted";
-  } catch (const error& e) {
-    EXPECT_EQ(e.kind(), errc::invalid_argument) << e.message();
-  }
   s.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
   EXPECT_THROW(s.set_next_send({.delta = true}), error);
   EXPECT_THROW(s.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}, {"delta_bytes", 1}}),
