@@ -21,7 +21,7 @@
 #   bypass the emulated network, the namespaces sharing one kernel).
 #   --quick: the CI version (--workers "1 4" --rounds 1 --model-bytes 32M --topologies "star chain")
 #   A topology may carry options: "chain+checksums" (per-bucket checksums),
-#   "chain+staged" (staged commits), "star+delta" (tcp only: --delta, each update
+#   "chain+staged" (staged commits), "star+delta" (--delta, each update
 #   after the first changing --change-fraction of the elements); each is compared
 #   with its plain topology at the same N (run too, if not listed): at the
 #   network's limit, where the CPU has room, the checksums (hashed on a thread of
@@ -41,7 +41,6 @@ model_bytes=64M
 replay=""  # --replay DIR
 workers_list="1 2 4 8"
 topologies="star chain tree:2 chain+checksums chain+staged star+delta"
-topologies_given=
 change_fraction=0.1  # +delta: the fraction of elements each update after the first changes
 rounds=3
 updates=2
@@ -54,7 +53,7 @@ while [ $# -gt 0 ]; do
     --rate) rate="$2"; shift 2 ;;
     --model-bytes) model_bytes="$2"; shift 2 ;;
     --workers) workers_list="$2"; shift 2 ;;
-    --topologies) topologies="$2"; topologies_given=1; shift 2 ;;
+    --topologies) topologies="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --updates) updates="$2"; shift 2 ;;
     --buffer-bytes) buffer_bytes="$2"; shift 2 ;;
@@ -73,11 +72,9 @@ case "$engine" in
   ucx) export UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 ;;
   *) echo "netns_scale: --engine: tcp or ucx, not '$engine'" >&2; exit 2 ;;
 esac
-# Each topology with options is compared with its plain one: run that too. The
-# default list's star+delta is for tcp only.
+# Each topology with options is compared with its plain one: run that too.
 with_bases=
 for topo in $topologies; do
-  case "$topo" in *+delta*) [ "$engine" = tcp ] || [ -n "$topologies_given" ] || continue ;; esac
   base=${topo%%+*}
   case " $topologies $with_bases " in *" $base "*) ;; *) with_bases="$with_bases $base" ;; esac
   with_bases="$with_bases $topo"
@@ -85,7 +82,6 @@ done
 topologies="${with_bases# }"
 case " $topologies " in
   *+delta*)
-    [ "$engine" = tcp ] || { echo "netns_scale: +delta: the tcp engine only, not '$engine'" >&2; exit 2; }
     [ "$updates" -ge 2 ] || { echo "netns_scale: +delta: needs --updates 2 or more (the first is full)" >&2; exit 2; }
     ;;
 esac
