@@ -50,6 +50,31 @@ UCX_TLS=tcp,self UCX_NET_DEVICES=lo check 0.005 0.1 "${common[@]}" --engine ucx 
 UCX_TLS=sm,self check 0.005 0.1 --workers 3 --topology chain --model-bytes 8M --updates 3 --delta --buffer-bytes 1M \
   --engine ucx --change-fraction 0.01 --checksums
 
+# The sharded job (tcp_sharded): each (trainer rank, worker) pair its own version;
+# every worker's slices checked against the reference slicing of the whole model
+# after every update; the later updates a small fraction of the bytes on the wire.
+check_sharded() {
+  local out last
+  out=$("$bin" --quiet "$@") || fail "weight_sync $* exited non-zero: $out"
+  last=$(printf '%s\n' "$out" | tail -n 1)
+  python3 - "$last" "$@" <<'PY' || fail "bad result for $*: $last"
+import json, sys
+r = json.loads(sys.argv[1])
+assert r["verified"] is True and r["rounds_verified"] == r["updates"], r
+got, wire, n = r["worker_bytes"], r["wire_bytes"], r["updates"]
+assert len(got) == len(wire) == n and wire[0] == got[0], r
+for g, w in zip(got[1:], wire[1:]):
+    assert 0.005 * g <= w <= 0.1 * g, ("a later update's wire bytes", w, g)
+d = r["delta"]
+pairs = r["trainers"] * r["workers"]
+assert d["full_fallbacks"] == 0 and d["delta_workers"] == pairs * (n - 1) and d["encoded_buckets"] > 0, d
+print("ok:", " ".join(sys.argv[2:]), "-> wire/bytes", [round(w / g, 4) for w, g in zip(wire, got)])
+PY
+}
+check_sharded --trainers 2 --tp 2 --model-bytes 8M --updates 3 --delta --buffer-bytes 1M --change-fraction 0.01
+check_sharded --trainers 3 --tp 2 --model-bytes 8M --updates 3 --delta --buffer-bytes 1M --change-fraction 0.01 \
+  --checksums
+
 # --replay: a recorded trajectory (the format of tests/bench/delta_density.py
 # --record) instead of the synthetic model: 4 states of two bf16 tensors, about 1%
 # of the elements moving by one unit between states.

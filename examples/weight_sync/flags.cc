@@ -136,8 +136,8 @@ const flag table[] = {
     {"--topology", "star|chain|tree:K", "tcp: how the stream reaches the workers",
      [](options& o, flag_reader& r) { o.topology = r.value(); }},
     {"--delta", "",
-     "tcp, ucx (star): send each worker only what changed since\n"
-     "the update it holds (docs/delta.md)",
+     "tcp, ucx, tcp_sharded: send each worker only what changed\n"
+     "since the update it holds (docs/delta.md)",
      [](options& o, flag_reader&) { o.delta = true; }},
     {"--change-fraction", "F",
      "each update after the first changes about F of every\n"
@@ -276,10 +276,12 @@ options parse_args(int argc, char** argv) {
                 "--replay: the trajectory is the model and its changes (drop --trainers/--tp, --one-tensor and "
                 "--change-fraction)");
   if (o.delta) {
-    if (o.sharded_job())
-      throw_error(errc::invalid_argument, "--delta: deltas are for the one-trainer job (drop --trainers/--tp)");
-    if (o.engine != "tcp" && o.engine != "ucx")
-      throw_error(errc::invalid_argument, "--delta: the tcp and ucx engines send deltas, not '" + o.engine + "'");
+    if (o.sharded_job() && o.broadcast)
+      throw_error(errc::invalid_argument,
+                  "--delta: --broadcast workers slice whole tensors on arrival and hold no base to decode against");
+    if (o.sharded_job() ? o.engine != "tcp_sharded" : o.engine != "tcp" && o.engine != "ucx")
+      throw_error(errc::invalid_argument, "--delta: the tcp and ucx engines (tcp_sharded in the sharded job) send "
+                                          "deltas, not '" + o.engine + "'");
     if (o.no_direct)
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");

@@ -147,12 +147,12 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx"}).delta);     // two workers: a star
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "4", "--topology", "star"}).delta);
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "3"}).delta);  // ucx relays forward them too
+  EXPECT_TRUE(parse({"--delta", "--tp", "2"}).delta);                           // tcp_sharded, per (rank, worker)
+  EXPECT_TRUE(parse({"--delta", "--trainers", "2", "--tp", "2", "--change-fraction", "0.01"}).delta);
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"--delta", "--engine", "tcp_sharded"}, "the tcp and ucx engines"},
       {{"--delta", "--no-direct"}, "--no-direct"},
-      {{"--delta", "--tp", "2"}, "one-trainer job"},
-      {{"--delta", "--trainers", "2", "--tp", "2"}, "one-trainer job"},
-      {{"--delta", "--tp", "2", "--broadcast", "--topology", "star"}, "one-trainer job"},
+      {{"--delta", "--tp", "2", "--broadcast", "--topology", "star"}, "--broadcast workers slice"},
   };
   for (const auto& [args, says] : refused) {
     const std::string message = refusal(args);

@@ -1,5 +1,6 @@
 #include "examples/weight_sync/job.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -40,11 +41,14 @@ std::uint64_t splitmix64(std::uint64_t& s) {
   return z ^ (z >> 31);
 }
 
-// Adds +-1 or +-2 to about `fraction` of the elements (2-byte: the raw 16-bit
-// value, i.e. units in the last place of a bf16; otherwise each byte). The gaps
-// between changed elements are geometric: one PRNG draw and one log per change.
-void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std::uint64_t seed) {
-  const std::uint64_t n = bytes.size() / elem;
+// Adds +-1 or +-2 to about `fraction` of the elements [0, total) (2-byte: the raw
+// 16-bit value, i.e. units in the last place of a bf16; otherwise each byte), of
+// which `bytes` holds [first, first + bytes.size() / elem). The gaps between
+// changed elements are geometric: one PRNG draw and one log per change, from the
+// tensor's first element whatever part is held.
+void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std::uint64_t seed, std::uint64_t first,
+             std::uint64_t total) {
+  const std::uint64_t end = std::min(total, first + bytes.size() / elem);
   const double log_keep = fraction < 1 ? std::log1p(-fraction) : 0;  // 0: every element
   std::uint64_t s = seed;
   for (std::uint64_t at = 0;;) {
@@ -53,19 +57,22 @@ void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std:
       // u in (0, 1] from the top 53 bits; gap = floor(log(u) / log(1 - F)).
       const double u = (static_cast<double>(r >> 11) + 1) * 0x1.0p-53;
       const double gap = std::floor(std::log(u) / log_keep);
-      if (gap >= static_cast<double>(n - at)) return;
+      if (gap >= static_cast<double>(end - std::min(at, end))) return;
       at += static_cast<std::uint64_t>(gap);
     }
-    if (at >= n) return;
-    const int moves[] = {1, 2, -1, -2};
-    const int d = moves[r & 3];
-    if (elem == 2) {
-      std::uint16_t v;
-      std::memcpy(&v, bytes.data() + at * 2, 2);
-      v = static_cast<std::uint16_t>(v + d);
-      std::memcpy(bytes.data() + at * 2, &v, 2);
-    } else {
-      bytes[at] = static_cast<std::byte>(static_cast<unsigned char>(bytes[at]) + d);
+    if (at >= end) return;
+    if (at >= first) {
+      const int moves[] = {1, 2, -1, -2};
+      const int d = moves[r & 3];
+      const std::uint64_t k = at - first;
+      if (elem == 2) {
+        std::uint16_t v;
+        std::memcpy(&v, bytes.data() + k * 2, 2);
+        v = static_cast<std::uint16_t>(v + d);
+        std::memcpy(bytes.data() + k * 2, &v, 2);
+      } else {
+        bytes[k] = static_cast<std::byte>(static_cast<unsigned char>(bytes[k]) + d);
+      }
     }
     ++at;
   }
@@ -73,12 +80,18 @@ void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std:
 
 }  // namespace
 
+void change_elements(std::span<std::byte> out, std::size_t elem, double fraction, std::size_t index, int round,
+                     std::uint64_t first, std::uint64_t total) {
+  perturb(out, elem, fraction, (static_cast<std::uint64_t>(round) << 32) ^ (0xD1B54A32D192ED03ull * (index + 1)),
+          first, total);
+}
+
 void trainer_model::step(int r) {
   if (change_fraction > 0 && filled_) {
     for (std::size_t i = 0; i < views.size(); ++i) {
       const std::size_t elem = element_size(views[i].dtype) == 2 ? 2 : 1;
-      perturb(views[i].bytes(), elem, change_fraction,
-              (static_cast<std::uint64_t>(r) << 32) ^ (0xD1B54A32D192ED03ull * (i + 1)));
+      const auto bytes = views[i].bytes();
+      change_elements(bytes, elem, change_fraction, i, r, 0, bytes.size() / elem);
     }
     return;
   }

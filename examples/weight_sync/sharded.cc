@@ -10,9 +10,11 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -64,26 +66,40 @@ planned plan_for(const update_metadata& meta, const json& spec) {
 }
 
 // One trainer rank's shards: contiguous local tensors (Shard(0) boxes are row
-// ranges, so each is one byte range of the whole tensor).
+// ranges, so each is one byte range of the whole tensor). Each round they hold
+// what the whole model (trainer_model) holds there, with --change-fraction too.
 struct shard_model {
   update_metadata local;
   std::vector<std::uint64_t> global_offset;  // of each shard in its whole tensor
+  std::vector<std::uint64_t> whole_bytes;    // of each whole tensor
   std::vector<std::vector<std::byte>> data;
   std::vector<tensor_view> views;
+  double change_fraction = 0;
+  bool filled = false;
 
-  shard_model(const source_layout& source, int rank) : local(source.local_metadata(rank)) {
+  shard_model(const source_layout& source, int rank, double fraction)
+      : local(source.local_metadata(rank)), change_fraction(fraction) {
     for (std::size_t i = 0; i < local.tensors.size(); ++i) {
       const auto& g = source.tensors[i].spec;
       const auto b = source.local_box(i, rank);
       std::uint64_t row = element_size(g.dtype);
       for (std::size_t d = 1; d < g.shape.size(); ++d) row *= static_cast<std::uint64_t>(g.shape[d]);
       global_offset.push_back(b.offset.empty() ? 0 : static_cast<std::uint64_t>(b.offset[0]) * row);
+      whole_bytes.push_back(g.nbytes());
       data.emplace_back(local.tensors[i].nbytes());
       views.emplace_back(local.tensors[i], data.back().data());
     }
   }
   void step(int round) {
-    for (std::size_t i = 0; i < data.size(); ++i) fill_pattern(data[i], i, round, global_offset[i]);
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      if (change_fraction > 0 && filled) {
+        const std::size_t elem = element_size(local.tensors[i].dtype) == 2 ? 2 : 1;
+        change_elements(data[i], elem, change_fraction, i, round, global_offset[i] / elem, whole_bytes[i] / elem);
+      } else {
+        fill_pattern(data[i], i, round, global_offset[i]);
+      }
+    }
+    filled = true;
   }
 };
 
@@ -102,14 +118,17 @@ json sharded_trainer_args(const options& o, const json& trainers, int rank) {
           {"layout", layout_spec(o)},
           {"buffer_bytes", o.buffer_bytes},
           {"checksums", o.checksums},
+          {"delta", o.delta},
           {"timeout_ms", o.timeout_ms}};
 }
 
-// What worker w must hold after `round`: every piece of its layout copied out of
-// the whole tensors (made here the way every rank makes its shards), as
-// fingerprints. Independent of the planner: a wrong plan cannot agree with it.
-std::vector<fingerprint_list> reference_fingerprints(const update_metadata& meta,
-                                                     const std::vector<dest_layout>& workers, int round) {
+// What worker w must hold after an update: every piece of its layout copied out of
+// the whole tensors (`whole(i, out)` writes tensor i's bytes, made the way every
+// rank makes its shards), as fingerprints. Independent of the planner: a wrong
+// plan cannot agree with it.
+std::vector<fingerprint_list> reference_fingerprints(
+    const update_metadata& meta, const std::vector<dest_layout>& workers,
+    const std::function<void(std::size_t, std::span<std::byte>)>& whole_tensor) {
   std::vector<std::vector<std::vector<std::byte>>> held(workers.size());
   std::map<std::string, std::vector<std::tuple<std::size_t, std::size_t, std::size_t>>>
       uses;  // source -> (w, t, piece)
@@ -124,7 +143,7 @@ std::vector<fingerprint_list> reference_fingerprints(const update_metadata& meta
     auto it = uses.find(meta.tensors[i].name);
     if (it == uses.end()) continue;
     whole.resize(meta.tensors[i].nbytes());
-    fill_pattern(whole, i, round, 0);
+    whole_tensor(i, whole);
     for (auto [w, t, k] : it->second) {
       const auto& dt = workers[w].tensors[t];
       copy_box(whole.data(), meta.tensors[i].shape, dt.pieces[k].from, held[w][t].data(), dt.spec.shape,
@@ -145,6 +164,12 @@ struct sharded_totals {
   std::vector<double> update_seconds;
   std::vector<std::uint64_t> bytes_per_worker;  // the last update's, by worker
   std::vector<std::uint64_t> egress;            // the last update's, by trainer rank
+  // Each update's bytes and wire bytes (a delta's where one was sent), summed over
+  // the workers.
+  std::vector<std::uint64_t> worker_bytes, wire_bytes;
+  // --delta: the trainer ranks' senders' figures, summed over ranks and updates
+  // (a delta_worker or full_fallback is one (rank, worker) pair in one update).
+  std::uint64_t full_fallbacks = 0, encoded_buckets = 0, delta_workers = 0;
   double plan_s = 0;
   verification check;
   std::uint64_t peak_rss = 0;
@@ -230,19 +255,18 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
 asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& workers, weight_sender& sender_ref,
                                      const update_metadata& meta, const planned& p, sharded_totals& t) {
   weight_sender* sender = &sender_ref;
-  // Rank 0's own shards (the whole model when broadcasting).
+  // Rank 0's own shards (the whole model when broadcasting). With
+  // --change-fraction the reference needs the whole model's state too: kept here.
   std::optional<shard_model> shards;
-  if (!o.broadcast) shards.emplace(p.source, 0);
+  if (!o.broadcast) shards.emplace(p.source, 0, o.change_fraction);
   std::optional<trainer_model> whole;
-  if (o.broadcast) whole.emplace(make_layout(o.model_bytes, o.layers, o.vocab));
+  if (o.broadcast || o.change_fraction > 0) whole.emplace(make_layout(o.model_bytes, o.layers, o.vocab), o.change_fraction);
   control::update_options update;
   update.verify = false;  // each worker holds its own slice: checked below against the reference slicing
   if (!o.broadcast) update.update_info["layout"] = layout_spec(o);
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
-    if (shards)
-      shards->step(round);
-    else
-      whole->step(round);
+    if (shards) shards->step(round);
+    if (whole) whole->step(round);
     const auto& views = shards ? shards->views : whole->views;
     co_await workers.call_all("loop_lag");  // restarts each worker's probe
     const auto result = co_await workers.update(*sender, meta, views, round, update);
@@ -257,7 +281,22 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
       }
     }
     t.bytes_per_worker.clear();
-    for (const auto& w : result.workers) t.bytes_per_worker.push_back(w.stats["bytes"].get<std::uint64_t>());
+    std::uint64_t got = 0, wire = 0;
+    for (const auto& w : result.workers) {
+      t.bytes_per_worker.push_back(w.stats["bytes"].get<std::uint64_t>());
+      got += w.stats["bytes"].get<std::uint64_t>();
+      wire += w.stats["wire_bytes"].get<std::uint64_t>();
+    }
+    t.worker_bytes.push_back(got);
+    t.wire_bytes.push_back(wire);
+    if (o.delta) {
+      const json info = sender->last_send_info();
+      if (!info.is_object() || !info.contains("delta"))
+        throw_error(errc::invalid_argument, "--delta: the " + o.engine + " sender reports no deltas");
+      t.full_fallbacks += info["delta"]["full_fallbacks"].get<std::uint64_t>();
+      t.encoded_buckets += info["delta"]["encoded_buckets"].get<std::uint64_t>();
+      t.delta_workers += info["delta"]["delta_workers"].get<std::uint64_t>();
+    }
     // A broadcast's trainer sends one copy per direct child: each worker in a star
     // (refit's default for up to two), one in a chain, K in a tree.
     std::uint64_t copies = 1;
@@ -267,7 +306,14 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
     }
     t.egress.assign(1, sender->last_send_stats().bytes * copies);
     // Every byte of every worker against the reference slicing of the whole model.
-    auto expected = reference_fingerprints(meta, p.workers, round);
+    auto expected = reference_fingerprints(meta, p.workers, [&](std::size_t i, std::span<std::byte> out) {
+      if (whole) {
+        const auto bytes = whole->views[i].bytes();
+        std::copy(bytes.begin(), bytes.end(), out.begin());
+      } else {
+        fill_pattern(out, i, round, 0);
+      }
+    });
     const std::size_t bad = co_await verify_round(workers, std::move(expected), round, t.check);
     if (!o.quiet)
       std::fprintf(stderr, "[refit] update %d: %.2f GB model, %.3f GB to each worker in %.2f s, %s\n", round,
@@ -286,7 +332,7 @@ int run_trainer_rank(const options& o) {
   die_with_trainer();
   const auto meta = make_layout(o.model_bytes, o.layers, o.vocab).meta;
   const auto p = plan_for(meta, layout_spec(o));
-  shard_model shards(p.source, o.rank);
+  shard_model shards(p.source, o.rank, o.change_fraction);
   asio::io_context io;
   auto sender = engine_factory::instance().create_sender(sharded_config(o), trainer_context{io.get_executor(), {}});
   json trainers = json::array();
@@ -294,6 +340,7 @@ int run_trainer_rank(const options& o) {
   const json info = sender->prepare(sharded_trainer_args(o, trainers, o.rank));
   report_port(info["trainers"][o.rank]["port"].get<unsigned>());
   json stats = {{"rank", o.rank}, {"egress_bytes", json::array()}, {"send_seconds", json::array()}};
+  if (o.delta) stats["delta"] = {{"full_fallbacks", 0}, {"encoded_buckets", 0}, {"delta_workers", 0}};
   std::string failure;
   asio::co_spawn(
       io,
@@ -304,6 +351,11 @@ int run_trainer_rank(const options& o) {
           co_await trainer_send_weights(*sender, meta, shards.views);
           stats["egress_bytes"].push_back(sender->last_send_stats().bytes);
           stats["send_seconds"].push_back(sender->last_send_stats().wall_s);
+          if (o.delta) {
+            const json info = sender->last_send_info();
+            for (const char* k : {"full_fallbacks", "encoded_buckets", "delta_workers"})
+              stats["delta"][k] = stats["delta"][k].get<std::uint64_t>() + info.at("delta").at(k).get<std::uint64_t>();
+          }
         }
       },
       [&](std::exception_ptr e) {
@@ -376,6 +428,13 @@ int run_sharded_trainer(const options& o) {
                                        "--stats-file",
                                        stats_files.back()};
       if (o.checksums) args.push_back("--checksums");
+      if (o.delta) args.push_back("--delta");
+      if (o.change_fraction > 0) {
+        char fraction[32];
+        std::snprintf(fraction, sizeof fraction, "%.17g", o.change_fraction);
+        args.push_back("--change-fraction");
+        args.push_back(fraction);
+      }
       if (!o.secret_file.empty()) {
         args.push_back("--auth-secret-file");
         args.push_back(o.secret_file);
@@ -408,6 +467,11 @@ int run_sharded_trainer(const options& o) {
         if (s.contains("error") && failure.empty())
           failure = "trainer rank " + std::to_string(k + 1) + ": " + s["error"].get<std::string>();
         if (!s["egress_bytes"].empty()) egress = s["egress_bytes"].back().get<std::uint64_t>();
+        if (s.contains("delta")) {
+          t.full_fallbacks += s["delta"]["full_fallbacks"].get<std::uint64_t>();
+          t.encoded_buckets += s["delta"]["encoded_buckets"].get<std::uint64_t>();
+          t.delta_workers += s["delta"]["delta_workers"].get<std::uint64_t>();
+        }
       } catch (const std::exception&) {
       }
     } else if (failure.empty()) {
@@ -437,6 +501,8 @@ int run_sharded_trainer(const options& o) {
                  {"seconds", seconds},
                  {"update_seconds", t.update_seconds},
                  {"bytes_per_worker", t.bytes_per_worker},
+                 {"worker_bytes", t.worker_bytes},
+                 {"wire_bytes", t.wire_bytes},
                  {"trainer_egress_bytes", t.egress},
                  {"planned_bytes_per_worker_max", planned_bytes},
                  {"plan_s", t.plan_s},
@@ -448,6 +514,11 @@ int run_sharded_trainer(const options& o) {
                   {{"first_update", t.lag_first_ms}, {"update", t.lag_update_ms}, {"update_p99", t.lag_update_p99_ms}}},
                  {"verified", failure.empty() && t.check.verified && t.check.rounds_done == o.updates}};
   if (!t.worker_states.empty()) result["worker_states_after_failure"] = t.worker_states;
+  if (o.change_fraction > 0) result["change_fraction"] = o.change_fraction;
+  if (o.delta)
+    result["delta"] = {{"full_fallbacks", t.full_fallbacks},
+                       {"encoded_buckets", t.encoded_buckets},
+                       {"delta_workers", t.delta_workers}};
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
   return failure.empty() && t.check.verified ? 0 : 1;
