@@ -45,8 +45,13 @@
 // update header, a grant and a "done" per bucket), so the proxies still kill,
 // stall and hold at a point inside the update: the suite first measures, with two
 // clean updates, how many side-channel bytes each worker gets at init and per
-// update, and aims into the update's part. Kinds that need the data to cross a
-// proxy (corrupt, slow, chain_corrupt) do not run for ucx.
+// update, and aims into the update's part. corrupt and chain_corrupt flip a byte of
+// one bucket's checksum as its "done" crosses the proxy (the bucket's bytes do not:
+// with checksums on, the worker must find them not to match, as it would a flipped
+// byte of data): the suite calibrates the side channel with checksums on too and
+// requires each update's part to be the update header and one 24-byte "done" per
+// bucket (engines/ucx/wire.h), aiming at a random bucket's checksum field. slow,
+// which throttles the data, does not run for ucx.
 //
 // After each fault: every side that should see an error saw one within its
 // deadline (detected), every process finished or answered in time and every
@@ -346,14 +351,18 @@ class suite {
                                       "impostor",      "slow",        "stale_trainer", "staged_kill_after_chunk",
                                       "frozen_trainer"};
     if (!o_.data_proxied()) {
-      std::erase_if(kinds, [](const std::string& k) { return k == "corrupt" || k == "slow"; });
+      std::erase_if(kinds, [](const std::string& k) { return k == "slow"; });
       calibrate("star");
+      calibrate("star", true);  // (corrupt aims at a "done" of an update with checksums on)
       // A chain's init tells worker 0 more (its successors), so its own count.
-      if (o_.workers >= 3) calibrate("chain");
+      if (o_.workers >= 3) {
+        calibrate("chain");
+        calibrate("chain", true);
+      }
     }
     if (o_.workers >= 3) {
       kinds.push_back("chain_kill_middle");
-      if (o_.data_proxied()) kinds.push_back("chain_corrupt");
+      kinds.push_back("chain_corrupt");
     }
     if (o_.engine == "tcp") kinds.push_back("delta_wrong_base");
     for (int r = 0; r < o_.rounds; ++r)
@@ -650,16 +659,18 @@ class suite {
   // Over an engine whose data does not cross the proxies: how many side-channel
   // bytes each worker gets at init and per update in `topology`, from two clean
   // trainers through proxies (1 update, then 2), each verified.
-  void calibrate(const std::string& topology) {
+  void calibrate(const std::string& topology, bool checksums = false) {
     std::vector<std::uint64_t> totals[2];
+    const std::string key = topology + (checksums ? "+checksums" : "");
     for (int updates = 1; updates <= 2; ++updates) {
       auto [master, proxies, advertise] = make_proxies();
       for (auto& p : proxies) p->start();
       const int round = version_ + 1;
-      auto r = run_trainer({"--first-round", std::to_string(round), "--updates", std::to_string(updates),
-                            "--master-port", std::to_string(master), "--advertise-port", advertise,
-                            "--auth-secret-file", secret_file_, "--topology", topology},
-                           &proxies, dir_ + "/trainer-calibrate-" + topology + "-" + std::to_string(updates) + ".log");
+      std::vector<std::string> args = {"--first-round",      std::to_string(round), "--updates", std::to_string(updates),
+                                       "--master-port",      std::to_string(master), "--advertise-port", advertise,
+                                       "--auth-secret-file", secret_file_,           "--topology",       topology};
+      if (checksums) args.push_back("--checksums");
+      auto r = run_trainer(args, &proxies, dir_ + "/trainer-calibrate-" + key + "-" + std::to_string(updates) + ".log");
       if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))
         throw_error(errc::io_error,
                     "calibration over " + o_.engine + " failed: " + (r.last.is_object() ? r.last.dump() : "no JSON"));
@@ -667,7 +678,7 @@ class suite {
       fingerprints_[version_] = fingerprint_of(workers_[0]);
       for (auto& p : proxies) totals[updates - 1].push_back(p->downstream_bytes);
     }
-    auto& [init, update] = side_[topology];
+    auto& [init, update] = side_[key];
     // A chain's only proxied update stream is worker 0's: the others hear of an
     // update from their predecessor.
     const std::size_t measured = topology == "chain" ? 1 : workers_.size();
@@ -678,7 +689,7 @@ class suite {
                                         " and " + std::to_string(totals[1][i]) + " bytes for 1 and 2 updates");
       update.push_back(totals[1][i] - totals[0][i]);
       init.push_back(totals[0][i] - update.back());
-      say("calibrated worker " + std::to_string(i) + " (" + topology + "): " + std::to_string(init.back()) +
+      say("calibrated worker " + std::to_string(i) + " (" + key + "): " + std::to_string(init.back()) +
           " side-channel bytes at init, " + std::to_string(update.back()) + " per update");
     }
   }
@@ -1006,12 +1017,24 @@ class suite {
     // buffers between trainer and proxy hold, so a killed trainer truly cuts it.
     const double fraction = std::uniform_real_distribution<double>(0.05, 0.5)(rng_);
     const std::uint64_t model = 24ull << 20;
-    // Over ucx, into the update's part of the side channel (measured: calibrate()).
-    const std::uint64_t at =
-        o_.data_proxied()
-            ? 300 + static_cast<std::uint64_t>(fraction * model)
-            : side_.at(chain ? "chain" : "star").first[target] +
-                  static_cast<std::uint64_t>(fraction * side_.at(chain ? "chain" : "star").second[target]);
+    // Over ucx, into the update's part of the side channel (measured: calibrate());
+    // a corruption there into one bucket's checksum (see the top of this file).
+    const bool corrupts = kind == "corrupt" || kind == "chain_corrupt";
+    std::uint64_t at = 300 + static_cast<std::uint64_t>(fraction * model);
+    if (!o_.data_proxied()) {
+      const auto& [init, update] = side_.at(std::string(chain ? "chain" : "star") + (corrupts ? "+checksums" : ""));
+      at = init[target] + static_cast<std::uint64_t>(fraction * update[target]);
+      if (corrupts) {
+        constexpr std::uint64_t header = 48, done = 24, checksum_at = 16;
+        if (update[target] <= header || (update[target] - header) % done != 0)
+          throw_error(errc::io_error, "ucx side channel: " + std::to_string(update[target]) +
+                                          " bytes per update are not a 48-byte header and 24-byte dones");
+        const std::uint64_t buckets = (update[target] - header) / done;
+        const auto k = std::uniform_int_distribution<std::uint64_t>(0, buckets - 1)(rng_);
+        const auto j = std::uniform_int_distribution<std::uint64_t>(0, 7)(rng_);
+        at = init[target] + header + k * done + checksum_at + j;
+      }
+    }
     const int round = version_ + 1;
     const std::string name = kind + "#" + std::to_string(r_.scenarios) + " (" + commit + ", worker " +
                              std::to_string(target) + ", byte " + std::to_string(at) + ")";

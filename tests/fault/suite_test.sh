@@ -18,7 +18,7 @@ r = json.loads(sys.argv[1])
 for key in ("faults_injected", "faults_detected", "lost_updates", "hangs", "recoveries"):
     assert key in r, key
 assert r["faults_injected"] >= 5, r
-for kind in ("frozen_trainer", "staged_kill_after_chunk", "kill_trainer", "stale_trainer"):
+for kind in ("frozen_trainer", "staged_kill_after_chunk", "kill_trainer", "stale_trainer", "corrupt"):
     assert r["by_kind"].get(kind, {}).get("injected", 0) >= 1, (kind, r)
 assert r["faults_detected"] == r["faults_injected"], r
 assert r["lost_updates"] == 0 and r["hangs"] == 0, r
