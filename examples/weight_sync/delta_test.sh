@@ -9,11 +9,17 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # check LOW HIGH FLAGS...: LOW * bytes <= later updates' wire_bytes <= HIGH * bytes
 # (LOW: the changes were made and sent, not skipped).
-check() {
-  local low="$1" high="$2" out last
-  shift 2
+# last_line FLAGS...: the job's JSON line (the job must succeed).
+last_line() {
+  local out
   out=$("$bin" --quiet "$@") || fail "weight_sync $* exited non-zero: $out"
-  last=$(printf '%s\n' "$out" | tail -n 1)
+  printf '%s\n' "$out" | tail -n 1
+}
+
+check() {
+  local low="$1" high="$2" last
+  shift 2
+  last=$(last_line "$@")
   python3 - "$last" "$low" "$high" "$@" <<'PY' || fail "bad result for $*: $last"
 import json, sys
 r, low, limit = json.loads(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
@@ -54,9 +60,8 @@ UCX_TLS=sm,self check 0.005 0.1 --workers 3 --topology chain --model-bytes 8M --
 # every worker's slices checked against the reference slicing of the whole model
 # after every update; the later updates a small fraction of the bytes on the wire.
 check_sharded() {
-  local out last
-  out=$("$bin" --quiet "$@") || fail "weight_sync $* exited non-zero: $out"
-  last=$(printf '%s\n' "$out" | tail -n 1)
+  local last
+  last=$(last_line "$@")
   python3 - "$last" "$@" <<'PY' || fail "bad result for $*: $last"
 import json, sys
 r = json.loads(sys.argv[1])
