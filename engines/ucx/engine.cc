@@ -498,8 +498,8 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     std::optional<backend::delta_receive> delta;
     std::vector<bool> child_forms(children.size(), false);
     if (delta_header)
-      child_forms =
-          co_await answer_delta_offer(*from, child_sockets, child_ranks, *delta_header, held, info, plan, delta.emplace());
+      child_forms = co_await answer_delta_offer(*from, child_sockets, child_ranks, *delta_header, held, info, plan,
+                                                delta.emplace());
     transport t(*from, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, source,
                 pipeline_->params().checksums, children, std::move(child_forms), delta ? &*delta : nullptr);
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
@@ -525,13 +525,10 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
   }
 }
 
-asio::awaitable<std::vector<bool>> engine::answer_delta_offer(asio::ip::tcp::socket& socket,
-                                                              const std::vector<links::socket_ptr>& children,
-                                                              const std::vector<int>& child_ranks,
-                                                              const links::wire::delta_header& d,
-                                                              const std::optional<backend::held_version>& held,
-                                                              const update_info& info, const bucket_plan& plan,
-                                                              backend::delta_receive& delta) {
+asio::awaitable<std::vector<bool>> engine::answer_delta_offer(
+    asio::ip::tcp::socket& socket, const std::vector<links::socket_ptr>& children, const std::vector<int>& child_ranks,
+    const links::wire::delta_header& d, const std::optional<backend::held_version>& held, const update_info& info,
+    const bucket_plan& plan, backend::delta_receive& delta) {
   delta.meta = &info.metadata;
   delta.hashes.assign(plan.buckets.size(), 0);
   if ((d.flags & links::wire::delta_flag_has_base) == 0) co_return std::vector<bool>(children.size(), false);

@@ -90,9 +90,9 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<downstream> p, std::shar
     // or (none smaller) the bucket's own.
     const std::vector<std::byte>* e = deltas ? &(*encoded)[b.index] : nullptr;
     const asio::const_buffer delta_bytes = e ? asio::buffer(*e) : asio::const_buffer();
-    const std::span<const asio::const_buffer> payload =
-        e && !e->empty() ? std::span<const asio::const_buffer>(&delta_bytes, 1)
-                         : std::span<const asio::const_buffer>(payloads[b.index]);
+    const std::span<const asio::const_buffer> payload = e && !e->empty()
+                                                            ? std::span<const asio::const_buffer>(&delta_bytes, 1)
+                                                            : std::span<const asio::const_buffer>(payloads[b.index]);
     std::optional<std::uint64_t> form;
     if (e) form = e->size();
     co_await send_bucket(w, p, b.index, payload, seq, sum, args_.timeout, form);

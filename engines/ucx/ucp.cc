@@ -58,8 +58,7 @@ context::context() {
   // no transport knows the keys and UCX warns about them.)
   const char* tls = std::getenv("UCX_TLS");
   const std::string_view t = tls ? tls : "";
-  const bool tcp_possible =
-      t.empty() || t.front() == '^' || t.find("tcp") != t.npos || t.find("all") != t.npos;
+  const bool tcp_possible = t.empty() || t.front() == '^' || t.find("tcp") != t.npos || t.find("all") != t.npos;
   for (const char* key : {"TX_SEG_SIZE", "RX_SEG_SIZE"})
     if (tcp_possible && !std::getenv((std::string("UCX_TCP_") + key).c_str()))
       (void)ucp_config_modify(config, key, "512K");

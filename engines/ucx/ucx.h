@@ -148,13 +148,11 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   // Answers a delta offer (when d has a base): whether this worker, and with
   // children its whole subtree, holds it (links/relay_io.h); fills `delta`.
   // Returns, per child, whether it took the deltas (it reads each bucket's form).
-  asio::awaitable<std::vector<bool>> answer_delta_offer(asio::ip::tcp::socket& socket,
-                                                        const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
-                                                        const std::vector<int>& child_ranks,
-                                                        const links::wire::delta_header& d,
-                                                        const std::optional<backend::held_version>& held,
-                                                        const update_info& info, const bucket_plan& plan,
-                                                        backend::delta_receive& delta);
+  asio::awaitable<std::vector<bool>> answer_delta_offer(
+      asio::ip::tcp::socket& socket, const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
+      const std::vector<int>& child_ranks, const links::wire::delta_header& d,
+      const std::optional<backend::held_version>& held, const update_info& info, const bucket_plan& plan,
+      backend::delta_receive& delta);
 
   std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
   std::shared_ptr<worker> worker_;

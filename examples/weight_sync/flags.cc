@@ -280,8 +280,10 @@ options parse_args(int argc, char** argv) {
       throw_error(errc::invalid_argument,
                   "--delta: --broadcast workers slice whole tensors on arrival and hold no base to decode against");
     if (o.sharded_job() ? o.engine != "tcp_sharded" : o.engine != "tcp" && o.engine != "ucx")
-      throw_error(errc::invalid_argument, "--delta: the tcp and ucx engines (tcp_sharded in the sharded job) send "
-                                          "deltas, not '" + o.engine + "'");
+      throw_error(errc::invalid_argument,
+                  "--delta: the tcp and ucx engines (tcp_sharded in the sharded job) send "
+                  "deltas, not '" +
+                      o.engine + "'");
     if (o.no_direct)
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");

@@ -147,7 +147,7 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx"}).delta);     // two workers: a star
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "4", "--topology", "star"}).delta);
   EXPECT_TRUE(parse({"--delta", "--engine", "ucx", "--workers", "3"}).delta);  // ucx relays forward them too
-  EXPECT_TRUE(parse({"--delta", "--tp", "2"}).delta);                           // tcp_sharded, per (rank, worker)
+  EXPECT_TRUE(parse({"--delta", "--tp", "2"}).delta);                          // tcp_sharded, per (rank, worker)
   EXPECT_TRUE(parse({"--delta", "--trainers", "2", "--tp", "2", "--change-fraction", "0.01"}).delta);
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"--delta", "--engine", "tcp_sharded"}, "the tcp and ucx engines"},

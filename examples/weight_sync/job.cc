@@ -82,8 +82,8 @@ void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std:
 
 void change_elements(std::span<std::byte> out, std::size_t elem, double fraction, std::size_t index, int round,
                      std::uint64_t first, std::uint64_t total) {
-  perturb(out, elem, fraction, (static_cast<std::uint64_t>(round) << 32) ^ (0xD1B54A32D192ED03ull * (index + 1)),
-          first, total);
+  perturb(out, elem, fraction, (static_cast<std::uint64_t>(round) << 32) ^ (0xD1B54A32D192ED03ull * (index + 1)), first,
+          total);
 }
 
 void trainer_model::step(int r) {

@@ -260,7 +260,8 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
   std::optional<shard_model> shards;
   if (!o.broadcast) shards.emplace(p.source, 0, o.change_fraction);
   std::optional<trainer_model> whole;
-  if (o.broadcast || o.change_fraction > 0) whole.emplace(make_layout(o.model_bytes, o.layers, o.vocab), o.change_fraction);
+  if (o.broadcast || o.change_fraction > 0)
+    whole.emplace(make_layout(o.model_bytes, o.layers, o.vocab), o.change_fraction);
   control::update_options update;
   update.verify = false;  // each worker holds its own slice: checked below against the reference slicing
   if (!o.broadcast) update.update_info["layout"] = layout_spec(o);

@@ -502,8 +502,7 @@ encode_result encode(std::span<const std::byte> base, std::span<const std::byte>
   scan_counts counts;
   std::size_t planes = 0;
   if (options.allow_zstd && options.allow_planes && elem >= 2) {
-    planes = append_xor_planes(base, next, elem, out, options.fast_planes ? planes_tuned : options.zstd_level,
-                               counts);
+    planes = append_xor_planes(base, next, elem, out, options.fast_planes ? planes_tuned : options.zstd_level, counts);
   } else {
     std::size_t prev = 0;  // index after the previous changed element
     for_each_changed(base.data(), next.data(), n, elem, [&](std::size_t i) {

@@ -666,9 +666,10 @@ class suite {
       auto [master, proxies, advertise] = make_proxies();
       for (auto& p : proxies) p->start();
       const int round = version_ + 1;
-      std::vector<std::string> args = {"--first-round",      std::to_string(round), "--updates", std::to_string(updates),
-                                       "--master-port",      std::to_string(master), "--advertise-port", advertise,
-                                       "--auth-secret-file", secret_file_,           "--topology",       topology};
+      std::vector<std::string> args = {
+          "--first-round",      std::to_string(round),  "--updates",        std::to_string(updates),
+          "--master-port",      std::to_string(master), "--advertise-port", advertise,
+          "--auth-secret-file", secret_file_,           "--topology",       topology};
       if (checksums) args.push_back("--checksums");
       auto r = run_trainer(args, &proxies, dir_ + "/trainer-calibrate-" + key + "-" + std::to_string(updates) + ".log");
       if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))

@@ -108,15 +108,14 @@ asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& 
   co_return u.seq;
 }
 
-asio::awaitable<subtree_delta_answer> answer_delta_offer_for_subtree(asio::ip::tcp::socket& upstream,
-                                                                    const std::vector<socket_ptr>& children,
-                                                                    const std::vector<int>& child_ranks,
-                                                                    std::string why_full, std::uint64_t seq,
-                                                                    std::chrono::milliseconds timeout, std::string me) {
+asio::awaitable<subtree_delta_answer> answer_delta_offer_for_subtree(
+    asio::ip::tcp::socket& upstream, const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks,
+    std::string why_full, std::uint64_t seq, std::chrono::milliseconds timeout, std::string me) {
   subtree_delta_answer out;
   for (std::size_t i = 0; i < children.size(); ++i) {
     const std::string child = "downstream worker rank " + std::to_string(child_ranks[i]);
-    const auto st = co_await read_status(*children[i], timeout, me + ": waiting for " + child + "'s answer to the delta offer");
+    const auto st =
+        co_await read_status(*children[i], timeout, me + ": waiting for " + child + "'s answer to the delta offer");
     const bool took = st.code == 0;
     if (st.code == static_cast<std::uint32_t>(errc::invalid_state)) {
       if (why_full.empty()) why_full = child + ": " + st.message;

@@ -44,13 +44,10 @@ asio::awaitable<relay_position> read_position(asio::ip::tcp::socket& trainer, to
 /// `me` names this worker, `source` what it reads from. With `delta` (an engine
 /// that takes delta updates), a delta header is read into it (as accept_update)
 /// and goes down with the update header; without, a delta update is refused.
-asio::awaitable<std::uint64_t> accept_update_for_subtree(asio::ip::tcp::socket& upstream,
-                                                         const std::vector<socket_ptr>& children,
-                                                         const std::vector<int>& child_ranks, std::uint64_t last_seq,
-                                                         const update_metadata& meta, const bucket_plan& plan,
-                                                         std::chrono::milliseconds timeout, std::string me,
-                                                         std::string source,
-                                                         std::optional<wire::delta_header>* delta = nullptr);
+asio::awaitable<std::uint64_t> accept_update_for_subtree(
+    asio::ip::tcp::socket& upstream, const std::vector<socket_ptr>& children, const std::vector<int>& child_ranks,
+    std::uint64_t last_seq, const update_metadata& meta, const bucket_plan& plan, std::chrono::milliseconds timeout,
+    std::string me, std::string source, std::optional<wire::delta_header>* delta = nullptr);
 
 /// A subtree's answer to a delta offer (answer_delta_offer_for_subtree).
 struct subtree_delta_answer {
@@ -68,10 +65,10 @@ struct subtree_delta_answer {
 /// first reason, and the trainer sends that stream full (which a worker below that
 /// holds the base takes as well). A child's other failure is thrown.
 asio::awaitable<subtree_delta_answer> answer_delta_offer_for_subtree(asio::ip::tcp::socket& upstream,
-                                                                    const std::vector<socket_ptr>& children,
-                                                                    const std::vector<int>& child_ranks,
-                                                                    std::string why_full, std::uint64_t seq,
-                                                                    std::chrono::milliseconds timeout, std::string me);
+                                                                     const std::vector<socket_ptr>& children,
+                                                                     const std::vector<int>& child_ranks,
+                                                                     std::string why_full, std::uint64_t seq,
+                                                                     std::chrono::milliseconds timeout, std::string me);
 
 /// Worker side, after its last bucket: waits for every child's confirmation of
 /// update `seq` (a child's failure goes upstream, naming it, and is thrown), then
