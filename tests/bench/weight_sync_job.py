@@ -1,5 +1,5 @@
 """Runs examples/weight_sync for a benchmark and formats its figures (shared by
-sharded_bench.py and loop_lag_bench.py)."""
+sharded_bench.py, loop_lag_bench.py and sharded_delta_bench.py)."""
 import json
 import statistics
 import subprocess
