@@ -80,19 +80,17 @@ void perturb(std::span<std::byte> bytes, std::size_t elem, double fraction, std:
 
 }  // namespace
 
-void change_elements(std::span<std::byte> out, std::size_t elem, double fraction, std::size_t index, int round,
-                     std::uint64_t first, std::uint64_t total) {
-  perturb(out, elem, fraction, (static_cast<std::uint64_t>(round) << 32) ^ (0xD1B54A32D192ED03ull * (index + 1)), first,
-          total);
+void change_elements(std::span<std::byte> out, dtype type, double fraction, std::size_t index, int round,
+                     std::uint64_t offset, std::uint64_t total) {
+  const std::size_t elem = element_size(type) == 2 ? 2 : 1;  // bf16/fp16 by ulps, else bytes
+  perturb(out, elem, fraction, (static_cast<std::uint64_t>(round) << 32) ^ (0xD1B54A32D192ED03ull * (index + 1)),
+          offset / elem, total / elem);
 }
 
 void trainer_model::step(int r) {
   if (change_fraction > 0 && filled_) {
-    for (std::size_t i = 0; i < views.size(); ++i) {
-      const std::size_t elem = element_size(views[i].dtype) == 2 ? 2 : 1;
-      const auto bytes = views[i].bytes();
-      change_elements(bytes, elem, change_fraction, i, r, 0, bytes.size() / elem);
-    }
+    for (std::size_t i = 0; i < views.size(); ++i)
+      change_elements(views[i].bytes(), views[i].dtype, change_fraction, i, r, 0, views[i].bytes().size());
     return;
   }
   for (std::size_t i = 0; i < views.size(); ++i) fill_pattern(views[i].bytes(), i, r, 0);

@@ -37,12 +37,12 @@ worker_process start_worker(const options& o, int index);
 /// holds a shard of a tensor makes exactly the bytes the whole tensor has there.
 void fill_pattern(std::span<std::byte> out, std::size_t index, int round, std::uint64_t offset);
 
-/// --change-fraction F's change to tensor `index` (of `total` elements of `elem`
-/// bytes: 2 for bf16, else 1) in round `round` (see trainer_model::step), applied
-/// to `out`, which holds its elements [first, first + out.size() / elem): a rank
-/// holding a shard changes exactly what the whole tensor changes there.
-void change_elements(std::span<std::byte> out, std::size_t elem, double fraction, std::size_t index, int round,
-                     std::uint64_t first, std::uint64_t total);
+/// --change-fraction F's change to tensor `index` (of `total` bytes of `type`) in
+/// round `round` (see trainer_model::step), applied to `out`, which holds its
+/// bytes [offset, offset + out.size()): a rank holding a shard changes exactly
+/// what the whole tensor changes there.
+void change_elements(std::span<std::byte> out, dtype type, double fraction, std::size_t index, int round,
+                     std::uint64_t offset, std::uint64_t total);
 
 /// The trainer's copy of the model: one arena, tensors back to back.
 struct trainer_model {

@@ -93,8 +93,7 @@ struct shard_model {
   void step(int round) {
     for (std::size_t i = 0; i < data.size(); ++i) {
       if (change_fraction > 0 && filled) {
-        const std::size_t elem = element_size(local.tensors[i].dtype) == 2 ? 2 : 1;
-        change_elements(data[i], elem, change_fraction, i, round, global_offset[i] / elem, whole_bytes[i] / elem);
+        change_elements(data[i], local.tensors[i].dtype, change_fraction, i, round, global_offset[i], whole_bytes[i]);
       } else {
         fill_pattern(data[i], i, round, global_offset[i]);
       }
@@ -160,6 +159,21 @@ std::vector<fingerprint_list> reference_fingerprints(
   return out;
 }
 
+// --delta: the trainer ranks' senders' figures, summed over updates (and ranks); a
+// delta_worker or full_fallback is one (rank, worker) pair in one update.
+struct delta_counts {
+  std::uint64_t full_fallbacks = 0, encoded_buckets = 0, delta_workers = 0;
+  // d: a sender's last_send_info()["delta"], or another delta_counts' json().
+  void add(const json& d) {
+    full_fallbacks += d.at("full_fallbacks").get<std::uint64_t>();
+    encoded_buckets += d.at("encoded_buckets").get<std::uint64_t>();
+    delta_workers += d.at("delta_workers").get<std::uint64_t>();
+  }
+  json to_json() const {
+    return {{"full_fallbacks", full_fallbacks}, {"encoded_buckets", encoded_buckets}, {"delta_workers", delta_workers}};
+  }
+};
+
 struct sharded_totals {
   std::vector<double> update_seconds;
   std::vector<std::uint64_t> bytes_per_worker;  // the last update's, by worker
@@ -167,9 +181,7 @@ struct sharded_totals {
   // Each update's bytes and wire bytes (a delta's where one was sent), summed over
   // the workers.
   std::vector<std::uint64_t> worker_bytes, wire_bytes;
-  // --delta: the trainer ranks' senders' figures, summed over ranks and updates
-  // (a delta_worker or full_fallback is one (rank, worker) pair in one update).
-  std::uint64_t full_fallbacks = 0, encoded_buckets = 0, delta_workers = 0;
+  delta_counts delta;  // --delta
   double plan_s = 0;
   verification check;
   std::uint64_t peak_rss = 0;
@@ -294,9 +306,7 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
       const json info = sender->last_send_info();
       if (!info.is_object() || !info.contains("delta"))
         throw_error(errc::invalid_argument, "--delta: the " + o.engine + " sender reports no deltas");
-      t.full_fallbacks += info["delta"]["full_fallbacks"].get<std::uint64_t>();
-      t.encoded_buckets += info["delta"]["encoded_buckets"].get<std::uint64_t>();
-      t.delta_workers += info["delta"]["delta_workers"].get<std::uint64_t>();
+      t.delta.add(info["delta"]);
     }
     // A broadcast's trainer sends one copy per direct child: each worker in a star
     // (refit's default for up to two), one in a chain, K in a tree.
@@ -341,7 +351,7 @@ int run_trainer_rank(const options& o) {
   const json info = sender->prepare(sharded_trainer_args(o, trainers, o.rank));
   report_port(info["trainers"][o.rank]["port"].get<unsigned>());
   json stats = {{"rank", o.rank}, {"egress_bytes", json::array()}, {"send_seconds", json::array()}};
-  if (o.delta) stats["delta"] = {{"full_fallbacks", 0}, {"encoded_buckets", 0}, {"delta_workers", 0}};
+  delta_counts delta;  // --delta, written with the stats
   std::string failure;
   asio::co_spawn(
       io,
@@ -352,11 +362,7 @@ int run_trainer_rank(const options& o) {
           co_await trainer_send_weights(*sender, meta, shards.views);
           stats["egress_bytes"].push_back(sender->last_send_stats().bytes);
           stats["send_seconds"].push_back(sender->last_send_stats().wall_s);
-          if (o.delta) {
-            const json info = sender->last_send_info();
-            for (const char* k : {"full_fallbacks", "encoded_buckets", "delta_workers"})
-              stats["delta"][k] = stats["delta"][k].get<std::uint64_t>() + info.at("delta").at(k).get<std::uint64_t>();
-          }
+          if (o.delta) delta.add(sender->last_send_info().at("delta"));
         }
       },
       [&](std::exception_ptr e) {
@@ -364,6 +370,7 @@ int run_trainer_rank(const options& o) {
       });
   io.run();
   sender->shutdown();
+  if (o.delta) stats["delta"] = delta.to_json();
   if (!failure.empty()) {
     stats["error"] = failure;
     std::fprintf(stderr, "[refit] trainer rank %d: %s\n", o.rank, failure.c_str());
@@ -468,11 +475,7 @@ int run_sharded_trainer(const options& o) {
         if (s.contains("error") && failure.empty())
           failure = "trainer rank " + std::to_string(k + 1) + ": " + s["error"].get<std::string>();
         if (!s["egress_bytes"].empty()) egress = s["egress_bytes"].back().get<std::uint64_t>();
-        if (s.contains("delta")) {
-          t.full_fallbacks += s["delta"]["full_fallbacks"].get<std::uint64_t>();
-          t.encoded_buckets += s["delta"]["encoded_buckets"].get<std::uint64_t>();
-          t.delta_workers += s["delta"]["delta_workers"].get<std::uint64_t>();
-        }
+        if (s.contains("delta")) t.delta.add(s["delta"]);
       } catch (const std::exception&) {
       }
     } else if (failure.empty()) {
@@ -516,10 +519,7 @@ int run_sharded_trainer(const options& o) {
                  {"verified", failure.empty() && t.check.verified && t.check.rounds_done == o.updates}};
   if (!t.worker_states.empty()) result["worker_states_after_failure"] = t.worker_states;
   if (o.change_fraction > 0) result["change_fraction"] = o.change_fraction;
-  if (o.delta)
-    result["delta"] = {{"full_fallbacks", t.full_fallbacks},
-                       {"encoded_buckets", t.encoded_buckets},
-                       {"delta_workers", t.delta_workers}};
+  if (o.delta) result["delta"] = t.delta.to_json();
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
   return failure.empty() && t.check.verified ? 0 : 1;
