@@ -6,7 +6,6 @@
 #include <cstring>
 #include <thread>
 
-#include <xxhash.h>
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 #include <asio/use_awaitable.hpp>
@@ -32,13 +31,6 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 
 double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
-
-// The digest a pair's header carries: the plan's, tied to the pair, so a stream
-// that reaches the wrong worker (or from the wrong rank) is refused too.
-std::uint64_t pair_digest(std::uint64_t plan_digest, int rank, int worker) {
-  const std::uint64_t words[3] = {plan_digest, static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(worker)};
-  return XXH3_64bits(words, sizeof words);
-}
 
 std::vector<asio::mutable_buffer> mutable_buffers(const stream_frame& f) {
   std::vector<asio::mutable_buffer> out;
@@ -90,64 +82,9 @@ std::uint64_t frames_fingerprint(std::uint64_t digest, const std::vector<stream_
 
 }  // namespace
 
-// ---------------------------------------------------------------- layouts
-
-std::shared_ptr<const sharded_layouts> layout_cache::get(const update_metadata& global, const json& spec,
-                                                         const std::string& context) {
-  const std::string text = spec.dump();
-  const std::uint64_t key = metadata_digest(global) ^ XXH3_64bits(text.data(), text.size());
-  {
-    std::lock_guard lock(mutex_);
-    if (last_ && key == key_) return last_;
-  }
-  if (!spec.is_object()) throw_error(errc::invalid_argument, context + ": the layout must be an object");
-  auto out = std::make_shared<sharded_layouts>();
-  out->global = global;
-  json_reader r(spec, context);
-  {
-    auto source = r.object("source");
-    out->source = read_source_layout(source, global);
-    source.finish();
-  }
-  {
-    auto dest = r.object("destination");
-    out->workers = read_dest_layouts(dest, global);
-    dest.finish();
-  }
-  r.finish();
-  try {
-    out->plan = std::make_shared<const transfer_plan>(plan_transfer(out->source, out->workers));
-  } catch (const error& e) {
-    throw error(e.code(), context + ": " + e.message());
-  }
-  std::lock_guard lock(mutex_);
-  key_ = key;
-  last_ = out;
-  return out;
-}
-
 sharded_init_info sharded_init_info::read(json_reader& r) {
   sharded_init_info info;
-  const json trainers = r.required<json>("trainers");
-  const std::string path = r.member_path("trainers");
-  if (!trainers.is_array() || trainers.empty()) r.fail("member '" + path + "' must be a non-empty array");
-  for (std::size_t i = 0; i < trainers.size(); ++i) {
-    json_reader t(trainers[i], r.context(), path + "[" + std::to_string(i) + "]");
-    endpoint e;
-    e.address = t.required<std::string>("address");
-    e.port = t.required<std::uint16_t>("port");
-    t.finish();
-    if (e.port == 0) r.fail("member '" + path + "[" + std::to_string(i) + "].port' must not be 0");
-    info.trainers.push_back(std::move(e));
-  }
-  info.workers = r.required<int>("workers");
-  if (info.workers < 1) r.fail("member '" + r.member_path("workers") + "' must be at least 1");
-  info.rank_offset = r.optional<int>("rank_offset", 1);
-  info.wire = wire_params::read(r);
-  if (auto ms = r.maybe<std::int64_t>("timeout_ms")) {
-    if (*ms < 1) r.fail("member '" + r.member_path("timeout_ms") + "' must be positive");
-    info.timeout = std::chrono::milliseconds(*ms);
-  }
+  static_cast<backend::sharded_join_info&>(info) = backend::sharded_join_info::read(r);
   return info;
 }
 
@@ -196,17 +133,11 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   wire_ = info.wire;
   workers_ = info.workers;
   trainers_ = static_cast<int>(info.trainers.size());
-  const int number = info.rank_offset - 1 + context().ranks.tp_rank;
-  if (number < 0 || number >= info.workers)
-    throw_error(errc::invalid_argument, "tcp_sharded: rank_offset " + std::to_string(info.rank_offset) +
-                                            " and tp_rank " + std::to_string(context().ranks.tp_rank) +
-                                            " make worker " + std::to_string(number) + ", not below workers " +
-                                            std::to_string(info.workers));
-  worker_ = number;
+  worker_ = info.worker_number(context().ranks.tp_rank, "tcp_sharded");
   std::vector<socket_ptr> sockets(info.trainers.size());
   std::vector<asio::awaitable<void>> joins;
   for (std::size_t r = 0; r < info.trainers.size(); ++r)
-    joins.push_back([](socket_ptr* out, sharded_init_info::endpoint e, int rank, wire_params wire, std::string secret,
+    joins.push_back([](socket_ptr* out, backend::rank_endpoint e, int rank, wire_params wire, std::string secret,
                        std::chrono::milliseconds timeout, std::string who,
                        std::size_t buffers) -> asio::awaitable<void> {
       auto j = co_await links::join(e.address, e.port, rank, wire, std::move(secret), timeout, who);
@@ -248,62 +179,12 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   held_.resize(sockets_.size());
   std::vector<std::optional<held_version>> held;
   for (auto& h : held_) held.push_back(h.take());
-  // Deltas decode against the tensors' current bytes: in place, the model's memory
-  // the bytes land in; staged, the model's (the stage takes the decoded bytes).
-  auto current = std::make_shared<std::vector<const std::byte*>>(dest.tensors.size(), nullptr);
-  std::vector<std::byte*> bases(dest.tensors.size(), nullptr);
-  std::vector<std::uint64_t> fallback_at(dest.tensors.size(), ~0ull);
-  std::uint64_t fallback_bytes = 0;
-  bool direct = false;
-  const auto host_view = [](model_target* m, const tensor_spec& spec) -> std::optional<tensor_view> {
-    std::optional<tensor_view> d = m ? m->destination(spec) : std::nullopt;
-    if (d && d->device.is_cpu() && d->nbytes() == spec.nbytes() && (d->data || spec.nbytes() == 0)) return d;
-    return std::nullopt;
-  };
-  for (std::size_t i = 0; i < dest.tensors.size(); ++i) {
-    // Thousands of lookups in the model: in stretches, the loop is shared.
-    if (i % 512 == 511) co_await async::yield_now();
-    const auto& spec = dest.tensors[i].spec;
-    if (auto d = host_view(target, spec)) {
-      bases[i] = d->data;
-      direct = true;
-      if (!staged) (*current)[i] = d->data;
-    } else {
-      fallback_at[i] = fallback_bytes;
-      fallback_bytes += (spec.nbytes() + 63) / 64 * 64;
-    }
-    if (staged)
-      if (auto m = host_view(context().model, spec)) (*current)[i] = m->data;
-  }
-  if (fallback_.size() < fallback_bytes) {
-    // Allocated and faulted in on the processing executor, not the event loop.
-    auto* area = &fallback_;
-    co_await async::offload(processing_executor(), [area, fallback_bytes] { area->resize(fallback_bytes); });
-  }
-  for (std::size_t i = 0; i < dest.tensors.size(); ++i)
-    if (fallback_at[i] != ~0ull) bases[i] = fallback_.data() + fallback_at[i];
-  // Padding (bytes no piece covers) is never sent. In memory that is not the
-  // model's own (the staged commit's stage, the fallback area) it would reach the
-  // model as whatever was there before: zero it, as vLLM's padded rows are.
-  {
-    const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
-    std::vector<std::pair<std::byte*, std::uint64_t>> zero;
-    for (std::size_t i = 0; i < dest.tensors.size(); ++i) {
-      if (!staged && fallback_at[i] == ~0ull) continue;  // the model's memory: left as it is
-      const auto& t = dest.tensors[i];
-      std::uint64_t covered = 0;
-      for (const auto& p : t.pieces) covered += static_cast<std::uint64_t>(p.from.numel()) * element_size(t.spec.dtype);
-      if (covered < t.spec.nbytes()) zero.emplace_back(bases[i], t.spec.nbytes());
-    }
-    if (!zero.empty()) {
-      auto* z = &zero;
-      co_await async::offload(processing_executor(), [z] {
-        for (auto [p, n] : *z) std::memset(p, 0, n);
-      });
-    }
-  }
+  auto placed =
+      co_await backend::place_destination(dest, target, context().model, staged, fallback_, processing_executor());
+  auto current = placed.current;
+  const std::vector<std::byte*>& bases = placed.bases;
   // Told once the first pair's header is accepted: from then on bytes land in it.
-  direct_target_ = direct ? target : nullptr;
+  direct_target_ = placed.direct ? target : nullptr;
 
   // Every pair at once; the first failure cancels the others' reads, so no stream
   // waits out its deadline for bytes that will not come.
@@ -416,7 +297,7 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
   const auto& pair = plan.pair(rank, worker_);
   const auto& dest = layouts->workers[worker_];
   const std::uint64_t frame_bytes = wire_.buffer_bytes;
-  const std::uint64_t digest = pair_digest(plan.digest, rank, worker_);
+  const std::uint64_t digest = backend::pair_digest(plan.digest, rank, worker_);
   // The pair's runs over this worker's tensors, made off the loop (a row-parallel
   // shard is one run per row).
   const auto frames_over = [d = &dest, items = &pair.items, frame_bytes](const std::vector<std::byte*>& at) {
@@ -453,19 +334,8 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
       // (the delta header is malformed)
     } else if ((u.flags & ~wire::update_flag_delta) != 0) {
       refusal = "unknown update flags " + std::to_string(u.flags);
-    } else if (u.seq <= last_seq_[rank]) {
-      refusal = "update sequence " + std::to_string(u.seq) + " is not after " + std::to_string(last_seq_[rank]);
-    } else if (u.digest != digest) {
-      refusal =
-          "the transfer plans differ: the trainer rank planned another layout or other metadata than this "
-          "worker's update_info (plan digest " +
-          to_hex(plan.digest) + " here)";
-    } else if (u.tensors != pair.items.size() || u.buckets != frames.size() || u.payload_bytes != pair.bytes) {
-      refusal = "the pair's stream differs: the trainer sends " + std::to_string(u.tensors) + " boxes, " +
-                std::to_string(u.payload_bytes) + " bytes in " + std::to_string(u.buckets) +
-                " frames; this worker expects " + std::to_string(pair.items.size()) + ", " +
-                std::to_string(pair.bytes) + " in " + std::to_string(frames.size()) +
-                " (are both on the same refit version?)";
+    } else {
+      refusal = backend::pair_header_refusal(u, last_seq_[rank], digest, plan.digest, pair, frames.size());
     }
     if (!refusal.empty()) {
       co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, refusal, timeout_,
@@ -611,35 +481,17 @@ sharded_sender::~sharded_sender() {
 
 json sharded_sender::prepare(const json& trainer_args) {
   json_reader r(trainer_args, "tcp_sharded trainer_args");
-  const int rank = r.required<int>("rank");
-  const json trainers = r.required<json>("trainers");
-  const int workers = r.required<int>("workers");
-  json layout = r.required<json>("layout");
-  const wire_params wire = wire_params::read(r);
-  const auto timeout = std::chrono::milliseconds(r.optional<std::int64_t>("timeout_ms", config_.timeout.count()));
+  const auto args = backend::sharded_trainer_args::read(r, config_.timeout);
   const bool delta = r.optional<bool>("delta", false);
   const std::uint64_t delta_max = backend::read_delta_max_bytes(r);
-  if (!trainers.is_array() || trainers.empty()) r.fail("member 'trainers' must be a non-empty array");
-  if (rank < 0 || rank >= static_cast<int>(trainers.size()))
-    r.fail("member 'rank' is " + std::to_string(rank) + ", not one of the " + std::to_string(trainers.size()) +
-           " trainers");
-  if (workers < 1) r.fail("member 'workers' must be at least 1");
-  if (!layout.is_object()) r.fail("member 'layout' must be an object");
-  if (timeout.count() < 1) r.fail("member 'timeout_ms' must be positive");
-  std::vector<sharded_init_info::endpoint> endpoints;
-  for (std::size_t i = 0; i < trainers.size(); ++i) {
-    json_reader t(trainers[i], r.context(), "trainers[" + std::to_string(i) + "]");
-    endpoints.push_back({t.required<std::string>("address"), t.required<std::uint16_t>("port")});
-    t.finish();
-  }
   r.finish();
   shutdown();
-  rank_ = rank;
-  ranks_ = static_cast<int>(endpoints.size());
-  workers_ = workers;
-  layout_spec_ = std::move(layout);
-  wire_ = wire;
-  timeout_ = timeout;
+  rank_ = args.rank;
+  ranks_ = static_cast<int>(args.trainers.size());
+  workers_ = args.workers;
+  layout_spec_ = args.layout;
+  wire_ = args.wire;
+  timeout_ = args.timeout;
   delta_ = delta;
   delta_max_ = delta_max;
   if (!delta_) bases_.clear();  // no snapshot held without deltas
@@ -647,14 +499,9 @@ json sharded_sender::prepare(const json& trainer_args) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     io_pool_ = std::make_unique<asio::thread_pool>(std::min<unsigned>(cores, static_cast<unsigned>(workers_)));
   }
-  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(
-      net::listen(context_.executor, endpoints[rank].address, endpoints[rank].port));
-  endpoints[rank].port = acceptor_->local_endpoint().port();
-  json list = json::array();
-  for (const auto& e : endpoints) list.push_back({{"address", e.address}, {"port", e.port}});
-  json info = {
-      {"trainers", std::move(list)}, {"workers", workers_}, {"rank_offset", 1}, {"timeout_ms", timeout_.count()}};
-  wire_.write(info);
+  const auto& self = args.trainers[args.rank];
+  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, self.address, self.port));
+  json info = args.worker_init_info(acceptor_->local_endpoint().port());
   init_info_ = info;
   return info;
 }
@@ -724,21 +571,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
   // This rank's shards, each checked against what its placement gives it, before
   // any byte leaves.
   const update_metadata local = layouts->source.local_metadata(rank_);
-  std::vector<std::byte*> bases(local.tensors.size(), nullptr);
-  for (std::size_t i = 0; i < local.tensors.size(); ++i) {
-    auto v = source.next();
-    if (!v)
-      throw_error(errc::invalid_argument, who + ": the tensors ended after " + std::to_string(i) + " of the " +
-                                              std::to_string(local.tensors.size()) + " declared");
-    check_matches_declared(local.tensors[i], *v, i);
-    if (!v->device.is_cpu() && v->nbytes() > 0)
-      throw_error(errc::unsupported, who + ": tensor '" + local.tensors[i].name + "' is on " + to_string(v->device) +
-                                         "; tcp_sharded sends host memory");
-    bases[i] = v->data;
-  }
-  if (source.next())
-    throw_error(errc::invalid_argument,
-                who + ": the tensors go on past the " + std::to_string(local.tensors.size()) + " declared");
+  const std::vector<std::byte*> bases = backend::local_shards(source, local, who);
   const std::uint64_t seq = ++seq_;
   sent_.assign(workers_, 0);
   // Deltas on: number this version; each pair whose snapshot holds the last
@@ -765,7 +598,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       return tensor_place{bases[it.source], spec.shape, element_size(spec.dtype)};
     });
     auto frames = std::make_shared<const std::vector<stream_frame>>(cut_frames(runs, wire_.buffer_bytes));
-    const std::uint64_t digest = pair_digest(plan.digest, rank_, w);
+    const std::uint64_t digest = backend::pair_digest(plan.digest, rank_, w);
     auto header = links::update_header(seq, pair.items.size(), digest, frames->size(), pair.bytes);
     std::optional<pair_delta> delta;
     if (deltas) {

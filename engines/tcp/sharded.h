@@ -37,6 +37,7 @@
 #include <refit/backend/bucket_plan.h>
 #include <refit/backend/engine.h>
 #include <refit/backend/shard_io.h>
+#include <refit/backend/sharded.h>
 #include <refit/engine.h>
 #include <refit/engines/tcp/tcp.h>
 #include <refit/layout/layout.h>
@@ -45,42 +46,13 @@
 
 namespace refit::tcp {
 
-/// A layout spec read against global metadata: both sides' layouts and the plan.
-struct sharded_layouts {
-  update_metadata global;
-  source_layout source;
-  std::vector<dest_layout> workers;
-  std::shared_ptr<const transfer_plan> plan;
-};
+using backend::layout_cache;
+using backend::sharded_layouts;
 
-/// Reads {"source": <read_source_layout>, "destination": <read_dest_layouts>} for
-/// `global`; the result is cached by (metadata digest, spec) so an unchanged model
-/// is planned once.
-class layout_cache {
- public:
-  std::shared_ptr<const sharded_layouts> get(const update_metadata& global, const json& spec,
-                                             const std::string& context);
-
- private:
-  std::mutex mutex_;
-  std::uint64_t key_ = 0;
-  std::shared_ptr<const sharded_layouts> last_;
-};
-
-/// Worker init info: {"trainers": [{"address": str, "port": int}, ...] (rank
-/// order), "workers": int, "rank_offset": int (this worker is number rank_offset -
-/// 1 + its tp_rank; 1 by default), "buffer_bytes", "num_buffers", "checksums",
-/// "timeout_ms"}.
-struct sharded_init_info final : refit::init_info {
-  struct endpoint {
-    std::string address;
-    std::uint16_t port = 0;
-  };
-  std::vector<endpoint> trainers;
-  int workers = 1;
-  int rank_offset = 1;
-  wire_params wire;
-  std::optional<std::chrono::milliseconds> timeout;
+/// Worker init info: backend::sharded_join_info's members ({"trainers": [{"address",
+/// "port"}, ...] (rank order), "workers", "rank_offset", "buffer_bytes",
+/// "num_buffers", "checksums", "timeout_ms"}).
+struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
   static sharded_init_info read(json_reader& r);
 };
 

@@ -23,6 +23,7 @@
 #include <refit/internal/hex.h>
 #include "downstream.h"  // private to this engine
 #include "ucp.h"         // private to this engine
+#include "upstream.h"    // private to this engine
 #include "wire.h"        // private to this engine
 
 namespace refit::ucx {
@@ -232,15 +233,7 @@ class transport final : public bucket_transport {
     std::vector<asio::const_buffer> out{asio::buffer(raw)};
     if (!key.empty()) out.push_back(asio::buffer(key));
     co_await net::write_all(socket_, out, timeout_, what + ": granting its destination");
-    std::array<std::byte, sizeof(wire::done)> d;
-    co_await net::read_exact(socket_, asio::buffer(d), timeout_, what + ": waiting for the trainer's puts");
-    const auto done = wire::decode<wire::done>(d);
-    if (done.magic != wire::done_magic || done.index != b.index)
-      throw_error(errc::protocol_error, what + ": expected the trainer's done for bucket " + std::to_string(b.index));
-    if (checksums_ != ((done.flags & wire::done_checksum) != 0))
-      throw_error(errc::protocol_error, what + (checksums_ ? ": the done carries no checksum, but checksums are on"
-                                                           : ": the done carries a checksum, but checksums are off"));
-    expected_ = done.checksum;
+    expected_ = co_await read_done(socket_, b.index, checksums_, timeout_, what);
     if (posted) co_await posted->wait(timeout_);
     if (!children_.empty()) {
       // The bucket goes on to every child at once, in the background; the first
@@ -435,38 +428,13 @@ asio::awaitable<void> engine::offer_upstream(const init_info& info) {
   const std::string to =
       position_.upstream == 0 ? "the trainer" : "upstream worker rank " + std::to_string(position_.upstream);
   // The offer: this worker's address and every slot's extent and key.
-  wire::writer body;
-  const auto address = worker_->address();
-  body.bytes(address);
+  std::vector<const registration*> regions;
   announced_.clear();
   for (std::size_t i = 0; i < staging_->slot_count(); ++i) {
-    const auto& reg = staging_->slot_registration(i);
-    body.put(reinterpret_cast<std::uint64_t>(reg.base()));
-    body.put(reg.bytes());
-    body.put(static_cast<std::uint32_t>(reg.packed_rkey().size()));
-    body.bytes(reg.packed_rkey());
+    regions.push_back(&staging_->slot_registration(i));
     announced_.push_back(static_cast<std::uint32_t>(i));
   }
-  wire::offer_header h;
-  h.bytes = static_cast<std::uint32_t>(body.out.size());
-  h.address_bytes = static_cast<std::uint32_t>(address.size());
-  h.regions = static_cast<std::uint32_t>(staging_->slot_count());
-  const auto raw = wire::encode(h);
-  std::vector<asio::const_buffer> out{asio::buffer(raw), asio::buffer(body.out)};
-  co_await net::write_all(*socket, out, timeout_, who() + ": offering its UCX address and staging to " + to);
-
-  // What UCX chose, as the sender's endpoint sees it; refused here when it is not
-  // what this worker requires (the sender is told why).
-  auto st = co_await links::read_status(*socket, timeout_, who() + ": waiting for the UCX endpoint of " + to);
-  links::throw_if_failed(st, who() + ": " + to);
-  report_ = endpoint_report::from_json(parse_json_text(st.message, who() + ": UCX endpoint report"),
-                                       who() + ": UCX endpoint report");
-  if (auto unmet = check_required(report_, info.require_transports); !unmet.empty()) {
-    co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::unsupported), 0, who() + ": " + unmet,
-                                timeout_, who() + ": refusing the transports");
-    throw_error(errc::unsupported, who() + ": " + unmet);
-  }
-  co_await links::send_status(*socket, 0, 0, {}, timeout_, who() + ": accepting the transports");
+  report_ = co_await offer_and_agree(*socket, *worker_, regions, info.require_transports, false, timeout_, who(), to);
 }
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {

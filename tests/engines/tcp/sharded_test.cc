@@ -10,6 +10,7 @@
 #include <refit/engines/tcp/sharded.h>
 #include <refit/error.h>
 #include "tests/support/run.h"
+#include "tests/support/sharded_group.h"
 #include "tests/support/tensors.h"
 
 namespace refit::testing {
@@ -17,219 +18,14 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A Llama-like checkpoint: vocab 100 (padded to 128 for tp 2), hidden 16, GQA k/v.
-update_metadata checkpoint(int layers = 2) {
-  update_metadata m;
-  auto add = [&](std::string n, std::vector<std::int64_t> s) {
-    m.tensors.push_back({std::move(n), dtype::bfloat16, std::move(s)});
-  };
-  add("model.embed_tokens.weight", {100, 16});
-  for (int i = 0; i < layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    add(p + "input_layernorm.weight", {16});
-    add(p + "self_attn.q_proj.weight", {16, 16});
-    add(p + "self_attn.k_proj.weight", {8, 16});
-    add(p + "self_attn.v_proj.weight", {8, 16});
-    add(p + "self_attn.o_proj.weight", {16, 16});
-    add(p + "mlp.gate_proj.weight", {40, 16});
-    add(p + "mlp.up_proj.weight", {40, 16});
-    add(p + "mlp.down_proj.weight", {16, 40});
-  }
-  add("model.norm.weight", {16});
-  add("lm_head.weight", {100, 16});
-  return m;
-}
-
-json layout_spec(int ranks, int tp, std::int64_t padding = 64) {
-  return {{"source", {{"mesh", {ranks}}, {"placements", {"shard(0)"}}}},
-          {"destination", {{"preset", "vllm_llama"}, {"tp_size", tp}, {"vocab_padding", padding}}}};
-}
-
-// The global model for round `round`, and what each rank holds of it.
-struct full_model {
-  update_metadata meta;
-  std::vector<std::vector<std::byte>> data;
-  full_model(update_metadata m, std::uint64_t round) : meta(std::move(m)) {
-    for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
-      data.emplace_back(meta.tensors[i].nbytes());
-      for (std::size_t k = 0; k < data[i].size(); ++k) data[i][k] = pattern_byte(round * 1000 + i, k);
-    }
-  }
-  // The next step of a trajectory: one bf16 element in `every` of each tensor
-  // moves by its lowest bit (where an element starts at `offset`, mod every).
-  full_model step(std::size_t every, std::size_t offset) const {
-    full_model next = *this;
-    for (auto& t : next.data)
-      for (std::size_t e = offset % every; e * 2 < t.size(); e += every) t[e * 2] ^= std::byte{1};
-    return next;
-  }
-  // Rank r's shards (contiguous copies of its local boxes).
-  std::vector<std::vector<std::byte>> shards(const source_layout& l, int rank) const {
-    std::vector<std::vector<std::byte>> out;
-    const auto local = l.local_metadata(rank);
-    for (std::size_t i = 0; i < meta.tensors.size(); ++i) {
-      const auto b = l.local_box(i, rank);
-      out.emplace_back(local.tensors[i].nbytes());
-      copy_box(data[i].data(), meta.tensors[i].shape, b, out.back().data(), local.tensors[i].shape,
-               std::vector<std::int64_t>(b.offset.size(), 0), element_size(meta.tensors[i].dtype));
-    }
-    return out;
-  }
-  // What a worker must hold: each piece copied from the global tensor (padding 0).
-  std::map<std::string, std::vector<std::byte>> expected(const dest_layout& d) const {
-    std::map<std::string, std::size_t> index;
-    for (std::size_t i = 0; i < meta.tensors.size(); ++i) index[meta.tensors[i].name] = i;
-    std::map<std::string, std::vector<std::byte>> out;
-    for (const auto& t : d.tensors) {
-      auto& bytes = out[t.spec.name];
-      bytes.assign(t.spec.nbytes(), std::byte{0});
-      for (const auto& p : t.pieces) {
-        const auto s = index.at(p.source);
-        copy_box(data[s].data(), meta.tensors[s].shape, p.from, bytes.data(), t.spec.shape, p.at,
-                 element_size(t.spec.dtype));
-      }
-    }
-    return out;
-  }
+struct tcp_engine {
+  using sender = tcp::sharded_sender;
+  using engine = tcp::sharded_engine;
+  static constexpr const char* name = "tcp_sharded";
 };
+using sharded_group = sharded_group_of<tcp_engine>;
 
-// A worker's model: zeroed host tensors it offers as destinations (or not).
-class host_model final : public model_target {
- public:
-  explicit host_model(bool direct) : direct_(direct) {}
-  void begin_update(const update_metadata& meta) override {
-    std::lock_guard lock(mutex_);
-    for (const auto& t : meta.tensors)
-      if (tensors_[t.name].size() != t.nbytes()) tensors_[t.name].assign(t.nbytes(), std::byte{0});
-    announced_ = meta;
-  }
-  std::optional<tensor_view> destination(const tensor_spec& spec) override {
-    if (!direct_) return std::nullopt;
-    std::lock_guard lock(mutex_);
-    return tensor_view(spec, tensors_.at(spec.name).data());
-  }
-  void load_weights(std::span<const tensor_view> views) override {
-    std::lock_guard lock(mutex_);
-    for (const auto& v : views) {
-      auto& t = tensors_.at(std::string(v.name));
-      ASSERT_EQ(t.size(), v.nbytes());
-      if (t.data() != v.data) std::memcpy(t.data(), v.data, t.size());
-      ++loaded_;
-    }
-  }
-  std::map<std::string, std::vector<std::byte>> tensors_;
-  std::size_t loaded_ = 0;
-  update_metadata announced_;
-
- private:
-  bool direct_;
-  std::mutex mutex_;
-};
-
-weight_transfer_config config(std::chrono::milliseconds timeout = 5s) {
-  weight_transfer_config c;
-  c.backend = "tcp_sharded";
-  c.timeout = timeout;
-  return c;
-}
-
-struct sharded_group {
-  asio::io_context io;
-  int ranks, workers;
-  json spec;
-  std::vector<std::unique_ptr<tcp::sharded_sender>> senders;
-  std::vector<std::unique_ptr<host_model>> models;
-  std::vector<std::unique_ptr<tcp::sharded_engine>> engines;
-  json init;
-  std::vector<update_metadata> locals;
-
-  sharded_group(int m, int n, bool checksums, std::chrono::milliseconds timeout = 5s, bool delta = false)
-      : ranks(m), workers(n), spec(layout_spec(m, n)) {
-    json trainers = json::array();
-    for (int r = 0; r < m; ++r) trainers.push_back({{"address", "127.0.0.1"}, {"port", 0}});
-    for (int r = 0; r < m; ++r) {
-      senders.push_back(std::make_unique<tcp::sharded_sender>(config(timeout), trainer_context{io.get_executor(), {}}));
-      json args = {{"rank", r},      {"trainers", trainers}, {"workers", n},
-                   {"layout", spec}, {"buffer_bytes", 4096}, {"checksums", checksums}};
-      if (delta) args["delta"] = true;
-      auto info = senders.back()->prepare(args);
-      trainers[r]["port"] = info["trainers"][r]["port"];
-      init = info;
-    }
-    init["trainers"] = trainers;
-    for (int w = 0; w < n; ++w) {
-      models.push_back(std::make_unique<host_model>(w % 2 == 0));  // odd workers: the fallback path
-      engines.push_back(std::make_unique<tcp::sharded_engine>(
-          config(timeout), engine_context{io.get_executor(), {}, {}, models.back().get()}));
-    }
-  }
-  ~sharded_group() {
-    for (auto& s : senders) s->shutdown();
-    for (auto& e : engines) e->shutdown();
-    run(io, 5s);
-  }
-  static asio::awaitable<void> init_one(tcp::sharded_engine& e, json info) {
-    auto typed = e.parse_init_info(info);
-    co_await e.init_transfer_engine(*typed);
-  }
-  void connect() {
-    std::vector<asio::awaitable<void>> all;
-    for (auto& s : senders) all.push_back(s->connect_workers());
-    for (int w = 0; w < workers; ++w) {
-      json info = init;
-      info["rank_offset"] = w + 1;
-      all.push_back(init_one(*engines[w], info));
-    }
-    run_to_completion(io, async::all_of(std::move(all)), 30s);
-  }
-  static asio::awaitable<void> send(tcp::sharded_sender& s, update_metadata meta, std::vector<tensor_view> views) {
-    co_await trainer_send_weights(s, meta, views);
-  }
-  static asio::awaitable<void> receive(tcp::sharded_engine& e, std::unique_ptr<update_info> info, model_target* m) {
-    co_await e.receive_weights(*info, m->as_load_weights());
-  }
-  json update_info(const update_metadata& meta, json layout) const {
-    json j = json::object();
-    write_update_metadata(meta, j);
-    j["layout"] = std::move(layout);
-    if (!commit.empty()) j["commit"] = commit;
-    return j;
-  }
-  std::string commit;  // "staged" or "in_place" in every update_info; empty: the config's
-  // One update of `model`: every rank sends its shards, every worker receives.
-  std::pair<std::vector<std::shared_ptr<outcome>>, std::vector<std::shared_ptr<outcome>>> update(
-      const full_model& model, std::vector<std::vector<std::vector<std::byte>>>& shards,
-      std::optional<json> worker_layout = std::nullopt) {
-    const auto source = read_layout().source;
-    shards.clear();
-    std::vector<std::shared_ptr<outcome>> sent, got;
-    for (int w = 0; w < workers; ++w) {
-      auto info = engines[w]->parse_update_info(update_info(model.meta, worker_layout.value_or(spec)));
-      got.push_back(spawn(io, receive(*engines[w], std::move(info), models[w].get())));
-    }
-    for (int r = 0; r < ranks; ++r) shards.push_back(model.shards(source, r));
-    locals.clear();
-    for (int r = 0; r < ranks; ++r) locals.push_back(source.local_metadata(r));  // the views' names and shapes
-    for (int r = 0; r < ranks; ++r) {
-      const auto& local = locals[r];
-      std::vector<tensor_view> views;
-      for (std::size_t i = 0; i < local.tensors.size(); ++i) views.emplace_back(local.tensors[i], shards[r][i].data());
-      sent.push_back(spawn(io, send(*senders[r], model.meta, std::move(views))));
-    }
-    auto all = [&] {
-      for (auto* list : {&sent, &got})
-        for (auto& o : *list)
-          if (!o->done) return false;
-      return true;
-    };
-    EXPECT_TRUE(run_until(io, all, 30s));
-    return {sent, got};
-  }
-  tcp::sharded_layouts read_layout() const {
-    tcp::layout_cache cache;
-    return *cache.get(checkpoint(), spec, "test");
-  }
-};
+weight_transfer_config config(std::chrono::milliseconds timeout = 5s) { return sharded_config("tcp_sharded", timeout); }
 
 // Sources' local_metadata views must point into shards that outlive the send.
 TEST(tcp_sharded, two_ranks_to_two_workers_every_byte_verified) {
@@ -366,7 +162,7 @@ TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
   } catch (const error& x) {
     EXPECT_EQ(x.kind(), errc::invalid_state) << x.message();
   }
-  tcp::layout_cache cache;
+  backend::layout_cache cache;
   json bad = layout_spec(2, 3);  // 16 rows do not split in 3
   try {
     (void)cache.get(checkpoint(), bad, "test");
@@ -385,7 +181,7 @@ TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
 // ---- Deltas (docs/delta.md): each (rank, worker) pair is a version of its own.
 
 // Every worker holds exactly `model`'s bytes of its tensors.
-void expect_holds(sharded_group& g, const tcp::sharded_layouts& layouts, const full_model& model,
+void expect_holds(sharded_group& g, const backend::sharded_layouts& layouts, const full_model& model,
                   const std::string& when) {
   for (int w = 0; w < g.workers; ++w)
     for (const auto& [name, bytes] : model.expected(layouts.workers[w]))

@@ -1,0 +1,150 @@
+// Sharded UCX ("ucx_sharded"): tcp_sharded's M:N transfers (docs/sharded.md) with
+// the bytes moved by UCX. M trainer ranks, each a process holding only its local
+// shards, send each of N workers only the bytes that worker keeps, every pair at
+// once, on the same transfer plan (lib/backend/sharded.h) and the same side channel
+// (links: authenticated join, per-pair update header with the plan's digest,
+// confirmation) as tcp_sharded.
+//
+// Per pair and frame (at most buffer_bytes of the pair's byte sequence): the worker
+// posts a tagged receive whose iov is the frame's runs in its own tensors (the
+// model's memory, a staged commit's stage, or the fallback area) and grants it;
+// the trainer rank sends the frame as one tagged message whose iov is the frame's
+// runs in its shards (no packing on either side), then "done" with the frame's
+// checksum (checksums on); the worker verifies the bytes where they landed before
+// the next frame (downstream.h's send_bucket on the trainer, as the ucx engine's).
+// The data never goes through one-sided puts here: the destination is the
+// model's memory, which is not registered (docs/engines.md).
+//
+// Each worker connects to every rank and offers its UCX worker address there; the
+// rank's endpoint to it reports the transports UCX chose, and the worker's
+// "require_transports" refuses the job rather than fall back silently. Deltas are
+// not offered (tcp_sharded has them).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <asio/ip/tcp.hpp>
+#include <asio/thread_pool.hpp>
+
+#include <refit/backend/engine.h>
+#include <refit/backend/sharded.h>
+#include <refit/engine.h>
+#include <refit/engines/ucx/ucx.h>
+#include <refit/trainer.h>
+
+namespace refit::ucx {
+
+/// Worker init info: backend::sharded_join_info's members ({"trainers": [{"address",
+/// "port"}, ...], "workers", "rank_offset", "buffer_bytes", "checksums",
+/// "timeout_ms"}) plus "require_transports": [str] as the ucx engine's (each
+/// rank's endpoint to this worker must move the data over one of them).
+struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
+  std::vector<std::string> require_transports;
+  static sharded_init_info read(json_reader& r);
+};
+
+/// Update info: vLLM's metadata members of the GLOBAL tensors and "layout" (as
+/// tcp_sharded's), optional "commit".
+struct sharded_update_info final : refit::update_info {
+  std::shared_ptr<const backend::sharded_layouts> layouts;
+};
+
+/// Worker side.
+class sharded_engine final : public backend::engine {
+ public:
+  sharded_engine(const weight_transfer_config& config, const engine_context& context);
+  ~sharded_engine() override;
+  std::string_view backend() const noexcept override { return "ucx_sharded"; }
+  /// Sharded (M:N) plans received straight into the worker's tensors (direct
+  /// receive, tagged iov receives), staged commits, checksummed frames; no deltas;
+  /// host memory; left out of CUDA builds as the ucx engine is.
+  static engine_capabilities capabilities_of() {
+    return {.direct_receive = true, .staged_commit = true, .checksums = true, .sharded = true, .opt_in_build = true};
+  }
+  std::unique_ptr<refit::init_info> parse_init_info(const json& j) const override;
+  /// Needs the worker's number, so only after init_transfer_engine.
+  std::unique_ptr<refit::update_info> parse_update_info(const json& j) const override;
+  /// This worker's number among the destinations (after init).
+  int worker() const noexcept { return worker_; }
+  /// Closes every connection and the UCX worker now (an update in flight fails).
+  void disconnect() noexcept { close(); }
+  /// What UCX chose for each rank's endpoint to this worker, once initialised
+  /// (null before): {"worker", "transports" (every rank's, each once), "mode":
+  /// "tag", "peer_failure_handling" (every rank's endpoint has it), "trainer_ranks":
+  /// [per rank: {"transports", "put_transports", "mode", "peer_failure_handling"}]}.
+  json transport_info() const override;
+
+ protected:
+  asio::awaitable<void> do_init(const refit::init_info& info) override;
+  asio::awaitable<void> do_receive(const refit::update_info& info, load_weights_fn load_weights) override;
+  void do_shutdown() override { close(); }
+  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+
+ private:
+  using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
+  asio::awaitable<void> receive_pair(socket_ptr socket, std::shared_ptr<ucx::worker> w, int rank,
+                                     std::shared_ptr<const backend::sharded_layouts> layouts,
+                                     std::vector<std::byte*> bases, std::uint64_t* wire_bytes);
+  std::string who() const { return "ucx_sharded worker " + std::to_string(worker_); }
+  void close() noexcept;
+
+  std::shared_ptr<ucx::context> ucp_;  // made once, off the loop
+  std::shared_ptr<ucx::worker> worker_ucx_;
+  std::vector<socket_ptr> sockets_;  // by trainer rank
+  std::vector<endpoint_report> reports_;
+  std::vector<std::uint64_t> last_seq_;
+  mutable backend::layout_cache layouts_;
+  wire_params wire_;
+  std::chrono::milliseconds timeout_{0};
+  // Set by init only (parse_update_info reads them, possibly off the loop).
+  int worker_ = -1, workers_ = 0, trainers_ = 0;
+  std::vector<std::byte> fallback_;        // tensors the model offers no host memory for
+  model_target* direct_target_ = nullptr;  // to tell when the update's first bytes land
+};
+
+/// Trainer side: one rank. trainer_args: backend::sharded_trainer_args ({"rank",
+/// "trainers", "workers", "layout", "buffer_bytes", "checksums", "timeout_ms"}), as
+/// tcp_sharded's without "delta". prepare() listens and returns the workers' init
+/// info; connect_workers() accepts every worker and makes an endpoint to each from
+/// its offer. send_weights(declared, source): `declared` is the GLOBAL metadata;
+/// `source` yields this rank's local shards in the same order.
+class sharded_sender final : public weight_sender {
+ public:
+  sharded_sender(const weight_transfer_config& config, const trainer_context& context);
+  ~sharded_sender() override;
+  std::string_view backend() const noexcept override { return "ucx_sharded"; }
+  static engine_capabilities capabilities_of() { return sharded_engine::capabilities_of(); }
+  json prepare(const json& trainer_args) override;
+  asio::awaitable<void> connect_workers() override;
+  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
+  void shutdown() override;
+  update_stats last_send_stats() const override { return stats_; }
+  /// Bytes this rank sent each worker in the last update.
+  const std::vector<std::uint64_t>& last_bytes_per_worker() const noexcept { return sent_; }
+  /// What UCX chose for this rank's endpoint to each worker, by worker number.
+  json transport_info() const;
+  int rank() const noexcept { return args_.rank; }
+
+ private:
+  void close() noexcept;
+
+  weight_transfer_config config_;
+  trainer_context context_;
+  backend::sharded_trainer_args args_;
+  std::unique_ptr<asio::thread_pool> pool_;  // planning, the runs and the checksums, off the loop
+  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
+  backend::layout_cache layouts_;
+  std::shared_ptr<ucx::context> ucp_;
+  std::shared_ptr<worker> worker_;
+  std::vector<std::shared_ptr<downstream>> peers_;  // by worker number
+  std::uint64_t seq_ = 0;
+  update_stats stats_;
+  std::vector<std::uint64_t> sent_;
+};
+
+}  // namespace refit::ucx

@@ -1,0 +1,227 @@
+// ucx_sharded in one process, over the transports of REFIT_TEST_UCX_TLS (shared
+// memory or tcp on loopback): M trainer ranks holding FSDP Shard(0) shards, N
+// workers in vLLM's tensor-parallel layout, every byte each worker holds checked
+// against a reference slicing of the full model (tests/support/sharded_group.h).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include <refit/engines/ucx/sharded.h>
+#include <refit/error.h>
+#include "tests/support/run.h"
+#include "tests/support/sharded_group.h"
+#include "tests/support/tensors.h"
+
+namespace {
+// UCX reads its settings when the first context is made: set them before any test.
+const bool ucx_env = [] {
+  setenv("UCX_TLS", REFIT_TEST_UCX_TLS, 1);
+  setenv("UCX_NET_DEVICES", "lo", 1);  // else UCX's tcp uses every interface
+  return true;
+}();
+const bool shared_memory = std::string(REFIT_TEST_UCX_TLS).starts_with("sm");
+
+std::size_t open_descriptors() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+}  // namespace
+
+namespace refit::testing {
+namespace {
+
+struct ucx_engine {
+  using sender = ucx::sharded_sender;
+  using engine = ucx::sharded_engine;
+  static constexpr const char* name = "ucx_sharded";
+};
+using sharded_group = sharded_group_of<ucx_engine>;
+
+void expect_holds(sharded_group& g, const backend::sharded_layouts& layouts, const full_model& model) {
+  for (int w = 0; w < g.workers; ++w) {
+    const auto expected = model.expected(layouts.workers[w]);
+    ASSERT_EQ(g.models[w]->tensors_.size(), expected.size());
+    for (const auto& [name, bytes] : expected)
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
+  }
+}
+
+TEST(ucx_sharded, two_ranks_to_two_workers_every_byte_verified_and_the_transports_reported) {
+  ASSERT_TRUE(ucx_env);
+  sharded_group g(2, 2, /*checksums=*/true);
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  for (std::uint64_t round = 1; round <= 3; ++round) {
+    full_model model(checkpoint(), round);
+    auto [sent, got] = g.update(model, shards);
+    for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+    for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+    expect_holds(g, layouts, model);
+    for (int w = 0; w < 2; ++w) {
+      // Each worker received only what it keeps: its tensors' bytes less padding.
+      EXPECT_EQ(g.engines[w]->last_update_stats().bytes, layouts.plan->ingress[w]);
+      EXPECT_EQ(g.engines[w]->last_update_stats().wire_bytes, layouts.plan->ingress[w]);
+    }
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(g.senders[r]->last_send_stats().bytes, layouts.plan->egress[r]);
+      for (int w = 0; w < 2; ++w) EXPECT_GT(g.senders[r]->last_bytes_per_worker()[w], 0u);
+    }
+  }
+  // What UCX chose, on both sides: tagged messages over the transports asked for.
+  for (int w = 0; w < 2; ++w) {
+    const json t = g.engines[w]->transport_info();
+    ASSERT_TRUE(t.is_object()) << t.dump();
+    EXPECT_EQ(t["mode"], "tag");
+    EXPECT_EQ(t["worker"], w);
+    ASSERT_EQ(t["trainer_ranks"].size(), 2u) << t.dump();
+    const std::string all = t["transports"].dump();
+    EXPECT_NE(all.find(shared_memory ? "cma" : "tcp"), std::string::npos) << all;
+  }
+  const json s = g.senders[0]->transport_info();
+  ASSERT_EQ(s.size(), 2u) << s.dump();
+  EXPECT_EQ(s["1"]["mode"], "tag") << s.dump();
+}
+
+TEST(ucx_sharded, one_rank_to_four_workers_sends_each_a_quarter) {
+  sharded_group g(1, 4, false);
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 7);
+  auto [sent, got] = g.update(model, shards);
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+  expect_holds(g, layouts, model);
+  for (int w = 0; w < 4; ++w)
+    EXPECT_LT(g.engines[w]->last_update_stats().bytes, model.meta.total_bytes() * 3 / 10) << "worker " << w;
+}
+
+TEST(ucx_sharded, a_worker_with_another_layout_refuses_before_any_byte) {
+  sharded_group g(2, 2, false);
+  g.connect();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 3);
+  auto [sent, got] = g.update(model, shards, layout_spec(2, 2, 100));
+  for (auto& o : got) {
+    ASSERT_TRUE(o->error);
+    EXPECT_EQ(o->kind(), static_cast<int>(errc::protocol_error)) << o->message();
+  }
+  for (auto& o : sent) {
+    ASSERT_TRUE(o->error);
+    EXPECT_NE(o->message().find("transfer plans differ"), std::string::npos) << o->message();
+  }
+  for (auto& m : g.models)
+    for (auto& [name, bytes] : m->tensors_)
+      EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](std::byte b) { return b == std::byte{0}; })) << name;
+  for (auto& e : g.engines) EXPECT_FALSE(e->weights_dirty()) << e->dirty_reason();
+}
+
+TEST(ucx_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_within_the_deadline) {
+  sharded_group g(2, 2, false, 2s);
+  g.connect();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 4);
+  g.senders[1]->shutdown();
+  const auto start = std::chrono::steady_clock::now();
+  auto [sent, got] = g.update(model, shards);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  for (auto& o : got) {
+    ASSERT_TRUE(o->error);
+    const auto k = static_cast<errc>(o->kind());
+    EXPECT_TRUE(k == errc::peer_lost || k == errc::invalid_state || k == errc::cancelled) << o->message();
+  }
+  ASSERT_TRUE(sent[1]->error);
+  EXPECT_EQ(sent[1]->kind(), static_cast<int>(errc::invalid_state)) << sent[1]->message();
+  if (sent[0]->error) EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
+  for (int w = 0; w < 2; ++w)
+    EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
+}
+
+TEST(ucx_sharded, staged_commits_land_whole_or_not_at_all) {
+  sharded_group g(2, 2, true);
+  g.commit = "staged";
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model first(checkpoint(), 5);
+  auto [sent, got] = g.update(first, shards);
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+  expect_holds(g, layouts, first);
+  g.senders[1]->shutdown();
+  full_model second(checkpoint(), 6);
+  auto [sent2, got2] = g.update(second, shards);
+  for (auto& o : got2) ASSERT_TRUE(o->error);
+  expect_holds(g, layouts, first);  // update 5, whole
+  for (int w = 0; w < 2; ++w) EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
+}
+
+TEST(ucx_sharded, unmet_required_transports_refuse_init_on_both_sides) {
+  sharded_group g(1, 2, false);
+  g.init["require_transports"] = {"rc", "dc"};
+  std::vector<asio::awaitable<void>> all;
+  std::vector<std::shared_ptr<outcome>> inits;
+  auto sent = spawn(g.io, g.senders[0]->connect_workers());
+  for (int w = 0; w < 2; ++w) {
+    json info = g.init;
+    info["rank_offset"] = w + 1;
+    inits.push_back(spawn(g.io, sharded_group::init_one(*g.engines[w], info)));
+  }
+  ASSERT_TRUE(run_until(
+      g.io, [&] { return sent->done && inits[0]->done && inits[1]->done; }, 30s));
+  for (auto& o : inits) {
+    ASSERT_TRUE(o->error);
+    EXPECT_EQ(o->kind(), static_cast<int>(errc::unsupported)) << o->message();
+    EXPECT_NE(o->message().find("require_transports [rc, dc] not met"), std::string::npos) << o->message();
+  }
+  ASSERT_TRUE(sent->error);
+  EXPECT_EQ(sent->kind(), static_cast<int>(errc::unsupported)) << sent->message();
+}
+
+TEST(ucx_sharded, bad_init_and_update_info_are_typed_errors) {
+  asio::io_context io;
+  ucx::sharded_engine e(sharded_config("ucx_sharded", 5s), engine_context{io.get_executor()});
+  json j = json::object();
+  write_update_metadata(checkpoint(), j);
+  j["layout"] = layout_spec(1, 2);
+  try {
+    e.parse_update_info(j);
+    FAIL() << "parsed before init";
+  } catch (const error& err) {
+    EXPECT_EQ(err.kind(), errc::invalid_state) << err.message();
+  }
+  try {
+    e.parse_init_info({{"trainers", json::array()}, {"workers", 2}});
+    FAIL() << "no trainers accepted";
+  } catch (const error& err) {
+    EXPECT_EQ(err.kind(), errc::invalid_argument) << err.message();
+  }
+  try {
+    e.parse_init_info({{"trainers", {{{"address", "127.0.0.1"}, {"port", 5}}}}, {"workers", 2}, {"delta", true}});
+    FAIL() << "an unknown member accepted";
+  } catch (const error& err) {
+    EXPECT_EQ(err.kind(), errc::invalid_argument) << err.message();
+  }
+  ucx::sharded_sender s(sharded_config("ucx_sharded", 5s), trainer_context{io.get_executor(), {}});
+  EXPECT_THROW(s.set_next_send({.delta = true}), error);
+}
+
+TEST(ucx_sharded, repeated_jobs_and_failed_updates_leave_no_descriptor_open) {
+  const std::size_t before = open_descriptors();
+  for (int round = 0; round < 6; ++round) {
+    sharded_group g(2, 2, true, 2s);
+    g.connect();
+    std::vector<std::vector<std::vector<std::byte>>> shards;
+    full_model model(checkpoint(), 10 + round);
+    if (round % 2 == 1) g.senders[1]->shutdown();  // every other job loses a rank
+    auto [sent, got] = g.update(model, shards);
+    for (auto& o : got) EXPECT_EQ(static_cast<bool>(o->error), round % 2 == 1) << o->message();
+  }
+  EXPECT_LE(open_descriptors(), before + 2) << "descriptors leaked";
+}
+
+}  // namespace
+}  // namespace refit::testing
