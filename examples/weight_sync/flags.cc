@@ -156,7 +156,8 @@ const flag table[] = {
      [](options& o, flag_reader& r) { o.replay = r.value(); }},
     {"--trainers", "M",
      "M trainer processes with FSDP Shard(0) shards send the\n"
-     "--tp workers only what each keeps (tcp_sharded)",
+     "--tp workers only what each keeps (tcp_sharded; with\n"
+     "--engine ucx: ucx_sharded)",
      [](options& o, flag_reader& r) { o.trainers = small(r, 1, 64); }},
     {"--tp", "N",
      "the workers are the N tensor-parallel ranks of\n"
@@ -269,7 +270,14 @@ options parse_args(int argc, char** argv) {
     if (!o.topology.empty() && !o.broadcast)
       throw_error(errc::invalid_argument,
                   "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");
-    o.engine = o.broadcast ? "tcp" : "tcp_sharded";
+    // --engine picks the transport family: tcp (tcp_sharded) or ucx (ucx_sharded).
+    const bool over_ucx = o.engine == "ucx" || o.engine == "ucx_sharded";
+    if (!over_ucx && o.engine != "tcp" && o.engine != "tcp_sharded")
+      throw_error(errc::invalid_argument,
+                  "--trainers/--tp: the sharded job runs over tcp or ucx (tcp_sharded, "
+                  "ucx_sharded; --broadcast: tcp, ucx), not '" +
+                      o.engine + "'");
+    o.engine = o.broadcast ? (over_ucx ? "ucx" : "tcp") : (over_ucx ? "ucx_sharded" : "tcp_sharded");
   }
   if (!o.replay.empty() && (o.sharded_job() || o.one_tensor || o.change_fraction > 0))
     throw_error(errc::invalid_argument,

@@ -138,6 +138,12 @@ TEST(WeightSyncFlags, ChangeFraction) {
 
 TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_FALSE(parse({}).delta);
+  // The sharded job's engine follows --engine's transport family.
+  EXPECT_EQ(parse({"--tp", "2"}).engine, "tcp_sharded");
+  EXPECT_EQ(parse({"--engine", "ucx", "--trainers", "2", "--tp", "2"}).engine, "ucx_sharded");
+  EXPECT_EQ(parse({"--engine", "ucx", "--tp", "2", "--broadcast"}).engine, "ucx");
+  EXPECT_EQ(parse({"--engine", "ucx_sharded", "--tp", "2"}).engine, "ucx_sharded");
+  EXPECT_NE(refusal({"--engine", "loopback", "--tp", "2"}).find("runs over tcp or ucx"), std::string::npos);
   EXPECT_TRUE(parse({"--delta"}).delta);  // tcp, two workers: a star by default
   EXPECT_TRUE(parse({"--delta", "--workers", "4", "--topology", "star", "--checksums"}).delta);
   EXPECT_TRUE(parse({"--delta", "--connect", "4001,4002,4003", "--topology", "star"}).delta);
@@ -153,6 +159,7 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
       {{"--delta", "--engine", "tcp_sharded"}, "the tcp and ucx engines"},
       {{"--delta", "--no-direct"}, "--no-direct"},
       {{"--delta", "--tp", "2", "--broadcast", "--topology", "star"}, "--broadcast workers slice"},
+      {{"--delta", "--engine", "ucx", "--tp", "2"}, "the tcp and ucx engines"},  // ucx_sharded: none
   };
   for (const auto& [args, says] : refused) {
     const std::string message = refusal(args);

@@ -111,14 +111,15 @@ weight_transfer_config sharded_config(const options& o) {
 }
 
 json sharded_trainer_args(const options& o, const json& trainers, int rank) {
-  return {{"rank", rank},
-          {"trainers", trainers},
-          {"workers", o.tp},
-          {"layout", layout_spec(o)},
-          {"buffer_bytes", o.buffer_bytes},
-          {"checksums", o.checksums},
-          {"delta", o.delta},
-          {"timeout_ms", o.timeout_ms}};
+  json args = {{"rank", rank},
+               {"trainers", trainers},
+               {"workers", o.tp},
+               {"layout", layout_spec(o)},
+               {"buffer_bytes", o.buffer_bytes},
+               {"checksums", o.checksums},
+               {"timeout_ms", o.timeout_ms}};
+  if (o.delta) args["delta"] = true;  // tcp_sharded's (flags.cc refuses it elsewhere)
+  return args;
 }
 
 // What worker w must hold after an update: every piece of its layout copied out of
@@ -181,7 +182,8 @@ struct sharded_totals {
   // Each update's bytes and wire bytes (a delta's where one was sent), summed over
   // the workers.
   std::vector<std::uint64_t> worker_bytes, wire_bytes;
-  delta_counts delta;  // --delta
+  json transports = json::array();  // what each worker's transport chose (ucx_sharded), the last update's
+  delta_counts delta;               // --delta
   double plan_s = 0;
   verification check;
   std::uint64_t peak_rss = 0;
@@ -294,8 +296,10 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
       }
     }
     t.bytes_per_worker.clear();
+    t.transports = json::array();
     std::uint64_t got = 0, wire = 0;
     for (const auto& w : result.workers) {
+      if (w.stats.contains("transport")) t.transports.push_back(w.stats["transport"]);
       t.bytes_per_worker.push_back(w.stats["bytes"].get<std::uint64_t>());
       got += w.stats["bytes"].get<std::uint64_t>();
       wire += w.stats["wire_bytes"].get<std::uint64_t>();
@@ -413,6 +417,8 @@ int run_sharded_trainer(const options& o) {
                                        "trainer-rank",
                                        "--rank",
                                        std::to_string(r),
+                                       "--engine",
+                                       o.engine,
                                        "--trainers",
                                        std::to_string(o.trainers),
                                        "--tp",
@@ -519,6 +525,7 @@ int run_sharded_trainer(const options& o) {
                  {"verified", failure.empty() && t.check.verified && t.check.rounds_done == o.updates}};
   if (!t.worker_states.empty()) result["worker_states_after_failure"] = t.worker_states;
   if (o.change_fraction > 0) result["change_fraction"] = o.change_fraction;
+  if (!t.transports.empty()) result["transports"] = t.transports;
   if (o.delta) result["delta"] = t.delta.to_json();
   if (!failure.empty()) result["error"] = failure;
   std::cout << result.dump() << std::endl;
