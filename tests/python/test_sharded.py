@@ -1,4 +1,4 @@
-"""tcp_sharded from Python: two trainer ranks holding FSDP Shard(0) shards of a small
+"""tcp_sharded and ucx_sharded from Python: two trainer ranks holding FSDP Shard(0) shards of a small
 Llama-like model send two vLLM tensor-parallel workers only what each keeps, straight
 into the workers' own torch tensors. Every worker tensor is checked against a slicing
 of the whole model written here in torch, independent of refit's planner (fused
@@ -14,6 +14,9 @@ torch = pytest.importorskip("torch")
 
 HIDDEN, Q, KV, INTER, VOCAB, LAYERS = 64, 64, 32, 96, 1000, 2
 RANKS, TP = 2, 2
+# The sharded engines of the default wheel (ucx_sharded over what UCX picks here:
+# shared memory between these threads' endpoints).
+SHARDED = ["tcp_sharded", "ucx_sharded"]
 LAYOUT = {"source": {"mesh": [RANKS], "placements": ["shard(0)"]},
           "destination": {"preset": "vllm_llama", "tp_size": TP}}
 
@@ -76,16 +79,16 @@ def vllm_slice(model, tp_rank):
     return {n: t.contiguous() for n, t in out.items()}
 
 
-def start(timeout_ms=20000, workers_layout=LAYOUT):
+def start(backend, timeout_ms=20000, workers_layout=LAYOUT):
     trainers = [{"address": "127.0.0.1", "port": 0}] * RANKS
-    senders = [refit.Sender("tcp_sharded", timeout_ms=timeout_ms) for _ in range(RANKS)]
+    senders = [refit.Sender(backend, timeout_ms=timeout_ms) for _ in range(RANKS)]
     infos = [s.prepare({"rank": r, "trainers": trainers, "workers": TP, "layout": LAYOUT, "checksums": True})
              for r, s in enumerate(senders)]
     init_info = refit.sharded_init_info(infos)
     model = whole_model(0)
     # Each worker's own tensors (zeros), received into in place.
     held = [{n: torch.zeros_like(t) for n, t in vllm_slice(model, w).items()} for w in range(TP)]
-    engines = [refit.Engine("tcp_sharded", timeout_ms=timeout_ms, tp_rank=w, tp_size=TP, tensors=held[w])
+    engines = [refit.Engine(backend, timeout_ms=timeout_ms, tp_rank=w, tp_size=TP, tensors=held[w])
                for w in range(TP)]
     accepting = [Background(s.connect_workers) for s in senders]
     joining = [Background(e.init, init_info) for e in engines]
@@ -109,8 +112,9 @@ def update(senders, engines, step, update_layout=LAYOUT):
     return model, errors
 
 
-def test_two_ranks_send_two_tp_workers_only_their_slices():
-    senders, engines, held = start()
+@pytest.mark.parametrize("backend", SHARDED)
+def test_two_ranks_send_two_tp_workers_only_their_slices(backend):
+    senders, engines, held = start(backend)
     try:
         for step in (1, 2):
             model, errors = update(senders, engines, step)
@@ -125,13 +129,18 @@ def test_two_ranks_send_two_tp_workers_only_their_slices():
                 assert stats["bytes"] < 0.55 * total, (stats["bytes"], total)
             sent = [s.last_send_stats["bytes"] for s in senders]
             assert all(b > 0 for b in sent), sent
+        if backend == "ucx_sharded":
+            # What UCX chose for each rank's endpoint to the worker.
+            transport = engines[0].state()["transport"]
+            assert transport["mode"] == "tag" and len(transport["trainer_ranks"]) == RANKS, transport
     finally:
         for x in engines + senders:
             x.shutdown()
 
 
-def test_a_worker_with_another_layout_is_refused_before_a_byte_moves():
-    senders, engines, held = start(timeout_ms=5000)
+@pytest.mark.parametrize("backend", SHARDED)
+def test_a_worker_with_another_layout_is_refused_before_a_byte_moves(backend):
+    senders, engines, held = start(backend, timeout_ms=5000)
     try:
         before = [{n: t.clone() for n, t in h.items()} for h in held]
         # The same worker tensors, planned from another source: the worker believes
