@@ -10,6 +10,10 @@ same machine, same round (examples/weight_sync):
                                       independent process pairs as A's workers (C's), each
                                       moving what one worker receives
 
+With --engine ucx the four jobs run over UCX (ucx_sharded; the broadcasts over the ucx
+engine) with UCX_TLS as set (sm,self by default) and UCX_NET_DEVICES=lo, and each round
+adds T, tcp_sharded's 2x2 (the peer: A's update time over T's).
+
 Per round: wire bytes per worker (the largest worker's) and the steady-state update
 time (the median of the updates after the first) of each, the ratios A/B and C/D,
 and each sharded run's per-link efficiency (its aggregate GB/s over the limit's).
@@ -17,7 +21,7 @@ Every figure is the median of ROUNDS rounds with its spread; every ratio is take
 within a round. Prints a table and, with --json FILE, writes the figures there.
 
 usage: sharded_bench.py [--model-bytes 1G] [--layers 16] [--updates 4] [--rounds 3]
-                        [--binary PATH] [--json FILE]
+                        [--engine tcp|ucx] [--binary PATH] [--json FILE]
 """
 import argparse
 import json
@@ -66,16 +70,24 @@ def main():
     ap.add_argument("--updates", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--binary", default=os.path.join(ROOT, "bazel-bin/examples/weight_sync/weight_sync"))
+    ap.add_argument("--engine", choices=["tcp", "ucx"], default="tcp")
     ap.add_argument("--json")
     a = ap.parse_args()
     size = parse_bytes(a.model_bytes)
+    engine = ["--engine", a.engine]
+    if a.engine == "ucx":
+        os.environ.setdefault("UCX_TLS", "sm,self")
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
     rounds = []
     for k in range(a.rounds):
         r = {}
-        r["A"] = run_job(a.binary, ["--trainers", "2", "--tp", "2"], size, a.layers, a.updates)
-        r["B"] = run_job(a.binary, ["--tp", "2", "--broadcast"], size, a.layers, a.updates)
-        r["C"] = run_job(a.binary, ["--trainers", "1", "--tp", "4"], size, a.layers, a.updates)
-        r["D"] = run_job(a.binary, ["--tp", "4", "--broadcast"], size, a.layers, a.updates)
+        r["A"] = run_job(a.binary, engine + ["--trainers", "2", "--tp", "2"], size, a.layers, a.updates)
+        r["B"] = run_job(a.binary, engine + ["--tp", "2", "--broadcast"], size, a.layers, a.updates)
+        r["C"] = run_job(a.binary, engine + ["--trainers", "1", "--tp", "4"], size, a.layers, a.updates)
+        r["D"] = run_job(a.binary, engine + ["--tp", "4", "--broadcast"], size, a.layers, a.updates)
+        if a.engine == "ucx":
+            r["T"] = run_job(a.binary, ["--trainers", "2", "--tp", "2"], size, a.layers, a.updates)
+            r["wall_vs_tcp_22"] = r["A"]["seconds"] / r["T"]["seconds"]
         r["LA"] = limit(2, r["A"]["bytes_per_worker"], a.updates)
         r["LC"] = limit(4, r["C"]["bytes_per_worker"], a.updates)
         r["bytes_ratio_22"] = r["A"]["bytes_per_worker"] / r["B"]["bytes_per_worker"]
@@ -89,7 +101,8 @@ def main():
         rounds.append(r)
         print(f"round {k + 1}: 2x2 bytes {r['bytes_ratio_22']:.3f} wall {r['wall_ratio_22']:.3f}; "
               f"1x4 bytes {r['bytes_ratio_14']:.3f} wall {r['wall_ratio_14']:.3f}; "
-              f"efficiency {r['eff_22']:.2f} / {r['eff_14']:.2f}", flush=True)
+              f"efficiency {r['eff_22']:.2f} / {r['eff_14']:.2f}"
+              + (f"; 2x2 wall / tcp_sharded {r['wall_vs_tcp_22']:.3f}" if "T" in r else ""), flush=True)
 
     def col(key, sub=None):
         return [r[key][sub] if sub else r[key] for r in rounds]
@@ -97,11 +110,14 @@ def main():
     def gb(xs):
         return [x / 1e9 for x in xs]
 
-    print(f"\nmodel {rounds[0]['A']['bytes'] / 1e9:.2f} GB bf16, {a.layers} layers; {a.rounds} rounds, "
+    print(f"\nengine {a.engine}" + (f" (UCX_TLS={os.environ['UCX_TLS']})" if a.engine == "ucx" else "")
+          + f"; model {rounds[0]['A']['bytes'] / 1e9:.2f} GB bf16, {a.layers} layers; {a.rounds} rounds, "
           f"median [min-max]; steady-state update (median of updates 2..{a.updates})")
     print(f"{'':28s} {'GB per worker':>24s} {'update s':>24s}")
     for key, name in (("A", "sharded M=2 N=2"), ("B", "broadcast+slice N=2"), ("C", "sharded M=1 N=4"),
-                      ("D", "broadcast+slice N=4")):
+                      ("D", "broadcast+slice N=4"), ("T", "tcp_sharded M=2 N=2")):
+        if key not in rounds[0]:
+            continue
         print(f"{name:28s} {fmt(gb(col(key, 'bytes_per_worker'))):>24s} {fmt(col(key, 'seconds')):>24s}")
     print(f"M=2 N=2 / broadcast: bytes {fmt(col('bytes_ratio_22'))} (limit 0.55), "
           f"wall {fmt(col('wall_ratio_22'))} (limit 0.6)")
@@ -109,6 +125,8 @@ def main():
     print(f"loopback limit (independent pairs, GB/s): 2 pairs {fmt(col('LA'), 2)}, 4 pairs {fmt(col('LC'), 2)}")
     print(f"per-link efficiency (sharded aggregate / limit): M=2 N=2 {fmt(col('eff_22'), 2)}, "
           f"M=1 N=4 {fmt(col('eff_14'), 2)}")
+    if "T" in rounds[0]:
+        print(f"M=2 N=2 update time / tcp_sharded's: {fmt(col('wall_vs_tcp_22'))}")
     print(f"plan_s (coordinator, first plan): {fmt(col('A', 'plan_s'), 4)}")
     if a.json:
         with open(a.json, "w") as f:
