@@ -14,6 +14,10 @@
 
 namespace refit::ucx {
 
+void downstream::forget_update_regions() noexcept {
+  regions.erase(regions.lower_bound(wire::first_update_region), regions.end());
+}
+
 void downstream::close() noexcept {
   regions.clear();
   if (ep) ep->close();
@@ -163,12 +167,44 @@ asio::awaitable<void> send_bucket(std::shared_ptr<worker> w, std::shared_ptr<dow
     }
     auto it = p.regions.find(g.region);
     // A grant outside what the worker registered is refused before a byte moves.
-    if (it == p.regions.end() || g.remote < it->second.base || g.payload_bytes > it->second.bytes ||
-        g.remote - it->second.base > it->second.bytes - g.payload_bytes)
+    if (it == p.regions.end() || !it->second.holds(g.remote, g.payload_bytes))
       throw_error(errc::protocol_error, what + ": the grant lies outside the worker's registered memory");
     if (g.payload_bytes > 0)
       co_await unless_hung_up(put_all(*w, *p.ep, payload, g.remote, *it->second.rkey, timeout, what + ": put"),
                               *p.socket, what + ": put");
+  } else if (g.mode == wire::mode_put_pieces) {
+    // Several ranges (the model's memory, a stage), each within a region the worker
+    // registered; every range checked before a byte moves.
+    if (g.region == 0 || g.region > wire::max_pieces || g.rkey_bytes > wire::max_pieces_bytes)
+      throw_error(errc::protocol_error, what + ": a grant of " + std::to_string(g.region) + " pieces in " +
+                                            std::to_string(g.rkey_bytes) + " bytes");
+    std::vector<std::byte> body(g.rkey_bytes);
+    co_await net::read_exact(*p.socket, asio::buffer(body), timeout, what + ": its pieces");
+    wire::reader r{body};
+    std::vector<remote_range> ranges;
+    std::uint64_t total = 0;
+    for (std::uint32_t i = 0; i < g.region && r.ok; ++i) {
+      const auto piece = r.get<wire::put_piece>();
+      const auto key = r.bytes(piece.rkey_bytes);
+      if (!r.ok || piece.rkey_bytes > wire::max_rkey) break;
+      if (!key.empty()) {
+        downstream::region reg;
+        reg.base = piece.region_base;
+        reg.bytes = piece.region_bytes;
+        reg.rkey = std::make_unique<remote_key>(*p.ep, key, what);
+        p.regions[piece.region] = std::move(reg);
+      }
+      auto it = p.regions.find(piece.region);
+      if (it == p.regions.end() || !it->second.holds(piece.remote, piece.bytes))
+        throw_error(errc::protocol_error, what + ": piece " + std::to_string(i) +
+                                              " of the grant lies outside the worker's registered memory");
+      ranges.push_back({piece.remote, piece.bytes, it->second.rkey.get()});
+      total += piece.bytes;
+    }
+    if (!r.ok || r.at != body.size() || total != g.payload_bytes)
+      throw_error(errc::protocol_error, what + ": the grant's pieces are malformed (refused before any byte is put)");
+    co_await unless_hung_up(put_scattered(*w, *p.ep, payload, ranges, timeout, what + ": put"), *p.socket,
+                            what + ": put");
   } else if (g.mode == wire::mode_tag) {
     if ((g.tag >> 32) != seq) throw_error(errc::protocol_error, what + ": the grant is for another update");
     co_await unless_hung_up(tag_send(*w, *p.ep, payload, g.tag, timeout, what + ": tagged send"), *p.socket,

@@ -29,6 +29,10 @@ struct downstream {
   struct region {
     std::uint64_t base = 0, bytes = 0;
     std::unique_ptr<remote_key> rkey;
+    /// [at, at + n) lies within the region.
+    bool holds(std::uint64_t at, std::uint64_t n) const noexcept {
+      return at >= base && n <= bytes && at - base <= bytes - n;
+    }
   };
   int rank = 0;
   std::string name;  ///< "ucx trainer: worker rank 2", "ucx worker rank 1: downstream worker rank 3"
@@ -39,6 +43,9 @@ struct downstream {
   // The trainer's last update with deltas on: what the worker answered.
   bool took_delta = false, fell_back = false;
 
+  /// Drops the keys of regions the worker registered for one update only (the
+  /// model's memory, a stage): called as each update starts.
+  void forget_update_regions() noexcept;
   /// Keys first (while the endpoint's worker lives), then the endpoint (a send in
   /// flight finds it closed before it touches a key again), then the socket.
   void close() noexcept;

@@ -34,6 +34,7 @@ init_info init_info::read(json_reader& r) {
   info.topology = links::topology::parse(r.optional<std::string>("topology", "star"),
                                          r.context() + ": member '" + r.member_path("topology") + "'");
   info.require_transports = r.optional<std::vector<std::string>>("require_transports", {});
+  info.put_into_model = r.optional<bool>("put_into_model", true);
   return info;
 }
 
@@ -148,6 +149,70 @@ class registered_staging final : public staging_memory {
   std::uint32_t next_id_;
 };
 
+// The memory of one update's destinations outside the staging (the model's own
+// memory under direct receive, a staged commit's stage), registered for the
+// sender's puts as the pipeline grants it, off the event loop (on RDMA hardware a
+// registration pins pages), and released when the update ends. Region ids from
+// wire::first_update_region on, never reused within the engine.
+class update_registry {
+ public:
+  update_registry(std::shared_ptr<context> ctx, asio::any_io_executor registrar, std::uint32_t& next_id)
+      : ctx_(std::move(ctx)), registrar_(std::move(registrar)), next_id_(next_id) {}
+
+  /// A region of this update; `announced` once its key went to the sender.
+  struct region {
+    std::uint32_t id = 0;
+    std::unique_ptr<registration> reg;
+    bool announced = false;
+  };
+  /// The region holding each of `pieces` ([data, data + size), none empty), made
+  /// for those no region holds yet.
+  asio::awaitable<std::vector<region*>> cover(std::span<const asio::mutable_buffer> pieces) {
+    std::vector<region*> out(pieces.size(), nullptr);
+    std::vector<std::pair<std::byte*, std::uint64_t>> missing;
+    std::vector<std::size_t> missing_at;
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      auto* p = static_cast<std::byte*>(pieces[i].data());
+      if (region* r = find(p, pieces[i].size())) {
+        out[i] = r;
+      } else {
+        missing.emplace_back(p, pieces[i].size());
+        missing_at.push_back(i);
+      }
+    }
+    if (!missing.empty()) {
+      std::vector<std::unique_ptr<registration>> made;
+      auto* m = &missing;
+      auto* into = &made;
+      auto* ctx = &ctx_;
+      co_await async::offload(registrar_, [m, into, ctx] {
+        for (auto [p, n] : *m) into->push_back(std::make_unique<registration>(*ctx, p, n));
+      });
+      for (std::size_t k = 0; k < made.size(); ++k) {
+        std::byte* base = made[k]->base();
+        auto it = by_base_.emplace(base, region{next_id_++, std::move(made[k]), false});
+        out[missing_at[k]] = &it->second;
+      }
+    }
+    co_return out;
+  }
+  std::size_t size() const noexcept { return by_base_.size(); }
+
+ private:
+  // The region starting nearest below p, if it holds [p, p + n) (pieces are parts
+  // of disjoint tensors; a piece no such region holds gets its own).
+  region* find(const std::byte* p, std::uint64_t n) {
+    auto it = by_base_.upper_bound(p);
+    if (it == by_base_.begin()) return nullptr;
+    --it;
+    return it->second.reg->contains(p, n) ? &it->second : nullptr;
+  }
+  std::shared_ptr<context> ctx_;
+  asio::any_io_executor registrar_;
+  std::uint32_t& next_id_;
+  std::multimap<const std::byte*, region> by_base_;  // by the region's base
+};
+
 namespace {
 
 std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32) | (index & 0xffffffffu); }
@@ -168,10 +233,14 @@ class transport final : public bucket_transport {
   transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
             std::vector<std::uint32_t>& announced, bool puts, std::uint64_t seq, std::chrono::milliseconds timeout,
             std::string who, bool checksums, const std::vector<std::shared_ptr<downstream>>& children,
-            std::vector<bool> child_forms, backend::delta_receive* delta = nullptr)
+            std::vector<bool> child_forms, backend::delta_receive* delta, update_registry* registry)
       : socket_(s), worker_(std::move(w)), staging_(staging), announced_(announced), puts_(puts), seq_(seq),
         timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children),
-        child_forms_(std::move(child_forms)), delta_(delta) {}
+        child_forms_(std::move(child_forms)), delta_(delta), registry_(registry) {
+    // The children's grants of this update come with fresh keys for the regions
+    // they register for it (wire::first_update_region).
+    for (const auto& c : children_) c->forget_update_regions();
+  }
 
   // Deltas taken: the trainer says first in what form the bucket comes.
   asio::awaitable<void> begin(const bucket& b) override {
@@ -210,7 +279,35 @@ class transport final : public bucket_transport {
     } else if (puts_ && dest.size() == 1) {
       std::tie(id, reg) = staging_.find(static_cast<const std::byte*>(dest[0].data()), dest[0].size());
     }
-    if (reg) {
+    std::vector<std::byte> pieces;  // mode_put_pieces: the records and their keys
+    if (!reg && puts_ && registry_) {
+      // The model's memory or the stage: puts into each piece, registered for this
+      // update (the trainer writes there; nothing is copied on this side).
+      std::vector<asio::mutable_buffer> nonempty;
+      for (const auto& d : dest)
+        if (d.size() > 0) nonempty.push_back(d);
+      const auto regions = co_await registry_->cover(nonempty);
+      wire::writer w;
+      for (std::size_t i = 0; i < nonempty.size(); ++i) {
+        wire::put_piece piece;
+        piece.remote = reinterpret_cast<std::uint64_t>(nonempty[i].data());
+        piece.bytes = nonempty[i].size();
+        update_registry::region& r = *regions[i];
+        piece.region = r.id;
+        const bool fresh = !std::exchange(r.announced, true);
+        if (fresh) {
+          piece.rkey_bytes = static_cast<std::uint32_t>(r.reg->packed_rkey().size());
+          piece.region_base = reinterpret_cast<std::uint64_t>(r.reg->base());
+          piece.region_bytes = r.reg->bytes();
+        }
+        w.put(piece);
+        if (fresh) w.bytes(r.reg->packed_rkey());
+      }
+      pieces = std::move(w.out);
+      g.mode = wire::mode_put_pieces;
+      g.region = static_cast<std::uint32_t>(nonempty.size());
+      g.rkey_bytes = static_cast<std::uint32_t>(pieces.size());
+    } else if (reg) {
       g.mode = wire::mode_put;
       g.region = id;
       g.remote = g.payload_bytes == 0 ? reinterpret_cast<std::uint64_t>(reg->base())
@@ -232,6 +329,7 @@ class transport final : public bucket_transport {
     const auto raw = wire::encode(g);
     std::vector<asio::const_buffer> out{asio::buffer(raw)};
     if (!key.empty()) out.push_back(asio::buffer(key));
+    if (!pieces.empty()) out.push_back(asio::buffer(pieces));
     co_await net::write_all(socket_, out, timeout_, what + ": granting its destination");
     expected_ = co_await read_done(socket_, b.index, checksums_, timeout_, what);
     if (posted) co_await posted->wait(timeout_);
@@ -288,6 +386,7 @@ class transport final : public bucket_transport {
   const std::vector<std::shared_ptr<downstream>>& children_;
   std::vector<bool> child_forms_;  // per child: it took a delta offer (it reads each bucket's form)
   backend::delta_receive* delta_;
+  update_registry* registry_;  // null: the model's memory is received tagged
   std::uint64_t expected_ = 0;
   std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
   // A bucket's forward to the children: set when it ended, with its error.
@@ -327,7 +426,7 @@ class transport final : public bucket_transport {
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
-    : typed_engine(config, context, capabilities_of()) {}
+    : typed_engine(config, context, capabilities_of()), next_update_region_(wire::first_update_region) {}
 
 engine::~engine() {
   close();
@@ -338,6 +437,7 @@ json engine::transport_info() const {
   if (!initialized_) return nullptr;
   json j = report_.to_json();
   j["rank"] = rank_;
+  j["put_into_model"] = report_.mode == "put" && put_into_model_;
   return j;
 }
 
@@ -345,6 +445,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
   close();
   timeout_ = info.timeout.value_or(config().timeout);
   rank_ = links::worker_rank(info, context().ranks, "ucx");
+  put_into_model_ = info.put_into_model;
   position_ = {};
   // In a relay topology the hello says where this worker's children may connect.
   links::relay_listener relay;
@@ -454,6 +555,8 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
   const std::string source =
       position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
   std::exception_ptr failure;
+  std::unique_ptr<update_registry> registry;  // released when the update ends, whichever way
+  last_put_regions_ = 0;
   try {
     worker::engaged progressing(w);
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
@@ -468,10 +571,18 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     if (delta_header)
       child_forms = co_await answer_delta_offer(*from, child_sockets, child_ranks, *delta_header, held, info, plan,
                                                 delta.emplace());
-    transport t(*from, w, *staging_, announced_, report_.mode == "put", last_seq_, timeout_, source,
-                pipeline_->params().checksums, children, std::move(child_forms), delta ? &*delta : nullptr);
+    // Where puts carry the data, the model's memory (direct receive) and a stage are
+    // registered as the pipeline grants them, for this update only.
+    const bool puts = report_.mode == "put";
+    if (puts && put_into_model_) {
+      if (!registrar_) registrar_ = std::make_unique<asio::thread_pool>(1);
+      registry = std::make_unique<update_registry>(ucp_, registrar_->get_executor(), next_update_region_);
+    }
+    transport t(*from, w, *staging_, announced_, puts, last_seq_, timeout_, source, pipeline_->params().checksums,
+                children, std::move(child_forms), delta ? &*delta : nullptr, registry.get());
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                                 receive_target());
+    last_put_regions_ = registry ? registry->size() : 0;
     co_await links::confirm_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, timeout_, me);
     // The weights now hold the trainer's version (its fingerprint: the hashes of the
     // bytes that arrived); a chunk staged in an open session, once it commits.
@@ -481,6 +592,12 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     }
   } catch (...) {
     failure = std::current_exception();
+  }
+  if (registry) {
+    // Every put of the update completed (each bucket's done came after its flush)
+    // or the update failed: the registrations go, off the loop (unpinning costs).
+    auto* r = registry.release();
+    co_await async::offload(registrar_->get_executor(), [r] { delete r; });
   }
   if (failure) {
     // The upstream (the trainer or the worker relaying to this one) learns why,

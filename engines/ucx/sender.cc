@@ -104,7 +104,10 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   const bool allow_base = std::exchange(next_delta_, std::nullopt).value_or(true);
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
-  for (auto& p : peers_by_rank_) p->took_delta = p->fell_back = false;
+  for (auto& p : peers_by_rank_) {
+    p->took_delta = p->fell_back = false;
+    p->forget_update_regions();  // each update's grants bring the keys of the regions made for it
+  }
   delta_stats_ = {};
   try {
     worker::engaged progressing(worker_);

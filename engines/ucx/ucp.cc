@@ -84,7 +84,7 @@ registration::registration(std::shared_ptr<context> ctx, std::byte* base, std::u
   p.address = base;
   p.length = bytes;
   if (auto s = ucp_mem_map(ctx_->get(), &p, &memh_); s != UCS_OK)
-    throw_status(s, "ucx: registering " + std::to_string(bytes) + " bytes of staging (ucp_mem_map)");
+    throw_status(s, "ucx: registering " + std::to_string(bytes) + " bytes of memory (ucp_mem_map)");
   void* packed = nullptr;
   std::size_t size = 0;
   if (auto s = ucp_rkey_pack(ctx_->get(), memh_, &packed, &size); s != UCS_OK) {
@@ -425,24 +425,48 @@ remote_key::~remote_key() {
 
 asio::awaitable<void> put_all(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces, std::uint64_t remote,
                               const remote_key& rkey, std::chrono::milliseconds limit, std::string what) {
+  const remote_range dest{remote, asio::buffer_size(pieces), &rkey};
+  co_await put_scattered(w, ep, pieces, std::span(&dest, 1), limit, std::move(what));
+}
+
+asio::awaitable<void> put_scattered(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces,
+                                    std::span<const remote_range> dest, std::chrono::milliseconds limit,
+                                    std::string what) {
+  std::uint64_t total = 0;
+  for (const auto& d : dest) total += d.bytes;
+  if (total != asio::buffer_size(pieces))
+    throw_error(errc::protocol_error, what + ": " + std::to_string(asio::buffer_size(pieces)) +
+                                          " bytes to put into remote ranges of " + std::to_string(total));
   // Over cma (and other copy-based transports) a put copies inside ucp_put_nbx,
   // on this event loop: at most max_put bytes per turn of the loop, so that other
   // handlers wait well under a millisecond for each.
   constexpr std::size_t max_put = 4u << 20;
+  std::size_t since_yield = 0;
+  std::size_t d = 0;         // the remote range being filled
+  std::uint64_t filled = 0;  // bytes of it filled
   for (const auto& piece : pieces) {
     const auto* data = static_cast<const std::byte*>(piece.data());
     for (std::size_t at = 0; at < piece.size();) {
-      const std::size_t n = std::min(max_put, piece.size() - at);
+      while (filled == dest[d].bytes) {
+        ++d;
+        filled = 0;
+      }
+      const std::size_t n = static_cast<std::size_t>(
+          std::min<std::uint64_t>({max_put - since_yield, piece.size() - at, dest[d].bytes - filled}));
       ep.check_open(what);
       ucp_request_param_t p{};
       // No callback: the flush below completes them all; a request is released by
       // UCX when it completes.
-      ucs_status_ptr_t r = ucp_put_nbx(ep.get(), data + at, n, remote, rkey.get(), &p);
+      ucs_status_ptr_t r = ucp_put_nbx(ep.get(), data + at, n, dest[d].address + filled, dest[d].rkey->get(), &p);
       if (UCS_PTR_IS_ERR(r)) throw_status(UCS_PTR_STATUS(r), what + " (ucp_put_nbx)");
       if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
-      remote += n;
+      filled += n;
       at += n;
-      if (n == max_put) co_await asio::post(w.executor(), asio::use_awaitable);
+      since_yield += n;
+      if (since_yield == max_put) {
+        since_yield = 0;
+        co_await asio::post(w.executor(), asio::use_awaitable);
+      }
     }
   }
   w.kick();

@@ -195,10 +195,21 @@ class remote_key {
   ucp_rkey_h rkey_ = nullptr;
 };
 
+/// A range of a peer's registered memory: its address, size and unpacked key.
+struct remote_range {
+  std::uint64_t address = 0;
+  std::uint64_t bytes = 0;
+  const remote_key* rkey = nullptr;
+};
 /// Puts `pieces` to consecutive remote addresses from `remote`, then flushes: when
 /// it completes every byte is in the peer's memory.
 asio::awaitable<void> put_all(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces, std::uint64_t remote,
                               const remote_key& rkey, std::chrono::milliseconds limit, std::string what);
+/// Puts the bytes of `pieces`, in order, into the ranges of `dest`, in order (the
+/// same total; protocol_error otherwise, before a byte moves), then flushes.
+asio::awaitable<void> put_scattered(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces,
+                                    std::span<const remote_range> dest, std::chrono::milliseconds limit,
+                                    std::string what);
 /// Sends `pieces` as one tagged message (an iov datatype).
 asio::awaitable<void> tag_send(worker& w, endpoint& ep, std::span<const asio::const_buffer> pieces, std::uint64_t tag,
                                std::chrono::milliseconds limit, std::string what);

@@ -79,6 +79,11 @@ struct downstream;
 struct init_info final : refit::init_info, links::join_info {
   links::topology topology;
   std::vector<std::string> require_transports;
+  /// "put_into_model" (optional, true by default): where UCX carries puts, the
+  /// model's memory (direct receive) and a staged commit's stage are registered
+  /// for each update and written by the sender's puts; false: received as tagged
+  /// messages (the worker's UCX pulls them).
+  bool put_into_model = true;
   static init_info read(json_reader& r);
 };
 
@@ -125,11 +130,16 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   /// in for it); unlike shutdown() it is allowed while buckets are processed.
   void disconnect() noexcept { close(); }
   /// What UCX chose for this worker's data, once initialised (null before):
-  /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank"}.
+  /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank",
+  /// "put_into_model" (puts land in the model's memory and the stage)}.
   json transport_info() const override;
   /// The trainer's version of the weights this worker holds, known after an update
   /// from a trainer with deltas on completed (docs/delta.md).
   std::optional<backend::held_version> held() const noexcept { return held_.held(); }
+  /// How many ranges of the model's memory (or the stage) the last update
+  /// registered for the sender's puts (0: none landed outside the staging, or they
+  /// came tagged: no put lane, or "put_into_model": false).
+  std::size_t last_put_regions() const noexcept { return last_put_regions_; }
 
  protected:
   asio::awaitable<void> init(const init_info& info) override;
@@ -156,8 +166,12 @@ class engine final : public backend::typed_engine<init_info, update_info> {
 
   std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
   std::shared_ptr<worker> worker_;
-  registered_staging* staging_ = nullptr;  // owned by pipeline_
-  std::vector<std::uint32_t> announced_;   // regions whose keys the trainer has
+  registered_staging* staging_ = nullptr;         // owned by pipeline_
+  std::vector<std::uint32_t> announced_;          // staging regions whose keys the trainer has
+  bool put_into_model_ = true;                    // init_info's
+  std::unique_ptr<asio::thread_pool> registrar_;  // registers the model's memory for an update, off the loop
+  std::uint32_t next_update_region_;              // the next id of a region registered for one update
+  std::size_t last_put_regions_ = 0;
   // Shared with an update in flight: a shutdown() while it waits on the trainer
   // closes the socket and the UCX worker but frees neither under it.
   std::shared_ptr<asio::ip::tcp::socket> socket_;

@@ -35,6 +35,16 @@ struct offer_header {
 
 inline constexpr std::uint32_t mode_put = 1;
 inline constexpr std::uint32_t mode_tag = 2;
+/// Puts into several ranges (the model's memory, a stage): the grant's `region` is
+/// the number of put_piece records that follow it, `rkey_bytes` their bytes with
+/// their keys.
+inline constexpr std::uint32_t mode_put_pieces = 3;
+/// Most pieces in one such grant, and most bytes of their records.
+inline constexpr std::uint32_t max_pieces = 1u << 16;
+inline constexpr std::uint32_t max_pieces_bytes = 16u << 20;
+/// Region ids from here on are registered for one update only (the model's memory,
+/// the stage); a sender forgets their keys when the next update starts.
+inline constexpr std::uint32_t first_update_region = 1u << 24;
 
 /// Where bucket `index` may land. Put: at `remote` in region `region` (whose key
 /// follows, rkey_bytes long, when the trainer has not seen that region yet). Tag: a
@@ -74,7 +84,19 @@ struct form {
   std::uint64_t encoded_bytes = 0;
 };
 
-static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 24 && sizeof(form) == 24);
+/// One range of a mode_put_pieces grant: `bytes` at `remote` in region `region`,
+/// whose key follows (rkey_bytes long) when the sender has not seen that region.
+struct put_piece {
+  std::uint64_t remote = 0;
+  std::uint64_t bytes = 0;
+  std::uint32_t region = 0;
+  std::uint32_t rkey_bytes = 0;
+  std::uint64_t region_base = 0;  ///< with a key: the region's extent
+  std::uint64_t region_bytes = 0;
+};
+
+static_assert(sizeof(offer_header) == 16 && sizeof(grant) == 64 && sizeof(done) == 24 && sizeof(form) == 24 &&
+              sizeof(put_piece) == 40);
 
 // The bytes of a header struct: the links' encoder (the structs have no padding).
 using links::wire::encode;

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The fault suite's sharded configuration: the main job with --trainers 2 --tp 2
-# (tcp_sharded), a trainer rank or a worker SIGKILLed while updates run. Each case
+# (tcp_sharded; with "--engine ucx", ucx_sharded over UCX's shared memory), a trainer rank or a worker SIGKILLed while updates run. Each case
 # must end within its deadline (no hang) with a typed error naming the lost side
 # (peer_lost, or timeout, never "verified"), the surviving workers must still answer,
 # and none may claim weights it does not hold: a worker that says "clean" holds a
 # version that was verified before the kill. A clean run first (the control).
-# usage: sharded_fault_test.sh WEIGHT_SYNC_BINARY
+# usage: sharded_fault_test.sh WEIGHT_SYNC_BINARY [--engine ucx]
 set -euo pipefail
 bin=$1
+shift
+engine=("$@")
+if [ "${engine[*]}" = "--engine ucx" ]; then
+  export UCX_TLS=${UCX_TLS:-sm,self} UCX_NET_DEVICES=lo  # UCX's tcp would use every interface
+fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 timeout_ms=4000
 # Sanitized builds (REFIT_SANITIZER, from .bazelrc's asan and tsan test configs) run
 # several times slower: give the peers' deadline room.
 [ -n "${REFIT_SANITIZER:-}" ] && timeout_ms=10000
-job=(--trainers 2 --tp 2 --model-bytes 128M --layers 8 --vocab 4000 --timeout-ms "$timeout_ms" --checksums)
+job=("${engine[@]}" --trainers 2 --tp 2 --model-bytes 128M --layers 8 --vocab 4000 --timeout-ms "$timeout_ms" --checksums)
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 

@@ -50,7 +50,9 @@ class ucx_harness final : public engine_harness {
   asio::awaitable<void> connect(const wire_params& wire) override {
     json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
     wire.write(args);
-    auto info = engine_->parse_init_info(sender_->prepare(args));
+    json init = sender_->prepare(args);
+    init.update(init_extra);
+    auto info = engine_->parse_init_info(init);
     using namespace asio::experimental::awaitable_operators;
     co_await (sender_->connect_workers() && engine_->init_transfer_engine(*info));
   }
@@ -58,6 +60,7 @@ class ucx_harness final : public engine_harness {
   weight_sender& sender() override { return *sender_; }
   ucx::engine& ucx_engine() { return *engine_; }
   ucx::sender& ucx_sender() { return *sender_; }
+  json init_extra = json::object();  // merged into the workers' init info
 
  private:
   std::unique_ptr<ucx::sender> sender_;
@@ -93,6 +96,7 @@ TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
   ASSERT_TRUE(worker.is_object()) << worker.dump();
   json same = worker;
   same.erase("rank");
+  same.erase("put_into_model");  // the worker's choice
   EXPECT_EQ(trainer.at("1"), same) << "both sides report the same endpoint";
   const auto transports = worker.at("transports").get<std::vector<std::string>>();
   if (shared_memory) {
@@ -110,6 +114,60 @@ TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
   for (int i = 0; i < 6; ++i) set.add("w" + std::to_string(i), dtype::float32, {5000});
   set.add("big", dtype::float32, {100000});  // larger than a buffer: split, assembled
   ASSERT_NO_FATAL_FAILURE(send_and_check(io, h, set));
+}
+
+// A model whose own memory every tensor is received into (direct receive).
+class held_model final : public model_target {
+ public:
+  explicit held_model(const tensor_set& set) {
+    for (const auto& t : set.meta.tensors) memory_[t.name].assign(t.nbytes(), std::byte{0});
+  }
+  std::optional<tensor_view> destination(const tensor_spec& spec) override {
+    return tensor_view(spec, memory_.at(spec.name).data());
+  }
+  void load_weights(std::span<const tensor_view> views) override {
+    for (const auto& v : views) {
+      auto& m = memory_.at(std::string(v.name));
+      if (v.data != m.data()) std::memcpy(m.data(), v.data, m.size());
+    }
+  }
+  std::map<std::string, std::vector<std::byte>> memory_;
+};
+
+// Where UCX carries puts (cma here), direct receive lands by the trainer's puts in
+// the model's memory, registered for each update (fresh keys every update);
+// "put_into_model": false, or no put lane (UCX's tcp), receives it tagged.
+TEST(ucx, direct_receive_puts_into_the_models_memory_where_ucx_carries_puts) {
+  for (const bool put_into_model : {true, false}) {
+    asio::io_context io;
+    tensor_set set;
+    for (int i = 0; i < 5; ++i) set.add("w" + std::to_string(i), dtype::float32, {3000 + 17 * i});
+    set.add("big", dtype::bfloat16, {100000});  // larger than a buffer: split into the model's memory
+    held_model model(set);
+    ucx_harness h(io, &model);
+    h.init_extra["put_into_model"] = put_into_model;
+    run_to_completion(io, h.connect(small_wire()));
+    const bool puts = shared_memory && put_into_model;
+    EXPECT_EQ(h.ucx_engine().transport_info().at("put_into_model"), puts);
+    for (std::uint64_t round = 1; round <= 2; ++round) {
+      tensor_set next;
+      for (std::size_t i = 0; i < set.meta.tensors.size(); ++i)
+        next.add(set.meta.tensors[i].name, set.meta.tensors[i].dtype, set.meta.tensors[i].shape, round * 10 + i);
+      auto sent = spawn(io, send_views(h.sender(), next.meta, next.views()));
+      auto received = spawn(io, receive_update(h.engine(), h.engine().parse_update_info(h.update_info_json(next.meta)),
+                                               model.as_load_weights(), true));
+      ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+      ASSERT_FALSE(sent->error) << sent->message();
+      ASSERT_FALSE(received->error) << received->message();
+      for (std::size_t i = 0; i < next.meta.tensors.size(); ++i)
+        EXPECT_EQ(model.memory_.at(next.meta.tensors[i].name), next.data[i])
+            << next.meta.tensors[i].name << " round " << round << " put_into_model " << put_into_model;
+      if (puts)
+        EXPECT_GT(h.ucx_engine().last_put_regions(), 0u) << "round " << round;
+      else
+        EXPECT_EQ(h.ucx_engine().last_put_regions(), 0u) << "round " << round;
+    }
+  }
 }
 
 // A bucket larger than what one turn of the trainer's loop puts (4 MiB) arrives
@@ -423,6 +481,7 @@ void every_worker_gets_every_byte(int n, const std::string& topology, bool check
   for (int r : expected.children(0, n)) {
     json same = g.workers[r - 1]->transport_info();
     same.erase("rank");
+    same.erase("put_into_model");  // the worker's choice
     EXPECT_EQ(trainer.value(std::to_string(r), json()), same) << trainer.dump();
   }
   for (std::uint8_t round = 1; round <= 2; ++round) {
