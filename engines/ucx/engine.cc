@@ -34,7 +34,7 @@ init_info init_info::read(json_reader& r) {
   info.topology = links::topology::parse(r.optional<std::string>("topology", "star"),
                                          r.context() + ": member '" + r.member_path("topology") + "'");
   info.require_transports = r.optional<std::vector<std::string>>("require_transports", {});
-  info.put_into_model = r.optional<bool>("put_into_model", true);
+  info.put_into_model = r.maybe<bool>("put_into_model");
   return info;
 }
 
@@ -433,11 +433,19 @@ engine::~engine() {
   pipeline_.reset();  // registrations before the context
 }
 
+bool engine::puts_into_model() const {
+  // By default only where RDMA carries the puts: over shared memory (cma) the
+  // tagged receive measured faster here (docs/benchmarks.md, "The ucx engine").
+  if (put_into_model_) return *put_into_model_;
+  return std::any_of(report_.put_transports.begin(), report_.put_transports.end(),
+                     [](const std::string& t) { return matches("rdma", t); });
+}
+
 json engine::transport_info() const {
   if (!initialized_) return nullptr;
   json j = report_.to_json();
   j["rank"] = rank_;
-  j["put_into_model"] = report_.mode == "put" && put_into_model_;
+  j["put_into_model"] = report_.mode == "put" && puts_into_model();
   return j;
 }
 
@@ -445,7 +453,7 @@ asio::awaitable<void> engine::init(const init_info& info) {
   close();
   timeout_ = info.timeout.value_or(config().timeout);
   rank_ = links::worker_rank(info, context().ranks, "ucx");
-  put_into_model_ = info.put_into_model;
+  put_into_model_ = info.put_into_model;  // nullopt: decided by the put lanes once connected
   position_ = {};
   // In a relay topology the hello says where this worker's children may connect.
   links::relay_listener relay;
@@ -574,7 +582,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     // Where puts carry the data, the model's memory (direct receive) and a stage are
     // registered as the pipeline grants them, for this update only.
     const bool puts = report_.mode == "put";
-    if (puts && put_into_model_) {
+    if (puts && puts_into_model()) {
       if (!registrar_) registrar_ = std::make_unique<asio::thread_pool>(1);
       registry = std::make_unique<update_registry>(ucp_, registrar_->get_executor(), next_update_region_);
     }

@@ -79,11 +79,12 @@ struct downstream;
 struct init_info final : refit::init_info, links::join_info {
   links::topology topology;
   std::vector<std::string> require_transports;
-  /// "put_into_model" (optional, true by default): where UCX carries puts, the
-  /// model's memory (direct receive) and a staged commit's stage are registered
-  /// for each update and written by the sender's puts; false: received as tagged
-  /// messages (the worker's UCX pulls them).
-  bool put_into_model = true;
+  /// "put_into_model" (optional): true: where UCX carries puts, the model's
+  /// memory (direct receive) and a staged commit's stage are registered for each
+  /// update and written by the sender's puts; false: received as tagged messages
+  /// (the worker's UCX pulls them into place). Absent: puts where an RDMA transport
+  /// carries them, tagged over shared memory (measured faster there).
+  std::optional<bool> put_into_model;
   static init_info read(json_reader& r);
 };
 
@@ -168,7 +169,8 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   std::shared_ptr<worker> worker_;
   registered_staging* staging_ = nullptr;         // owned by pipeline_
   std::vector<std::uint32_t> announced_;          // staging regions whose keys the trainer has
-  bool put_into_model_ = true;                    // init_info's
+  std::optional<bool> put_into_model_;            // init_info's
+  bool puts_into_model() const;                   // what it comes to for this endpoint
   std::unique_ptr<asio::thread_pool> registrar_;  // registers the model's memory for an update, off the loop
   std::uint32_t next_update_region_;              // the next id of a region registered for one update
   std::size_t last_put_regions_ = 0;

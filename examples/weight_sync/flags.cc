@@ -86,6 +86,14 @@ const flag table[] = {
      "receive through staging, not into the model's\n"
      "memory",
      [](options& o, flag_reader&) { o.no_direct = true; }},
+    {"--ucx-puts", "",
+     "ucx: the trainer's puts write the model's memory\n"
+     "(put_into_model true; by default only over RDMA)",
+     [](options& o, flag_reader&) { o.ucx_put_into_model = true; }},
+    {"--ucx-tagged", "",
+     "ucx: the model's memory is received as tagged\n"
+     "messages (put_into_model false)",
+     [](options& o, flag_reader&) { o.ucx_put_into_model = false; }},
     {"--checksums", "",
      "per-bucket XXH3 checksums verified by every\n"
      "worker",
@@ -296,6 +304,9 @@ options parse_args(int argc, char** argv) {
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");
   }
+  if (o.ucx_put_into_model && o.engine != "ucx")
+    throw_error(errc::invalid_argument,
+                "--ucx-puts/--ucx-tagged: for --engine ucx (the one-trainer job), not '" + o.engine + "'");
   if (o.secret_file.empty())
     if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;
   if (!o.secret_file.empty()) o.secret = auth::read_secret_file(o.secret_file);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,8 +33,9 @@ struct options {
   std::int64_t timeout_ms = 60000;
   bool quiet = false;
   bool print_layout = false;
-  bool help = false;       // --help: print usage() and exit 0 (nothing after it is parsed)
-  bool no_direct = false;  // receive through staging even where the model offers memory
+  bool help = false;                       // --help: print usage() and exit 0 (nothing after it is parsed)
+  bool no_direct = false;                  // receive through staging even where the model offers memory
+  std::optional<bool> ucx_put_into_model;  // ucx: the workers' "put_into_model" (nullopt: the engine's default)
   bool checksums = false;
   commit_mode commit = commit_mode::in_place;
   std::string listen = "127.0.0.1";        // workers' control address; the trainer's data address

@@ -91,6 +91,9 @@ TEST(WeightSyncFlags, ParserAcceptsEveryFlag) {
       forms.push_back({std::string(f.name), v});
       forms.push_back({std::string(f.name) + "=" + v});
     }
+    // Flags that are for one engine only come with it.
+    if (std::string_view(f.name).starts_with("--ucx-"))
+      for (auto& form : forms) form.insert(form.end(), {"--engine", "ucx"});
     for (const auto& args : forms) {
       try {
         parse(args);
@@ -144,6 +147,8 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_EQ(parse({"--engine", "ucx", "--tp", "2", "--broadcast"}).engine, "ucx");
   EXPECT_EQ(parse({"--engine", "ucx_sharded", "--tp", "2"}).engine, "ucx_sharded");
   EXPECT_NE(refusal({"--engine", "loopback", "--tp", "2"}).find("runs over tcp or ucx"), std::string::npos);
+  EXPECT_NE(refusal({"--ucx-puts"}).find("for --engine ucx"), std::string::npos);
+  EXPECT_EQ(parse({"--engine", "ucx", "--ucx-tagged"}).ucx_put_into_model, false);
   EXPECT_TRUE(parse({"--delta"}).delta);  // tcp, two workers: a star by default
   EXPECT_TRUE(parse({"--delta", "--workers", "4", "--topology", "star", "--checksums"}).delta);
   EXPECT_TRUE(parse({"--delta", "--connect", "4001,4002,4003", "--topology", "star"}).delta);

@@ -118,10 +118,10 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   // Each worker is its own inference engine here, so each gets its own rank (the
   // group's default); proxies in front of the trainer are advertised instead.
   control::init_options init;
-  if (!o.advertise.empty())
-    init.adjust = [&o](std::size_t i, json& info) {
-      info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
-    };
+  init.adjust = [&o](std::size_t i, json& info) {
+    if (!o.advertise.empty()) info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
+    if (o.ucx_put_into_model) info["put_into_model"] = *o.ucx_put_into_model;
+  };
   const json empty = json::object();
   // Workers of this binary answer loop_lag (their event loop's largest stall);
   // other workers (--connect) may not.

@@ -3,10 +3,12 @@
 Per round, on one host:
   shared memory (UCX_TLS=sm,self)
     limit   ucx_perftest ucp_put_bw, one pair (and two pairs at once)
-    refit   ucx, 1 worker: direct receive (tagged, into the model's memory) and
-            puts into staging (--no-direct: then the worker copies each bucket
-            into the model); ucx, 2 workers (star, direct); tcp, 1 worker (the
-            engine a refit user has without UCX)
+    refit   ucx, 1 worker: direct receive (by default tagged over shared memory:
+            the worker's UCX pulls each bucket into the model's memory), the same
+            written by the trainer's puts (--ucx-puts: the model's memory registered
+            for each update), and puts into staging (--no-direct: then the worker
+            copies each bucket into the model); ucx, 2 workers (star, direct); tcp,
+            1 worker (the engine a refit user has without UCX)
   loopback tcp (UCX_TLS=tcp,self, UCX_NET_DEVICES=lo)
     limit   ucx_perftest tag_bw
     refit   ucx, 1 worker; tcp, 1 worker
@@ -24,7 +26,7 @@ job's `worker_cpu_seconds` (median over the updates after the first). Ratios are
 taken within a round; the summary gives medians over rounds with [min-max].
 
     python3 tests/bench/ucx_bench.py --job bazel-bin/examples/weight_sync/weight_sync \\
-        [--nixl-python VENV/bin/python] [--rounds 3] [--bytes 1G] [--json OUT]
+        [--nixl-python VENV/bin/python] [--rounds 3] [--bytes 1G] [--sm-only] [--json OUT]
 
 (tests/bench/ucx_bench.sh builds the job, makes NIXL's venv and calls this.)
 """
@@ -77,12 +79,14 @@ def perftest(test, size, iters, tls, pairs=1, base_port=13500):
     return total
 
 
-def job(binary, engine, workers, nbytes, updates, tls, direct=True):
+def job(binary, engine, workers, nbytes, updates, tls, direct=True, puts=False):
     """Per-worker GB/s (median over updates after the first) of the main job."""
     args = [binary, "--engine", engine, "--workers", str(workers), "--model-bytes", str(nbytes),
             "--updates", str(updates), "--quiet"]
     if not direct:
         args.append("--no-direct")
+    if puts:
+        args.append("--ucx-puts")
     out = subprocess.run(args, env=env_with(UCX_TLS=tls, UCX_NET_DEVICES="lo"), capture_output=True, text=True,
                          timeout=900)
     try:
@@ -122,12 +126,14 @@ def one_round(a, nbytes):
     r["perftest_put_sm_2pairs"] = perftest("ucp_put_bw", chunk, iters, sm, pairs=2)
     r["ucx_sm_staging"] = job(a.job, "ucx", 1, nbytes, a.updates, sm, direct=False)
     r["ucx_sm_direct"] = job(a.job, "ucx", 1, nbytes, a.updates, sm)
+    r["ucx_sm_direct_puts"] = job(a.job, "ucx", 1, nbytes, a.updates, sm, puts=True)
     r["ucx_sm_2workers"] = job(a.job, "ucx", 2, nbytes, a.updates, sm)
     r["tcp"] = job(a.job, "tcp", 1, nbytes, a.updates, sm)
-    r["perftest_tag_tcp"] = perftest("tag_bw", chunk, iters, tcp)
-    r["ucx_tcp"] = job(a.job, "ucx", 1, nbytes, a.updates, tcp)
-    r["ucx_smtcp"] = job(a.job, "ucx", 1, nbytes, a.updates, smtcp)
-    if a.nixl_python:
+    if not a.sm_only:
+        r["perftest_tag_tcp"] = perftest("tag_bw", chunk, iters, tcp)
+        r["ucx_tcp"] = job(a.job, "ucx", 1, nbytes, a.updates, tcp)
+        r["ucx_smtcp"] = job(a.job, "ucx", 1, nbytes, a.updates, smtcp)
+    if a.nixl_python and not a.sm_only:
         r["nixl_tcp"] = nixl(a.nixl_python, nbytes, a.updates, tcp)
         r["nixl_smtcp"] = nixl(a.nixl_python, nbytes, a.updates, smtcp)
     g = {k: (v["gbps"] if isinstance(v, dict) else v) for k, v in r.items()}
@@ -136,17 +142,22 @@ def one_round(a, nbytes):
         "ucx_sm_direct / perftest_put": g["ucx_sm_direct"] / g["perftest_put_sm"],
         "ucx_sm_staging / tcp": g["ucx_sm_staging"] / g["tcp"],
         "ucx_sm_direct / tcp": g["ucx_sm_direct"] / g["tcp"],
+        "ucx_sm_direct puts / tagged": g["ucx_sm_direct_puts"] / g["ucx_sm_direct"],
         "ucx_sm 2 workers aggregate / 2 perftest pairs": 2 * g["ucx_sm_2workers"] / g["perftest_put_sm_2pairs"],
-        "ucx_tcp / tcp": g["ucx_tcp"] / g["tcp"],
-        "ucx_tcp / perftest_tag": g["ucx_tcp"] / g["perftest_tag_tcp"],
     }
-    if a.nixl_python:
+    if not a.sm_only:
+        ratios["ucx_tcp / tcp"] = g["ucx_tcp"] / g["tcp"]
+        ratios["ucx_tcp / perftest_tag"] = g["ucx_tcp"] / g["perftest_tag_tcp"]
+    if a.nixl_python and not a.sm_only:
         ratios["ucx_tcp / nixl_tcp"] = g["ucx_tcp"] / g["nixl_tcp"]
         ratios["ucx_smtcp / nixl_smtcp"] = g["ucx_smtcp"] / g["nixl_smtcp"]
     cpu = {k: v["cpu_s_per_gb"] for k, v in r.items() if isinstance(v, dict)}
     ratios["worker CPU/GB: ucx_sm_direct / tcp"] = cpu["ucx_sm_direct"] / cpu["tcp"]
-    ratios["worker CPU/GB: ucx_tcp / tcp"] = cpu["ucx_tcp"] / cpu["tcp"]
-    return {"raw": r, "gbps": g, "cpu_s_per_gb": cpu, "ratios": ratios}
+    ratios["worker CPU/GB: ucx_sm_direct puts / tagged"] = cpu["ucx_sm_direct_puts"] / cpu["ucx_sm_direct"]
+    if not a.sm_only:
+        ratios["worker CPU/GB: ucx_tcp / tcp"] = cpu["ucx_tcp"] / cpu["tcp"]
+    lag = {k: v["loop_lag_update_ms"] for k, v in r.items() if isinstance(v, dict)}
+    return {"raw": r, "gbps": g, "cpu_s_per_gb": cpu, "loop_lag_ms": lag, "ratios": ratios}
 
 
 def spread(values):
@@ -161,6 +172,7 @@ def main():
     ap.add_argument("--bytes", default="1G")
     ap.add_argument("--updates", type=int, default=4)
     ap.add_argument("--json", default="")
+    ap.add_argument("--sm-only", action="store_true", help="only the shared-memory part (no tcp, no NIXL)")
     a = ap.parse_args()
     nbytes = parse_size(a.bytes)
     rounds = []
@@ -169,13 +181,14 @@ def main():
         rounds.append(one_round(a, nbytes))
         print(json.dumps({k: round(v, 3) for k, v in rounds[-1]["gbps"].items()}), file=sys.stderr, flush=True)
     summary = {section: {k: spread([r[section][k] for r in rounds]) for k in rounds[0][section]}
-               for section in ("gbps", "cpu_s_per_gb", "ratios")}
+               for section in ("gbps", "cpu_s_per_gb", "loop_lag_ms", "ratios")}
     out = {"bytes": nbytes, "rounds": a.rounds, "updates": a.updates, "when": time.strftime("%Y-%m-%d"),
            "summary": summary, "per_round": rounds}
     print(f"{'measure':<50} median [min-max]")
-    for section in ("gbps", "cpu_s_per_gb", "ratios"):
+    for section in ("gbps", "cpu_s_per_gb", "loop_lag_ms", "ratios"):
         for k, s in summary[section].items():
-            unit = {"gbps": " GB/s", "cpu_s_per_gb": " worker CPU s/GB", "ratios": "x"}[section]
+            unit = {"gbps": " GB/s", "cpu_s_per_gb": " worker CPU s/GB", "loop_lag_ms": " ms worker loop lag",
+                    "ratios": "x"}[section]
             print(f"{k:<50} {s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]{unit}")
     if a.json:
         with open(a.json, "w") as f:

@@ -134,20 +134,22 @@ class held_model final : public model_target {
   std::map<std::string, std::vector<std::byte>> memory_;
 };
 
-// Where UCX carries puts (cma here), direct receive lands by the trainer's puts in
-// the model's memory, registered for each update (fresh keys every update);
-// "put_into_model": false, or no put lane (UCX's tcp), receives it tagged.
-TEST(ucx, direct_receive_puts_into_the_models_memory_where_ucx_carries_puts) {
-  for (const bool put_into_model : {true, false}) {
+// With "put_into_model": true and a put lane (cma here), direct receive lands by
+// the trainer's puts in the model's memory, registered for each update (fresh keys
+// every update); false, absent (puts into the model by default only over RDMA),
+// or no put lane (UCX's tcp): received tagged.
+TEST(ucx, direct_receive_puts_into_the_models_memory_where_asked_and_ucx_carries_puts) {
+  for (const std::optional<bool> put_into_model :
+       {std::optional<bool>(true), std::optional<bool>(false), std::optional<bool>()}) {
     asio::io_context io;
     tensor_set set;
     for (int i = 0; i < 5; ++i) set.add("w" + std::to_string(i), dtype::float32, {3000 + 17 * i});
     set.add("big", dtype::bfloat16, {100000});  // larger than a buffer: split into the model's memory
     held_model model(set);
     ucx_harness h(io, &model);
-    h.init_extra["put_into_model"] = put_into_model;
+    if (put_into_model) h.init_extra["put_into_model"] = *put_into_model;
     run_to_completion(io, h.connect(small_wire()));
-    const bool puts = shared_memory && put_into_model;
+    const bool puts = shared_memory && put_into_model.value_or(false);
     EXPECT_EQ(h.ucx_engine().transport_info().at("put_into_model"), puts);
     for (std::uint64_t round = 1; round <= 2; ++round) {
       tensor_set next;
@@ -161,7 +163,7 @@ TEST(ucx, direct_receive_puts_into_the_models_memory_where_ucx_carries_puts) {
       ASSERT_FALSE(received->error) << received->message();
       for (std::size_t i = 0; i < next.meta.tensors.size(); ++i)
         EXPECT_EQ(model.memory_.at(next.meta.tensors[i].name), next.data[i])
-            << next.meta.tensors[i].name << " round " << round << " put_into_model " << put_into_model;
+            << next.meta.tensors[i].name << " round " << round << " put_into_model " << put_into_model.value_or(-1);
       if (puts)
         EXPECT_GT(h.ucx_engine().last_put_regions(), 0u) << "round " << round;
       else
