@@ -46,7 +46,7 @@ asio::awaitable<endpoint_report> offer_and_agree(asio::ip::tcp::socket& socket, 
 asio::awaitable<std::uint64_t> read_done(asio::ip::tcp::socket& socket, std::uint64_t index, bool checksums,
                                          std::chrono::milliseconds timeout, const std::string& what) {
   std::array<std::byte, sizeof(wire::done)> d;
-  co_await net::read_exact(socket, asio::buffer(d), timeout, what + ": waiting for the sender's puts");
+  co_await net::read_exact(socket, asio::buffer(d), timeout, what + ": waiting for the sender's done");
   const auto done = wire::decode<wire::done>(d);
   if (done.magic != wire::done_magic || done.index != index)
     throw_error(errc::protocol_error, what + ": expected the sender's done for bucket " + std::to_string(index));
