@@ -22,6 +22,7 @@
 #include <refit/engines/ucx/ucx.h>
 #include <refit/internal/hex.h>
 #include "downstream.h"  // private to this engine
+#include "registry.h"    // private to this engine
 #include "ucp.h"         // private to this engine
 #include "upstream.h"    // private to this engine
 #include "wire.h"        // private to this engine
@@ -149,70 +150,6 @@ class registered_staging final : public staging_memory {
   std::uint32_t next_id_;
 };
 
-// The memory of one update's destinations outside the staging (the model's own
-// memory under direct receive, a staged commit's stage), registered for the
-// sender's puts as the pipeline grants it, off the event loop (on RDMA hardware a
-// registration pins pages), and released when the update ends. Region ids from
-// wire::first_update_region on, never reused within the engine.
-class update_registry {
- public:
-  update_registry(std::shared_ptr<context> ctx, asio::any_io_executor registrar, std::uint32_t& next_id)
-      : ctx_(std::move(ctx)), registrar_(std::move(registrar)), next_id_(next_id) {}
-
-  /// A region of this update; `announced` once its key went to the sender.
-  struct region {
-    std::uint32_t id = 0;
-    std::unique_ptr<registration> reg;
-    bool announced = false;
-  };
-  /// The region holding each of `pieces` ([data, data + size), none empty), made
-  /// for those no region holds yet.
-  asio::awaitable<std::vector<region*>> cover(std::span<const asio::mutable_buffer> pieces) {
-    std::vector<region*> out(pieces.size(), nullptr);
-    std::vector<std::pair<std::byte*, std::uint64_t>> missing;
-    std::vector<std::size_t> missing_at;
-    for (std::size_t i = 0; i < pieces.size(); ++i) {
-      auto* p = static_cast<std::byte*>(pieces[i].data());
-      if (region* r = find(p, pieces[i].size())) {
-        out[i] = r;
-      } else {
-        missing.emplace_back(p, pieces[i].size());
-        missing_at.push_back(i);
-      }
-    }
-    if (!missing.empty()) {
-      std::vector<std::unique_ptr<registration>> made;
-      auto* m = &missing;
-      auto* into = &made;
-      auto* ctx = &ctx_;
-      co_await async::offload(registrar_, [m, into, ctx] {
-        for (auto [p, n] : *m) into->push_back(std::make_unique<registration>(*ctx, p, n));
-      });
-      for (std::size_t k = 0; k < made.size(); ++k) {
-        std::byte* base = made[k]->base();
-        auto it = by_base_.emplace(base, region{next_id_++, std::move(made[k]), false});
-        out[missing_at[k]] = &it->second;
-      }
-    }
-    co_return out;
-  }
-  std::size_t size() const noexcept { return by_base_.size(); }
-
- private:
-  // The region starting nearest below p, if it holds [p, p + n) (pieces are parts
-  // of disjoint tensors; a piece no such region holds gets its own).
-  region* find(const std::byte* p, std::uint64_t n) {
-    auto it = by_base_.upper_bound(p);
-    if (it == by_base_.begin()) return nullptr;
-    --it;
-    return it->second.reg->contains(p, n) ? &it->second : nullptr;
-  }
-  std::shared_ptr<context> ctx_;
-  asio::any_io_executor registrar_;
-  std::uint32_t& next_id_;
-  std::multimap<const std::byte*, region> by_base_;  // by the region's base
-};
-
 namespace {
 
 std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32) | (index & 0xffffffffu); }
@@ -287,26 +224,8 @@ class transport final : public bucket_transport {
       for (const auto& d : dest)
         if (d.size() > 0) nonempty.push_back(d);
       const auto regions = co_await registry_->cover(nonempty);
-      wire::writer w;
-      for (std::size_t i = 0; i < nonempty.size(); ++i) {
-        wire::put_piece piece;
-        piece.remote = reinterpret_cast<std::uint64_t>(nonempty[i].data());
-        piece.bytes = nonempty[i].size();
-        update_registry::region& r = *regions[i];
-        piece.region = r.id;
-        const bool fresh = !std::exchange(r.announced, true);
-        if (fresh) {
-          piece.rkey_bytes = static_cast<std::uint32_t>(r.reg->packed_rkey().size());
-          piece.region_base = reinterpret_cast<std::uint64_t>(r.reg->base());
-          piece.region_bytes = r.reg->bytes();
-        }
-        w.put(piece);
-        if (fresh) w.bytes(r.reg->packed_rkey());
-      }
-      pieces = std::move(w.out);
-      g.mode = wire::mode_put_pieces;
-      g.region = static_cast<std::uint32_t>(nonempty.size());
-      g.rkey_bytes = static_cast<std::uint32_t>(pieces.size());
+      pieces = put_pieces_grant(
+          nonempty, regions, [](update_registry::region& r) { return !std::exchange(r.announced, true); }, g);
     } else if (reg) {
       g.mode = wire::mode_put;
       g.region = id;
@@ -433,19 +352,22 @@ engine::~engine() {
   pipeline_.reset();  // registrations before the context
 }
 
-bool engine::puts_into_model() const {
+bool puts_into_model(const endpoint_report& report, std::optional<bool> asked) {
+  if (report.mode != "put") return false;
   // By default only where RDMA carries the puts: over shared memory (cma) the
   // tagged receive measured faster here (docs/benchmarks.md, "The ucx engine").
-  if (put_into_model_) return *put_into_model_;
-  return std::any_of(report_.put_transports.begin(), report_.put_transports.end(),
+  if (asked) return *asked;
+  return std::any_of(report.put_transports.begin(), report.put_transports.end(),
                      [](const std::string& t) { return matches("rdma", t); });
 }
+
+bool engine::puts_into_model() const { return ucx::puts_into_model(report_, put_into_model_); }
 
 json engine::transport_info() const {
   if (!initialized_) return nullptr;
   json j = report_.to_json();
   j["rank"] = rank_;
-  j["put_into_model"] = report_.mode == "put" && puts_into_model();
+  j["put_into_model"] = puts_into_model();
   return j;
 }
 
@@ -543,7 +465,7 @@ asio::awaitable<void> engine::offer_upstream(const init_info& info) {
     regions.push_back(&staging_->slot_registration(i));
     announced_.push_back(static_cast<std::uint32_t>(i));
   }
-  report_ = co_await offer_and_agree(*socket, *worker_, regions, info.require_transports, false, timeout_, who(), to);
+  report_ = co_await offer_and_agree(*socket, *worker_, regions, info.require_transports, {}, timeout_, who(), to);
 }
 
 asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {

@@ -1,6 +1,7 @@
 // Sharded UCX: the worker (joins every trainer rank, offers its UCX address, then
-// per pair and frame grants a tagged receive into its own tensors) and one trainer
-// rank's sender (per worker and frame, a tagged send from its shards, then "done").
+// per pair and frame grants its own tensors: for puts, or a tagged receive) and one
+// trainer rank's sender (per worker and frame, puts or a tagged send from its
+// shards, then "done").
 #include <refit/engines/ucx/sharded.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <refit/backend/shard_io.h>
 #include <refit/internal/hex.h>
 #include "downstream.h"  // private to this engine
+#include "registry.h"    // private to this engine
 #include "ucp.h"         // private to this engine
 #include "upstream.h"    // private to this engine
 #include "wire.h"        // private to this engine
@@ -57,13 +59,14 @@ sharded_init_info sharded_init_info::read(json_reader& r) {
   sharded_init_info info;
   static_cast<backend::sharded_join_info&>(info) = backend::sharded_join_info::read(r);
   info.require_transports = r.optional<std::vector<std::string>>("require_transports", {});
+  info.put_into_model = r.maybe<bool>("put_into_model");
   return info;
 }
 
 // ---------------------------------------------------------------- worker
 
 sharded_engine::sharded_engine(const weight_transfer_config& config, const engine_context& context)
-    : engine(config, context, capabilities_of()) {}
+    : engine(config, context, capabilities_of()), next_update_region_(wire::first_update_region) {}
 
 sharded_engine::~sharded_engine() { close(); }
 
@@ -103,7 +106,9 @@ json sharded_engine::transport_info() const {
   std::set<std::string> seen;
   json transports = json::array(), ranks = json::array();
   bool peer = true;
+  std::string mode = reports_.front().mode;
   for (const auto& r : reports_) {
+    if (r.mode != mode) mode = "mixed";
     for (const auto& t : r.transports)
       if (seen.insert(t).second) transports.push_back(t);
     peer = peer && r.peer_failure_handling;
@@ -111,7 +116,7 @@ json sharded_engine::transport_info() const {
   }
   return {{"worker", worker_},
           {"transports", std::move(transports)},
-          {"mode", "tag"},
+          {"mode", mode},
           {"peer_failure_handling", peer},
           {"trainer_ranks", std::move(ranks)}};
 }
@@ -124,6 +129,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   workers_ = info.workers;
   trainers_ = static_cast<int>(info.trainers.size());
   worker_ = info.worker_number(context().ranks.tp_rank, "ucx_sharded");
+  put_into_model_ = info.put_into_model;
   // UCX's context (it loads its transport modules) is made once, off the loop.
   if (!ucp_) ucp_ = co_await async::offload(processing_executor(), [] { return std::make_shared<ucx::context>(); });
   auto w = ucx::worker::create(ucp_, context().executor);
@@ -133,15 +139,20 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   std::vector<asio::awaitable<void>> joins;
   for (std::size_t r = 0; r < info.trainers.size(); ++r)
     joins.push_back([](sharded_engine* self, socket_ptr* out, endpoint_report* report, std::shared_ptr<ucx::worker> w,
-                       backend::rank_endpoint e, int rank,
-                       const std::vector<std::string>* required) -> asio::awaitable<void> {
+                       backend::rank_endpoint e, int rank, const std::vector<std::string>* required,
+                       std::optional<bool> asked) -> asio::awaitable<void> {
       const std::string to = "trainer rank " + std::to_string(rank);
       auto j = co_await links::join(e.address, e.port, self->worker_ + 1, self->wire_, self->config().auth_secret,
                                     self->timeout_, self->who() + ": " + to);
       *out = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
-      // No regions: every frame comes as a tagged message into the tensors.
-      *report = co_await offer_and_agree(**out, *w, {}, *required, true, self->timeout_, self->who(), to);
-    }(this, &sockets[r], &reports[r], w, info.trainers[r], static_cast<int>(r), &info.require_transports));
+      // No regions yet: the tensors are registered per update (puts), or each frame
+      // comes as a tagged message. The report's mode says which.
+      auto choose = [asked](endpoint_report& rep) {
+        if (!puts_into_model(rep, asked)) rep.mode = "tag";
+      };
+      *report = co_await offer_and_agree(**out, *w, {}, *required, choose, self->timeout_, self->who(), to);
+    }(this, &sockets[r], &reports[r], w, info.trainers[r], static_cast<int>(r), &info.require_transports,
+                                                  info.put_into_model));
   std::exception_ptr failure;
   try {
     co_await async::all_of(std::move(joins));
@@ -193,14 +204,28 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   s->wire_bytes.assign(sockets_.size(), 0);
   auto w = worker_ucx_;
   ucx::worker::engaged progressing(w);
+  // Pairs whose frames come by puts write straight into these tensors: each one
+  // registered whole for this update, off the loop, before the first grant.
+  std::unique_ptr<update_registry> registry;
+  last_put_regions_ = 0;
+  if (std::any_of(reports_.begin(), reports_.end(), [](const endpoint_report& r) { return r.mode == "put"; })) {
+    if (!registrar_) registrar_ = std::make_unique<asio::thread_pool>(1);
+    registry = std::make_unique<update_registry>(ucp_, registrar_->get_executor(), next_update_region_);
+    std::vector<asio::mutable_buffer> tensors;
+    for (std::size_t i = 0; i < dest.tensors.size(); ++i)
+      if (dest.tensors[i].spec.nbytes() > 0) tensors.emplace_back(bases[i], dest.tensors[i].spec.nbytes());
+    co_await registry->cover(tensors);
+    last_put_regions_ = registry->size();
+  }
   std::vector<asio::awaitable<void>> pairs;
   for (std::size_t r = 0; r < sockets_.size(); ++r)
     pairs.push_back([](sharded_engine* self, std::shared_ptr<shared> s, std::shared_ptr<ucx::worker> w, int r,
-                       std::shared_ptr<const backend::sharded_layouts> l,
-                       std::vector<std::byte*> bases) -> asio::awaitable<void> {
+                       std::shared_ptr<const backend::sharded_layouts> l, std::vector<std::byte*> bases,
+                       update_registry* registry) -> asio::awaitable<void> {
       std::exception_ptr failure;
       try {
-        co_await self->receive_pair(s->sockets[r], w, r, std::move(l), std::move(bases), &s->wire_bytes[r]);
+        co_await self->receive_pair(s->sockets[r], w, r, std::move(l), std::move(bases), &s->wire_bytes[r],
+                                    self->reports_.at(r).mode == "put" ? registry : nullptr);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -214,12 +239,18 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
         }
         std::rethrow_exception(failure);
       }
-    }(this, s, w, static_cast<int>(r), layouts, bases));
+    }(this, s, w, static_cast<int>(r), layouts, bases, registry.get()));
   std::exception_ptr failure;
   try {
     co_await async::all_of(std::move(pairs));
   } catch (...) {
     failure = std::current_exception();
+  }
+  if (registry) {
+    // Every put completed (each frame's done came after its flush) or the update
+    // failed: the registrations go, off the loop (unpinning costs).
+    auto* r = registry.release();
+    co_await async::offload(registrar_->get_executor(), [r] { delete r; });
   }
   if (failure) {
     // Every trainer rank learns why (not just a reset), then the connections close.
@@ -254,7 +285,8 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
 
 asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, std::shared_ptr<ucx::worker> w, int rank,
                                                    std::shared_ptr<const backend::sharded_layouts> layouts,
-                                                   std::vector<std::byte*> bases, std::uint64_t* wire_bytes) {
+                                                   std::vector<std::byte*> bases, std::uint64_t* wire_bytes,
+                                                   update_registry* registry) {
   namespace lw = links::wire;
   const std::string me = who() + ": trainer rank " + std::to_string(rank);
   const auto& plan = *layouts->plan;
@@ -300,20 +332,33 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, std::share
     seq = u.seq;
   }
   if (auto* t = std::exchange(direct_target_, nullptr)) t->direct_write_begins();
+  std::set<std::uint32_t> keyed;  // regions whose keys this rank got in this update
   for (std::size_t k = 0; k < frames.size(); ++k) {
     const std::string what = me + ": frame " + std::to_string(k);
     auto dest_buffers = buffers_of<asio::mutable_buffer>(frames[k]);
-    // Posted before the grant: the trainer's message always finds its receive.
     wire::grant g;
-    g.mode = wire::mode_tag;
     g.index = k;
     g.payload_bytes = frames[k].bytes;
-    g.tag = frame_tag(seq, rank);
-    tag_receive posted(w, dest_buffers, g.tag, what + " (tagged receive)");
+    std::vector<std::byte> pieces;
+    std::unique_ptr<tag_receive> posted;
+    if (registry) {
+      // Puts into the runs, each within a tensor registered for this update; a
+      // region's key goes to this rank the first time it is named.
+      const auto regions = co_await registry->cover(dest_buffers);
+      pieces = put_pieces_grant(
+          dest_buffers, regions, [&keyed](update_registry::region& r) { return keyed.insert(r.id).second; }, g);
+    } else {
+      // Posted before the grant: the trainer's message always finds its receive.
+      g.mode = wire::mode_tag;
+      g.tag = frame_tag(seq, rank);
+      posted = std::make_unique<tag_receive>(w, dest_buffers, g.tag, what + " (tagged receive)");
+    }
     const auto raw = wire::encode(g);
-    co_await net::write_all(*socket, asio::buffer(raw), timeout_, what + ": granting its destination");
+    std::vector<asio::const_buffer> grant{asio::buffer(raw)};
+    if (!pieces.empty()) grant.push_back(asio::buffer(pieces));
+    co_await net::write_all(*socket, grant, timeout_, what + ": granting its destination");
     const std::uint64_t expected = co_await read_done(*socket, k, wire_.checksums, timeout_, what);
-    co_await posted.wait(timeout_);
+    if (posted) co_await posted->wait(timeout_);
     *wire_bytes += frames[k].bytes;
     if (!wire_.checksums) continue;
     // Verified where the bytes landed, on the processing executor.
@@ -416,11 +461,7 @@ asio::awaitable<void> sharded_sender::connect_workers() {
 
 json sharded_sender::transport_info() const {
   json out = json::object();
-  for (const auto& p : peers_) {
-    json r = p->report.to_json();
-    r["mode"] = "tag";
-    out[std::to_string(p->rank - 1)] = std::move(r);
-  }
+  for (const auto& p : peers_) out[std::to_string(p->rank - 1)] = p->report.to_json();
   return out;
 }
 
@@ -502,6 +543,7 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
     });
   }
   sent_.assign(workers, 0);
+  for (auto& p : peers_) p->forget_update_regions();  // each update's grants bring the keys of its regions
   auto w = worker_;
   ucx::worker::engaged progressing(w);
   std::vector<asio::awaitable<void>> streams;

@@ -5,15 +5,17 @@
 // (links: authenticated join, per-pair update header with the plan's digest,
 // confirmation) as tcp_sharded.
 //
-// Per pair and frame (at most buffer_bytes of the pair's byte sequence): the worker
-// posts a tagged receive whose iov is the frame's runs in its own tensors (the
-// model's memory, a staged commit's stage, or the fallback area) and grants it;
-// the trainer rank sends the frame as one tagged message whose iov is the frame's
-// runs in its shards (no packing on either side), then "done" with the frame's
-// checksum (checksums on); the worker verifies the bytes where they landed before
-// the next frame (downstream.h's send_bucket on the trainer, as the ucx engine's).
-// The data never goes through one-sided puts here: the destination is the
-// model's memory, which is not registered (docs/engines.md).
+// Per pair and frame (at most buffer_bytes of the pair's byte sequence) the worker
+// grants the frame's runs in its own tensors (the model's memory, a staged
+// commit's stage, or the fallback area), one of two ways (as the ucx engine's
+// direct receive, "put_into_model"): puts, where the endpoint carries them and the
+// worker takes them into the model (by default over RDMA): the destination
+// tensors are registered for the update and the grant lists each run with its
+// region; or a tagged receive whose iov is the runs. The trainer rank writes the
+// frame from the runs in its shards (puts, flushed, or one tagged message; no
+// packing on either side), then sends "done" with the frame's checksum (checksums
+// on); the worker verifies the bytes where they landed before the next frame
+// (downstream.h's send_bucket on the trainer, as the ucx engine's).
 //
 // Each worker connects to every rank and offers its UCX worker address there; the
 // rank's endpoint to it reports the transports UCX chose, and the worker's
@@ -45,6 +47,9 @@ namespace refit::ucx {
 /// rank's endpoint to this worker must move the data over one of them).
 struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
   std::vector<std::string> require_transports;
+  /// "put_into_model" (optional), as the ucx engine's: puts into this worker's
+  /// tensors where the endpoint carries them (by default where RDMA does).
+  std::optional<bool> put_into_model;
   static sharded_init_info read(json_reader& r);
 };
 
@@ -74,10 +79,15 @@ class sharded_engine final : public backend::engine {
   /// Closes every connection and the UCX worker now (an update in flight fails).
   void disconnect() noexcept { close(); }
   /// What UCX chose for each rank's endpoint to this worker, once initialised
-  /// (null before): {"worker", "transports" (every rank's, each once), "mode":
-  /// "tag", "peer_failure_handling" (every rank's endpoint has it), "trainer_ranks":
-  /// [per rank: {"transports", "put_transports", "mode", "peer_failure_handling"}]}.
+  /// (null before): {"worker", "transports" (every rank's, each once), "mode" ("put"
+  /// or "tag" where every rank's is that, else "mixed"), "peer_failure_handling"
+  /// (every rank's endpoint has it), "trainer_ranks": [per rank: {"transports",
+  /// "put_transports", "mode" (how frames come: puts into the tensors, or tagged),
+  /// "peer_failure_handling"}]}.
   json transport_info() const override;
+  /// How many ranges of this worker's tensors the last update registered for puts
+  /// (0: every frame came tagged).
+  std::size_t last_put_regions() const noexcept { return last_put_regions_; }
 
  protected:
   asio::awaitable<void> do_init(const refit::init_info& info) override;
@@ -89,7 +99,8 @@ class sharded_engine final : public backend::engine {
   using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
   asio::awaitable<void> receive_pair(socket_ptr socket, std::shared_ptr<ucx::worker> w, int rank,
                                      std::shared_ptr<const backend::sharded_layouts> layouts,
-                                     std::vector<std::byte*> bases, std::uint64_t* wire_bytes);
+                                     std::vector<std::byte*> bases, std::uint64_t* wire_bytes,
+                                     update_registry* registry);
   std::string who() const { return "ucx_sharded worker " + std::to_string(worker_); }
   void close() noexcept;
 
@@ -103,8 +114,12 @@ class sharded_engine final : public backend::engine {
   std::chrono::milliseconds timeout_{0};
   // Set by init only (parse_update_info reads them, possibly off the loop).
   int worker_ = -1, workers_ = 0, trainers_ = 0;
-  std::vector<std::byte> fallback_;        // tensors the model offers no host memory for
-  model_target* direct_target_ = nullptr;  // to tell when the update's first bytes land
+  std::vector<std::byte> fallback_;               // tensors the model offers no host memory for
+  model_target* direct_target_ = nullptr;         // to tell when the update's first bytes land
+  std::optional<bool> put_into_model_;            // init_info's
+  std::unique_ptr<asio::thread_pool> registrar_;  // registers the tensors for puts, off the loop
+  std::uint32_t next_update_region_;              // the next id of a region registered for one update
+  std::size_t last_put_regions_ = 0;
 };
 
 /// Trainer side: one rank. trainer_args: backend::sharded_trainer_args ({"rank",

@@ -66,6 +66,7 @@ class worker;
 class endpoint;
 class remote_key;
 class registered_staging;
+class update_registry;
 struct downstream;
 
 /// Worker init info: links::join_info plus "topology" ("star", "chain",
@@ -99,6 +100,11 @@ struct endpoint_report {
   json to_json() const;
   static endpoint_report from_json(const json& j, const std::string& what);
 };
+
+/// Whether a worker takes puts into the model's memory (and a stage) over the
+/// endpoint `report` describes: only where it carries puts; then as `asked`
+/// ("put_into_model"), by default where an RDMA transport carries them.
+bool puts_into_model(const endpoint_report& report, std::optional<bool> asked);
 
 /// Whether `report` satisfies `required` (empty: anything); "" when it does, else
 /// why not (naming what UCX offered).

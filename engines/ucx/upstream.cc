@@ -8,7 +8,8 @@ namespace refit::ucx {
 
 asio::awaitable<endpoint_report> offer_and_agree(asio::ip::tcp::socket& socket, const worker& w,
                                                  std::span<const registration* const> regions,
-                                                 const std::vector<std::string>& required, bool tagged_only,
+                                                 const std::vector<std::string>& required,
+                                                 std::function<void(endpoint_report&)> choose,
                                                  std::chrono::milliseconds timeout, std::string who, std::string to) {
   wire::writer body;
   const auto address = w.address();
@@ -33,7 +34,7 @@ asio::awaitable<endpoint_report> offer_and_agree(asio::ip::tcp::socket& socket, 
   links::throw_if_failed(st, who + ": " + to);
   auto report = endpoint_report::from_json(parse_json_text(st.message, who + ": UCX endpoint report"),
                                            who + ": UCX endpoint report");
-  if (tagged_only) report.mode = "tag";
+  if (choose) choose(report);
   if (auto unmet = check_required(report, required); !unmet.empty()) {
     co_await links::send_status(socket, static_cast<std::uint32_t>(errc::unsupported), 0, who + ": " + unmet, timeout,
                                 who + ": refusing the transports");

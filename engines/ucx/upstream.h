@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -19,13 +20,15 @@ namespace refit::ucx {
 
 /// Sends the offer on `socket`: `w`'s address and each of `regions`' extent and
 /// packed key (numbered in order). Reads what UCX chose for the sender's endpoint
-/// to it; with `tagged_only` (the sender never puts) its mode is "tag". Unless the
-/// data moves over one of `required` (check_required) it refuses, telling the
-/// sender why, and throws unsupported; else accepts. `who` names this side, `to`
-/// the sender ("the trainer", "trainer rank 1", ...).
+/// to it, which `choose` may amend (a worker that takes puts only into the model's
+/// memory, and not there, says "tag"). Unless the data moves over one of
+/// `required` (check_required) it refuses, telling the sender why, and throws
+/// unsupported; else accepts. `who` names this side, `to` the sender ("the
+/// trainer", "trainer rank 1", ...).
 asio::awaitable<endpoint_report> offer_and_agree(asio::ip::tcp::socket& socket, const worker& w,
                                                  std::span<const registration* const> regions,
-                                                 const std::vector<std::string>& required, bool tagged_only,
+                                                 const std::vector<std::string>& required,
+                                                 std::function<void(endpoint_report&)> choose,
                                                  std::chrono::milliseconds timeout, std::string who, std::string to);
 
 /// Reads the sender's "done" for bucket `index` (its puts flushed or its tagged

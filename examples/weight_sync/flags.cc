@@ -304,9 +304,8 @@ options parse_args(int argc, char** argv) {
       throw_error(errc::invalid_argument,
                   "--delta: a worker decodes deltas against its model's memory, which --no-direct hides");
   }
-  if (o.ucx_put_into_model && o.engine != "ucx")
-    throw_error(errc::invalid_argument,
-                "--ucx-puts/--ucx-tagged: for --engine ucx (the one-trainer job), not '" + o.engine + "'");
+  if (o.ucx_put_into_model && o.engine != "ucx" && o.engine != "ucx_sharded")
+    throw_error(errc::invalid_argument, "--ucx-puts/--ucx-tagged: for --engine ucx, not '" + o.engine + "'");
   if (o.secret_file.empty())
     if (const char* env = std::getenv("REFIT_AUTH_SECRET_FILE")) o.secret_file = env;
   if (!o.secret_file.empty()) o.secret = auth::read_secret_file(o.secret_file);

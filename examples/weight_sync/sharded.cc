@@ -221,7 +221,11 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
     for (const auto& r : ranks) trainers.push_back({{"address", o.listen}, {"port", r.port}});
     trainer_args = sharded_trainer_args(o, trainers, 0);
   }
-  co_await workers.init(*sender, trainer_args);
+  control::init_options init;
+  init.adjust = [&o](std::size_t, json& info) {
+    if (o.ucx_put_into_model) info["put_into_model"] = *o.ucx_put_into_model;  // ucx, ucx_sharded
+  };
+  co_await workers.init(*sender, trainer_args, init);
   // Each worker holds its own tensors before any update, as a server does.
   co_await workers.call_each("load_model", [&](std::size_t w) {
     json j = json::object();

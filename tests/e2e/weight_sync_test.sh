@@ -62,7 +62,8 @@ else:
 if r["engine"] == "ucx_sharded":
     # What UCX chose for every rank's endpoint to each worker, in the result.
     assert len(r["transports"]) == r["tp"], r
-    assert all(len(t["trainer_ranks"]) == r["trainers"] and t["mode"] == "tag" for t in r["transports"]), r
+    mode = "put" if "--ucx-puts" in sys.argv else "tag"
+    assert all(len(t["trainer_ranks"]) == r["trainers"] and t["mode"] == mode for t in r["transports"]), r
 print("ok:", " ".join(sys.argv[2:]), "->", r["bytes_per_worker"], "bytes per worker of", r["bytes"])
 PY
 }
@@ -75,6 +76,9 @@ UCX_TLS=sm,self UCX_NET_DEVICES=lo check_sharded --engine ucx --trainers 2 --tp 
   --updates 2 --checksums --auth-secret-file "$secret_dir/secret.ok"
 UCX_TLS=tcp,self UCX_NET_DEVICES=lo check_sharded --engine ucx --trainers 3 --tp 2 --model-bytes 16M --layers 1 \
   --updates 2 --buffer-bytes 64K --no-direct
+# The ranks' puts straight into the workers' tensors (cma), with checksums.
+UCX_TLS=sm,self UCX_NET_DEVICES=lo check_sharded --engine ucx --ucx-puts --trainers 2 --tp 2 --model-bytes 24M \
+  --layers 2 --updates 2 --checksums
 if err=$("$bin" --tp 2 --workers 3 2>&1); then fail "--tp 2 --workers 3 accepted"; fi
 grep -q "tp ranks of one engine" <<<"$err" || fail "no message for --tp 2 --workers 3: $err"
 if err=$("$bin" --tp 2 --trainers 2 --broadcast 2>&1); then fail "--broadcast with 2 trainers accepted"; fi

@@ -70,19 +70,50 @@ TEST(ucx_sharded, two_ranks_to_two_workers_every_byte_verified_and_the_transport
       for (int w = 0; w < 2; ++w) EXPECT_GT(g.senders[r]->last_bytes_per_worker()[w], 0u);
     }
   }
-  // What UCX chose, on both sides: tagged messages over the transports asked for.
+  // What UCX chose, on both sides: tagged messages over the transports asked for
+  // (puts into the tensors by default only over RDMA).
   for (int w = 0; w < 2; ++w) {
     const json t = g.engines[w]->transport_info();
     ASSERT_TRUE(t.is_object()) << t.dump();
     EXPECT_EQ(t["mode"], "tag");
+    EXPECT_EQ(g.engines[w]->last_put_regions(), 0u);
     EXPECT_EQ(t["worker"], w);
     ASSERT_EQ(t["trainer_ranks"].size(), 2u) << t.dump();
     const std::string all = t["transports"].dump();
     EXPECT_NE(all.find(shared_memory ? "cma" : "tcp"), std::string::npos) << all;
   }
+  // The rank's side: what its endpoint offers (puts over cma, tagged over tcp).
   const json s = g.senders[0]->transport_info();
   ASSERT_EQ(s.size(), 2u) << s.dump();
-  EXPECT_EQ(s["1"]["mode"], "tag") << s.dump();
+  EXPECT_EQ(s["1"]["mode"], shared_memory ? "put" : "tag") << s.dump();
+}
+
+// "put_into_model": true: where the endpoint carries puts (cma), every frame is
+// written by the rank's puts straight into the worker's tensors (each registered
+// for the update, keys sent again every update); over tcp still tagged.
+TEST(ucx_sharded, frames_are_put_into_the_tensors_where_asked_and_ucx_carries_puts) {
+  for (const bool staged : {false, true}) {
+    sharded_group g(2, 2, /*checksums=*/true);
+    g.init["put_into_model"] = true;
+    if (staged) g.commit = "staged";
+    g.connect();
+    const auto layouts = g.read_layout();
+    std::vector<std::vector<std::vector<std::byte>>> shards;
+    for (std::uint64_t round = 1; round <= 2; ++round) {
+      full_model model(checkpoint(), 20 + round);
+      auto [sent, got] = g.update(model, shards);
+      for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+      for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+      expect_holds(g, layouts, model);
+      for (int w = 0; w < 2; ++w) {
+        EXPECT_EQ(g.engines[w]->transport_info()["mode"], shared_memory ? "put" : "tag");
+        if (shared_memory)
+          EXPECT_EQ(g.engines[w]->last_put_regions(), layouts.workers[w].tensors.size()) << "worker " << w;
+        else
+          EXPECT_EQ(g.engines[w]->last_put_regions(), 0u);
+      }
+    }
+  }
 }
 
 TEST(ucx_sharded, one_rank_to_four_workers_sends_each_a_quarter) {
@@ -135,7 +166,9 @@ TEST(ucx_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_within_th
   }
   ASSERT_TRUE(sent[1]->error);
   EXPECT_EQ(sent[1]->kind(), static_cast<int>(errc::invalid_state)) << sent[1]->message();
-  if (sent[0]->error) EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
+  if (sent[0]->error) {
+    EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
+  }
   for (int w = 0; w < 2; ++w)
     EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
 }
