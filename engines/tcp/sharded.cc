@@ -103,27 +103,7 @@ std::unique_ptr<refit::init_info> sharded_engine::parse_init_info(const json& j)
 }
 
 std::unique_ptr<refit::update_info> sharded_engine::parse_update_info(const json& j) const {
-  const std::string context = "tcp_sharded update_info";
-  json_reader r(j, context);
-  auto info = std::make_unique<sharded_update_info>();
-  const update_metadata global = read_update_metadata(r);
-  info->commit = read_commit_mode(r);
-  const json spec = r.required<json>("layout");
-  r.finish();
-  if (worker_ < 0)
-    throw_error(errc::invalid_state, context +
-                                         ": parsed before init_transfer_engine (the worker's number among "
-                                         "the destinations comes from its init_info)");
-  info->layouts = layouts_.get(global, spec, context + ": member 'layout'");
-  const auto& l = *info->layouts;
-  if (static_cast<int>(l.workers.size()) != workers_)
-    throw_error(errc::invalid_argument, context + ": the layout has " + std::to_string(l.workers.size()) +
-                                            " destinations, init_info said " + std::to_string(workers_) + " workers");
-  if (l.source.ranks() != trainers_)
-    throw_error(errc::invalid_argument, context + ": the layout's mesh has " + std::to_string(l.source.ranks()) +
-                                            " trainer ranks, init_info listed " + std::to_string(trainers_));
-  info->metadata = l.workers[worker_].metadata();
-  return info;
+  return backend::read_sharded_update_info(j, "tcp_sharded", worker_, workers_, trainers_, layouts_);
 }
 
 asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
@@ -158,7 +138,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
 }
 
 asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base, load_weights_fn load_weights) {
-  const auto& info = downcast<sharded_update_info>(base, "update_info");
+  const auto& info = downcast<backend::sharded_update_info>(base, "update_info");
   if (sockets_.empty())
     throw_error(errc::invalid_state, who() +
                                          ": the connections to the trainer ranks were closed by an earlier "
@@ -186,78 +166,31 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   // Told once the first pair's header is accepted: from then on bytes land in it.
   direct_target_ = placed.direct ? target : nullptr;
 
-  // Every pair at once; the first failure cancels the others' reads, so no stream
-  // waits out its deadline for bytes that will not come.
-  struct shared {
-    std::vector<socket_ptr> sockets;
-    std::vector<pair_state> states;
-    bool failed = false;
-  };
-  auto s = std::make_shared<shared>();
-  s->sockets = sockets_;
-  s->states.resize(sockets_.size());
-  for (std::size_t r = 0; r < sockets_.size(); ++r) s->states[r] = {held[r], current, staged, std::nullopt, 0};
+  // Every pair at once (the first failure cancels the others and tells every rank).
+  std::vector<pair_state> states(sockets_.size());
+  for (std::size_t r = 0; r < sockets_.size(); ++r) states[r] = {held[r], current, staged, std::nullopt, 0};
   std::vector<asio::awaitable<void>> pairs;
   for (std::size_t r = 0; r < sockets_.size(); ++r)
-    pairs.push_back([](sharded_engine* self, std::shared_ptr<shared> s, int r, std::shared_ptr<const sharded_layouts> l,
-                       std::vector<std::byte*> bases) -> asio::awaitable<void> {
-      std::exception_ptr failure;
-      try {
-        co_await self->receive_pair(s->sockets[r], r, std::move(l), std::move(bases), &s->states[r]);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      if (failure) {
-        if (!s->failed) {
-          s->failed = true;
-          for (std::size_t k = 0; k < s->sockets.size(); ++k) {
-            std::error_code ignored;
-            if (static_cast<int>(k) != r) s->sockets[k]->cancel(ignored);
-          }
-        }
-        std::rethrow_exception(failure);
-      }
-    }(this, s, static_cast<int>(r), layouts, bases));
+    pairs.push_back(receive_pair(sockets_[r], static_cast<int>(r), layouts, bases, &states[r]));
   std::exception_ptr failure;
   try {
-    co_await async::all_of(std::move(pairs));
+    co_await backend::run_pairs(std::move(pairs), sockets_, last_seq_);
   } catch (...) {
     failure = std::current_exception();
   }
   if (failure) {
-    // Every trainer rank learns why (not just a reset), then the connections close.
-    for (std::size_t r = 0; r < s->sockets.size(); ++r) {
-      try {
-        co_await links::tell_failure(*s->sockets[r], failure, last_seq_[r]);
-      } catch (...) {
-      }
-    }
     do_shutdown();
     std::rethrow_exception(failure);
   }
   auto& stats = mutable_stats();
-  stats.bytes = plan.ingress[worker_];
   stats.wire_bytes = 0;
-  for (const auto& st : s->states) stats.wire_bytes += st.wire_bytes;
-  stats.tensors = dest.tensors.size();
-  stats.receive_s = since(start);
-  // The update, whole: views of the model's memory (received in place) or of the
-  // fallback area, loaded on the processing executor.
-  std::vector<tensor_view> views;
-  views.reserve(dest.tensors.size());
-  for (std::size_t i = 0; i < dest.tensors.size(); ++i) views.emplace_back(dest.tensors[i].spec, bases[i]);
-  const auto loading = clock_type::now();
-  auto* v = &views;
-  auto* load = &load_weights;
-  co_await async::offload(processing_executor(), [v, load] { (*load)(*v); });
-  stats.process_s = since(loading);
-  stats.wall_s = since(start);
-  stats.finalize();
+  for (const auto& st : states) stats.wire_bytes += st.wire_bytes;
+  co_await backend::load_sharded(dest, plan.ingress[worker_], bases, load_weights, processing_executor(), stats, start);
   // The pairs from ranks with deltas on now hold those ranks' versions (each
   // fingerprint hashes the bytes that arrived). A chunk staged in an open update
   // session holds them once the session commits.
-  for (std::size_t r = 0; r < s->states.size(); ++r)
-    if (const auto& now = s->states[r].now) held_[r].record(*now, receiving_into_open_session(), held[r]);
+  for (std::size_t r = 0; r < states.size(); ++r)
+    if (const auto& now = states[r].now) held_[r].record(*now, receiving_into_open_session(), held[r]);
 }
 
 void sharded_engine::do_session_committed() {
@@ -551,23 +484,10 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
   plan_s_ = 0;
   // Planned once per layout; a cache hit costs a digest of the spec and metadata.
   const auto plan_start = clock_type::now();
-  std::shared_ptr<const sharded_layouts> layouts;
-  {
-    auto* cache = &layouts_;
-    auto* meta = &declared;
-    auto* spec = &layout_spec_;
-    auto* out = &layouts;
-    const std::string context = who + ": layout";
-    auto* ctx = &context;
-    co_await async::offload(io_pool_->get_executor(),
-                            [cache, meta, spec, out, ctx] { *out = cache->get(*meta, *spec, *ctx); });
-  }
+  const auto layouts = co_await backend::plan_for_rank(io_pool_->get_executor(), layouts_, declared, layout_spec_,
+                                                       ranks_, workers_, who);
   plan_s_ = since(plan_start);
   const auto& plan = *layouts->plan;
-  if (plan.ranks != ranks_ || plan.workers != workers_)
-    throw_error(errc::invalid_argument, who + ": the layout plans " + std::to_string(plan.ranks) + " ranks and " +
-                                            std::to_string(plan.workers) + " workers, trainer_args said " +
-                                            std::to_string(ranks_) + " and " + std::to_string(workers_));
   // This rank's shards, each checked against what its placement gives it, before
   // any byte leaves.
   const update_metadata local = layouts->source.local_metadata(rank_);

@@ -59,9 +59,7 @@ struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
 /// Update info: vLLM's metadata members of the GLOBAL tensors (what the trainer
 /// ranks shard), "layout" (the spec above) and optional "commit". Parsed, its
 /// metadata is this worker's own tensors (what its model is told of).
-struct sharded_update_info final : refit::update_info {
-  std::shared_ptr<const sharded_layouts> layouts;
-};
+using sharded_update_info = backend::sharded_update_info;
 
 /// Worker side.
 class sharded_engine final : public backend::engine {

@@ -78,27 +78,7 @@ std::unique_ptr<refit::init_info> sharded_engine::parse_init_info(const json& j)
 }
 
 std::unique_ptr<refit::update_info> sharded_engine::parse_update_info(const json& j) const {
-  const std::string context = "ucx_sharded update_info";
-  json_reader r(j, context);
-  auto info = std::make_unique<sharded_update_info>();
-  const update_metadata global = read_update_metadata(r);
-  info->commit = read_commit_mode(r);
-  const json spec = r.required<json>("layout");
-  r.finish();
-  if (worker_ < 0)
-    throw_error(errc::invalid_state, context +
-                                         ": parsed before init_transfer_engine (the worker's number among "
-                                         "the destinations comes from its init_info)");
-  info->layouts = layouts_.get(global, spec, context + ": member 'layout'");
-  const auto& l = *info->layouts;
-  if (static_cast<int>(l.workers.size()) != workers_)
-    throw_error(errc::invalid_argument, context + ": the layout has " + std::to_string(l.workers.size()) +
-                                            " destinations, init_info said " + std::to_string(workers_) + " workers");
-  if (l.source.ranks() != trainers_)
-    throw_error(errc::invalid_argument, context + ": the layout's mesh has " + std::to_string(l.source.ranks()) +
-                                            " trainer ranks, init_info listed " + std::to_string(trainers_));
-  info->metadata = l.workers[worker_].metadata();
-  return info;
+  return backend::read_sharded_update_info(j, "ucx_sharded", worker_, workers_, trainers_, layouts_);
 }
 
 json sharded_engine::transport_info() const {
@@ -172,7 +152,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
 }
 
 asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base, load_weights_fn load_weights) {
-  const auto& info = downcast<sharded_update_info>(base, "update_info");
+  const auto& info = downcast<backend::sharded_update_info>(base, "update_info");
   if (sockets_.empty() || !worker_ucx_)
     throw_error(errc::invalid_state, who() +
                                          ": the connections to the trainer ranks were closed by an earlier "
@@ -192,16 +172,6 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   const std::vector<std::byte*>& bases = placed.bases;
   direct_target_ = placed.direct ? target : nullptr;
 
-  // Every pair at once on the one UCX worker; the first failure cancels the others'
-  // side channels, so no pair waits out its deadline for bytes that will not come.
-  struct shared {
-    std::vector<socket_ptr> sockets;
-    std::vector<std::uint64_t> wire_bytes;
-    bool failed = false;
-  };
-  auto s = std::make_shared<shared>();
-  s->sockets = sockets_;
-  s->wire_bytes.assign(sockets_.size(), 0);
   auto w = worker_ucx_;
   ucx::worker::engaged progressing(w);
   // Pairs whose frames come by puts write straight into these tensors: each one
@@ -214,35 +184,35 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
     std::vector<asio::mutable_buffer> tensors;
     for (std::size_t i = 0; i < dest.tensors.size(); ++i)
       if (dest.tensors[i].spec.nbytes() > 0) tensors.emplace_back(bases[i], dest.tensors[i].spec.nbytes());
-    co_await registry->cover(tensors);
+    std::exception_ptr failure;
+    try {
+      co_await registry->cover(tensors);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (failure) {
+      // Every rank hears why now rather than at its deadline.
+      for (std::size_t r = 0; r < sockets_.size(); ++r) {
+        try {
+          co_await links::tell_failure(*sockets_[r], failure, last_seq_[r]);
+        } catch (...) {
+        }
+      }
+      close();
+      std::rethrow_exception(failure);
+    }
     last_put_regions_ = registry->size();
   }
+  // Every pair at once on the one UCX worker (the first failure cancels the others
+  // and tells every rank).
+  std::vector<std::uint64_t> wire_bytes(sockets_.size(), 0);
   std::vector<asio::awaitable<void>> pairs;
   for (std::size_t r = 0; r < sockets_.size(); ++r)
-    pairs.push_back([](sharded_engine* self, std::shared_ptr<shared> s, std::shared_ptr<ucx::worker> w, int r,
-                       std::shared_ptr<const backend::sharded_layouts> l, std::vector<std::byte*> bases,
-                       update_registry* registry) -> asio::awaitable<void> {
-      std::exception_ptr failure;
-      try {
-        co_await self->receive_pair(s->sockets[r], w, r, std::move(l), std::move(bases), &s->wire_bytes[r],
-                                    self->reports_.at(r).mode == "put" ? registry : nullptr);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      if (failure) {
-        if (!s->failed) {
-          s->failed = true;
-          for (std::size_t k = 0; k < s->sockets.size(); ++k) {
-            std::error_code ignored;
-            if (static_cast<int>(k) != r) s->sockets[k]->cancel(ignored);
-          }
-        }
-        std::rethrow_exception(failure);
-      }
-    }(this, s, w, static_cast<int>(r), layouts, bases, registry.get()));
+    pairs.push_back(receive_pair(sockets_[r], w, static_cast<int>(r), layouts, bases, &wire_bytes[r],
+                                 reports_[r].mode == "put" ? registry.get() : nullptr));
   std::exception_ptr failure;
   try {
-    co_await async::all_of(std::move(pairs));
+    co_await backend::run_pairs(std::move(pairs), sockets_, last_seq_);
   } catch (...) {
     failure = std::current_exception();
   }
@@ -253,34 +223,13 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
     co_await async::offload(registrar_->get_executor(), [r] { delete r; });
   }
   if (failure) {
-    // Every trainer rank learns why (not just a reset), then the connections close.
-    for (std::size_t r = 0; r < s->sockets.size(); ++r) {
-      try {
-        co_await links::tell_failure(*s->sockets[r], failure, last_seq_[r]);
-      } catch (...) {
-      }
-    }
     close();
     std::rethrow_exception(failure);
   }
   auto& stats = mutable_stats();
-  stats.bytes = plan.ingress[worker_];
   stats.wire_bytes = 0;
-  for (auto b : s->wire_bytes) stats.wire_bytes += b;
-  stats.tensors = dest.tensors.size();
-  stats.receive_s = since(start);
-  // The update, whole: views of where the bytes landed, loaded on the processing
-  // executor.
-  std::vector<tensor_view> views;
-  views.reserve(dest.tensors.size());
-  for (std::size_t i = 0; i < dest.tensors.size(); ++i) views.emplace_back(dest.tensors[i].spec, bases[i]);
-  const auto loading = clock_type::now();
-  auto* v = &views;
-  auto* load = &load_weights;
-  co_await async::offload(processing_executor(), [v, load] { (*load)(*v); });
-  stats.process_s = since(loading);
-  stats.wall_s = since(start);
-  stats.finalize();
+  for (auto b : wire_bytes) stats.wire_bytes += b;
+  co_await backend::load_sharded(dest, plan.ingress[worker_], bases, load_weights, processing_executor(), stats, start);
 }
 
 asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, std::shared_ptr<ucx::worker> w, int rank,
@@ -492,23 +441,10 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
   stats_ = {};
   // Planned once per layout (a cache hit costs a digest of the spec and metadata),
   // on the pool, not the loop.
-  std::shared_ptr<const backend::sharded_layouts> layouts;
-  {
-    auto* cache = &layouts_;
-    auto* meta = &declared;
-    auto* spec = &args_.layout;
-    auto* out = &layouts;
-    const std::string context = who + ": layout";
-    auto* ctx = &context;
-    co_await async::offload(pool_->get_executor(),
-                            [cache, meta, spec, out, ctx] { *out = cache->get(*meta, *spec, *ctx); });
-  }
-  const auto& plan = *layouts->plan;
   const int rank = args_.rank, workers = args_.workers;
-  if (plan.ranks != static_cast<int>(args_.trainers.size()) || plan.workers != workers)
-    throw_error(errc::invalid_argument, who + ": the layout plans " + std::to_string(plan.ranks) + " ranks and " +
-                                            std::to_string(plan.workers) + " workers, trainer_args said " +
-                                            std::to_string(args_.trainers.size()) + " and " + std::to_string(workers));
+  const auto layouts = co_await backend::plan_for_rank(pool_->get_executor(), layouts_, declared, args_.layout,
+                                                       static_cast<int>(args_.trainers.size()), workers, who);
+  const auto& plan = *layouts->plan;
   // This rank's shards, each checked against what its placement gives it, before
   // any byte leaves.
   const update_metadata local = layouts->source.local_metadata(rank);

@@ -55,9 +55,7 @@ struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
 
 /// Update info: vLLM's metadata members of the GLOBAL tensors and "layout" (as
 /// tcp_sharded's), optional "commit".
-struct sharded_update_info final : refit::update_info {
-  std::shared_ptr<const backend::sharded_layouts> layouts;
-};
+using sharded_update_info = backend::sharded_update_info;
 
 /// Worker side.
 class sharded_engine final : public backend::engine {

@@ -5,8 +5,10 @@
 
 #include <xxhash.h>
 
+#include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/infos.h>
+#include <refit/backend/links/status_io.h>
 #include <refit/engine.h>
 #include <refit/error.h>
 #include <refit/internal/hex.h>
@@ -187,6 +189,117 @@ asio::awaitable<sharded_destination> place_destination(const dest_layout& dest, 
     });
   }
   co_return out;
+}
+
+std::unique_ptr<sharded_update_info> read_sharded_update_info(const json& j, std::string_view engine, int worker,
+                                                              int workers, int trainers, layout_cache& cache) {
+  const std::string context = std::string(engine) + " update_info";
+  json_reader r(j, context);
+  auto info = std::make_unique<sharded_update_info>();
+  const update_metadata global = read_update_metadata(r);
+  info->commit = read_commit_mode(r);
+  const json spec = r.required<json>("layout");
+  r.finish();
+  if (worker < 0)
+    throw_error(errc::invalid_state, context +
+                                         ": parsed before init_transfer_engine (the worker's number among "
+                                         "the destinations comes from its init_info)");
+  info->layouts = cache.get(global, spec, context + ": member 'layout'");
+  const auto& l = *info->layouts;
+  if (static_cast<int>(l.workers.size()) != workers)
+    throw_error(errc::invalid_argument, context + ": the layout has " + std::to_string(l.workers.size()) +
+                                            " destinations, init_info said " + std::to_string(workers) + " workers");
+  if (l.source.ranks() != trainers)
+    throw_error(errc::invalid_argument, context + ": the layout's mesh has " + std::to_string(l.source.ranks()) +
+                                            " trainer ranks, init_info listed " + std::to_string(trainers));
+  info->metadata = l.workers[worker].metadata();
+  return info;
+}
+
+asio::awaitable<std::shared_ptr<const sharded_layouts>> plan_for_rank(asio::any_io_executor pool, layout_cache& cache,
+                                                                      const update_metadata& declared, const json& spec,
+                                                                      int ranks, int workers, std::string who) {
+  std::shared_ptr<const sharded_layouts> layouts;
+  {
+    auto* c = &cache;
+    auto* meta = &declared;
+    auto* sp = &spec;
+    auto* out = &layouts;
+    const std::string context = who + ": layout";
+    auto* ctx = &context;
+    co_await async::offload(pool, [c, meta, sp, out, ctx] { *out = c->get(*meta, *sp, *ctx); });
+  }
+  const auto& plan = *layouts->plan;
+  if (plan.ranks != ranks || plan.workers != workers)
+    throw_error(errc::invalid_argument, who + ": the layout plans " + std::to_string(plan.ranks) + " ranks and " +
+                                            std::to_string(plan.workers) + " workers, trainer_args said " +
+                                            std::to_string(ranks) + " and " + std::to_string(workers));
+  co_return layouts;
+}
+
+asio::awaitable<void> run_pairs(std::vector<asio::awaitable<void>> pairs,
+                                std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets,
+                                const std::vector<std::uint64_t>& last_seq) {
+  struct shared {
+    std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets;
+    bool failed = false;
+  };
+  auto s = std::make_shared<shared>();
+  s->sockets = std::move(sockets);
+  std::vector<asio::awaitable<void>> guarded;
+  for (std::size_t r = 0; r < pairs.size(); ++r)
+    guarded.push_back(
+        [](asio::awaitable<void> pair, std::shared_ptr<shared> s, std::size_t r) -> asio::awaitable<void> {
+          std::exception_ptr failure;
+          try {
+            co_await std::move(pair);
+          } catch (...) {
+            failure = std::current_exception();
+          }
+          if (failure) {
+            if (!std::exchange(s->failed, true))
+              for (std::size_t k = 0; k < s->sockets.size(); ++k) {
+                std::error_code ignored;
+                if (k != r) s->sockets[k]->cancel(ignored);
+              }
+            std::rethrow_exception(failure);
+          }
+        }(std::move(pairs[r]), s, r));
+  std::exception_ptr failure;
+  try {
+    co_await async::all_of(std::move(guarded));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (!failure) co_return;
+  // Every trainer rank learns why (not just a reset).
+  for (std::size_t r = 0; r < s->sockets.size(); ++r) {
+    try {
+      co_await links::tell_failure(*s->sockets[r], failure, last_seq.at(r));
+    } catch (...) {
+    }
+  }
+  std::rethrow_exception(failure);
+}
+
+asio::awaitable<void> load_sharded(const dest_layout& dest, std::uint64_t ingress, const std::vector<std::byte*>& bases,
+                                   load_weights_fn& load_weights, asio::any_io_executor processing, update_stats& stats,
+                                   std::chrono::steady_clock::time_point start) {
+  using clock = std::chrono::steady_clock;
+  const auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+  stats.bytes = ingress;
+  stats.tensors = dest.tensors.size();
+  stats.receive_s = since(start);
+  std::vector<tensor_view> views;
+  views.reserve(dest.tensors.size());
+  for (std::size_t i = 0; i < dest.tensors.size(); ++i) views.emplace_back(dest.tensors[i].spec, bases[i]);
+  const auto loading = clock::now();
+  auto* v = &views;
+  auto* load = &load_weights;
+  co_await async::offload(processing, [v, load] { (*load)(*v); });
+  stats.process_s = since(loading);
+  stats.wall_s = since(start);
+  stats.finalize();
 }
 
 std::vector<std::byte*> local_shards(tensor_source& source, const update_metadata& local, const std::string& who) {

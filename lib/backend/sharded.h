@@ -17,19 +17,18 @@
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
+#include <asio/ip/tcp.hpp>
 
 #include <refit/backend/bucket_plan.h>
 #include <refit/backend/json_reader.h>
 #include <refit/backend/links/wire.h>
+#include <refit/engine.h>
 #include <refit/json.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
 #include <refit/metadata.h>
+#include <refit/stats.h>
 #include <refit/trainer.h>
-
-namespace refit {
-class model_target;
-}
 
 namespace refit::backend {
 
@@ -54,6 +53,25 @@ class layout_cache {
   std::uint64_t key_ = 0;
   std::shared_ptr<const sharded_layouts> last_;
 };
+
+/// A sharded worker's update info, parsed: `metadata` is this worker's own tensors
+/// (what its model is told of), `layouts` the plan they come by.
+struct sharded_update_info final : refit::update_info {
+  std::shared_ptr<const sharded_layouts> layouts;
+};
+
+/// Reads a sharded worker's update_info ({vLLM's metadata members of the GLOBAL
+/// tensors, "layout": {"source", "destination"}, "commit" (optional)}) for worker
+/// number `worker` (-1: not initialised yet, invalid_state) of `workers`, fed by
+/// `trainers` ranks; the layout planned through `cache`. `engine` names it in errors.
+std::unique_ptr<sharded_update_info> read_sharded_update_info(const json& j, std::string_view engine, int worker,
+                                                              int workers, int trainers, layout_cache& cache);
+
+/// A rank's plan for `declared` and `spec`, made on `pool` (planning is not for an
+/// event loop; cached), checked against the job's `ranks` and `workers`.
+asio::awaitable<std::shared_ptr<const sharded_layouts>> plan_for_rank(asio::any_io_executor pool, layout_cache& cache,
+                                                                      const update_metadata& declared, const json& spec,
+                                                                      int ranks, int workers, std::string who);
 
 /// A trainer rank's listen address.
 struct rank_endpoint {
@@ -130,6 +148,23 @@ asio::awaitable<sharded_destination> place_destination(const dest_layout& dest, 
                                                        model_target* model, bool staged,
                                                        std::vector<std::byte>& fallback,
                                                        asio::any_io_executor processing);
+
+/// A worker's pairs of one update, `pairs[r]` fed by trainer rank r over
+/// `sockets[r]`, run at once. The first to fail cancels the other ranks' side
+/// channels (so none waits out its deadline for bytes that will not come), every
+/// rank is told why (links::tell_failure, for its `last_seq` as it is then), and
+/// that failure is rethrown; the caller then closes its connections.
+asio::awaitable<void> run_pairs(std::vector<asio::awaitable<void>> pairs,
+                                std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets,
+                                const std::vector<std::uint64_t>& last_seq);
+
+/// The end of a sharded worker's update once every pair arrived: `stats` gets the
+/// worker's planned ingress, its tensors and receive_s (since `start`); then the
+/// update, whole (views of `bases`: the model's memory received in place, the stage
+/// or the fallback area), is loaded on `processing` (process_s), and wall_s.
+asio::awaitable<void> load_sharded(const dest_layout& dest, std::uint64_t ingress, const std::vector<std::byte*>& bases,
+                                   load_weights_fn& load_weights, asio::any_io_executor processing, update_stats& stats,
+                                   std::chrono::steady_clock::time_point start);
 
 /// Rank `rank`'s shards from `source`, each checked against the shape its
 /// placement gives it (the first divergent one is named) and required in host
