@@ -19,6 +19,7 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/sharded.h>
 #include <refit/engine.h>
+#include <refit/error.h>
 #include <refit/trainer.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -246,5 +247,127 @@ struct sharded_group_of {
     return *cache.get(checkpoint(), spec, "test");
   }
 };
+
+// ---- Cases every sharded engine must pass, each over a fresh group.
+
+// Every worker holds exactly `model`'s bytes of its tensors.
+template <class Engine>
+void expect_holds(sharded_group_of<Engine>& g, const backend::sharded_layouts& layouts, const full_model& model,
+                  const std::string& when = {}) {
+  for (int w = 0; w < g.workers; ++w)
+    for (const auto& [name, bytes] : model.expected(layouts.workers[w]))
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << when << ": worker " << w << " " << name;
+}
+
+inline void expect_ok(const std::vector<std::shared_ptr<outcome>>& sent,
+                      const std::vector<std::shared_ptr<outcome>>& got) {
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+}
+
+// One rank to four workers: each worker gets its quarter (norms are replicated).
+template <class Engine>
+void one_rank_to_four_workers() {
+  sharded_group_of<Engine> g(1, 4, false);
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 7);
+  auto [sent, got] = g.update(model, shards);
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+  const auto total = model.meta.total_bytes();
+  for (int w = 0; w < 4; ++w) {
+    const auto expected = model.expected(layouts.workers[w]);
+    for (const auto& [name, bytes] : expected)
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
+    // Norms are replicated (every worker holds them), the rest is a quarter.
+    EXPECT_LT(g.engines[w]->last_update_stats().bytes, total * 3 / 10) << "worker " << w;
+  }
+}
+
+// Both workers plan with another vocab padding (100 rows: 50 each, not 64): the
+// pieces differ, so does the digest; refused before any byte, nothing dirty.
+template <class Engine>
+void another_layout_is_refused_before_any_byte() {
+  sharded_group_of<Engine> g(2, 2, false);
+  g.connect();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 3);
+  // Both workers plan with another vocab padding (100 rows: 50 each, not 64): the
+  // pieces differ, so does the digest.
+  auto [sent, got] = g.update(model, shards, layout_spec(2, 2, 100));
+  for (auto& o : got) {
+    ASSERT_TRUE(o->error);
+    EXPECT_EQ(o->kind(), static_cast<int>(errc::protocol_error)) << o->message();
+  }
+  for (auto& o : sent) {
+    ASSERT_TRUE(o->error);
+    EXPECT_NE(o->message().find("transfer plans differ"), std::string::npos) << o->message();
+  }
+  // Nothing reached the models.
+  for (auto& m : g.models)
+    for (auto& [name, bytes] : m->tensors_)
+      EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](std::byte b) { return b == std::byte{0}; })) << name;
+  for (auto& e : g.engines) EXPECT_FALSE(e->weights_dirty()) << e->dirty_reason();
+}
+
+// Rank 1 goes away before it sends: typed errors on every side within the
+// deadline, and no worker loads an update it does not hold.
+template <class Engine>
+void a_lost_rank_fails_every_side() {
+  sharded_group_of<Engine> g(2, 2, false, 2s);
+  g.connect();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model model(checkpoint(), 4);
+  // Rank 1 goes away before it sends (its connections close): its workers' pairs fail, rank 0's sends fail.
+  g.senders[1]->shutdown();
+  const auto start = std::chrono::steady_clock::now();
+  auto [sent, got] = g.update(model, shards);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "not within the deadline";
+  for (auto& o : got) {
+    ASSERT_TRUE(o->error);
+    const auto k = static_cast<errc>(o->kind());
+    EXPECT_TRUE(k == errc::peer_lost || k == errc::invalid_state || k == errc::cancelled) << o->message();
+  }
+  ASSERT_TRUE(sent[1]->error);
+  EXPECT_EQ(sent[1]->kind(), static_cast<int>(errc::invalid_state)) << sent[1]->message();
+  // Rank 0 either finished its pairs before the workers failed, or learns why.
+  if (sent[0]->error) {
+    EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
+  }
+  // A failure after direct writes marks the weights dirty; never clean and claimed.
+  for (int w = 0; w < 2; ++w)
+    EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
+}
+
+// Staged: an update that loses a rank leaves the models with the last one, whole.
+template <class Engine>
+void staged_commits_land_whole_or_not_at_all() {
+  sharded_group_of<Engine> g(2, 2, true);
+  g.commit = "staged";
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model first(checkpoint(), 5);
+  auto [sent, got] = g.update(first, shards);
+  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
+  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
+  for (int w = 0; w < 2; ++w) {
+    for (const auto& [name, bytes] : first.expected(layouts.workers[w]))
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
+    EXPECT_GT(g.engines[w]->staged_bytes(), 0u);
+  }
+  // The next update loses a trainer rank: staged, the models keep update 5 whole.
+  g.senders[1]->shutdown();
+  full_model second(checkpoint(), 6);
+  auto [sent2, got2] = g.update(second, shards);
+  for (auto& o : got2) ASSERT_TRUE(o->error);
+  for (int w = 0; w < 2; ++w) {
+    for (const auto& [name, bytes] : first.expected(layouts.workers[w]))
+      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name << " changed";
+    EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
+  }
+}
 
 }  // namespace refit::testing

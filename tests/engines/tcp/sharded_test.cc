@@ -57,98 +57,14 @@ TEST(tcp_sharded, two_ranks_to_two_workers_every_byte_verified) {
   EXPECT_LT(layouts.plan->ingress[0], layouts.global.total_bytes());
 }
 
-TEST(tcp_sharded, one_rank_to_four_workers_sends_each_a_quarter) {
-  sharded_group g(1, 4, false);
-  g.connect();
-  const auto layouts = g.read_layout();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model model(checkpoint(), 7);
-  auto [sent, got] = g.update(model, shards);
-  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
-  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
-  const auto total = model.meta.total_bytes();
-  for (int w = 0; w < 4; ++w) {
-    const auto expected = model.expected(layouts.workers[w]);
-    for (const auto& [name, bytes] : expected)
-      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
-    // Norms are replicated (every worker holds them), the rest is a quarter.
-    EXPECT_LT(g.engines[w]->last_update_stats().bytes, total * 3 / 10) << "worker " << w;
-  }
-}
-
+TEST(tcp_sharded, one_rank_to_four_workers_sends_each_a_quarter) { one_rank_to_four_workers<tcp_engine>(); }
 TEST(tcp_sharded, a_worker_with_another_layout_refuses_before_any_byte) {
-  sharded_group g(2, 2, false);
-  g.connect();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model model(checkpoint(), 3);
-  // Both workers plan with another vocab padding (100 rows: 50 each, not 64): the
-  // pieces differ, so does the digest.
-  auto [sent, got] = g.update(model, shards, layout_spec(2, 2, 100));
-  for (auto& o : got) {
-    ASSERT_TRUE(o->error);
-    EXPECT_EQ(o->kind(), static_cast<int>(errc::protocol_error)) << o->message();
-  }
-  for (auto& o : sent) {
-    ASSERT_TRUE(o->error);
-    EXPECT_NE(o->message().find("transfer plans differ"), std::string::npos) << o->message();
-  }
-  // Nothing reached the models.
-  for (auto& m : g.models)
-    for (auto& [name, bytes] : m->tensors_)
-      EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](std::byte b) { return b == std::byte{0}; })) << name;
-  for (auto& e : g.engines) EXPECT_FALSE(e->weights_dirty()) << e->dirty_reason();
+  another_layout_is_refused_before_any_byte<tcp_engine>();
 }
-
 TEST(tcp_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_with_a_typed_error) {
-  sharded_group g(2, 2, false, 2s);
-  g.connect();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model model(checkpoint(), 4);
-  // Rank 1 goes away before it sends (its connections close): its workers' pairs fail, rank 0's sends fail.
-  g.senders[1]->shutdown();
-  auto [sent, got] = g.update(model, shards);
-  for (auto& o : got) {
-    ASSERT_TRUE(o->error);
-    const auto k = static_cast<errc>(o->kind());
-    EXPECT_TRUE(k == errc::peer_lost || k == errc::invalid_state || k == errc::cancelled) << o->message();
-  }
-  ASSERT_TRUE(sent[1]->error);
-  EXPECT_EQ(sent[1]->kind(), static_cast<int>(errc::invalid_state)) << sent[1]->message();
-  // Rank 0 either finished its pairs before the workers failed, or learns why.
-  if (sent[0]->error) {
-    EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
-  }
-  // A failure after direct writes marks the weights dirty; never clean and claimed.
-  for (int w = 0; w < 2; ++w)
-    EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
+  a_lost_rank_fails_every_side<tcp_engine>();
 }
-
-TEST(tcp_sharded, staged_commits_land_whole_or_not_at_all) {
-  sharded_group g(2, 2, true);
-  g.commit = "staged";
-  g.connect();
-  const auto layouts = g.read_layout();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model first(checkpoint(), 5);
-  auto [sent, got] = g.update(first, shards);
-  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
-  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
-  for (int w = 0; w < 2; ++w) {
-    for (const auto& [name, bytes] : first.expected(layouts.workers[w]))
-      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
-    EXPECT_GT(g.engines[w]->staged_bytes(), 0u);
-  }
-  // The next update loses a trainer rank: staged, the models keep update 5 whole.
-  g.senders[1]->shutdown();
-  full_model second(checkpoint(), 6);
-  auto [sent2, got2] = g.update(second, shards);
-  for (auto& o : got2) ASSERT_TRUE(o->error);
-  for (int w = 0; w < 2; ++w) {
-    for (const auto& [name, bytes] : first.expected(layouts.workers[w]))
-      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name << " changed";
-    EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
-  }
-}
+TEST(tcp_sharded, staged_commits_land_whole_or_not_at_all) { staged_commits_land_whole_or_not_at_all<tcp_engine>(); }
 
 TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
   asio::io_context io;
@@ -179,19 +95,6 @@ TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
 }
 
 // ---- Deltas (docs/delta.md): each (rank, worker) pair is a version of its own.
-
-// Every worker holds exactly `model`'s bytes of its tensors.
-void expect_holds(sharded_group& g, const backend::sharded_layouts& layouts, const full_model& model,
-                  const std::string& when) {
-  for (int w = 0; w < g.workers; ++w)
-    for (const auto& [name, bytes] : model.expected(layouts.workers[w]))
-      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << when << ": worker " << w << " " << name;
-}
-
-void expect_ok(const std::vector<std::shared_ptr<outcome>>& sent, const std::vector<std::shared_ptr<outcome>>& got) {
-  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
-  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
-}
 
 class tcp_sharded_delta : public ::testing::TestWithParam<bool> {};  // checksums
 

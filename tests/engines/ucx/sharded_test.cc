@@ -39,15 +39,6 @@ struct ucx_engine {
 };
 using sharded_group = sharded_group_of<ucx_engine>;
 
-void expect_holds(sharded_group& g, const backend::sharded_layouts& layouts, const full_model& model) {
-  for (int w = 0; w < g.workers; ++w) {
-    const auto expected = model.expected(layouts.workers[w]);
-    ASSERT_EQ(g.models[w]->tensors_.size(), expected.size());
-    for (const auto& [name, bytes] : expected)
-      EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name;
-  }
-}
-
 TEST(ucx_sharded, two_ranks_to_two_workers_every_byte_verified_and_the_transports_reported) {
   ASSERT_TRUE(ucx_env);
   sharded_group g(2, 2, /*checksums=*/true);
@@ -116,81 +107,14 @@ TEST(ucx_sharded, frames_are_put_into_the_tensors_where_asked_and_ucx_carries_pu
   }
 }
 
-TEST(ucx_sharded, one_rank_to_four_workers_sends_each_a_quarter) {
-  sharded_group g(1, 4, false);
-  g.connect();
-  const auto layouts = g.read_layout();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model model(checkpoint(), 7);
-  auto [sent, got] = g.update(model, shards);
-  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
-  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
-  expect_holds(g, layouts, model);
-  for (int w = 0; w < 4; ++w)
-    EXPECT_LT(g.engines[w]->last_update_stats().bytes, model.meta.total_bytes() * 3 / 10) << "worker " << w;
-}
-
+TEST(ucx_sharded, one_rank_to_four_workers_sends_each_a_quarter) { one_rank_to_four_workers<ucx_engine>(); }
 TEST(ucx_sharded, a_worker_with_another_layout_refuses_before_any_byte) {
-  sharded_group g(2, 2, false);
-  g.connect();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model model(checkpoint(), 3);
-  auto [sent, got] = g.update(model, shards, layout_spec(2, 2, 100));
-  for (auto& o : got) {
-    ASSERT_TRUE(o->error);
-    EXPECT_EQ(o->kind(), static_cast<int>(errc::protocol_error)) << o->message();
-  }
-  for (auto& o : sent) {
-    ASSERT_TRUE(o->error);
-    EXPECT_NE(o->message().find("transfer plans differ"), std::string::npos) << o->message();
-  }
-  for (auto& m : g.models)
-    for (auto& [name, bytes] : m->tensors_)
-      EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](std::byte b) { return b == std::byte{0}; })) << name;
-  for (auto& e : g.engines) EXPECT_FALSE(e->weights_dirty()) << e->dirty_reason();
+  another_layout_is_refused_before_any_byte<ucx_engine>();
 }
-
 TEST(ucx_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_within_the_deadline) {
-  sharded_group g(2, 2, false, 2s);
-  g.connect();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model model(checkpoint(), 4);
-  g.senders[1]->shutdown();
-  const auto start = std::chrono::steady_clock::now();
-  auto [sent, got] = g.update(model, shards);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
-  for (auto& o : got) {
-    ASSERT_TRUE(o->error);
-    const auto k = static_cast<errc>(o->kind());
-    EXPECT_TRUE(k == errc::peer_lost || k == errc::invalid_state || k == errc::cancelled) << o->message();
-  }
-  ASSERT_TRUE(sent[1]->error);
-  EXPECT_EQ(sent[1]->kind(), static_cast<int>(errc::invalid_state)) << sent[1]->message();
-  if (sent[0]->error) {
-    EXPECT_NE(sent[0]->message().find("worker"), std::string::npos) << sent[0]->message();
-  }
-  for (int w = 0; w < 2; ++w)
-    EXPECT_EQ(g.models[w]->loaded_, 0u) << "worker " << w << " loaded an update it does not hold";
+  a_lost_rank_fails_every_side<ucx_engine>();
 }
-
-TEST(ucx_sharded, staged_commits_land_whole_or_not_at_all) {
-  sharded_group g(2, 2, true);
-  g.commit = "staged";
-  g.connect();
-  const auto layouts = g.read_layout();
-  std::vector<std::vector<std::vector<std::byte>>> shards;
-  full_model first(checkpoint(), 5);
-  auto [sent, got] = g.update(first, shards);
-  for (auto& o : sent) ASSERT_FALSE(o->error) << o->message();
-  for (auto& o : got) ASSERT_FALSE(o->error) << o->message();
-  expect_holds(g, layouts, first);
-  g.senders[1]->shutdown();
-  full_model second(checkpoint(), 6);
-  auto [sent2, got2] = g.update(second, shards);
-  for (auto& o : got2) ASSERT_TRUE(o->error);
-  expect_holds(g, layouts, first);  // update 5, whole
-  for (int w = 0; w < 2; ++w) EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
-}
+TEST(ucx_sharded, staged_commits_land_whole_or_not_at_all) { staged_commits_land_whole_or_not_at_all<ucx_engine>(); }
 
 TEST(ucx_sharded, unmet_required_transports_refuse_init_on_both_sides) {
   sharded_group g(1, 2, false);
