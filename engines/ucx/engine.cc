@@ -523,11 +523,10 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
   } catch (...) {
     failure = std::current_exception();
   }
+  // Every put completed (each done came after its flush) or the update failed.
   if (registry) {
-    // Every put of the update completed (each bucket's done came after its flush)
-    // or the update failed: the registrations go, off the loop (unpinning costs).
-    auto* r = registry.release();
-    co_await async::offload(registrar_->get_executor(), [r] { delete r; });
+    const asio::any_io_executor registrar = registrar_->get_executor();
+    co_await release_off_loop(std::move(registry), registrar);
   }
   if (failure) {
     // The upstream (the trainer or the worker relaying to this one) learns why,

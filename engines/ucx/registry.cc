@@ -2,6 +2,12 @@
 
 namespace refit::ucx {
 
+asio::awaitable<void> release_off_loop(std::unique_ptr<update_registry> registry, asio::any_io_executor registrar) {
+  if (!registry) co_return;
+  auto* r = registry.release();
+  co_await async::offload(registrar, [r] { delete r; });
+}
+
 std::vector<std::byte> put_pieces_grant(std::span<const asio::mutable_buffer> pieces,
                                         std::span<update_registry::region* const> regions,
                                         const std::function<bool(update_registry::region&)>& fresh, wire::grant& g) {

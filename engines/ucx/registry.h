@@ -84,6 +84,10 @@ class update_registry {
   std::multimap<const std::byte*, region> by_base_;  // by the region's base
 };
 
+/// Releases `registry` (when the update's puts completed, or it failed) on
+/// `registrar`, not the loop: unpinning costs on RDMA hardware.
+asio::awaitable<void> release_off_loop(std::unique_ptr<update_registry> registry, asio::any_io_executor registrar);
+
 /// Fills `g` as a mode_put_pieces grant for `pieces` (none empty), held by
 /// `regions` (cover()'s answer), and returns the records that follow it: each
 /// piece's range and region, with the region's extent and key where `fresh(region)`

@@ -216,11 +216,10 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   } catch (...) {
     failure = std::current_exception();
   }
+  // Every put completed (each done came after its flush) or the update failed.
   if (registry) {
-    // Every put completed (each frame's done came after its flush) or the update
-    // failed: the registrations go, off the loop (unpinning costs).
-    auto* r = registry.release();
-    co_await async::offload(registrar_->get_executor(), [r] { delete r; });
+    const asio::any_io_executor registrar = registrar_->get_executor();
+    co_await release_off_loop(std::move(registry), registrar);
   }
   if (failure) {
     close();
