@@ -182,12 +182,6 @@ class transport final : public bucket_transport {
   std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
 };
 
-void close_socket(asio::ip::tcp::socket& s) {
-  std::error_code ignored;
-  s.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-  s.close(ignored);
-}
-
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
@@ -378,8 +372,8 @@ void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
 
 void engine::do_shutdown() {
   for (auto* s : {socket_.get(), upstream_.get()})
-    if (s) close_socket(*s);
-  for (auto& c : children_) close_socket(*c);
+    if (s) net::close(*s);
+  for (auto& c : children_) net::close(*c);
   socket_.reset();
   upstream_.reset();
   children_.clear();

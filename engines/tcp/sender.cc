@@ -111,12 +111,7 @@ void sender::fail_all() {
   // may be writing to it right now, from a pool thread); the closure keeps the peer
   // alive until it has run.
   for (auto* list : {&peers_, &relayed_}) {
-    for (auto& p : *list)
-      asio::post(p->strand, [p] {
-        std::error_code ignored;
-        p->socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-        p->socket.close(ignored);
-      });
+    for (auto& p : *list) asio::post(p->strand, [p] { net::close(p->socket); });
     list->clear();
   }
 }

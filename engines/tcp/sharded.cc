@@ -39,12 +39,6 @@ std::vector<asio::mutable_buffer> mutable_buffers(const stream_frame& f) {
   return out;
 }
 
-void close_socket(asio::ip::tcp::socket& s) noexcept {
-  std::error_code ignored;
-  s.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-  s.close(ignored);
-}
-
 // The element size a pair's frames are delta-encoded with: its items' dtype size
 // when they all share one, else 1 (both sides compute it from the global metadata).
 std::size_t pair_element_size(const sharded_layouts& l, const pair_plan& pair) {
@@ -130,7 +124,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
     co_await async::all_of(std::move(joins));
   } catch (...) {
     for (auto& s : sockets)
-      if (s) close_socket(*s);
+      if (s) net::close(*s);
     throw;
   }
   sockets_ = std::move(sockets);
@@ -396,7 +390,7 @@ void sharded_engine::do_refuse_update(errc kind, const std::string& reason) noex
 
 void sharded_engine::do_shutdown() {
   for (auto& s : sockets_)
-    if (s) close_socket(*s);
+    if (s) net::close(*s);
   sockets_.clear();
 }
 
@@ -460,7 +454,7 @@ asio::awaitable<void> sharded_sender::connect_workers() {
 }
 
 void sharded_sender::fail_all() {
-  for (auto& p : peers_) asio::post(p->strand, [p] { close_socket(p->socket); });
+  for (auto& p : peers_) asio::post(p->strand, [p] { net::close(p->socket); });
   peers_.clear();
 }
 

@@ -21,11 +21,7 @@ void downstream::forget_update_regions() noexcept {
 void downstream::close() noexcept {
   regions.clear();
   if (ep) ep->close();
-  if (socket) {
-    std::error_code ignored;
-    socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    socket->close(ignored);
-  }
+  if (socket) net::close(*socket);
 }
 
 asio::awaitable<void> connect_downstream(std::shared_ptr<downstream> keep, std::shared_ptr<worker> w,

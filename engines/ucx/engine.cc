@@ -591,12 +591,8 @@ void engine::close() noexcept {
   // Children's keys and endpoints before the UCX worker they live on.
   for (auto& c : children_) c->close();
   children_.clear();
-  for (auto* s : {socket_.get(), upstream_.get()}) {
-    if (!s) continue;
-    std::error_code ignored;
-    s->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    s->close(ignored);
-  }
+  for (auto* s : {socket_.get(), upstream_.get()})
+    if (s) net::close(*s);
   socket_.reset();
   upstream_.reset();
   if (relay_) {

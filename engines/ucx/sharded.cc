@@ -47,12 +47,6 @@ std::vector<Buffer> buffers_of(const stream_frame& f) {
 // each other's messages (a pair has one frame in flight at a time).
 std::uint64_t frame_tag(std::uint64_t seq, int rank) { return (seq << 32) | static_cast<std::uint32_t>(rank); }
 
-void close_socket(asio::ip::tcp::socket& s) noexcept {
-  std::error_code ignored;
-  s.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-  s.close(ignored);
-}
-
 }  // namespace
 
 sharded_init_info sharded_init_info::read(json_reader& r) {
@@ -141,7 +135,7 @@ asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
   }
   if (failure) {
     for (auto& s : sockets)
-      if (s) close_socket(*s);
+      if (s) net::close(*s);
     w->close();
     std::rethrow_exception(failure);
   }
@@ -339,7 +333,7 @@ void sharded_engine::do_refuse_update(errc kind, const std::string& reason) noex
 
 void sharded_engine::close() noexcept {
   for (auto& s : sockets_)
-    if (s) close_socket(*s);
+    if (s) net::close(*s);
   sockets_.clear();
   reports_.clear();
   if (worker_ucx_) {

@@ -133,6 +133,12 @@ void tune(tcp::socket& socket) {
   socket.set_option(tcp::no_delay(true), ignored);
 }
 
+void close(tcp::socket& socket) noexcept {
+  std::error_code ignored;
+  socket.shutdown(tcp::socket::shutdown_both, ignored);
+  socket.close(ignored);
+}
+
 void set_buffers(tcp::socket& socket, std::size_t bytes) {
   if (bytes == 0) return;
   const int n = static_cast<int>(std::min<std::size_t>(bytes, std::numeric_limits<int>::max()));

@@ -112,4 +112,8 @@ void tune(tcp::socket& socket);
 /// kernel keeps its own sizes.
 void set_buffers(tcp::socket& socket, std::size_t bytes);
 
+/// Shuts both directions down and closes, ignoring errors (a peer that reads gets
+/// end of stream at once; a pending operation on it completes with an error).
+void close(tcp::socket& socket) noexcept;
+
 }  // namespace refit::net

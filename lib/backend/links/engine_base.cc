@@ -94,9 +94,7 @@ void worker_engine::do_refuse_update(errc kind, const std::string& reason) noexc
 void worker_engine::close() noexcept {
   close_transport();
   if (socket_) {
-    std::error_code ignored;
-    socket_->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-    socket_->close(ignored);
+    net::close(*socket_);
     socket_.reset();
   }
 }
@@ -164,12 +162,8 @@ asio::awaitable<void> sender_base::connect_workers() {
 
 void sender_base::close() noexcept {
   close_transport();
-  std::error_code ignored;
   for (auto* list : {&peers_, &relayed_}) {
-    for (auto& p : *list) {
-      p.socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-      p.socket->close(ignored);
-    }
+    for (auto& p : *list) net::close(*p.socket);
     list->clear();
   }
 }

@@ -374,8 +374,7 @@ asio::awaitable<void> refuse_update(std::shared_ptr<asio::ip::tcp::socket> socke
     }
   } catch (const std::exception&) {  // closed, reset or timed out: done either way
   }
-  socket->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-  socket->close(ignored);
+  net::close(*socket);
 }
 
 asio::awaitable<void> confirm_update(asio::ip::tcp::socket& socket, std::uint64_t seq,
