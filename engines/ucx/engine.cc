@@ -345,7 +345,7 @@ class transport final : public bucket_transport {
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
-    : typed_engine(config, context, capabilities_of()), next_update_region_(wire::first_update_region) {}
+    : typed_engine(config, context, capabilities_of()) {}
 
 engine::~engine() {
   close();
@@ -505,8 +505,8 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     // registered as the pipeline grants them, for this update only.
     const bool puts = report_.mode == "put";
     if (puts && puts_into_model()) {
-      if (!registrar_) registrar_ = std::make_unique<asio::thread_pool>(1);
-      registry = std::make_unique<update_registry>(ucp_, registrar_->get_executor(), next_update_region_);
+      if (!registrar_) registrar_ = std::make_unique<registrar>();
+      registry = registrar_->open(ucp_);
     }
     transport t(*from, w, *staging_, announced_, puts, last_seq_, timeout_, source, pipeline_->params().checksums,
                 children, std::move(child_forms), delta ? &*delta : nullptr, registry.get());
@@ -524,10 +524,7 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     failure = std::current_exception();
   }
   // Every put completed (each done came after its flush) or the update failed.
-  if (registry) {
-    const asio::any_io_executor registrar = registrar_->get_executor();
-    co_await release_off_loop(std::move(registry), registrar);
-  }
+  if (registry) co_await registrar_->close(std::move(registry));
   if (failure) {
     // The upstream (the trainer or the worker relaying to this one) learns why,
     // so its error names this worker's reason (say, which child was lost); then,

@@ -2,10 +2,10 @@
 
 namespace refit::ucx {
 
-asio::awaitable<void> release_off_loop(std::unique_ptr<update_registry> registry, asio::any_io_executor registrar) {
+asio::awaitable<void> registrar::close(std::unique_ptr<update_registry> registry) {
   if (!registry) co_return;
   auto* r = registry.release();
-  co_await async::offload(registrar, [r] { delete r; });
+  co_await async::offload(pool_.get_executor(), [r] { delete r; });
 }
 
 std::vector<std::byte> put_pieces_grant(std::span<const asio::mutable_buffer> pieces,

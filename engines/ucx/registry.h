@@ -13,6 +13,7 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 #include <asio/buffer.hpp>
+#include <asio/thread_pool.hpp>
 
 #include <refit/backend/async/offload.h>
 #include "ucp.h"   // private to this engine
@@ -84,9 +85,22 @@ class update_registry {
   std::multimap<const std::byte*, region> by_base_;  // by the region's base
 };
 
-/// Releases `registry` (when the update's puts completed, or it failed) on
-/// `registrar`, not the loop: unpinning costs on RDMA hardware.
-asio::awaitable<void> release_off_loop(std::unique_ptr<update_registry> registry, asio::any_io_executor registrar);
+/// Where an engine's registries come from: the thread that registers and releases
+/// memory off the loop, and the next region id (never reused within the engine).
+class registrar {
+ public:
+  /// An empty registry for one update, on `ctx`.
+  std::unique_ptr<update_registry> open(std::shared_ptr<context> ctx) {
+    return std::make_unique<update_registry>(std::move(ctx), pool_.get_executor(), next_id_);
+  }
+  /// Releases `registry` (the update's puts completed, or it failed) on this
+  /// thread, not the loop: unpinning costs on RDMA hardware.
+  asio::awaitable<void> close(std::unique_ptr<update_registry> registry);
+
+ private:
+  asio::thread_pool pool_{1};
+  std::uint32_t next_id_ = wire::first_update_region;
+};
 
 /// Fills `g` as a mode_put_pieces grant for `pieces` (none empty), held by
 /// `regions` (cover()'s answer), and returns the records that follow it: each

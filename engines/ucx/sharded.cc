@@ -60,7 +60,7 @@ sharded_init_info sharded_init_info::read(json_reader& r) {
 // ---------------------------------------------------------------- worker
 
 sharded_engine::sharded_engine(const weight_transfer_config& config, const engine_context& context)
-    : engine(config, context, capabilities_of()), next_update_region_(wire::first_update_region) {}
+    : engine(config, context, capabilities_of()) {}
 
 sharded_engine::~sharded_engine() { close(); }
 
@@ -173,8 +173,8 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
   std::unique_ptr<update_registry> registry;
   last_put_regions_ = 0;
   if (std::any_of(reports_.begin(), reports_.end(), [](const endpoint_report& r) { return r.mode == "put"; })) {
-    if (!registrar_) registrar_ = std::make_unique<asio::thread_pool>(1);
-    registry = std::make_unique<update_registry>(ucp_, registrar_->get_executor(), next_update_region_);
+    if (!registrar_) registrar_ = std::make_unique<registrar>();
+    registry = registrar_->open(ucp_);
     std::vector<asio::mutable_buffer> tensors;
     for (std::size_t i = 0; i < dest.tensors.size(); ++i)
       if (dest.tensors[i].spec.nbytes() > 0) tensors.emplace_back(bases[i], dest.tensors[i].spec.nbytes());
@@ -211,10 +211,7 @@ asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base,
     failure = std::current_exception();
   }
   // Every put completed (each done came after its flush) or the update failed.
-  if (registry) {
-    const asio::any_io_executor registrar = registrar_->get_executor();
-    co_await release_off_loop(std::move(registry), registrar);
-  }
+  if (registry) co_await registrar_->close(std::move(registry));
   if (failure) {
     close();
     std::rethrow_exception(failure);

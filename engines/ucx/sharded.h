@@ -112,11 +112,10 @@ class sharded_engine final : public backend::engine {
   std::chrono::milliseconds timeout_{0};
   // Set by init only (parse_update_info reads them, possibly off the loop).
   int worker_ = -1, workers_ = 0, trainers_ = 0;
-  std::vector<std::byte> fallback_;               // tensors the model offers no host memory for
-  model_target* direct_target_ = nullptr;         // to tell when the update's first bytes land
-  std::optional<bool> put_into_model_;            // init_info's
-  std::unique_ptr<asio::thread_pool> registrar_;  // registers the tensors for puts, off the loop
-  std::uint32_t next_update_region_;              // the next id of a region registered for one update
+  std::vector<std::byte> fallback_;            // tensors the model offers no host memory for
+  model_target* direct_target_ = nullptr;      // to tell when the update's first bytes land
+  std::optional<bool> put_into_model_;         // init_info's
+  std::unique_ptr<ucx::registrar> registrar_;  // registers memory for puts, off the loop (made when first used)
   std::size_t last_put_regions_ = 0;
 };
 

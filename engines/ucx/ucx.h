@@ -67,6 +67,7 @@ class endpoint;
 class remote_key;
 class registered_staging;
 class update_registry;
+class registrar;
 struct downstream;
 
 /// Worker init info: links::join_info plus "topology" ("star", "chain",
@@ -173,12 +174,11 @@ class engine final : public backend::typed_engine<init_info, update_info> {
 
   std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
   std::shared_ptr<worker> worker_;
-  registered_staging* staging_ = nullptr;         // owned by pipeline_
-  std::vector<std::uint32_t> announced_;          // staging regions whose keys the trainer has
-  std::optional<bool> put_into_model_;            // init_info's
-  bool puts_into_model() const;                   // what it comes to for this endpoint
-  std::unique_ptr<asio::thread_pool> registrar_;  // registers the model's memory for an update, off the loop
-  std::uint32_t next_update_region_;              // the next id of a region registered for one update
+  registered_staging* staging_ = nullptr;      // owned by pipeline_
+  std::vector<std::uint32_t> announced_;       // staging regions whose keys the trainer has
+  std::optional<bool> put_into_model_;         // init_info's
+  bool puts_into_model() const;                // what it comes to for this endpoint
+  std::unique_ptr<ucx::registrar> registrar_;  // registers memory for puts, off the loop (made when first used)
   std::size_t last_put_regions_ = 0;
   // Shared with an update in flight: a shutdown() while it waits on the trainer
   // closes the socket and the UCX worker but frees neither under it.
