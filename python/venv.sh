@@ -115,7 +115,9 @@ for d in ${REFIT_WHEELS:-}; do FIND_LINKS+=(--find-links "$d"); done
 # the dynamic linker finds them all.
 missing_sonames() {
   local lib
-  lib=$("$PY" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("torch").origin), "lib"))')
+  # (None without torch: nothing to look for.)
+  lib=$("$PY" -c 'import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.join(os.path.dirname(s.origin), "lib") if s else "")')
+  [ -n "$lib" ] || return 0
   for so in "$lib"/libtorch_cuda.so "$lib"/libtorch.so "$lib"/libtorch_python.so "$lib"/libc10_cuda.so; do
     [ -f "$so" ] && ldd "$so" 2>/dev/null
   done | awk '/=> not found/ {print $1}' | grep -vx 'libcuda.so.1' | sort -u || true

@@ -21,11 +21,12 @@
 #include <refit/backend/net.h>
 #include <refit/engines/ucx/ucx.h>
 #include <refit/internal/hex.h>
-#include "downstream.h"  // private to this engine
-#include "registry.h"    // private to this engine
-#include "ucp.h"         // private to this engine
-#include "upstream.h"    // private to this engine
-#include "wire.h"        // private to this engine
+#include "device_memory.h"  // private to this engine
+#include "downstream.h"     // private to this engine
+#include "registry.h"       // private to this engine
+#include "ucp.h"            // private to this engine
+#include "upstream.h"       // private to this engine
+#include "wire.h"           // private to this engine
 
 namespace refit::ucx {
 
@@ -36,6 +37,7 @@ init_info init_info::read(json_reader& r) {
                                          r.context() + ": member '" + r.member_path("topology") + "'");
   info.require_transports = r.optional<std::vector<std::string>>("require_transports", {});
   info.put_into_model = r.maybe<bool>("put_into_model");
+  info.device_memory = r.maybe<bool>("device_memory");
   return info;
 }
 
@@ -86,18 +88,19 @@ std::string check_required(const endpoint_report& report, const std::vector<std:
 }
 
 // Staging slots registered with UCX (and the assembly buffer for tensors larger
-// than a slot, registered whenever it grows). Region ids: slot i is i; each
-// assembly allocation takes the next id from slot_count() on.
+// than a slot, registered whenever it grows), on the host or on the CUDA device
+// the worker receives on (registered as device memory). Region ids: slot i is i;
+// each assembly allocation takes the next id from slot_count() on.
 class registered_staging final : public staging_memory {
  public:
-  registered_staging(std::shared_ptr<context> ctx, std::size_t count, std::uint64_t bytes)
-      : ctx_(std::move(ctx)), slot_bytes_(bytes), next_id_(static_cast<std::uint32_t>(count)) {
+  registered_staging(std::shared_ptr<context> ctx, std::size_t count, std::uint64_t bytes, refit::device where)
+      : ctx_(std::move(ctx)), where_(where), slot_bytes_(bytes), next_id_(static_cast<std::uint32_t>(count)) {
     for (std::size_t i = 0; i < count; ++i) {
       slots_.push_back(allocate(bytes));
-      regs_.push_back(std::make_unique<registration>(ctx_, slots_.back().get(), bytes));
+      regs_.push_back(std::make_unique<registration>(ctx_, slots_.back().get(), bytes, where_));
     }
   }
-  refit::device device() const noexcept override { return device::cpu(); }
+  refit::device device() const noexcept override { return where_; }
   std::size_t slot_count() const noexcept override { return slots_.size(); }
   std::span<std::byte> slot(std::size_t index) override {
     return {slots_.at(index).get(), static_cast<std::size_t>(slot_bytes_)};
@@ -108,7 +111,7 @@ class registered_staging final : public staging_memory {
       assembly_.reset();
       assembly_bytes_ = 0;
       assembly_ = allocate(bytes);
-      assembly_reg_ = std::make_unique<registration>(ctx_, assembly_.get(), bytes);
+      assembly_reg_ = std::make_unique<registration>(ctx_, assembly_.get(), bytes, where_);
       assembly_id_ = next_id_++;
       assembly_bytes_ = bytes;
     }
@@ -126,19 +129,18 @@ class registered_staging final : public staging_memory {
   const registration& slot_registration(std::size_t i) const { return *regs_.at(i); }
 
  private:
-  struct free_deleter {
-    void operator()(std::byte* p) const noexcept { std::free(p); }
-  };
-  using buffer = std::unique_ptr<std::byte[], free_deleter>;
-  static buffer allocate(std::uint64_t bytes) {
+  using buffer = std::shared_ptr<std::byte>;
+  buffer allocate(std::uint64_t bytes) const {
+    if (!where_.is_cpu()) return allocate_device(where_, bytes);
     const std::uint64_t rounded = (bytes + 4095) / 4096 * 4096;
     auto* p = static_cast<std::byte*>(std::aligned_alloc(4096, static_cast<std::size_t>(rounded)));
     if (!p) throw_error(errc::resource_exhausted, "ucx worker: cannot allocate " + std::to_string(bytes) + " bytes");
     std::memset(p, 0, static_cast<std::size_t>(rounded));  // faulted in now, not under the first put
-    return buffer(p);
+    return buffer(p, [](std::byte* q) { std::free(q); });
   }
 
   std::shared_ptr<context> ctx_;
+  refit::device where_;
   std::uint64_t slot_bytes_;
   // Buffers before registrations: a registration goes before its memory.
   std::vector<buffer> slots_;
@@ -368,7 +370,29 @@ json engine::transport_info() const {
   json j = report_.to_json();
   j["rank"] = rank_;
   j["put_into_model"] = puts_into_model();
+  j["memory"] = to_string(staging_ ? staging_->device() : device::cpu());
   return j;
+}
+
+refit::device engine::receive_device(const init_info& info) const {
+  const refit::device dev = context().device;
+  const bool asked = info.device_memory.value_or(false);
+  if (info.device_memory == false || (dev.is_cpu() && !asked)) return device::cpu();
+  std::string why;
+  if (dev.is_cpu()) {
+    why = "the engine's device (engine_context::device) is the host";
+  } else if (auto unavailable = device_memory_unavailable(); !unavailable.empty()) {
+    why = unavailable;
+  } else if (!ucp_->handles(dev)) {
+    why = "the UCX loaded (" + context::version() + ") handles " + ucp_->memory_types() +
+          " memory only (a UCX built with CUDA, e.g. PyPI's libucx-cu13, first on the library path handles " +
+          to_string(dev) + ")";
+  } else if (info.wire.checksums) {
+    why = "the trainer asks for checksums, which are verified on the host";
+  }
+  if (why.empty()) return dev;
+  if (asked) throw_error(errc::unsupported, who() + ": \"device_memory\": true, but " + why);
+  return device::cpu();  // transport_info()'s "memory" says so
 }
 
 asio::awaitable<void> engine::init(const init_info& info) {
@@ -392,16 +416,18 @@ asio::awaitable<void> engine::init(const init_info& info) {
     // UCX's context (it loads its transport modules) and the registered staging
     // are made once, off the event loop, and kept across inits.
     if (!ucp_) ucp_ = co_await async::offload(processing_executor(), [] { return std::make_shared<ucx::context>(); });
-    if (!pipeline_ || !(pipeline_->params() == info.wire)) {
+    const refit::device where = receive_device(info);
+    if (!pipeline_ || !(pipeline_->params() == info.wire) || staging_->device() != where) {
       pipeline_.reset();  // the old staging goes first: peak memory is one set
       staging_ = nullptr;
       const wire_params wire = info.wire;
       // Captured by reference (they live in this frame): GCC 12 may destroy an
       // owning capture of a lambda written inside co_await twice (async/offload.h).
       auto ctx = ucp_;
-      std::unique_ptr<registered_staging> staging = co_await async::offload(processing_executor(), [&ctx, &wire] {
-        return std::make_unique<registered_staging>(ctx, wire.num_buffers, wire.buffer_bytes);
-      });
+      std::unique_ptr<registered_staging> staging =
+          co_await async::offload(processing_executor(), [&ctx, &wire, &where] {
+            return std::make_unique<registered_staging>(ctx, wire.num_buffers, wire.buffer_bytes, where);
+          });
       staging_ = staging.get();
       pipeline_ =
           std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
@@ -492,6 +518,9 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
     // Which version the weights hold is known only until this update changes them.
     const std::optional<backend::held_version> held = held_.take();
+    // Deltas are hashed and decoded on the host: a worker receiving into device
+    // memory takes every update full (and records no version).
+    const bool on_host = staging_->device().is_cpu();
     // A trainer with deltas on sends a delta header (a relay passes it down).
     std::optional<links::wire::delta_header> delta_header;
     last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
@@ -506,17 +535,17 @@ asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn l
     const bool puts = report_.mode == "put";
     if (puts && puts_into_model()) {
       if (!registrar_) registrar_ = std::make_unique<registrar>();
-      registry = registrar_->open(ucp_);
+      registry = registrar_->open(ucp_, staging_->device());
     }
     transport t(*from, w, *staging_, announced_, puts, last_seq_, timeout_, source, pipeline_->params().checksums,
-                children, std::move(child_forms), delta ? &*delta : nullptr, registry.get());
+                children, std::move(child_forms), delta && on_host ? &*delta : nullptr, registry.get());
     co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
                                 receive_target());
     last_put_regions_ = registry ? registry->size() : 0;
     co_await links::confirm_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, timeout_, me);
     // The weights now hold the trainer's version (its fingerprint: the hashes of the
     // bytes that arrived); a chunk staged in an open session, once it commits.
-    if (delta_header) {
+    if (delta_header && on_host) {
       held_.record({delta_header->version, backend::delta_fingerprint(metadata_digest(info.metadata), delta->hashes)},
                    receiving_into_open_session(), held);
     }
@@ -553,8 +582,12 @@ asio::awaitable<std::vector<bool>> engine::answer_delta_offer(
   const std::string dirty = weights_dirty() ? dirty_reason() : std::string();
   model_target* const current = staged ? context().model : receive_target();
   const asio::any_io_executor processing = processing_executor();
-  std::string why_full =
-      co_await backend::check_delta_base(d, held, dirty, info.metadata, current, staged, plan, processing, delta.base);
+  std::string why_full;
+  if (staging_->device().is_cpu())
+    why_full = co_await backend::check_delta_base(d, held, dirty, info.metadata, current, staged, plan, processing,
+                                                  delta.base);
+  else
+    why_full = "it receives into device memory (" + to_string(staging_->device()) + "): deltas are decoded on the host";
   // One stream carries one form of each bucket to the whole subtree: this worker
   // reads forms only when all of it took the deltas; a child that took them reads
   // a form (0: the bucket's own bytes) of each bucket this worker forwards.

@@ -28,8 +28,9 @@ namespace refit::ucx {
 // Region ids from wire::first_update_region on, never reused within the engine.
 class update_registry {
  public:
-  update_registry(std::shared_ptr<context> ctx, asio::any_io_executor registrar, std::uint32_t& next_id)
-      : ctx_(std::move(ctx)), registrar_(std::move(registrar)), next_id_(next_id) {}
+  update_registry(std::shared_ptr<context> ctx, asio::any_io_executor registrar, std::uint32_t& next_id,
+                  refit::device where)
+      : ctx_(std::move(ctx)), registrar_(std::move(registrar)), next_id_(next_id), where_(where) {}
 
   /// A region of this update; `announced` once its key went to the sender.
   struct region {
@@ -57,8 +58,9 @@ class update_registry {
       auto* m = &missing;
       auto* into = &made;
       auto* ctx = &ctx_;
-      co_await async::offload(registrar_, [m, into, ctx] {
-        for (auto [p, n] : *m) into->push_back(std::make_unique<registration>(*ctx, p, n));
+      const refit::device* where = &where_;
+      co_await async::offload(registrar_, [m, into, ctx, where] {
+        for (auto [p, n] : *m) into->push_back(std::make_unique<registration>(*ctx, p, n, *where));
       });
       for (std::size_t k = 0; k < made.size(); ++k) {
         std::byte* base = made[k]->base();
@@ -82,6 +84,7 @@ class update_registry {
   std::shared_ptr<context> ctx_;
   asio::any_io_executor registrar_;
   std::uint32_t& next_id_;
+  refit::device where_;                              // of every piece
   std::multimap<const std::byte*, region> by_base_;  // by the region's base
 };
 
@@ -89,9 +92,9 @@ class update_registry {
 /// memory off the loop, and the next region id (never reused within the engine).
 class registrar {
  public:
-  /// An empty registry for one update, on `ctx`.
-  std::unique_ptr<update_registry> open(std::shared_ptr<context> ctx) {
-    return std::make_unique<update_registry>(std::move(ctx), pool_.get_executor(), next_id_);
+  /// An empty registry for one update, on `ctx`, of memory on `where`.
+  std::unique_ptr<update_registry> open(std::shared_ptr<context> ctx, refit::device where = device::cpu()) {
+    return std::make_unique<update_registry>(std::move(ctx), pool_.get_executor(), next_id_, where);
   }
   /// Releases `registry` (the update's puts completed, or it failed) on this
   /// thread, not the loop: unpinning costs on RDMA hardware.

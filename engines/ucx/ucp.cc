@@ -71,20 +71,49 @@ context::context() {
   const ucs_status_t s = ucp_init(&p, config, &ctx_);
   ucp_config_release(config);
   if (s != UCS_OK) throw_status(s, "ucx: ucp_init");
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(ctx_, &attr) == UCS_OK) memory_types_ = attr.memory_types;
+}
+
+bool context::handles(const refit::device& where) const noexcept {
+  if (where.is_cpu()) return true;
+  return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+std::string context::memory_types() const {
+  std::string out;
+  for (int t = 0; t < UCS_MEMORY_TYPE_LAST; ++t)
+    if (memory_types_ & UCS_BIT(t)) out += (out.empty() ? "" : ", ") + std::string(ucs_memory_type_names[t]);
+  return out.empty() ? "none" : out;
+}
+
+std::string context::version() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
 }
 
 context::~context() {
   if (ctx_) ucp_cleanup(ctx_);
 }
 
-registration::registration(std::shared_ptr<context> ctx, std::byte* base, std::uint64_t bytes)
+registration::registration(std::shared_ptr<context> ctx, std::byte* base, std::uint64_t bytes,
+                           const refit::device& where)
     : ctx_(std::move(ctx)), base_(base), bytes_(bytes) {
+  if (!ctx_->handles(where))
+    throw_error(errc::unsupported, "ucx: cannot register memory on " + to_string(where) + ": the UCX loaded (" +
+                                       context::version() + ") handles " + ctx_->memory_types() +
+                                       " memory only (a UCX built with CUDA, e.g. PyPI's libucx-cu13, first on the "
+                                       "library path handles device memory)");
   ucp_mem_map_params_t p{};
-  p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
   p.address = base;
   p.length = bytes;
+  p.memory_type = where.is_cpu() ? UCS_MEMORY_TYPE_HOST : UCS_MEMORY_TYPE_CUDA;
   if (auto s = ucp_mem_map(ctx_->get(), &p, &memh_); s != UCS_OK)
-    throw_status(s, "ucx: registering " + std::to_string(bytes) + " bytes of memory (ucp_mem_map)");
+    throw_status(
+        s, "ucx: registering " + std::to_string(bytes) + " bytes of " + to_string(where) + " memory (ucp_mem_map)");
   void* packed = nullptr;
   std::size_t size = 0;
   if (auto s = ucp_rkey_pack(ctx_->get(), memh_, &packed, &size); s != UCS_OK) {

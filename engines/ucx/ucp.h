@@ -27,6 +27,7 @@
 #include <asio/buffer.hpp>
 
 #include <refit/error.h>
+#include <refit/tensor.h>
 
 namespace refit::ucx {
 
@@ -43,15 +44,26 @@ class context {
   context(const context&) = delete;
   context& operator=(const context&) = delete;
   ucp_context_h get() const noexcept { return ctx_; }
+  /// Whether UCX (the one loaded at run time) can register and move memory on
+  /// `where`: always for the host; for a CUDA device only where it has CUDA
+  /// memory support (UCX 1.13 from Debian has none; PyPI's libucx-cu13 has).
+  bool handles(const refit::device& where) const noexcept;
+  /// The memory types UCX handles, as UCX names them ("host", "cuda", ...).
+  std::string memory_types() const;
+  /// The loaded UCX's version ("1.13.1").
+  static std::string version();
 
  private:
   ucp_context_h ctx_ = nullptr;
+  std::uint64_t memory_types_ = 0;  // UCS_BIT(ucs_memory_type_t) of each
 };
 
-/// A registered range of host memory and its packed remote key.
+/// A registered range of memory (on the host, or on the CUDA device `where`: the
+/// memory type UCX is told at registration) and its packed remote key.
 class registration {
  public:
-  registration(std::shared_ptr<context> ctx, std::byte* base, std::uint64_t bytes);
+  registration(std::shared_ptr<context> ctx, std::byte* base, std::uint64_t bytes,
+               const refit::device& where = refit::device::cpu());
   ~registration();
   registration(const registration&) = delete;
   registration& operator=(const registration&) = delete;

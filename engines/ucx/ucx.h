@@ -87,6 +87,15 @@ struct init_info final : refit::init_info, links::join_info {
   /// (the worker's UCX pulls them into place). Absent: puts where an RDMA transport
   /// carries them, tagged over shared memory (measured faster there).
   std::optional<bool> put_into_model;
+  /// "device_memory" (optional): true: stage on, and receive into, the CUDA device
+  /// of engine_context::device (registered with UCX as device memory: GPUDirect
+  /// RDMA where the hardware has it); init fails with errc::unsupported, saying
+  /// why, where that cannot be (a build without CUDA, a UCX without CUDA memory
+  /// support, checksums asked for: they are verified on the host). false: on the
+  /// host (load_weights copies to the device). Absent: on the device where it can
+  /// be, else on the host; transport_info()'s "memory" says which. Deltas are
+  /// decoded on the host: a worker on a device takes every update full.
+  std::optional<bool> device_memory;
   static init_info read(json_reader& r);
 };
 
@@ -118,8 +127,11 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   ~engine() override;
   std::string_view backend() const noexcept override { return "ucx"; }
   /// Direct receive (into the model's memory by a tagged receive), staged
-  /// commits, checksums, relays (chain, tree:K), processing deferred. No sharding
-  /// yet; host memory only; not in CUDA builds' //engines:all unless asked (.bazelrc).
+  /// commits, checksums, relays (chain, tree:K), processing deferred; device
+  /// memory where the build and the UCX loaded allow it (init_info::device_memory:
+  /// not declared in the capabilities, which cannot know the UCX found at run
+  /// time). Sharding is ucx_sharded's; not in CUDA builds' //engines:all unless
+  /// asked (.bazelrc).
   static engine_capabilities capabilities_of() {
     return {.direct_receive = true,
             .staged_commit = true,
@@ -139,7 +151,8 @@ class engine final : public backend::typed_engine<init_info, update_info> {
   void disconnect() noexcept { close(); }
   /// What UCX chose for this worker's data, once initialised (null before):
   /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank",
-  /// "put_into_model" (puts land in the model's memory and the stage)}.
+  /// "put_into_model" (puts land in the model's memory and the stage), "memory"
+  /// (where it receives: "cpu" or "cuda:N", init_info::device_memory)}.
   json transport_info() const override;
   /// The trainer's version of the weights this worker holds, known after an update
   /// from a trainer with deltas on completed (docs/delta.md).
@@ -159,6 +172,9 @@ class engine final : public backend::typed_engine<init_info, update_info> {
 
  private:
   std::string who() const { return "ucx worker rank " + std::to_string(rank_); }
+  // Where this worker receives (init_info::device_memory); throws when it was
+  // asked for a device it cannot receive on.
+  refit::device receive_device(const init_info& info) const;
   void close() noexcept;
   asio::awaitable<void> join_relay(const init_info& info);
   asio::awaitable<void> offer_upstream(const init_info& info);

@@ -34,11 +34,17 @@ else
   [ "$mode" = gpu ] && status=1
 fi
 
-# Every binary of the bundle must load here: list what is missing.
+# Every binary of the bundle must load here: list what is missing. UCX comes from
+# the bundle (ucx/, as gpu_check.sh's ucx step loads it); without a GPU the
+# driver's libraries (libcuda, libnvidia-ml: UCX's CUDA modules link them) are
+# absent by nature.
 missing=0
+driver_libs='^$'
+[ "$mode" = gpu ] || driver_libs='^(libcuda\.so\.1|libnvidia-ml\.so\.1)$'
 while IFS= read -r -d '' f; do
-  if LC_ALL=C timeout 20 ldd "$f" >"$tmp/ldd" 2>&1; then
-    nf=$(grep 'not found' "$tmp/ldd" | awk '{print $1}' | sort -u | xargs)
+  if LC_ALL=C LD_LIBRARY_PATH="$PWD/ucx/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 20 ldd "$f" \
+      >"$tmp/ldd" 2>&1; then
+    nf=$(grep 'not found' "$tmp/ldd" | awk '{print $1}' | grep -vE "$driver_libs" | sort -u | xargs)
     if [ -n "$nf" ]; then
       echo "ldd_missing: ${f#./}: $nf"
       missing=1

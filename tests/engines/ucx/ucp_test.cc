@@ -4,6 +4,7 @@
 // is left behind for LeakSanitizer to find).
 #include <refit/engines/ucx/ucp.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -89,6 +90,33 @@ TEST(ucp, a_worker_closed_with_nothing_outstanding_and_closed_again_is_fine) {
   t.w->close();
   t.w->close();
   EXPECT_EQ(t.w->outstanding(), 0u);
+}
+
+// Memory is registered with its type: host memory always; memory on a CUDA device
+// only where the UCX loaded has CUDA support, else refused (unsupported) before
+// UCX sees the pointer, naming the device, UCX's version and what it handles.
+TEST(ucp, registrations_say_their_memory_type_and_device_memory_needs_a_ucx_with_cuda) {
+  auto ctx = std::make_shared<context>();
+  EXPECT_TRUE(ctx->handles(refit::device::cpu()));
+  EXPECT_NE(ctx->memory_types().find("host"), std::string::npos) << ctx->memory_types();
+  const std::string version = context::version();  // "1.13.1"
+  EXPECT_EQ(std::count(version.begin(), version.end(), '.'), 2) << version;
+  std::vector<std::byte> host(4096);
+  const registration on_host(ctx, host.data(), host.size(), refit::device::cpu());
+  EXPECT_FALSE(on_host.packed_rkey().empty());
+  if (ctx->handles(refit::device::cuda(0)))
+    GTEST_SKIP() << "the UCX loaded (" << context::version() << ") handles " << ctx->memory_types()
+                 << ": its device registrations are the GPU check's";
+  try {
+    registration on_device(ctx, host.data(), host.size(), refit::device::cuda(0));
+    ADD_FAILURE() << "registered host memory as cuda:0 with a UCX that handles " << ctx->memory_types();
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::unsupported) << e.what();
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cuda:0"), std::string::npos) << m;
+    EXPECT_NE(m.find(context::version()), std::string::npos) << m;
+    EXPECT_NE(m.find("host"), std::string::npos) << m;
+  }
 }
 
 }  // namespace

@@ -96,7 +96,8 @@ TEST(ucx, the_transports_ucx_chose_are_reported_and_decide_puts_or_tags) {
   ASSERT_TRUE(worker.is_object()) << worker.dump();
   json same = worker;
   same.erase("rank");
-  same.erase("put_into_model");  // the worker's choice
+  same.erase("put_into_model");  // the worker's choices
+  same.erase("memory");
   EXPECT_EQ(trainer.at("1"), same) << "both sides report the same endpoint";
   const auto transports = worker.at("transports").get<std::vector<std::string>>();
   if (shared_memory) {
@@ -206,6 +207,67 @@ TEST(ucx, required_transports_that_ucx_did_not_choose_refuse_init_on_both_sides)
   EXPECT_EQ(t->kind(), static_cast<int>(errc::unsupported)) << t->message();
   EXPECT_NE(t->message().find("worker rank 1"), std::string::npos) << t->message();
   EXPECT_FALSE(engine.initialized());
+}
+
+// Where a worker receives ("device_memory"): asked for a device it cannot receive
+// on, init fails with the reason (unsupported); absent, a worker whose device is a
+// GPU it cannot receive on takes the update on the host and says so.
+TEST(ucx, device_memory_is_refused_with_its_reason_or_falls_back_to_the_host_when_not_asked) {
+  struct attempt {
+    refit::device device;
+    std::optional<bool> device_memory;
+  };
+  for (const attempt a : {attempt{device::cuda(0), true}, attempt{device::cpu(), true}}) {
+    asio::io_context io;
+    ucx::sender sender(ucx_config(), trainer_context{io.get_executor(), {}});
+    ucx::engine engine(ucx_config(), engine_context{io.get_executor(), a.device});
+    json init = sender.prepare({{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}});
+    init["device_memory"] = *a.device_memory;
+    auto info = engine.parse_init_info(init);
+    auto t = spawn(io, sender.connect_workers());
+    auto w = spawn(io, engine.init_transfer_engine(*info));
+    ASSERT_TRUE(run_until(io, [&] { return t->done && w->done; })) << "a hang";
+    const std::string where = to_string(a.device);
+    ASSERT_TRUE(w->error) << where;
+    EXPECT_EQ(w->kind(), static_cast<int>(errc::unsupported)) << w->message();
+    EXPECT_NE(w->message().find("\"device_memory\": true, but "), std::string::npos) << w->message();
+    if (a.device.is_cpu())
+      EXPECT_NE(w->message().find("is the host"), std::string::npos) << w->message();
+    else  // this build has no CUDA, or the UCX loaded has no CUDA memory support
+      EXPECT_TRUE(w->message().find("no CUDA") != std::string::npos ||
+                  w->message().find("memory only") != std::string::npos)
+          << w->message();
+    EXPECT_TRUE(t->error) << "the trainer fails too, not waiting out its deadline";
+    EXPECT_FALSE(engine.initialized());
+  }
+  // Not asked: a worker on a GPU it cannot receive on (this build has no CUDA)
+  // receives on the host, and says so.
+  asio::io_context io;
+  tensor_set set;
+  for (int i = 0; i < 3; ++i) set.add("w" + std::to_string(i), dtype::float32, {4000 + i});
+  set.add("big", dtype::float32, {100000});
+  held_model model(set);
+  auto sender = std::make_unique<ucx::sender>(ucx_config(), trainer_context{io.get_executor(), {}});
+  ucx::engine engine(ucx_config(), engine_context{io.get_executor(), device::cuda(0), {}, &model});
+  json args = {{"master_address", "127.0.0.1"}, {"master_port", 0}, {"world_size", 2}};
+  small_wire().write(args);
+  auto info = engine.parse_init_info(sender->prepare(args));
+  auto t = spawn(io, sender->connect_workers());
+  auto w = spawn(io, engine.init_transfer_engine(*info));
+  ASSERT_TRUE(run_until(io, [&] { return t->done && w->done; })) << "a hang";
+  ASSERT_FALSE(w->error) << w->message();
+  ASSERT_FALSE(t->error) << t->message();
+  // (Builds without CUDA, as this test's, never allocate on a device.)
+  EXPECT_EQ(engine.transport_info().at("memory"), "cpu") << engine.transport_info().dump();
+  json update = json::object();
+  write_update_metadata(set.meta, update);
+  auto sent = spawn(io, send_views(*sender, set.meta, set.views()));
+  auto received = spawn(io, receive_update(engine, engine.parse_update_info(update), model.as_load_weights(), true));
+  ASSERT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
+  ASSERT_FALSE(sent->error) << sent->message();
+  ASSERT_FALSE(received->error) << received->message();
+  for (std::size_t i = 0; i < set.meta.tensors.size(); ++i)
+    EXPECT_EQ(model.memory_.at(set.meta.tensors[i].name), set.data[i]) << set.meta.tensors[i].name;
 }
 
 TEST(ucx, a_trainer_lost_mid_update_fails_the_worker_which_recovers) {
@@ -483,7 +545,8 @@ void every_worker_gets_every_byte(int n, const std::string& topology, bool check
   for (int r : expected.children(0, n)) {
     json same = g.workers[r - 1]->transport_info();
     same.erase("rank");
-    same.erase("put_into_model");  // the worker's choice
+    same.erase("put_into_model");  // the worker's choices
+    same.erase("memory");
     EXPECT_EQ(trainer.value(std::to_string(r), json()), same) << trainer.dump();
   }
   for (std::uint8_t round = 1; round <= 2; ++round) {
