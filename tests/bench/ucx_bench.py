@@ -10,7 +10,9 @@ Per round, on one host:
             copies each bucket into the model); ucx, 2 workers (star, direct); tcp,
             1 worker (the engine a refit user has without UCX)
   loopback tcp (UCX_TLS=tcp,self, UCX_NET_DEVICES=lo)
-    limit   ucx_perftest tag_bw
+    limit   ucx_perftest tag_bw, as UCX sets it up by default, and with its
+            endpoints' peer failure handling on (-e: as refit's endpoints over
+            tcp, which need it to tell a lost peer)
     refit   ucx, 1 worker; tcp, 1 worker
     peer    NIXL (its Python agent, DRAM to DRAM over its UCX backend)
   shared memory with tcp (UCX_TLS=sm,tcp,self): NIXL's UCX refuses sm alone (its
@@ -53,17 +55,18 @@ def env_with(**kv):
     return e
 
 
-def perftest(test, size, iters, tls, pairs=1, base_port=13500):
-    """Overall GB/s of `pairs` concurrent ucx_perftest pairs (summed)."""
+def perftest(test, size, iters, tls, pairs=1, base_port=13500, extra=()):
+    """Overall GB/s of `pairs` concurrent ucx_perftest pairs (summed); `extra`:
+    more options for both sides."""
     env = env_with(UCX_TLS=tls, UCX_NET_DEVICES="lo")
     servers = []
     for i in range(pairs):
         servers.append(subprocess.Popen(["ucx_perftest", "-t", test, "-s", str(size), "-n", str(iters),
-                                         "-p", str(base_port + i)], env=env,
+                                         "-p", str(base_port + i), *extra], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.0)
     clients = [subprocess.Popen(["ucx_perftest", "-t", test, "-s", str(size), "-n", str(iters),
-                                 "-p", str(base_port + i), "127.0.0.1"], env=env, stdout=subprocess.PIPE,
+                                 "-p", str(base_port + i), *extra, "127.0.0.1"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for i in range(pairs)]
     total = 0.0
     for c in clients:
@@ -131,6 +134,7 @@ def one_round(a, nbytes):
     r["tcp"] = job(a.job, "tcp", 1, nbytes, a.updates, sm)
     if not a.sm_only:
         r["perftest_tag_tcp"] = perftest("tag_bw", chunk, iters, tcp)
+        r["perftest_tag_tcp_peer"] = perftest("tag_bw", chunk, iters, tcp, extra=("-e",))
         r["ucx_tcp"] = job(a.job, "ucx", 1, nbytes, a.updates, tcp)
         r["ucx_smtcp"] = job(a.job, "ucx", 1, nbytes, a.updates, smtcp)
     if a.nixl_python and not a.sm_only:
@@ -148,6 +152,7 @@ def one_round(a, nbytes):
     if not a.sm_only:
         ratios["ucx_tcp / tcp"] = g["ucx_tcp"] / g["tcp"]
         ratios["ucx_tcp / perftest_tag"] = g["ucx_tcp"] / g["perftest_tag_tcp"]
+        ratios["ucx_tcp / perftest_tag with peer failure handling"] = g["ucx_tcp"] / g["perftest_tag_tcp_peer"]
     if a.nixl_python and not a.sm_only:
         ratios["ucx_tcp / nixl_tcp"] = g["ucx_tcp"] / g["nixl_tcp"]
         ratios["ucx_smtcp / nixl_smtcp"] = g["ucx_smtcp"] / g["nixl_smtcp"]
