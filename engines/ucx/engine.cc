@@ -69,7 +69,7 @@ std::string joined(const std::vector<std::string>& v) {
 
 bool matches(const std::string& wanted, const std::string& t) {
   if (wanted == t) return true;
-  if (wanted == "sm") return t == "cma" || t == "posix" || t == "sysv" || t == "xpmem" || t == "knem";
+  if (wanted == "sm") return shared_memory_transport(t);
   if (wanted == "rdma") return t.starts_with("rc") || t.starts_with("dc") || t.starts_with("ud");
   return t.starts_with(wanted + "_");  // "rc" matches rc_mlx5 and rc_verbs
 }

@@ -371,6 +371,21 @@ void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
   if (*failure == UCS_OK) *failure = status;
 }
 
+// Closes `ep` at once (forced: nothing waits for the peer).
+void close_ep(ucp_worker_h, ucp_ep_h ep) noexcept {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+  if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released when the close completes
+}
+
+// Whether every lane of `t` is UCX's tcp (or self).
+bool only_tcp(const transport_report& t) {
+  return !t.transports.empty() && std::all_of(t.transports.begin(), t.transports.end(),
+                                              [](const std::string& n) { return n == "tcp" || n == "self"; });
+}
+
 ucs_status_t make_ep(ucp_worker_h w, std::span<const std::byte> address, ucp_err_handling_mode_t mode,
                      ucs_status_t* failure, ucp_ep_h* ep) {
   ucp_ep_params_t p{};
@@ -390,13 +405,33 @@ endpoint::endpoint(std::shared_ptr<worker> w, std::span<const std::byte> address
     : worker_(std::move(w)), failure_(std::make_shared<ucs_status_t>(UCS_OK)), who_(std::move(who)) {
   ucs_status_t s = make_ep(worker_->get(), address, UCP_ERR_HANDLING_MODE_PEER, failure_.get(), &ep_);
   if (s == UCS_ERR_UNREACHABLE) {
-    // UCX 1.13's shared-memory transports (sysv, posix, cma) have no peer failure
+    // UCX's shared-memory transports (sysv, posix, cma) have no peer failure
     // handling: without it, the side channel is what notices a lost peer.
     peer_mode_ = false;
     s = make_ep(worker_->get(), address, UCP_ERR_HANDLING_MODE_NONE, nullptr, &ep_);
+  } else if (s == UCS_OK && only_tcp(transports())) {
+    // Peer failure handling took the endpoint to tcp where the peer is also
+    // reachable over shared memory (UCX_TLS with both, as by default, on one host):
+    // shared memory without UCX's failure handling, as above, moves the bytes at
+    // memory speed (docs/benchmarks.md: 2.6x over UCX's tcp here).
+    ucp_ep_h shared = nullptr;
+    if (make_ep(worker_->get(), address, UCP_ERR_HANDLING_MODE_NONE, nullptr, &shared) == UCS_OK) {
+      std::swap(ep_, shared);
+      const auto t = transports();
+      if (std::any_of(t.transports.begin(), t.transports.end(), shared_memory_transport)) {
+        peer_mode_ = false;
+      } else {
+        std::swap(ep_, shared);  // no shared memory there either: keep the first
+      }
+      close_ep(worker_->get(), shared);
+    }
   }
   if (s != UCS_OK) throw_status(s, who_ + ": creating an endpoint (ucp_ep_create)");
   worker_->kick();
+}
+
+bool shared_memory_transport(const std::string& name) {
+  return name == "cma" || name == "posix" || name == "sysv" || name == "xpmem" || name == "knem";
 }
 
 endpoint::~endpoint() { close(); }
@@ -430,11 +465,7 @@ void endpoint::check_open(const std::string& what) const {
 void endpoint::close() noexcept {
   if (!ep_) return;
   if (worker_->get()) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep_, &p);
-    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released when the close completes
+    close_ep(worker_->get(), ep_);
     worker_->kick();
   }
   ep_ = nullptr;

@@ -163,10 +163,15 @@ struct transport_report {
 };
 transport_report parse_ep_info(const std::string& text);
 
+/// Whether `name` (as ucp_ep_print_info names a lane's transport) is one of UCX's
+/// shared-memory transports: cma, posix, sysv, xpmem, knem.
+bool shared_memory_transport(const std::string& name);
+
 /// An endpoint to a peer worker's address. Peer failure handling is asked for
-/// (UCP_ERR_HANDLING_MODE_PEER); UCX 1.13's shared-memory transports do not offer
-/// it, and there the endpoint is made without (peer_failure_handling() false:
-/// the side channel is what detects the peer's loss).
+/// (UCP_ERR_HANDLING_MODE_PEER); UCX's shared-memory transports do not offer it,
+/// and where they reach the peer the endpoint is made without
+/// (peer_failure_handling() false: the side channel is what detects the peer's
+/// loss), also when with it UCX would fall back to tcp.
 class endpoint {
  public:
   endpoint(std::shared_ptr<worker> w, std::span<const std::byte> address, std::string who);
