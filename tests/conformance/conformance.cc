@@ -19,16 +19,6 @@ json engine_harness::update_info_json(const update_metadata& meta) {
   return j;
 }
 
-asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta, std::vector<tensor_view> views) {
-  co_await trainer_send_weights(sender, meta, views);
-}
-
-asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
-                                     load_weights_fn load, bool drain) {
-  co_await engine.receive_weights(*info, std::move(load));
-  if (drain) co_await engine.drain_pending();
-}
-
 namespace {
 
 wire_params small_wire(std::uint64_t buffer = 64 << 10, std::uint32_t buffers = 2) {

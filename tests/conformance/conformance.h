@@ -41,12 +41,7 @@ struct harness_factory {
   friend void PrintTo(const harness_factory& f, std::ostream* os) { *os << f.name; }
 };
 
-/// Sends `views` declared as `meta` (coroutine parameters, not lambda captures, so
-/// they live as long as the coroutine).
-asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta, std::vector<tensor_view> views);
-/// Receives one update and, when `drain`, drains it.
-asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
-                                     load_weights_fn load, bool drain);
+// send_views and receive_update: tests/support/run.h.
 
 /// The suite's fixture; instantiate it with harness_factory values.
 class engine_conformance : public ::testing::TestWithParam<harness_factory> {

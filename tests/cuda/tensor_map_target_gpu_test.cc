@@ -70,14 +70,6 @@ struct trainer_copy {
   }
 };
 
-asio::awaitable<void> send(weight_sender& sender, update_metadata meta, std::vector<tensor_view> views) {
-  co_await trainer_send_weights(sender, meta, views);
-}
-asio::awaitable<void> receive(weight_transfer_engine& engine, std::shared_ptr<update_info> info, load_weights_fn load) {
-  co_await engine.receive_weights(*info, std::move(load));
-  co_await engine.drain_pending();
-}
-
 // A loopback trainer and worker on one io_context; the worker receives on the host.
 struct loopback_pair {
   asio::io_context io;
@@ -107,10 +99,10 @@ struct loopback_pair {
   void update(trainer_copy& copy, load_weights_fn load, commit_mode commit) {
     json j = json::object();
     write_update_metadata(copy.meta, j);
-    std::shared_ptr<update_info> info = engine->parse_update_info(j);
+    std::unique_ptr<update_info> info = engine->parse_update_info(j);
     info->commit = commit;
-    auto received = spawn(io, receive(*engine, info, std::move(load)));
-    auto sent = spawn(io, send(*sender, copy.meta, copy.views()));
+    auto received = spawn(io, testing::receive_update(*engine, std::move(info), std::move(load)));
+    auto sent = spawn(io, testing::send_views(*sender, copy.meta, copy.views()));
     ASSERT_TRUE(testing::run_until(io, [&] { return sent->done && received->done; })) << "update hung";
     ASSERT_FALSE(sent->error) << sent->message();
     ASSERT_FALSE(received->error) << received->message();

@@ -46,14 +46,6 @@ std::vector<std::vector<std::byte>> bytes_of(const update_metadata& m, int versi
   return out;
 }
 
-asio::awaitable<void> send(weight_sender& s, update_metadata meta, std::vector<tensor_view> views) {
-  co_await trainer_send_weights(s, meta, views);
-}
-asio::awaitable<void> receive(weight_transfer_engine& e, std::shared_ptr<update_info> info, load_weights_fn load) {
-  co_await e.receive_weights(*info, std::move(load));
-  co_await e.drain_pending();
-}
-
 TEST(ucx_device, updates_land_in_device_memory_direct_or_through_device_staging) {
   const cuda::device_count_result devices = cuda::device_count_or_reason();
   if (!devices) GTEST_SKIP() << "no CUDA device: " << devices.reason;
@@ -98,10 +90,10 @@ TEST(ucx_device, updates_land_in_device_memory_direct_or_through_device_staging)
         for (std::size_t i = 0; i < meta.tensors.size(); ++i) views.emplace_back(meta.tensors[i], data[i].data());
         json j = json::object();
         write_update_metadata(meta, j);
-        std::shared_ptr<update_info> u = engine.parse_update_info(j);
+        auto u = engine.parse_update_info(j);
         u->commit = commit;
-        auto received = testing::spawn(io, receive(engine, u, target.as_load_weights()));
-        auto sent = testing::spawn(io, send(sender, meta, views));
+        auto received = testing::spawn(io, testing::receive_update(engine, std::move(u), target.as_load_weights()));
+        auto sent = testing::spawn(io, testing::send_views(sender, meta, views));
         ASSERT_TRUE(testing::run_until(io, [&] { return sent->done && received->done; })) << "update hung";
         ASSERT_FALSE(sent->error) << sent->message();
         ASSERT_FALSE(received->error) << received->message();

@@ -106,15 +106,6 @@ struct trainer_copy {
   }
 };
 
-// Coroutine parameters by value: they live in the frame.
-asio::awaitable<void> send(weight_sender& sender, update_metadata meta, std::vector<tensor_view> views) {
-  co_await trainer_send_weights(sender, meta, views);
-}
-asio::awaitable<void> receive(weight_transfer_engine& engine, std::shared_ptr<update_info> info, load_weights_fn load) {
-  co_await engine.receive_weights(*info, std::move(load));
-  co_await engine.drain_pending();
-}
-
 // A loopback trainer and worker on one io_context, the worker's model the target.
 struct loopback_pair {
   asio::io_context io;
@@ -141,18 +132,18 @@ struct loopback_pair {
     testing::run_to_completion(io, engine->init_transfer_engine(*info));
   }
 
-  std::shared_ptr<update_info> info_for(const update_metadata& meta, commit_mode commit) {
+  std::unique_ptr<update_info> info_for(const update_metadata& meta, commit_mode commit) {
     json j = json::object();
     write_update_metadata(meta, j);
-    std::shared_ptr<update_info> info = engine->parse_update_info(j);
+    std::unique_ptr<update_info> info = engine->parse_update_info(j);
     info->commit = commit;
     return info;
   }
 
   // One update of `copy` (at its version) into `load`; rethrows the worker's error.
   void update(trainer_copy& copy, load_weights_fn load, commit_mode commit = commit_mode::in_place) {
-    auto received = spawn(io, receive(*engine, info_for(copy.meta, commit), std::move(load)));
-    auto sent = spawn(io, send(*sender, copy.meta, copy.views()));
+    auto received = spawn(io, testing::receive_update(*engine, info_for(copy.meta, commit), std::move(load)));
+    auto sent = spawn(io, testing::send_views(*sender, copy.meta, copy.views()));
     ASSERT_TRUE(testing::run_until(io, [&] { return sent->done && received->done; })) << "update hung";
     ASSERT_FALSE(sent->error) << sent->message();
     if (received->error) std::rethrow_exception(received->error);
@@ -229,11 +220,11 @@ TEST(tensor_map_target, a_refused_update_moves_no_byte_through_the_engine) {
       update_metadata bad = model_layout();
       bad.tensors[2].shape = {3, 7};
       int loads = 0;
-      auto received =
-          spawn(pair.io, receive(*pair.engine, pair.info_for(bad, commit), [&](std::span<const tensor_view> w) {
-                  ++loads;
-                  target->load_weights(w);
-                }));
+      auto received = spawn(pair.io, testing::receive_update(*pair.engine, pair.info_for(bad, commit),
+                                                             [&](std::span<const tensor_view> w) {
+                                                               ++loads;
+                                                               target->load_weights(w);
+                                                             }));
       ASSERT_TRUE(testing::run_until(pair.io, [&] { return received->done; }));
       ASSERT_TRUE(received->error) << "the update must be refused";
       EXPECT_EQ(received->kind(), static_cast<int>(errc::invalid_argument));
@@ -759,8 +750,8 @@ TEST(tensor_map_target, device_destinations_are_refused_by_a_host_engine) {
   loopback_pair pair(target.get());
   trainer_copy copy(model_layout());
   copy.set_version(1);
-  auto received =
-      spawn(pair.io, receive(*pair.engine, pair.info_for(copy.meta, commit_mode::in_place), target->as_load_weights()));
+  auto received = spawn(pair.io, testing::receive_update(*pair.engine, pair.info_for(copy.meta, commit_mode::in_place),
+                                                         target->as_load_weights()));
   ASSERT_TRUE(testing::run_until(pair.io, [&] { return received->done; }));
   ASSERT_TRUE(received->error);
   EXPECT_THAT(received->message(), HasSubstr("on cuda:0, expected"));

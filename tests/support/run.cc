@@ -46,4 +46,14 @@ void run_to_completion(asio::io_context& io, asio::awaitable<void> work, std::ch
   if (result->error) std::rethrow_exception(result->error);
 }
 
+asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta, std::vector<tensor_view> views) {
+  co_await trainer_send_weights(sender, meta, views);
+}
+
+asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
+                                     load_weights_fn load, bool drain) {
+  co_await engine.receive_weights(*info, std::move(load));
+  if (drain) co_await engine.drain_pending();
+}
+
 }  // namespace refit::testing

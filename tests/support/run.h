@@ -11,6 +11,9 @@
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
 
+#include <refit/engine.h>
+#include <refit/trainer.h>
+
 namespace refit::testing {
 
 /// The outcome of one spawned coroutine.
@@ -51,5 +54,12 @@ bool run_until(asio::io_context& io, Pred done, std::chrono::milliseconds limit 
 /// rethrows its exception.
 void run_to_completion(asio::io_context& io, asio::awaitable<void> work,
                        std::chrono::milliseconds limit = std::chrono::seconds(60));
+
+/// Sends `views` declared as `meta` (coroutine parameters, not lambda captures, so
+/// they live as long as the coroutine; `meta` must outlive it).
+asio::awaitable<void> send_views(weight_sender& sender, const update_metadata& meta, std::vector<tensor_view> views);
+/// Receives one update and, when `drain`, drains it.
+asio::awaitable<void> receive_update(weight_transfer_engine& engine, std::unique_ptr<update_info> info,
+                                     load_weights_fn load, bool drain = true);
 
 }  // namespace refit::testing
