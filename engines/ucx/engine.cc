@@ -375,9 +375,10 @@ json engine::transport_info() const {
 }
 
 refit::device engine::receive_device(const init_info& info) const {
+  // Only where asked: a model target whose memory is on the host (the engine's
+  // device notwithstanding) takes no destination on a device.
+  if (!info.device_memory.value_or(false)) return device::cpu();
   const refit::device dev = context().device;
-  const bool asked = info.device_memory.value_or(false);
-  if (info.device_memory == false || (dev.is_cpu() && !asked)) return device::cpu();
   std::string why;
   if (dev.is_cpu()) {
     why = "the engine's device (engine_context::device) is the host";
@@ -390,9 +391,8 @@ refit::device engine::receive_device(const init_info& info) const {
   } else if (info.wire.checksums) {
     why = "the trainer asks for checksums, which are verified on the host";
   }
-  if (why.empty()) return dev;
-  if (asked) throw_error(errc::unsupported, who() + ": \"device_memory\": true, but " + why);
-  return device::cpu();  // transport_info()'s "memory" says so
+  if (!why.empty()) throw_error(errc::unsupported, who() + ": \"device_memory\": true, but " + why);
+  return dev;
 }
 
 asio::awaitable<void> engine::init(const init_info& info) {

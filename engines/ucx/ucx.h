@@ -87,14 +87,15 @@ struct init_info final : refit::init_info, links::join_info {
   /// (the worker's UCX pulls them into place). Absent: puts where an RDMA transport
   /// carries them, tagged over shared memory (measured faster there).
   std::optional<bool> put_into_model;
-  /// "device_memory" (optional): true: stage on, and receive into, the CUDA device
-  /// of engine_context::device (registered with UCX as device memory: GPUDirect
-  /// RDMA where the hardware has it); init fails with errc::unsupported, saying
-  /// why, where that cannot be (a build without CUDA, a UCX without CUDA memory
-  /// support, checksums asked for: they are verified on the host). false: on the
-  /// host (load_weights copies to the device). Absent: on the device where it can
-  /// be, else on the host; transport_info()'s "memory" says which. Deltas are
-  /// decoded on the host: a worker on a device takes every update full.
+  /// "device_memory" (optional, default false): true: stage on, and receive
+  /// into, the CUDA device of engine_context::device (registered with UCX as
+  /// device memory: GPUDirect RDMA where the hardware has it; a model target must
+  /// then offer that device's memory, if any); init fails with errc::unsupported,
+  /// saying why, where that cannot be (a build without CUDA, a UCX without CUDA
+  /// memory support, checksums asked for: they are verified on the host). false:
+  /// on the host (load_weights copies to the device); transport_info()'s "memory"
+  /// says which. Deltas are decoded on the host: a worker on a device takes every
+  /// update full.
   std::optional<bool> device_memory;
   static init_info read(json_reader& r);
 };

@@ -210,9 +210,9 @@ TEST(ucx, required_transports_that_ucx_did_not_choose_refuse_init_on_both_sides)
 }
 
 // Where a worker receives ("device_memory"): asked for a device it cannot receive
-// on, init fails with the reason (unsupported); absent, a worker whose device is a
-// GPU it cannot receive on takes the update on the host and says so.
-TEST(ucx, device_memory_is_refused_with_its_reason_or_falls_back_to_the_host_when_not_asked) {
+// on, init fails with the reason (unsupported); not asked, a worker whose device
+// is a GPU takes the update on the host (into its model's host memory) and says so.
+TEST(ucx, device_memory_is_refused_with_its_reason_and_the_host_is_the_default) {
   struct attempt {
     refit::device device;
     std::optional<bool> device_memory;
@@ -240,8 +240,7 @@ TEST(ucx, device_memory_is_refused_with_its_reason_or_falls_back_to_the_host_whe
     EXPECT_TRUE(t->error) << "the trainer fails too, not waiting out its deadline";
     EXPECT_FALSE(engine.initialized());
   }
-  // Not asked: a worker on a GPU it cannot receive on (this build has no CUDA)
-  // receives on the host, and says so.
+  // Not asked: a worker on a GPU receives on the host, and says so.
   asio::io_context io;
   tensor_set set;
   for (int i = 0; i < 3; ++i) set.add("w" + std::to_string(i), dtype::float32, {4000 + i});
@@ -257,7 +256,6 @@ TEST(ucx, device_memory_is_refused_with_its_reason_or_falls_back_to_the_host_whe
   ASSERT_TRUE(run_until(io, [&] { return t->done && w->done; })) << "a hang";
   ASSERT_FALSE(w->error) << w->message();
   ASSERT_FALSE(t->error) << t->message();
-  // (Builds without CUDA, as this test's, never allocate on a device.)
   EXPECT_EQ(engine.transport_info().at("memory"), "cpu") << engine.transport_info().dump();
   json update = json::object();
   write_update_metadata(set.meta, update);
