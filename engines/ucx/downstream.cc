@@ -18,6 +18,24 @@ void downstream::forget_update_regions() noexcept {
   regions.erase(regions.lower_bound(wire::first_update_region), regions.end());
 }
 
+const remote_key& downstream::key_for(std::uint32_t id, std::span<const std::byte> key, std::uint64_t base,
+                                      std::uint64_t bytes, std::uint64_t at, std::uint64_t n, const std::string& what,
+                                      std::optional<std::uint32_t> piece) {
+  if (!key.empty()) {
+    region r;
+    r.base = base;
+    r.bytes = bytes;
+    r.rkey = std::make_unique<remote_key>(*ep, key, what);
+    regions[id] = std::move(r);
+  }
+  auto it = regions.find(id);
+  if (it == regions.end() || !it->second.holds(at, n))
+    throw_error(errc::protocol_error,
+                what + ": " + (piece ? "piece " + std::to_string(*piece) + " of the grant" : std::string("the grant")) +
+                    " lies outside the worker's registered memory");
+  return *it->second.rkey;
+}
+
 void downstream::close() noexcept {
   regions.clear();
   if (ep) ep->close();
@@ -151,23 +169,14 @@ asio::awaitable<void> send_bucket(std::shared_ptr<worker> w, std::shared_ptr<dow
                                           std::to_string(g.payload_bytes) + " bytes, expected " +
                                           std::to_string(payload_bytes) + " bytes");
   if (g.mode == wire::mode_put) {
-    if (g.rkey_bytes > 0) {
-      if (g.rkey_bytes > wire::max_rkey) throw_error(errc::protocol_error, what + ": oversized remote key");
-      std::vector<std::byte> key(g.rkey_bytes);
-      co_await net::read_exact(*p.socket, asio::buffer(key), timeout, what + ": its remote key");
-      downstream::region r;
-      r.base = g.region_base;
-      r.bytes = g.region_bytes;
-      r.rkey = std::make_unique<remote_key>(*p.ep, key, what);
-      p.regions[g.region] = std::move(r);
-    }
-    auto it = p.regions.find(g.region);
+    if (g.rkey_bytes > wire::max_rkey) throw_error(errc::protocol_error, what + ": oversized remote key");
+    std::vector<std::byte> key(g.rkey_bytes);
+    if (!key.empty()) co_await net::read_exact(*p.socket, asio::buffer(key), timeout, what + ": its remote key");
     // A grant outside what the worker registered is refused before a byte moves.
-    if (it == p.regions.end() || !it->second.holds(g.remote, g.payload_bytes))
-      throw_error(errc::protocol_error, what + ": the grant lies outside the worker's registered memory");
+    const remote_key& rkey = p.key_for(g.region, key, g.region_base, g.region_bytes, g.remote, g.payload_bytes, what);
     if (g.payload_bytes > 0)
-      co_await unless_hung_up(put_all(*w, *p.ep, payload, g.remote, *it->second.rkey, timeout, what + ": put"),
-                              *p.socket, what + ": put");
+      co_await unless_hung_up(put_all(*w, *p.ep, payload, g.remote, rkey, timeout, what + ": put"), *p.socket,
+                              what + ": put");
   } else if (g.mode == wire::mode_put_pieces) {
     // Several ranges (the model's memory, a stage), each within a region the worker
     // registered; every range checked before a byte moves.
@@ -183,18 +192,9 @@ asio::awaitable<void> send_bucket(std::shared_ptr<worker> w, std::shared_ptr<dow
       const auto piece = r.get<wire::put_piece>();
       const auto key = r.bytes(piece.rkey_bytes);
       if (!r.ok || piece.rkey_bytes > wire::max_rkey) break;
-      if (!key.empty()) {
-        downstream::region reg;
-        reg.base = piece.region_base;
-        reg.bytes = piece.region_bytes;
-        reg.rkey = std::make_unique<remote_key>(*p.ep, key, what);
-        p.regions[piece.region] = std::move(reg);
-      }
-      auto it = p.regions.find(piece.region);
-      if (it == p.regions.end() || !it->second.holds(piece.remote, piece.bytes))
-        throw_error(errc::protocol_error, what + ": piece " + std::to_string(i) +
-                                              " of the grant lies outside the worker's registered memory");
-      ranges.push_back({piece.remote, piece.bytes, it->second.rkey.get()});
+      const remote_key& rkey =
+          p.key_for(piece.region, key, piece.region_base, piece.region_bytes, piece.remote, piece.bytes, what, i);
+      ranges.push_back({piece.remote, piece.bytes, &rkey});
       total += piece.bytes;
     }
     if (!r.ok || r.at != body.size() || total != g.payload_bytes)

@@ -43,6 +43,14 @@ struct downstream {
   // The trainer's last update with deltas on: what the worker answered.
   bool took_delta = false, fell_back = false;
 
+  /// The key for writing [at, at + n) of region `id`: learns the region first when
+  /// its key came with the grant (`key` not empty, extent [base, base + bytes)).
+  /// protocol_error ("<what>: the grant (or piece <piece> of it) lies outside the
+  /// worker's registered memory", nothing written) unless the range lies within a
+  /// region it registered.
+  const remote_key& key_for(std::uint32_t id, std::span<const std::byte> key, std::uint64_t base, std::uint64_t bytes,
+                            std::uint64_t at, std::uint64_t n, const std::string& what,
+                            std::optional<std::uint32_t> piece = {});
   /// Drops the keys of regions the worker registered for one update only (the
   /// model's memory, a stage): called as each update starts.
   void forget_update_regions() noexcept;
