@@ -23,14 +23,9 @@ gpu_uuid uuid_of_device(int device) {
   return u;
 }
 
-cuda::stream stream_on(int device) {
-  const cuda::device_scope scope(device);
-  return cuda::stream();
-}
-
 class cuda_provider final : public ipc_provider {
  public:
-  explicit cuda_provider(int device) : device_(device), copier_(device), processing_(stream_on(device)) {}
+  explicit cuda_provider(int device) : device_(device), copier_(device), processing_(cuda::stream::on(device)) {}
 
   std::string name() const override { return "cuda"; }
 

@@ -56,11 +56,6 @@ struct backoff {
   }
 };
 
-cuda::stream stream_on(int device) {
-  const cuda::device_scope scope(device);
-  return cuda::stream();
-}
-
 // Where aborts run: one thread per provider, so aborts run in order and a no-op
 // posted after them completes only once they have (aborted()).
 class abort_thread {
@@ -108,7 +103,7 @@ class nccl_collective final : public collective {
       : c_(std::make_shared<communicator>()), rank_(rank), executor_(std::move(ex)), aborts_(std::move(aborts)) {
     c_->comm = comm;
     c_->device = device;
-    c_->stream = std::make_shared<cuda::stream>(stream_on(device));
+    c_->stream = std::make_shared<cuda::stream>(cuda::stream::on(device));
   }
   ~nccl_collective() override { abort(); }
 
@@ -225,7 +220,7 @@ class nccl_collective final : public collective {
 class nccl_provider final : public collective_provider {
  public:
   explicit nccl_provider(int device)
-      : device_(device), copier_(device), processing_stream_(stream_on(device)),
+      : device_(device), copier_(device), processing_stream_(cuda::stream::on(device)),
         aborts_(std::make_shared<abort_thread>()) {}
 
   std::string name() const override { return "nccl"; }
@@ -282,7 +277,7 @@ class nccl_provider final : public collective_provider {
     }
     if (!failure.empty()) {
       if (comm) {
-        aborts_->abort(comm, std::make_shared<cuda::stream>(stream_on(device_)), device_);
+        aborts_->abort(comm, std::make_shared<cuda::stream>(cuda::stream::on(device_)), device_);
         co_await aborts_->idle();
       }
       throw_error(kind, failure);

@@ -13,7 +13,8 @@
 
 namespace refit::example {
 
-device_model::device_model(int device, std::optional<dtype> store_as) : device_(device), store_as_(store_as) {}
+device_model::device_model(int device, std::optional<dtype> store_as)
+    : device_(device), store_as_(store_as), unpacker_(4, device) {}
 
 void device_model::set_store_as(std::optional<dtype> store_as) {
   std::lock_guard lock(mutex_);

@@ -48,15 +48,19 @@ class device_scope {
 };
 
 // The one `Made` (a `Base`) of `device` in this process, made with `Made(device)`
-// on first use: GPU engines' providers, whose streams and buffers belong to one
-// device. Thread-safe.
+// on first use, with `device` current while it is made (and the caller's device
+// restored after): GPU engines' providers, whose streams, events and buffers belong
+// to one device. Thread-safe.
 template <class Base, class Made>
 std::shared_ptr<Base> one_per_device(int device) {
   static std::mutex mutex;
   static std::map<int, std::shared_ptr<Base>> made;
   std::lock_guard lock(mutex);
   auto& p = made[device];
-  if (!p) p = std::make_shared<Made>(device);
+  if (!p) {
+    const device_scope scope(device);
+    p = std::make_shared<Made>(device);
+  }
   return p;
 }
 

@@ -2,12 +2,18 @@
 
 #include <utility>
 
+#include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/stream.h>
 
 namespace refit::cuda {
 
 event::event(unsigned flags) { REFIT_CUDA_CHECK(cudaEventCreateWithFlags(&handle_, flags)); }
+
+event event::on(int device, unsigned flags) {
+  const device_scope scope(device);
+  return event(flags);
+}
 
 event::~event() {
   if (handle_ != nullptr) (void)cudaEventDestroy(handle_);

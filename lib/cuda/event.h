@@ -16,6 +16,9 @@ class event {
   explicit event(unsigned flags = cudaEventDisableTiming);
   /// An event that records timestamps.
   [[nodiscard]] static event timing() { return event(cudaEventDefault); }
+  /// An event of `device`, whatever device is current (left as it was). Events are
+  /// recorded only on streams of their own device.
+  [[nodiscard]] static event on(int device, unsigned flags = cudaEventDisableTiming);
   ~event();
 
   event(event&& other) noexcept;

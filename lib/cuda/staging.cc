@@ -1,5 +1,6 @@
 #include <refit/cuda/staging.h>
 
+#include <exception>
 #include <map>
 
 #include <refit/cuda/await.h>
@@ -32,16 +33,6 @@ std::span<std::byte> device_staging::assembly(std::uint64_t bytes) {
 std::uint64_t device_staging::allocated_bytes() const noexcept { return bytes_ * slots_.size() + assembly_.size(); }
 
 namespace {
-// A stream and an event made on `device`, whatever is current.
-stream stream_on(int device) {
-  const device_scope scope(device);
-  return stream();
-}
-event event_on(int device) {
-  const device_scope scope(device);
-  return event();
-}
-
 bool device_readable(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
@@ -53,7 +44,7 @@ bool device_readable(const void* p) {
 }  // namespace
 
 piece_copier::piece_copier(int device)
-    : device_(device), stream_(stream_on(device)), producer_done_(event_on(device)) {}
+    : device_(device), stream_(stream::on(device)), producer_done_(event::on(device)), unpacker_(4, device) {}
 
 void piece_copier::order_after(cudaStream_t producer) {
   std::lock_guard lock(mutex_);
@@ -97,13 +88,21 @@ load_weights_fn on_stream(load_weights_fn load, const stream& s) {
     // Events belong to a device: one per processing thread and device.
     thread_local std::map<int, event> done;
     auto it = done.find(s.device());
-    if (it == done.end()) it = done.emplace(s.device(), event()).first;
+    if (it == done.end()) it = done.emplace(s.device(), event::on(s.device())).first;
+    std::exception_ptr failed;
     {
       processing_scope processing(s.get());
-      load(views);
+      try {
+        load(views);
+      } catch (...) {
+        failed = std::current_exception();
+      }
     }
+    // Whatever load enqueued before it returned, or threw, may still read the
+    // slot: the pipeline reuses it once this returns, so wait either way.
     it->second.record(s);
     it->second.synchronize();
+    if (failed) std::rethrow_exception(failed);
   };
 }
 

@@ -83,8 +83,9 @@ class piece_copier {
 /// Wraps `load` so that it runs with `s` as the current processing stream
 /// (lib/cuda/processing.h) and `s`'s device current (restored afterwards: the
 /// processing thread may be the application's), then waits for `s` (an event per
-/// processing thread and device) before returning: the pipeline reuses a staging
-/// slot only after the GPU work that reads it. It waits on a processing thread,
+/// processing thread and device) before returning, also when `load` throws (the
+/// exception is rethrown after the wait): the pipeline reuses a staging slot only
+/// after the GPU work that reads it. It waits on a processing thread,
 /// never on the event loop; `s` must outlive the returned function.
 load_weights_fn on_stream(load_weights_fn load, const stream& s);
 

@@ -2,12 +2,18 @@
 
 #include <utility>
 
+#include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/event.h>
 
 namespace refit::cuda {
 
 stream::stream() : stream(0) {}
+
+stream stream::on(int device) {
+  const device_scope scope(device);
+  return stream();
+}
 
 stream::stream(int priority) {
   REFIT_CUDA_CHECK(cudaGetDevice(&device_));

@@ -18,6 +18,8 @@ class stream {
   /// A stream of `priority`: lower numbers run first; the valid range is
   /// priority_range(), and values outside it are clamped by CUDA.
   explicit stream(int priority);
+  /// A priority-0 stream of `device`, whatever device is current (left as it was).
+  [[nodiscard]] static stream on(int device);
   ~stream();
 
   stream(stream&& other) noexcept;

@@ -10,17 +10,7 @@
 
 namespace refit::cuda {
 
-namespace {
-
-// A stream of device `index` (a stream belongs to the device current at creation).
-stream stream_on(int index) {
-  const device_scope scope(index);
-  return stream();
-}
-
-}  // namespace
-
-device_tensor_memory::device_tensor_memory(int index) : index_(index), stream_(stream_on(index)) {}
+device_tensor_memory::device_tensor_memory(int index) : index_(index), stream_(stream::on(index)) {}
 
 device_tensor_memory::~device_tensor_memory() {
   // Buffers the target did not release (it releases all of its own) go with the

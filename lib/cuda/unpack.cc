@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/error.h>
 
@@ -41,11 +42,25 @@ void unpack(std::span<const piece> pieces, std::span<piece> host_scratch, piece*
   launch_unpack(device_scratch, n, stream);
 }
 
-unpacker::unpacker(std::size_t slots) : slots_(std::max<std::size_t>(slots, 1)) {}
+namespace {
+int device_or_current(int device) {
+  if (device >= 0) return device;
+  int d = 0;
+  REFIT_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+}  // namespace
+
+unpacker::unpacker(std::size_t slots, int device) : device_(device_or_current(device)) {
+  // Events belong to the device current when they are made: make them on device_.
+  const device_scope scope(device_);
+  slots_.resize(std::max<std::size_t>(slots, 1));
+}
 
 void unpacker::unpack(std::span<const piece> pieces, cudaStream_t stream) {
   const std::size_t n = unpack_descriptor_count(pieces);
   if (n == 0) return;
+  const device_scope scope(device_);
   slot& s = slots_[next_];
   next_ = (next_ + 1) % slots_.size();
   // Its previous batch (possibly on another stream) must have finished reading both

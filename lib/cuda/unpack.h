@@ -41,9 +41,15 @@ void unpack(std::span<const piece> pieces, std::span<piece> host_scratch, piece*
 /// not wait for the previous one's kernel. A call blocks the host only when the
 /// slot it reuses still has its batch queued, i.e. with `slots` batches pending.
 /// Scratch grows to the largest batch seen and is never shrunk. Not thread-safe.
+///
+/// Its events and device scratch belong to `device` (-1: the device current at
+/// construction) and are made there whatever device is current when it is made or
+/// called; streams given to unpack() must be streams of that device.
 class unpacker {
  public:
-  explicit unpacker(std::size_t slots = 4);
+  explicit unpacker(std::size_t slots = 4, int device = -1);
+
+  [[nodiscard]] int device() const noexcept { return device_; }
 
   /// Enqueues the copies of `pieces` on `stream` in one launch (plus one small
   /// host-to-device copy of the descriptors); `pieces` itself may be reused as soon
@@ -59,6 +65,7 @@ class unpacker {
     event done;                // recorded after the kernel
     bool used = false;
   };
+  int device_;
   std::vector<slot> slots_;
   std::size_t next_ = 0;
 };

@@ -1,10 +1,11 @@
 // Needs a GPU; skips itself, with the reason, where there is none.
-// refit's GPU engines end to end, in two processes: this binary is the trainer and
-// starts itself again as the worker (tests/cuda/engine_pair.h). cuda_ipc on one
-// GPU; nccl with the worker on a second GPU (skipped where there is none). Every byte of every
-// tensor is checked through the worker's digest; the worker's mappings are opened
-// once; tensors a trainer's kernels are still writing on its stream are read only
-// after those kernels; bfloat16 converted on arrival matches the CPU reference.
+// refit's cuda_ipc engine end to end on one GPU, in two processes: this binary is
+// the trainer and starts itself again as the worker (tests/cuda/engine_pair.h).
+// Every byte of every tensor is checked through the worker's digest; the worker's
+// mappings are opened once; tensors a trainer's kernels are still writing on its
+// stream are read only after those kernels; bfloat16 converted on arrival matches
+// the CPU reference. What needs two GPUs (nccl between two ranks, objects made on
+// a device other than the current one) is tests/cuda/multi_gpu_test.
 // With --bench it is the overlap benchmark instead (cuda_ipc_bench.cc).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@
 #include "tests/support/convert.h"
 
 #include "tests/cuda/cuda_ipc_bench.h"
+#include "tests/cuda/device_tensors.h"
 #include "tests/cuda/engine_pair.h"
 #include "tests/cuda/test_kernels.h"
 #include "tests/support/run.h"
@@ -32,53 +34,6 @@ namespace refit::cuda::testing {
 namespace {
 
 using namespace std::chrono_literals;
-
-// A trainer's model in device memory, with a host copy of every tensor.
-struct device_tensors {
-  update_metadata meta;
-  std::vector<std::vector<std::byte>> host;
-  std::vector<device_buffer> device;
-
-  /// Without `host_copy` the tensor has no host bytes (fill() leaves it as it is).
-  void add(std::string name, dtype t, std::vector<std::int64_t> shape, bool host_copy = true) {
-    meta.tensors.push_back({std::move(name), t, std::move(shape)});
-    host.emplace_back(host_copy ? meta.tensors.back().nbytes() : 0);
-    device.emplace_back(meta.tensors.back().nbytes(), 0);
-  }
-  void fill(std::uint32_t seed) {
-    std::mt19937 rng(seed);
-    for (std::size_t i = 0; i < host.size(); ++i) {
-      for (auto& b : host[i]) b = static_cast<std::byte>(rng() & 0x7f);  // finite bf16/fp32 patterns
-      if (!host[i].empty())
-        REFIT_CUDA_CHECK(cudaMemcpy(device[i].data(), host[i].data(), host[i].size(), cudaMemcpyHostToDevice));
-    }
-  }
-  std::vector<tensor_view> views() const {
-    std::vector<tensor_view> v;
-    for (std::size_t i = 0; i < device.size(); ++i) v.emplace_back(meta.tensors[i], device[i].data(), device::cuda(0));
-    return v;
-  }
-  json expected_digests() const {
-    json out = json::object();
-    for (std::size_t i = 0; i < host.size(); ++i) {
-      auto [sum, weighted] = example::byte_digest(host[i]);
-      out[meta.tensors[i].name] = {sum, weighted};
-    }
-    return out;
-  }
-};
-
-device_tensors mixed_model() {
-  device_tensors m;
-  m.add("embed", dtype::bfloat16, {3000, 64});
-  m.add("big", dtype::bfloat16, {40 << 20});  // 80 MiB: split over 16 MiB buffers
-  m.add("norm", dtype::float32, {64});
-  m.add("ids", dtype::int64, {1000});
-  m.add("scalar", dtype::float32, {});
-  m.add("empty", dtype::bfloat16, {0, 8});
-  for (int i = 0; i < 500; ++i) m.add("layers." + std::to_string(i) + ".bias", dtype::bfloat16, {1 + i % 97});
-  return m;
-}
 
 class cuda_ipc_gpu : public ::testing::Test {
  protected:
@@ -168,74 +123,6 @@ TEST_F(cuda_ipc_gpu, bfloat16_converted_on_arrival_matches_the_cpu_reference) {
     expected[f32.name] = {sum, weighted};
   }
   EXPECT_EQ(got, expected);
-}
-
-// ---- nccl: trainer on cuda:0, worker on cuda:1 (NCCL refuses two ranks on one
-// device, so a one-GPU machine skips these; see README "Multi-GPU").
-
-class nccl_two_gpus : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto devices = device_count_or_reason();
-    if (!devices) GTEST_SKIP() << "no CUDA device: " << devices.reason;
-    if (devices.count < 2)
-      GTEST_SKIP() << "needs 2 GPUs (NCCL refuses two ranks on one device); this machine has " << devices.count;
-    REFIT_CUDA_CHECK(cudaSetDevice(0));
-  }
-  asio::io_context io_;
-};
-
-asio::awaitable<void> nccl_updates(engine_pair& pair, device_tensors& model, json* d1, json* d2) {
-  const json wire = {{"buffer_bytes", 16 << 20}, {"num_buffers", 2}};
-  co_await pair.connect(wire);
-  model.fill(5);
-  co_await pair.update(model.meta, model.views(), 1);
-  *d1 = co_await pair.call("digest");
-  model.fill(6);
-  co_await pair.update(model.meta, model.views(), 2);
-  *d2 = co_await pair.call("digest");
-}
-
-TEST_F(nccl_two_gpus, every_byte_arrives_on_the_workers_gpu) {
-  device_tensors model = mixed_model();
-  engine_pair pair(io_, "nccl", 0, 1);
-  json d1, d2;
-  refit::testing::run_to_completion(io_, nccl_updates(pair, model, &d1, &d2), 120s);
-  model.fill(5);
-  EXPECT_EQ(d1, model.expected_digests());
-  model.fill(6);
-  EXPECT_EQ(d2, model.expected_digests());
-}
-
-asio::awaitable<void> kill_during_update(engine_pair& pair, device_tensors& model, std::string* error, int* kind,
-                                         double* seconds) {
-  const json wire = {{"buffer_bytes", 8 << 20}, {"num_buffers", 2}, {"timeout_ms", 5000}};
-  co_await pair.connect(wire);
-  asio::steady_timer t(co_await asio::this_coro::executor);
-  t.expires_after(20ms);
-  t.async_wait([&pair](std::error_code) { pair.kill_worker(); });
-  const auto t0 = std::chrono::steady_clock::now();
-  try {
-    co_await pair.update(model.meta, model.views(), 1);
-  } catch (const refit::error& e) {
-    *error = e.message();
-    *kind = static_cast<int>(e.kind());
-  }
-  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-TEST_F(nccl_two_gpus, a_worker_killed_mid_update_fails_the_trainer_within_its_deadline) {
-  device_tensors model;
-  // 8 GiB: longer than 20 ms even over NVLink, so the kill lands mid-broadcast.
-  for (int i = 0; i < 64; ++i) model.add("w" + std::to_string(i), dtype::bfloat16, {64 << 20}, false);
-  engine_pair pair(io_, "nccl", 0, 1);
-  std::string error;
-  int kind = 0;
-  double seconds = 0;
-  refit::testing::run_to_completion(io_, kill_during_update(pair, model, &error, &kind, &seconds), 120s);
-  EXPECT_FALSE(error.empty()) << "the update succeeded with its worker killed";
-  EXPECT_TRUE(kind == static_cast<int>(errc::peer_lost) || kind == static_cast<int>(errc::timeout)) << error;
-  EXPECT_LT(seconds, 15.0) << "beyond the 5 s deadline plus slack: " << error;
 }
 
 }  // namespace

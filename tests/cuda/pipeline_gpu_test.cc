@@ -12,6 +12,7 @@
 #include <refit/cuda/processing.h>
 #include <refit/cuda/staging.h>
 #include "tests/cuda/d2d_pipeline.h"
+#include "tests/cuda/test_kernels.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
 
@@ -67,6 +68,29 @@ TEST(pipeline_gpu, every_byte_lands_in_the_model_through_device_staging) {
         cudaMemcpy(back.data(), model.at(set.meta.tensors[i].name).data(), back.size(), cudaMemcpyDeviceToHost));
     EXPECT_EQ(back, set.data[i]) << set.meta.tensors[i].name;
   }
+}
+
+// A load_weights that queues GPU work reading the slot and then throws: the wrapper
+// must not return (and so the pipeline must not reuse the slot) before that work
+// is done, and the error must still come out.
+TEST(pipeline_gpu, a_load_that_throws_returns_only_after_the_work_it_queued) {
+  auto devices = device_count_or_reason();
+  if (!devices) GTEST_SKIP() << "no CUDA device: " << devices.reason;
+  stream processing;
+  auto load = on_stream(
+      [](std::span<const tensor_view>) {
+        testing::spin(200'000'000, current_processing_stream());  // 200 ms still reading the slot
+        throw_error(errc::invalid_argument, "load_weights refused a tensor");
+      },
+      processing);
+  try {
+    load({});
+    FAIL() << "the error of load_weights was lost";
+  } catch (const refit::error& e) {
+    EXPECT_EQ(e.kind(), errc::invalid_argument) << e.what();
+  }
+  EXPECT_TRUE(processing.query()) << "on_stream returned while the kernel load_weights queued still runs: the "
+                                     "pipeline would reuse the slot under it";
 }
 
 }  // namespace
