@@ -73,6 +73,13 @@ struct send_options {
   /// the call fails (error(invalid_argument), or unsupported where the engine
   /// sends no deltas).
   std::optional<bool> delta;
+  /// For senders that read device tensors (nccl, cuda_ipc): the native stream (a
+  /// cudaStream_t, opaque here; nullptr is the legacy default stream) this send's
+  /// tensors were last written on, in place of trainer_context::native_stream for
+  /// this send only: the send reads them only after the work queued there when it
+  /// starts (e.g. the stream current in the trainer's framework at the call).
+  /// nullopt: the context's. Senders of host memory ignore it.
+  std::optional<const void*> producer_stream;
 };
 
 /// The trainer-side half of a backend. Typical use:

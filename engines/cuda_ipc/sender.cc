@@ -44,6 +44,7 @@ void sender::prepared() {
 }
 
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
+  const void* producer = take_producer_stream();  // this send's, whatever becomes of it
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
   const std::vector<links::member> peers = peers_;
@@ -59,7 +60,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   try {
     co_await announce_all(peers, links::update_header(seq, declared, plan));
     send_cursor cursor(declared, plan, source, provider_->device_sources());
-    provider_->order_after(context_.native_stream);
+    provider_->order_after(producer);
     for (const bucket& b : plan.buckets) {
       const std::size_t slot = b.index % n;
       // The buffer held bucket b - n: every worker must have consumed it.

@@ -46,6 +46,7 @@ asio::awaitable<void> broadcast_bucket(std::shared_ptr<collective> comm, std::by
 }  // namespace
 
 asio::awaitable<void> sender::send_weights(const update_metadata& declared, tensor_source& source) {
+  const void* producer = take_producer_stream();  // this send's, whatever becomes of it
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
   // Kept for the whole send: shutdown() may abort it meanwhile (then every
@@ -60,7 +61,7 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
     // divergent tensor fails the update while packing; the abort below makes every
     // worker fail too rather than wait for a broadcast that never comes.
     send_cursor cursor(declared, plan, source, provider_->device_sources());
-    provider_->order_after(context_.native_stream);
+    provider_->order_after(producer);
     const std::size_t n = pack_->slot_count();
     auto buffer_of = [&](const bucket& b) { return pack_->slot(b.index % n).data(); };
     const auto& buckets = plan.buckets;

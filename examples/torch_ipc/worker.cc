@@ -1,5 +1,6 @@
 // A refit worker that a PyTorch trainer on the same GPU feeds through CUDA IPC
-// ("torch_ipc" backend; the trainer's side is refit_ipc.py, no refit there). Its
+// ("torch_ipc" backend; the trainer's side is refit_ipc.py, no refit there), or,
+// with --backend cuda_ipc, a refit trainer (refit.Sender("cuda_ipc") from Python). Its
 // model is device memory, one buffer per tensor name, allocated the first time a
 // name is declared and then received into directly (no staging copy):
 // examples/torch_ipc/device_model.h.
@@ -32,7 +33,7 @@ namespace {
 int usage(const char* why) {
   std::fprintf(stderr,
                "%s\nusage: worker [--device N] [--listen ADDRESS] [--port PORT] [--auth-secret-file FILE]\n"
-               "              [--timeout-ms MS]\n"
+               "              [--timeout-ms MS] [--backend torch_ipc|cuda_ipc]\n"
                "Prints REFIT_WORKER_PORT <port> once it listens; serves until SIGINT/SIGTERM or the\n"
                "control call 'shutdown'.\n",
                why);
@@ -44,7 +45,7 @@ int run(int argc, char** argv) {
   // even when stuck in a CUDA call, so nothing outlives the trainer.
   if (std::getenv("REFIT_TRAINER_PID")) die_with_trainer(SIGKILL);
   int device = 0;
-  std::string listen = "127.0.0.1", secret_file;
+  std::string listen = "127.0.0.1", secret_file, backend = "torch_ipc";
   unsigned port = 0;
   long timeout_ms = 120000;
   for (int i = 1; i < argc; ++i) {
@@ -63,6 +64,10 @@ int run(int argc, char** argv) {
       secret_file = next();
     else if (a == "--timeout-ms")
       timeout_ms = std::stol(next());
+    else if (a == "--backend") {
+      backend = next();
+      if (backend != "torch_ipc" && backend != "cuda_ipc") return usage(("--backend " + backend + ": this worker serves torch_ipc or cuda_ipc").c_str());
+    }
     else
       return usage(("unknown argument " + a).c_str());
   }
@@ -77,7 +82,7 @@ int run(int argc, char** argv) {
   asio::io_context io;
   device_model model(device);
   weight_transfer_config config;
-  config.backend = "torch_ipc";
+  config.backend = backend;
   config.timeout = std::chrono::milliseconds(timeout_ms);
   if (!secret_file.empty()) config.auth_secret = auth::read_secret_file(secret_file);
   control::worker_host host(config, engine_context{io.get_executor(), refit::device::cuda(device), {}, &model},

@@ -178,7 +178,8 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
   result.version = version;
   result.workers.resize(clients_.size());
   // Before any worker is told (a sender that cannot do it refuses here).
-  if (options.delta) sender.set_next_send({.delta = options.delta});
+  if (options.delta || options.producer_stream)
+    sender.set_next_send({.delta = options.delta, .producer_stream = options.producer_stream});
   const auto t0 = clock_type::now();
   co_await call_all("start_weight_update");
   co_await both(call_all("update_weights", std::move(update_body)), send(sender, meta, source));

@@ -118,6 +118,9 @@ struct update_options {
   /// set_next_send): nullopt as the sender was prepared, false full, true a
   /// delta where workers hold the base (the sender must be prepared with deltas).
   std::optional<bool> delta;
+  /// The stream the views were last written on, for senders of device tensors
+  /// (send_options::producer_stream, given to the sender's set_next_send).
+  std::optional<const void*> producer_stream;
 };
 
 /// One worker's part of an update.

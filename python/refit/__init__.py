@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio as _asyncio
 import atexit as _atexit
+import sys as _sys
 from collections.abc import Callable as _Callable
 from collections.abc import Iterable as _Iterable
 from collections.abc import Mapping as _Mapping
@@ -335,6 +336,46 @@ class Engine:
         self.shutdown()  # a short call on refit's loop: it does not wait for peers
 
 
+class _ProducerOrder:
+    """Orders a device sender's reads after the stream that wrote its tensors.
+
+    A GPU sender (nccl, cuda_ipc) reads the trainer's tensors on a stream of its
+    own; a tensor written on torch's current stream (a side stream under
+    ``torch.cuda.stream(s)``, or the default one) may still be in flight when
+    ``send_weights`` is called. At each call this makes a stream of its own wait for
+    the producer's work queued so far (an event recorded on it now, without blocking
+    the host) and hands that stream to refit, which orders every read after it."""
+
+    def __init__(self, device: str) -> None:
+        self._device = device
+        self._waiter: _Any = None
+
+    def handle(self, stream: _Any) -> int | None:
+        """The stream handle for refit: ``stream`` is a ``torch.cuda.Stream`` (or
+        anything with ``cuda_stream``), a raw ``cudaStream_t`` int, or None for
+        torch's current stream on the sender's device."""
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            return stream  # the caller's own handle: refit records on it when the send starts
+        if not self._device.startswith("cuda"):
+            if stream is not None:
+                raise InvalidArgumentError(
+                    f"stream=: the sender's device is {self._device}; a producer stream orders reads of CUDA tensors")
+            return None
+        torch = _sys.modules.get("torch")
+        if torch is None:  # tensors from another framework: the legacy default stream's order, as in C++
+            if stream is not None and not hasattr(stream, "cuda_stream"):
+                raise InvalidArgumentError(f"stream=: expected a torch.cuda.Stream or an int handle, got {stream!r}")
+            return int(stream.cuda_stream) if stream is not None else None
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)
+        elif not isinstance(stream, torch.cuda.Stream):
+            raise InvalidArgumentError(f"stream=: expected a torch.cuda.Stream or an int handle, got {stream!r}")
+        if self._waiter is None:
+            self._waiter = torch.cuda.Stream(device=self._device)
+        self._waiter.wait_stream(stream)
+        return int(self._waiter.cuda_stream)
+
+
 class Sender:
     """The trainer side of ``backend``: ``prepare(trainer_args)`` returns the init_info
     every worker's :meth:`Engine.init` takes; ``connect_workers()`` waits for them;
@@ -344,6 +385,11 @@ class Sender:
     parameter is named). tcp's trainer_args: ``master_address``, ``master_port``
     (0: any free port), ``world_size`` (workers + 1), ``buffer_bytes``,
     ``num_buffers``, ``timeout_ms``, ``topology``.
+
+    GPU senders (nccl, cuda_ipc, ``device="cuda:N"``) read the tensors only after
+    the work queued on torch's current stream when ``send_weights`` is called, or on
+    ``stream=`` (a ``torch.cuda.Stream`` or a raw ``cudaStream_t``) when the tensors
+    were written elsewhere; the host is never blocked for it.
     """
 
     def __init__(
@@ -355,6 +401,7 @@ class Sender:
         auth_secret_file: str | None = None,
         socket_buffer_bytes: int = 0,
     ) -> None:
+        self._order = _ProducerOrder(str(device))
         self._impl = _refit._Sender(
             backend=backend,
             device=str(device),
@@ -376,16 +423,25 @@ class Sender:
     async def connect_workers_async(self) -> None:
         await _run(_keep(self, self._impl._start_connect_workers))
 
-    def send_weights(self, tensors: Tensors, metadata: Info | None = None, *, delta: bool | None = None) -> None:
+    def send_weights(
+        self, tensors: Tensors, metadata: Info | None = None, *, delta: bool | None = None, stream: _Any = None
+    ) -> None:
         """Sends one update. ``delta`` (a sender prepared with ``"delta": True``):
         ``False`` sends this one full, ``True`` requires deltas to be on; ``None``
-        as prepared (docs/delta.md)."""
-        self._impl.send_weights(tensors=tensors, metadata=metadata, delta=delta)
+        as prepared (docs/delta.md). ``stream``: where the tensors were written
+        (GPU senders; torch's current stream by default)."""
+        self._impl.send_weights(tensors=tensors, metadata=metadata, delta=delta, stream=self._order.handle(stream))
 
     async def send_weights_async(
-        self, tensors: Tensors, metadata: Info | None = None, *, delta: bool | None = None
+        self, tensors: Tensors, metadata: Info | None = None, *, delta: bool | None = None, stream: _Any = None
     ) -> None:
-        await _run(_keep(self, self._impl._start_send_weights), tensors=tensors, metadata=metadata, delta=delta)
+        await _run(
+            _keep(self, self._impl._start_send_weights),
+            tensors=tensors,
+            metadata=metadata,
+            delta=delta,
+            stream=self._order.handle(stream),
+        )
 
     @property
     def last_send_stats(self) -> Info:
@@ -518,9 +574,10 @@ class WorkerGroup:
         expected: _Mapping[str, int] | None = None,
         metadata: Info | None = None,
         delta: bool | None = None,
+        stream: _Any = None,
     ) -> Info:
         """One update of every worker; returns {"version", "seconds", "verified", "workers"}.
-        ``delta``: as :meth:`Sender.send_weights`'s, for this update."""
+        ``delta`` and ``stream``: as :meth:`Sender.send_weights`'s, for this update."""
         return self._impl.update(
             sender=sender._impl,
             tensors=tensors,
@@ -531,6 +588,7 @@ class WorkerGroup:
             expected=expected,
             metadata=metadata,
             delta=delta,
+            stream=sender._order.handle(stream),
         )
 
     async def update_async(
@@ -545,6 +603,7 @@ class WorkerGroup:
         expected: _Mapping[str, int] | None = None,
         metadata: Info | None = None,
         delta: bool | None = None,
+        stream: _Any = None,
     ) -> Info:
         return await _run(
             _keep((self, sender), self._impl._start_update),
@@ -557,6 +616,7 @@ class WorkerGroup:
             expected=expected,
             metadata=metadata,
             delta=delta,
+            stream=sender._order.handle(stream),
         )
 
     def call_all(self, method: str, params: Info | None = None) -> list[_Any]:

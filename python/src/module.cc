@@ -561,11 +561,20 @@ control::init_options make_init_options(const std::string& ranks) {
   return o;
 }
 
+// A stream handle from Python (torch.cuda.Stream.cuda_stream: the cudaStream_t as an
+// int) as send_options::producer_stream takes it.
+std::optional<const void*> producer_stream(std::optional<std::uintptr_t> handle) {
+  if (!handle) return std::nullopt;
+  return reinterpret_cast<const void*>(*handle);
+}
+
 control::update_options make_update_options(bool verify, const std::optional<std::string>& commit,
-                                            nb::handle update_info, nb::handle expected, std::optional<bool> delta) {
+                                            nb::handle update_info, nb::handle expected, std::optional<bool> delta,
+                                            std::optional<std::uintptr_t> stream) {
   control::update_options o;
   o.verify = verify;
   o.delta = delta;
+  o.producer_stream = producer_stream(stream);
   if (commit) {
     if (*commit == "in_place")
       o.commit = commit_mode::in_place;
@@ -866,20 +875,24 @@ NB_MODULE(_refit, m) {
           nb::arg("done"))
       .def(
           "send_weights",
-          [](py_sender& s, nb::handle tensors, nb::handle metadata, std::optional<bool> delta) {
+          [](py_sender& s, nb::handle tensors, nb::handle metadata, std::optional<bool> delta,
+             std::optional<std::uintptr_t> stream) {
             auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
-            if (delta) s.sender().set_next_send({.delta = delta});
+            if (delta || stream) s.sender().set_next_send({.delta = delta, .producer_stream = producer_stream(stream)});
             block_on(py_sender::send(&s.sender(), std::move(held), std::move(declared)));
           },
-          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("delta").none() = nb::none())
+          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("delta").none() = nb::none(),
+          nb::arg("stream").none() = nb::none())
       .def(
           "_start_send_weights",
-          [](py_sender& s, nb::handle tensors, nb::handle metadata, std::optional<bool> delta, nb::object done) {
+          [](py_sender& s, nb::handle tensors, nb::handle metadata, std::optional<bool> delta,
+             std::optional<std::uintptr_t> stream, nb::object done) {
             auto [held, declared] = hold_for_send(tensors, metadata, "send_weights", &s.cache());
-            if (delta) s.sender().set_next_send({.delta = delta});
+            if (delta || stream) s.sender().set_next_send({.delta = delta, .producer_stream = producer_stream(stream)});
             return start_void(py_sender::send(&s.sender(), std::move(held), std::move(declared)), std::move(done));
           },
-          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("delta").none(), nb::arg("done"))
+          nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("delta").none(), nb::arg("stream").none(),
+          nb::arg("done"))
       .def("last_send_stats", &py_sender::last_send_stats)
       .def("last_send_info", &py_sender::last_send_info)
       .def("shutdown", &py_sender::shutdown);
@@ -916,30 +929,30 @@ NB_MODULE(_refit, m) {
           "update",
           [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                   std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
-                  std::optional<bool> delta) {
+                  std::optional<bool> delta, std::optional<std::uintptr_t> stream) {
             auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-            auto options = make_update_options(verify, commit, update_info, expected, delta);
+            auto options = make_update_options(verify, commit, update_info, expected, delta, stream);
             json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                         version, std::move(options)));
             return nb::cast<nb::dict>(to_py(out));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
           nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
-          nb::arg("delta").none() = nb::none())
+          nb::arg("delta").none() = nb::none(), nb::arg("stream").none() = nb::none())
       .def(
           "_start_update",
           [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                   std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
-                  std::optional<bool> delta, nb::object done) {
+                  std::optional<bool> delta, std::optional<std::uintptr_t> stream, nb::object done) {
             auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-            auto options = make_update_options(verify, commit, update_info, expected, delta);
+            auto options = make_update_options(verify, commit, update_info, expected, delta, stream);
             return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                        version, std::move(options)),
                                to_py, std::move(done));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
           nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
-          nb::arg("delta").none(), nb::arg("done"))
+          nb::arg("delta").none(), nb::arg("stream").none(), nb::arg("done"))
       .def(
           "call_all",
           [to_py](py_worker_group& g, const std::string& method, nb::handle params) {

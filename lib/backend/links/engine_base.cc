@@ -1,6 +1,7 @@
 #include <refit/backend/links/engine_base.h>
 
 #include <algorithm>
+#include <utility>
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
@@ -102,6 +103,15 @@ void worker_engine::close() noexcept {
 sender_base::sender_base(const weight_transfer_config& config, const trainer_context& context)
     : config_(config), context_(context) {
   if (!context_.executor) throw_error(errc::invalid_argument, "trainer_context: an executor is required");
+}
+
+void sender_base::set_next_send(const send_options& options) {
+  weight_sender::set_next_send(options);
+  if (options.producer_stream) next_producer_ = options.producer_stream;
+}
+
+const void* sender_base::take_producer_stream() noexcept {
+  return std::exchange(next_producer_, std::nullopt).value_or(context_.native_stream);
 }
 
 json sender_base::prepare(const json& trainer_args) {

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,8 +81,15 @@ class sender_base : public weight_sender {
   asio::awaitable<void> connect_workers() final;
   void shutdown() final;
   update_stats last_send_stats() const override { return stats_; }
+  /// Keeps send_options::producer_stream for the next send (deltas are refused as
+  /// weight_sender's).
+  void set_next_send(const send_options& options) override;
 
  protected:
+  /// The stream the tensors of the send starting now were written on: the one
+  /// set_next_send gave for it, else trainer_context::native_stream. Call once at
+  /// the start of each send_weights (the next send falls back to the context's).
+  const void* take_producer_stream() noexcept;
   /// After the trainer args were read (and checksums refused), before listening:
   /// check what the engine's own args allow, allocate buffers.
   virtual void prepared() {}
@@ -133,6 +141,7 @@ class sender_base : public weight_sender {
  private:
   std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
   std::uint64_t seq_ = 0;
+  std::optional<const void*> next_producer_;  // set_next_send's, for the next send only
 };
 
 }  // namespace refit::links
