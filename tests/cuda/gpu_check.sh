@@ -60,6 +60,9 @@ if [ -z "$py" ]; then
   if [ -x /opt/torch/.venv/bin/python3 ]; then py=/opt/torch/.venv/bin/python3; else py=$(command -v python3 || echo python3); fi
 fi
 export PY="$py"
+# The CUDA wheel the bundle carries for that interpreter, unpacked under python/cpXY.
+PYTAG=$("$py" -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null || echo unknown)
+export PYTAG
 export PATH="$(dirname "$py"):$PATH"
 nccl_lib=${REFIT_NCCL_LIB:-}
 if [ -z "$nccl_lib" ]; then
@@ -106,7 +109,7 @@ finish() {
   {
     echo "refit GPU check: mode=$mode${dry_reason:+ ($dry_reason)} budget=${budget}s elapsed=${total}s"
     echo "bundle stamp: $(tr -d '\n' <"$rep/stamp.json")"
-    while IFS=$'\t' read -r name kind state code wall limit; do
+    while IFS=$'\t' read -r name kind backends state code wall limit; do
       echo
       echo "==== step $name ($kind): $state rc=$code wall=${wall}s limit=${limit}s"
       local f="$rep/steps/$name.log"
@@ -134,15 +137,15 @@ exit_status=1
 trap 'finish; exit $exit_status' EXIT
 trap 'say "interrupted: writing the report"; exit 1' TERM INT HUP
 
-# Runs one step: NAME KIND LIMIT_S COMMAND. The command runs from the bundle root
+# Runs one step: NAME KIND BACKENDS LIMIT_S COMMAND. The command runs from the bundle root
 # in a new session (so every process it starts is in one process group), under
 # timeout with kill-after, output to its log file; whatever of that group is still
 # alive afterwards is killed.
 run_step() {
-  local name=$1 kind=$2 limit=$3 cmd=$4
+  local name=$1 kind=$2 backends=$3 limit=$4 cmd=$5
   local left; left=$(awk -v b="$budget" -v e="$(elapsed)" 'BEGIN { printf "%d", b - e }')
   if [ "$left" -lt "$min_step" ]; then
-    printf '%s\t%s\tnot_run\t-\t0\t%s\n' "$name" "$kind" "$limit" >>"$rep/steps.tsv"
+    printf '%s\t%s\t%s\tnot_run\t-\t0\t%s\n' "$name" "$kind" "$backends" "$limit" >>"$rep/steps.tsv"
     say "$name: not run (budget: ${left}s left)"
     return
   fi
@@ -157,16 +160,17 @@ run_step() {
   kill -KILL -- "-$current_pgid" 2>/dev/null
   current_pgid=""
   local wall; wall=$(awk -v a="$s" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
-  printf '%s\t%s\tran\t%s\t%s\t%s\n' "$name" "$kind" "$rc" "$wall" "$t" >>"$rep/steps.tsv"
+  printf '%s\t%s\t%s\tran\t%s\t%s\t%s\n' "$name" "$kind" "$backends" "$rc" "$wall" "$t" >>"$rep/steps.tsv"
   say "$name: rc=$rc wall=${wall}s"
 }
 
-say "mode=$mode${dry_reason:+ ($dry_reason)} budget=${budget}s python=$py nccl=${nccl_lib:-none}"
-run_step preflight preflight 60 "bash '$here/gpu_preflight.sh'"
-while IFS='|' read -r name kind limit cmd; do
+say "mode=$mode${dry_reason:+ ($dry_reason)} budget=${budget}s python=$py ($PYTAG) nccl=${nccl_lib:-none}"
+run_step preflight preflight - 60 "bash '$here/gpu_preflight.sh'"
+while IFS='|' read -r name kind backends limit cmd; do
   name=$(echo "$name" | xargs); kind=$(echo "$kind" | xargs); limit=$(echo "$limit" | xargs)
+  backends=$(echo "$backends" | tr -d ' ')
   case "$name" in ''|'#'*) continue ;; esac
   cmd=$(echo "$cmd" | sed 's/^ *//')
-  run_step "$name" "$kind" "$limit" "$cmd"
+  run_step "$name" "$kind" "${backends:--}" "$limit" "$cmd"
 done <"$steps_file"
 exit  # the EXIT trap writes the report and sets the status

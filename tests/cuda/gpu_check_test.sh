@@ -4,26 +4,26 @@
 # budget is spent. The check must finish near its budget, kill the grandchild,
 # report each step as what it was, and leave exactly its 3 report files.
 #
-#   gpu_check_test.sh GPU_CHECK_SH GPU_PREFLIGHT_SH GPU_REPORT_PY
+#   gpu_check_test.sh GPU_CHECK_SH GPU_PREFLIGHT_SH GPU_REPORT_PY GPU_REPORT_SCHEMA_JSON
 set -euo pipefail
-check=$(readlink -f "$1") preflight=$(readlink -f "$2") report=$(readlink -f "$3")
+check=$(readlink -f "$1") preflight=$(readlink -f "$2") report=$(readlink -f "$3") schema=$(readlink -f "$4")
 tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/gpu_check_test.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 bundle="$tmp/bundle"
 mkdir -p "$bundle/tests/cuda"
-cp "$check" "$preflight" "$report" "$bundle/tests/cuda/"
+cp "$check" "$preflight" "$report" "$schema" "$bundle/tests/cuda/"
 echo '{"commit": "0123456789abcdef", "dirty": false}' >"$bundle/STAMP.json"
 # A "GPU test" that passes, one that skips with its reason, a benchmark that skips,
 # a step that hangs (its grandchild ignores SIGTERM), and one the budget leaves out.
 cat >"$bundle/steps.txt" <<'EOF'
-# name | kind | timeout_s | command
-passes  | gtest_cpu | 20 | echo '[==========] 1 test ran.'; echo '[  PASSED  ] 1 test.'
-skips   | gtest | 20 | printf 'x.cc:1: Skipped\nno CUDA device: no driver here\n[  SKIPPED ] 1 test, listed below:\n[  PASSED  ] 0 tests.\n'
-bench   | json  | 20 | echo '{"bench":"b","skipped":true,"reason":"no GPU"}'
-hangs   | json  | 100 | bash -c 'trap "" TERM; echo $$ > grandchild.pid; while :; do sleep 1; done' & trap "" TERM; wait
-late    | gtest | 20 | echo never
+# name | kind | backends | timeout_s | command
+passes  | gtest_cpu | - | 20 | echo '[==========] 1 test ran.'; echo '[  PASSED  ] 1 test.'
+skips   | gtest | nccl | 20 | printf 'x.cc:1: Skipped\nno CUDA device: no driver here\n[  SKIPPED ] 1 test, listed below:\n[  PASSED  ] 0 tests.\n'
+bench   | json  | nccl, cuda_ipc | 20 | echo '{"bench":"b","skipped":true,"reason":"no GPU"}'
+hangs   | json  | - | 100 | bash -c 'trap "" TERM; echo $$ > grandchild.pid; while :; do sleep 1; done' & trap "" TERM; wait
+late    | gtest | - | 20 | echo never
 EOF
 out="$tmp/out"
 cd "$bundle"
@@ -48,9 +48,10 @@ python3 - "$out/gpu-summary.json" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
 got = {x["name"]: (x["status"], x["ok"]) for x in s["steps"]}
-want = {"preflight": ("pass", True), "passes": ("pass", True), "skips": ("skipped", True),
+want = {"preflight": ("passed", True), "passes": ("passed", True), "skips": ("skipped", True),
         "bench": ("skipped", True), "hangs": ("timeout", False), "late": ("not run (budget)", False)}
 assert got == want, got
+assert next(x for x in s["steps"] if x["name"] == "bench")["backends"] == ["nccl", "cuda_ipc"], s["steps"]
 assert s["mode"] == "dry" and s["ok"] is False, s
 assert s["stamp"]["commit"] == "0123456789abcdef", s["stamp"]
 skip = next(x for x in s["steps"] if x["name"] == "skips")

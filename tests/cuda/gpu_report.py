@@ -4,11 +4,17 @@ exit status and its log, writes summary.json and prints a table.
   gpu_report.py summarize --report DIR --mode gpu|dry [--dry-reason R] --budget S --elapsed S
   gpu_report.py verify-dry-run OUT_DIR [--max-seconds 120]
 
-A step is "pass", "fail", "timeout", "skipped" (with the reason it gave) or
-"not run (budget)". On a GPU machine a skip fails the check; in a dry run (no GPU)
-a GPU step must skip with a reason, and nothing may fail. verify-dry-run is what
-CI runs on the dry run's output: the report is there (at most 3 files), parses,
-and says what it should. Standard library only."""
+  gpu_report.py verified-backends REPORT.json...
+
+A step's status is one of gpu_report_schema.json's (the one schema this file, the
+README's status table and CI's synthetic-report test read): "passed", "failed",
+"timeout", "skipped" (with the reason it gave), "needs 2 GPUs" (a gtest_2gpu step
+on a machine with fewer) or "not run (budget)". On a GPU machine a skip fails the
+check and "needs 2 GPUs" is neither a pass nor a failure; in a dry run (no GPU) a
+GPU step must skip with a reason, and nothing may fail. verify-dry-run is what CI
+runs on the dry run's output: the report is there (at most 3 files), parses, and
+says what it should. verified-backends prints what the status table's last
+column says of each backend the reports name. Standard library only."""
 
 import argparse
 import json
@@ -17,9 +23,20 @@ import re
 import sys
 import tarfile
 
-# Step kinds (gpu_steps.txt): gtest needs a GPU; gtest_cpu also runs without one.
-GTEST_KINDS = ("gtest", "gtest_cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "gpu_report_schema.json")) as _f:
+    SCHEMA = json.load(_f)
+PASSED, FAILED, TIMEOUT, SKIPPED, NEEDS_2_GPUS, NOT_RUN = (
+    "passed", "failed", "timeout", "skipped", "needs 2 GPUs", "not run (budget)")
+assert set(SCHEMA["statuses"]) == {PASSED, FAILED, TIMEOUT, SKIPPED, NEEDS_2_GPUS, NOT_RUN}, SCHEMA["statuses"]
+assert SCHEMA["verified_status"] == PASSED
+
+# Step kinds (gpu_steps.txt): gtest needs a GPU; gtest_cpu also runs without one;
+# gtest_2gpu needs two.
+GTEST_KINDS = ("gtest", "gtest_cpu", "gtest_2gpu")
+assert set(SCHEMA["kinds"]) == set(GTEST_KINDS) | {"preflight", "json"}
 TIMEOUT_CODES = (124, 137)
+NEEDS_2_GPUS_REASON = "needs 2 GPUs"
 
 
 def read_log(path, limit=4 << 20):
@@ -66,53 +83,102 @@ def gtest_skip_reasons(text):
 def classify(kind, state, rc, text):
     """(status, reason, figures) of one step."""
     if state == "not_run":
-        return "not run (budget)", "the budget ran out before this step", None
+        return NOT_RUN, "the budget ran out before this step", None
     if rc in TIMEOUT_CODES:
-        return "timeout", "killed at its time limit (rc %d)" % rc, None
+        return TIMEOUT, "killed at its time limit (rc %d)" % rc, None
     broken = loader_failure(text)
     if broken:
-        return "fail", broken, None
+        return FAILED, broken, None
     if kind == "preflight":
         missing = [l for l in text.splitlines() if l.startswith("ldd_missing:") or "FAILED" in l
                    or l.startswith("gpu: nvidia-smi failed") or l == "gpu: no nvidia-smi"]
         if rc == 0:
-            return "pass", "", None
-        return "fail", "; ".join(missing) or "exit status %d" % rc, None
+            return PASSED, "", None
+        return FAILED, "; ".join(missing) or "exit status %d" % rc, None
     if kind in GTEST_KINDS:
         failed = re.findall(r"^\[  FAILED  \] (\S+)", text, re.M)
         passed = re.search(r"^\[  PASSED  \] (\d+) test", text, re.M)
         skipped = re.search(r"^\[  SKIPPED \] (\d+) test", text, re.M)
         if rc != 0 or failed:
             names = sorted(set(n for n in failed if "." in n))
-            return "fail", ("failed: " + ", ".join(names)) if names else "exit status %d" % rc, None
+            return FAILED, ("failed: " + ", ".join(names)) if names else "exit status %d" % rc, None
         if skipped:
             reasons = gtest_skip_reasons(text)
-            return "skipped", (reasons[0] if reasons else "skipped without a reason"), None
+            # A two-GPU step whose every skip says it needs two GPUs: a one-GPU machine.
+            if kind == "gtest_2gpu" and reasons and all(r.startswith(NEEDS_2_GPUS_REASON) for r in reasons) \
+                    and len(reasons) == int(skipped.group(1)):
+                return NEEDS_2_GPUS, reasons[0], None
+            return SKIPPED, (reasons[0] if reasons else "skipped without a reason"), None
         if not passed:
-            return "fail", "no gtest summary in the output", None
-        return "pass", passed.group(0).strip("[] ").strip(), None
+            return FAILED, "no gtest summary in the output", None
+        return PASSED, passed.group(0).strip("[] ").strip(), None
     if kind == "json":
         value = last_json(text)
         if value is None:
-            return "fail", "exit status %d and no JSON line" % rc if rc else "no JSON line", None
+            return FAILED, "exit status %d and no JSON line" % rc if rc else "no JSON line", None
         if value.get("skipped"):
-            return "skipped", str(value.get("reason") or "skipped without a reason"), value
+            return SKIPPED, str(value.get("reason") or "skipped without a reason"), value
         if rc != 0:
-            return "fail", str(value.get("error") or value.get("reason") or "exit status %d" % rc), value
+            return FAILED, str(value.get("error") or value.get("reason") or "exit status %d" % rc), value
         if value.get("error") or value.get("passed") is False:
-            return "fail", str(value.get("error") or "passed: false"), value
-        return "pass", "", value
-    return "fail", "unknown step kind '%s'" % kind, None
+            return FAILED, str(value.get("error") or "passed: false"), value
+        return PASSED, "", value
+    return FAILED, "unknown step kind '%s'" % kind, None
 
 
 def judge(kind, status, reason, mode):
     """Whether a step's status is what the check wants in this mode."""
     if mode == "gpu":
-        return status == "pass"
+        return status == PASSED or (kind == "gtest_2gpu" and status == NEEDS_2_GPUS)
     # Dry run: GPU steps skip with a reason; steps that need no GPU may pass.
     if kind in ("preflight", "gtest_cpu"):
-        return status == "pass" or (kind == "gtest_cpu" and status == "skipped" and reason)
-    return status == "skipped" and bool(reason) and reason != "skipped without a reason"
+        return status == PASSED or (kind == "gtest_cpu" and status == SKIPPED and bool(reason))
+    return status == SKIPPED and bool(reason) and reason != "skipped without a reason"
+
+
+def parse_backends(text):
+    """gpu_steps.txt's backends column: names separated by commas, "-" for none."""
+    text = text.strip()
+    return [] if text in ("", "-") else [b.strip() for b in text.split(",") if b.strip()]
+
+
+def check_summary(summary):
+    """Raises ValueError unless `summary` has the schema's fields and statuses."""
+    missing = [f for f in SCHEMA["summary_fields"] if f not in summary]
+    if missing:
+        raise ValueError("summary lacks %s" % missing)
+    for s in summary["steps"]:
+        missing = [f for f in SCHEMA["step_fields"] if f not in s]
+        extra = [f for f in s if f not in SCHEMA["step_fields"] + SCHEMA["optional_step_fields"]]
+        if missing or extra:
+            raise ValueError("step %s: missing %s, unknown %s" % (s.get("name"), missing, extra))
+        if s["status"] not in SCHEMA["statuses"]:
+            raise ValueError("step %s: status %r is not one of %s" % (s["name"], s["status"], list(SCHEMA["statuses"])))
+
+
+def verified_backends(summaries):
+    """{backend: "yes" | "yes (1 GPU)" | "no"} over GPU-mode summaries, as the README's
+    last column says it (tests/codebase/status_table.cc computes the same from the
+    schema): "yes" when a step naming the backend passed and none naming it failed;
+    "(1 GPU)" when some of its steps needed two GPUs and had fewer."""
+    seen, good, bad, partial = set(), set(), set(), set()
+    for summary in summaries:
+        if summary.get("mode") != SCHEMA["gpu_mode"]:
+            continue
+        for s in summary.get("steps", []):
+            for b in s.get("backends", []):
+                seen.add(b)
+                if s["status"] == SCHEMA["verified_status"]:
+                    good.add(b)
+                elif s["status"] in SCHEMA["failing_statuses"]:
+                    bad.add(b)
+                elif s["status"] in SCHEMA["neutral_statuses"]:
+                    partial.add(b)
+    out = {}
+    for b in sorted(seen):
+        ok = b in good and b not in bad
+        out[b] = ("yes (1 GPU)" if b in partial else "yes") if ok else "no"
+    return out
 
 
 def environment(preflight_text):
@@ -133,12 +199,13 @@ def summarize(args):
     steps = []
     with open(os.path.join(rep, "steps.tsv")) as f:
         rows = [l.rstrip("\n").split("\t") for l in f if l.strip()]
-    for name, kind, state, rc, wall, limit in rows:
+    for name, kind, backends, state, rc, wall, limit in rows:
         code = int(rc) if rc.lstrip("-").isdigit() else None
         text = read_log(os.path.join(rep, "steps", name + ".log"))
         status, reason, figures = classify(kind, state, code, text)
-        step = {"name": name, "kind": kind, "status": status, "reason": reason, "rc": code,
-                "wall_s": float(wall), "limit_s": int(limit), "ok": judge(kind, status, reason, args.mode)}
+        step = {"name": name, "kind": kind, "backends": parse_backends(backends), "status": status,
+                "reason": reason, "rc": code, "wall_s": float(wall), "limit_s": int(limit),
+                "ok": judge(kind, status, reason, args.mode)}
         if figures is not None:
             step["result"] = figures
         steps.append(step)
@@ -153,8 +220,9 @@ def summarize(args):
     for s in steps:
         counts[s["status"]] = counts.get(s["status"], 0) + 1
     ok = bool(steps) and all(s["ok"] for s in steps)
-    summary = {"ok": ok, "mode": args.mode, "dry_reason": args.dry_reason or None, "budget_s": args.budget,
+    summary = {"schema": SCHEMA["schema"], "ok": ok, "mode": args.mode, "dry_reason": args.dry_reason or None, "budget_s": args.budget,
                "elapsed_s": args.elapsed, "counts": counts, "stamp": stamp, "environment": env, "steps": steps}
+    check_summary(summary)
     with open(os.path.join(rep, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
         f.write("\n")
@@ -163,7 +231,7 @@ def summarize(args):
         args.elapsed, args.budget, stamp.get("commit", "?"), " (dirty)" if stamp.get("dirty") else ""))
     for s in steps:
         brief = s["reason"]
-        if s.get("result") and s["status"] == "pass":
+        if s.get("result") and s["status"] == PASSED:
             brief = json.dumps(s["result"], separators=(",", ":"))
         print("%-4s %-16s %-17s %6.1fs  %s" % ("ok" if s["ok"] else "BAD", s["name"], s["status"], s["wall_s"],
                                               brief[:900]))
@@ -191,7 +259,7 @@ def verify_dry_run(args):
     if summary.get("elapsed_s", 1e9) > args.max_seconds:
         problems.append("took %.1f s, more than %d s" % (summary.get("elapsed_s"), args.max_seconds))
     steps = summary.get("steps", [])
-    if not steps or steps[0]["name"] != "preflight" or steps[0]["status"] != "pass":
+    if not steps or steps[0]["name"] != "preflight" or steps[0]["status"] != PASSED:
         problems.append("the preflight did not run first and pass")
     for s in steps:
         if not s.get("ok"):
@@ -202,7 +270,7 @@ def verify_dry_run(args):
         with tarfile.open(os.path.join(args.out, "gpu-report.tar.gz")) as t:
             names = set(t.getnames())
         for s in steps:
-            if s["status"] != "not run (budget)" and "gpu-report/steps/%s.log" % s["name"] not in names:
+            if s["status"] != NOT_RUN and "gpu-report/steps/%s.log" % s["name"] not in names:
                 problems.append("the tarball lacks the log of step %s" % s["name"])
     except (OSError, tarfile.TarError) as e:
         problems.append("unreadable tarball: %s" % e)
@@ -225,7 +293,17 @@ def main():
     v = sub.add_parser("verify-dry-run")
     v.add_argument("out")
     v.add_argument("--max-seconds", type=int, default=120)
+    b = sub.add_parser("verified-backends")
+    b.add_argument("reports", nargs="+")
     args = p.parse_args()
+    if args.cmd == "verified-backends":
+        summaries = []
+        for path in args.reports:
+            with open(path) as f:
+                summaries.append(json.load(f))
+        for name, said in verified_backends(summaries).items():
+            print("%s\t%s" % (name, said))
+        return 0
     return summarize(args) if args.cmd == "summarize" else verify_dry_run(args)
 
 
