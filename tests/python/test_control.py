@@ -199,3 +199,24 @@ def test_a_delta_update_asked_of_a_sender_without_deltas_is_a_typed_error():
         assert group.update(sender, src, 1, delta=False)["verified"]
     sender.shutdown()
     host.stop()
+
+
+def test_a_producer_stream_is_checked_and_host_senders_take_a_raw_handle():
+    # stream= orders a GPU sender's reads (tests/cuda/python_gpu_check.py proves it on a
+    # GPU); a host sender refuses a stream object it cannot use, and takes a raw handle
+    # (ignored by host engines) so code written for both runs on either.
+    dests = [{k: np.zeros_like(v) for k, v in model(0).items()}]
+    host = refit.WorkerHost("tcp", tensors=dests[0], timeout_ms=10000)
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with pytest.raises(refit.InvalidArgumentError, match="stream="):
+        sender.send_weights(model(1), stream=object())
+    with refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        with pytest.raises(refit.InvalidArgumentError, match="stream="):
+            group.update(sender, model(1), 1, stream="side")
+        result = group.update(sender, model(2), 2, stream=0)
+        assert result["verified"]
+        assert all(dests[0][k].tobytes() == model(2)[k].tobytes() for k in dests[0])
+    sender.shutdown()
+    host.close()
