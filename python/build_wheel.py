@@ -11,18 +11,22 @@ dependencies, entry points) is python/pyproject.toml's [project] table, its one
 source: the version also goes into refit/_build.py, where refit.__version__ reads
 it. The wheel carries the extension's type stubs (refit/_refit.pyi, made here by
 nanobind.stubgen from the built extension) and refit/py.typed (PEP 561).
+
+It runs on every CPython the package supports (3.10 to 3.13): on 3.10, which has
+no tomllib, read_toml() reads pyproject.toml.
 """
 
 import argparse
+import ast
 import base64
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
-import tomllib
 import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,8 +34,78 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def read_project():
     """python/pyproject.toml's [project] table."""
-    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["project"]
+    with open(os.path.join(HERE, "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads(text)["project"]
+    return read_toml(text)["project"]
+
+
+# A token of pyproject.toml's TOML (space and comments are dropped by read_toml).
+_TOKEN = re.compile(r"""[ \t\r]+|\#[^\n]*|(?P<t>\n|"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|[A-Za-z0-9_+-]+|[=,.\[\]])""")
+
+
+def read_toml(text):
+    """The document ``text`` as tomllib.loads() reads it, for CPython 3.10 (no
+    tomllib) and the TOML pyproject.toml is written in: [tables] and [[arrays of
+    tables]] (bare, "quoted" and dotted keys), ``key = value`` where value is a
+    string ("basic" or 'literal', one line), true, false, an integer or an array of
+    them (over lines, with comments). Anything else raises ValueError."""
+    statements, tokens, depth, pos = [], [], 0, 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise ValueError(f"pyproject.toml: TOML build_wheel.py cannot read, at {text[pos:pos + 40]!r}")
+        token, pos = m["t"], m.end()
+        if token == "\n" and depth == 0:
+            statements += [tokens] if tokens else []
+            tokens = []
+        elif token is not None and token != "\n":
+            depth += {"[": 1, "]": -1}.get(token, 0)
+            tokens.append(token)
+    statements += [tokens] if tokens else []
+
+    def literal(token):  # a Python literal of the same value
+        if token[0] == "'":
+            return repr(token[1:-1])
+        return {"true": "True", "false": "False"}.get(token, token)
+
+    def path(tokens):  # a dotted key's parts
+        if len(tokens) % 2 == 0 or any(t != "." for t in tokens[1::2]):
+            raise ValueError(f"pyproject.toml: not a key: {' '.join(tokens)}")
+        return [ast.literal_eval(literal(t)) if t[0] in "\"'" else t for t in tokens[::2]]
+
+    def table_at(parts, root):  # the table at parts (the last of an array of tables)
+        for part in parts:
+            root = root.setdefault(part, {})
+            root = root[-1] if isinstance(root, list) else root
+        return root
+
+    document = {}
+    table = document
+    for tokens in statements:
+        if tokens[0] == "[":  # [table] or [[array of tables]]
+            many = tokens[1] == "["
+            parts = path(tokens[1 + many:-1 - many])
+            if many:
+                table = table_at(parts[:-1], document).setdefault(parts[-1], [])
+                table.append({})
+                table = table[-1]
+            else:
+                table = table_at(parts, document)
+            continue
+        if "=" not in tokens:
+            raise ValueError(f"pyproject.toml: neither a table nor key = value: {' '.join(tokens)}")
+        eq = tokens.index("=")
+        parts = path(tokens[:eq])
+        try:
+            value = ast.literal_eval(" ".join(literal(t) for t in tokens[eq + 1:]))
+        except (SyntaxError, ValueError):
+            raise ValueError(f"pyproject.toml: a value build_wheel.py cannot read: {' '.join(tokens)}") from None
+        table_at(parts[:-1], table)[parts[-1]] = value
+    return document
 
 
 def metadata(project, version, description):

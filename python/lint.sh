@@ -5,11 +5,11 @@
 #   1. ruff (config: ruff.toml at the repository root) on python/, tests/python,
 #      tests/vllm_serve, tests/bench/*.py and examples/python;
 #   2. the wheel as a type checker sees it: WHEEL (default: the newest non-CUDA
-#      dist/refit-*.whl; `./refit wheel` builds one when there is none) installed
-#      into the lint venv must hold refit/_refit.pyi and refit/py.typed, and mypy
-#      (config: python/pyproject.toml) must find no error in examples/python and
-#      tests/python/typing_smoke.py (refit's names as a user's checker sees them)
-#      nor in the package as the wheel ships it.
+#      dist/refit-*.whl for the lint venv's CPython; `./refit wheel` builds one
+#      when there is none) installed into the lint venv must hold refit/_refit.pyi
+#      and refit/py.typed, and mypy (config: python/pyproject.toml) must find no
+#      error in examples/python and tests/python/typing_smoke.py (refit's names as
+#      a user's checker sees them) nor in the package as the wheel ships it.
 #
 # The lint venv holds only ruff, mypy (pinned below, from PyPI) and refit; it is
 # made once under ~/.cache/refit (or $REFIT_LINT_VENV) with $REFIT_PYTHON, else
@@ -63,7 +63,8 @@ note "ruff check"
 
 if [ "$mypy_check" = 1 ]; then
   if [ -z "$wheel" ]; then
-    wheel=$(ls -t dist/refit-*.whl 2>/dev/null | grep -v '+cuda' | head -n 1 || true)
+    # The lint venv's CPython's: ./refit wheel --python 3.X leaves other versions' there too.
+    wheel=$(ls -t dist/refit-*-cp$pytag-*.whl 2>/dev/null | grep -v '+cuda' | head -n 1 || true)
     if [ -z "$wheel" ]; then
       note "no wheel in dist/: building one (./refit wheel)"
       wheel=$(./refit wheel | tail -n 1)

@@ -219,4 +219,4 @@ def test_a_producer_stream_is_checked_and_host_senders_take_a_raw_handle():
         assert result["verified"]
         assert all(dests[0][k].tobytes() == model(2)[k].tobytes() for k in dests[0])
     sender.shutdown()
-    host.close()
+    host.stop()

@@ -3,10 +3,11 @@ the extension, ``async with`` and what a worker given another's rank is told."""
 
 import asyncio
 import importlib.metadata
+import importlib.util
 import os
 import pickle
 import socket
-import tomllib
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import pytest
 import refit
 from conftest import Background, Recorder, connect, transfer
 
-PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "..", "python", "pyproject.toml")
+PYTHON_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+PYPROJECT = os.path.join(PYTHON_DIR, "pyproject.toml")
 TRAINER_ARGS = {"master_address": "127.0.0.1", "master_port": 0}
 
 
@@ -23,11 +25,60 @@ def model(seed=0):
     return {"a": rng.standard_normal((16, 8), dtype=np.float32), "b": rng.standard_normal(8).astype(np.float16)}
 
 
+def build_wheel_module():
+    """python/build_wheel.py, imported (its TOML reader)."""
+    spec = importlib.util.spec_from_file_location("build_wheel", os.path.join(PYTHON_DIR, "build_wheel.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_toml(text):
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads(text)
+    return build_wheel_module().read_toml(text)  # CPython 3.10: build_wheel.py's own reader
+
+
 def test_the_version_is_pyprojects():
-    with open(PYPROJECT, "rb") as f:
-        version = tomllib.load(f)["project"]["version"]
+    with open(PYPROJECT, encoding="utf-8") as f:
+        version = read_toml(f.read())["project"]["version"]
     assert refit.__version__ == version
     assert importlib.metadata.version("refit") == version
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib, the reference, is CPython 3.11+")
+def test_build_wheels_toml_reader_reads_what_tomllib_reads():
+    # build_wheel.py's reader for CPython 3.10 (no tomllib): pyproject.toml and the
+    # TOML its docstring promises read as tomllib reads them; other TOML is refused.
+    import tomllib
+
+    read = build_wheel_module().read_toml
+    with open(PYPROJECT, encoding="utf-8") as f:
+        text = f.read()
+    assert read(text) == tomllib.loads(text)
+    sample = """
+# a comment
+[a]  # after a header
+x = "q\\"u#o\\u00e9te"  # escapes, a # in a string
+"y.z" = 'lit\\eral'
+n = [1, -2, +3, 1_000, 0x1f,
+  # in an array
+  [true, false], "]" , ]
+[a.b."c.d"]
+k.l = "v"
+[[t]]
+m = 1
+[[t]]
+m = 2
+[t.u]
+v = []
+"""
+    assert read(sample) == tomllib.loads(sample)
+    for other in ["x = 1.5", "x = {a = 1}", "x = 1979-05-27", "[a\nx = 1", "x", 'x = """\na\n"""', "x = inf"]:
+        with pytest.raises(ValueError):
+            read(other)
 
 
 def test_every_error_kind_is_a_documented_class_in_all():

@@ -25,7 +25,7 @@ from . import _compat
 from ._worker import COMMIT_MODES, RefitUpdateInfo, secret_file
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self  # typing's is CPython 3.11+
 
 logger = logging.getLogger("refit.vllm")
 
