@@ -1,7 +1,7 @@
 // The CUDA IPC backend for colocated RL (trainer and inference on the same GPUs):
 // the trainer exports num_buffers reusable packed buffers on its GPU and, per
 // bucket, tells each worker which buffer holds it (its IPC handle, the GPU's UUID,
-// the bucket's size) over the side channel (lib/group). The worker opens each
+// the bucket's size) over the side channel (lib/backend/links). The worker opens each
 // handle once (cached, keyed by handle and GPU UUID, so a worker that sees the GPU
 // under another device index still finds it), copies the bucket into its staging
 // slot and says "consumed"; only then may the trainer overwrite that buffer. The

@@ -1,6 +1,6 @@
-// The per-bucket message of the CUDA IPC side channel (after lib/group's update
-// header): which exported buffer holds the bucket. The worker answers each with a
-// status (seq = bucket index) once it has consumed the buffer.
+// The per-bucket message of the CUDA IPC side channel (after the update header of
+// lib/backend/links/wire.h): which exported buffer holds the bucket. The worker
+// answers each with a status (seq = bucket index) once it has consumed the buffer.
 #pragma once
 
 #include <array>

@@ -1,11 +1,11 @@
 // The NCCL backend: the trainer (rank 0) broadcasts each bucket to every worker on
-// a communicator, while a side channel per worker (lib/group: authenticated
+// a communicator, while a side channel per worker (lib/backend/links: authenticated
 // rendezvous that ships the communicator id, per-update header check, confirmation)
 // makes a metadata mismatch an error on both sides before any collective starts:
 // mismatched collectives hang, refit refuses them.
 //
 // Workers receive each bucket into a staging slot while earlier buckets are
-// processed (lib/pipeline). The communicator comes from a collective_provider:
+// processed (lib/backend/pipeline.h). The communicator comes from a collective_provider:
 // NCCL on GPUs (--config=cuda), or the in-process host collective, with which the
 // whole engine runs on CPU in the conformance suite.
 #pragma once

@@ -1,7 +1,7 @@
-// A sharded transfer plan (lib/transfer_plan.h) as grouped point-to-point sends and
+// A sharded transfer plan (lib/layout/transfer_plan.h) as grouped point-to-point sends and
 // receives on a collective: the NCCL form of tcp_sharded. Communicator ranks are
 // the trainer ranks 0 .. M-1, then the workers M .. M+N-1. Every pair's stream is
-// cut into frames of at most frame_bytes (lib/shard_io.h); frame k of every pair
+// cut into frames of at most frame_bytes (lib/backend/shard_io.h); frame k of every pair
 // goes in one group (ncclGroupStart/End), so staging is one frame per peer: N
 // frames on a trainer rank (packed from its shards by the provider: a device
 // gather under NCCL), M on a worker (scattered into its tensors after each group).

@@ -3,7 +3,7 @@
 // that worker keeps, straight from the shards (gather writes, no packing) into the
 // worker's own tensors (scatter reads, no staging), all pairs at once.
 //
-// Both sides compute the same transfer plan (lib/transfer_plan.h) from the global
+// Both sides compute the same transfer plan (lib/layout/transfer_plan.h) from the global
 // metadata and the layout spec, which the trainer gets in its trainer_args and the
 // workers in each update_info; the per-pair header carries the plan's digest, so a
 // worker whose layout differs refuses before a byte moves.

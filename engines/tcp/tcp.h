@@ -1,7 +1,7 @@
 // The TCP backend: one trainer streams every update to N workers over plain TCP
 // (broadcast semantics: each worker receives the full stream), either to each
 // worker itself (star) or through a chain or tree of workers that forward every
-// bucket as it arrives (lib/group/relay.h), so the trainer's egress stays one copy
+// bucket as it arrives (lib/backend/links/relay.h), so the trainer's egress stays one copy
 // (or K) however many workers there are. Works on any machine; the embedded
 // default of refit.
 #pragma once

@@ -44,7 +44,7 @@ __all__ = ["RefitError", "WorkerClient", "WorkerProcess", "gpu_uuid", "handle_en
            "update_info", "send_update", "send_weights", "digest"]
 
 # ---- the control plane: 4-byte big-endian length + JSON, after an authentication
-# handshake (lib/auth.h, protocol version 1) that runs on every connection.
+# handshake (lib/integrity/auth.h, protocol version 1) that runs on every connection.
 
 _AUTH_MAGIC = 0x41544652  # "RFTA"
 _AUTH_VERSION = 1

@@ -28,7 +28,7 @@ tp_layout_options vllm_llama_layout() {
 
 namespace {
 
-// {"preset": "vllm_llama"} in a layout (lib/backend/infos.h), wherever this
+// {"preset": "vllm_llama"} in a layout (read_dest_layouts, lib/layout/layout.h), wherever this
 // library is linked (it is linked whole: refit_cc_library).
 const bool registered = (register_tp_preset("vllm_llama", vllm_llama_layout), true);
 

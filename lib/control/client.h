@@ -55,7 +55,7 @@ requires(sizeof...(Args) % 2 == 0) json params(Args&&... key_values) {
 class client {
  public:
   /// `timeout` bounds every call unless the call gives its own. With a non-empty
-  /// `secret`, connect() authenticates with it (lib/auth.h); the worker must hold
+  /// `secret`, connect() authenticates with it (lib/integrity/auth.h); the worker must hold
   /// the same one.
   client(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret = {});
   ~client();

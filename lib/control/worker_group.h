@@ -148,7 +148,7 @@ class worker_group {
   using name_fn = std::function<std::string(std::size_t)>;
 
   /// Worker i is `endpoints[i]`. `timeout` bounds every control call and
-  /// connection; a non-empty `secret` authenticates them (lib/auth.h). `name_of(i)`
+  /// connection; a non-empty `secret` authenticates them (lib/integrity/auth.h). `name_of(i)`
   /// names worker i in errors; default "worker i (host:port)".
   worker_group(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret,
                std::vector<worker_endpoint> endpoints, name_fn name_of = {});

@@ -190,7 +190,7 @@ REFIT_HD float div_like_host(float x, float scale) noexcept {
 }
 
 // ---- per-dtype element operations: what one element of a kernel does, and what
-// lib/convert.cc's loops do per element.
+// tests/support/convert.cc's loops do per element.
 
 template <dtype T>
 struct codec;

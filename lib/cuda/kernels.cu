@@ -74,7 +74,7 @@ using bits::codec;
 
 enum class mode { convert, dequantize, quantize };
 
-// The reference's element operation for S -> D (lib/convert.cc's loops).
+// The reference's element operation for S -> D (tests/support/convert.cc's loops).
 template <dtype S, dtype D, mode M>
 struct element_op {
   float scale;

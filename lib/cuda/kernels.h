@@ -1,5 +1,5 @@
 // refit's CUDA kernels: batched copies of many pieces in one launch, and float
-// conversions that match the CPU reference (lib/convert.h) bit for bit.
+// conversions that match the CPU reference (tests/support/convert.h) bit for bit.
 //
 // Every function here enqueues work on `stream` and returns without waiting; the
 // memory involved must stay valid until that work completes (see await.h).
@@ -41,7 +41,7 @@ inline constexpr std::uint64_t unpack_chunk_bytes = 32 * 1024;
 /// stay valid until the kernel completes. count 0 enqueues nothing.
 void launch_unpack(const piece* descriptors, std::size_t count, cudaStream_t stream);
 
-// ---- conversions (same semantics as refit::convert, lib/convert.h)
+// ---- conversions (same semantics as refit::convert, tests/support/convert.h)
 
 /// As refit::convert::can_convert: any pair among float32, bfloat16 and float16
 /// (same-type copies included), and float8_e4m3fn/float8_e5m2 to one of those.

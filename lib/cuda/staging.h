@@ -1,4 +1,4 @@
-// Device-memory staging for the receive pipeline (lib/pipeline.h), the batched
+// Device-memory staging for the receive pipeline (lib/backend/pipeline.h), the batched
 // copier GPU engines move pieces with, and the processing wrapper that lets
 // load_weights enqueue GPU work: what GPU engines (nccl, cuda_ipc) plug into the
 // core's pipeline. Everything here works on the device it was made for, whatever
@@ -24,7 +24,7 @@ namespace refit::cuda {
 
 /// `count` slots of `bytes` of device memory on `device` (-1: the current one),
 /// allocated once; the assembly buffer for split tensors grows on demand and is
-/// kept (the pipeline grows it off the event loop, lib/pipeline.h).
+/// kept (the pipeline grows it off the event loop, lib/backend/pipeline.h).
 class device_staging final : public staging_memory {
  public:
   device_staging(std::size_t count, std::uint64_t bytes, int device = -1);

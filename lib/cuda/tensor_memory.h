@@ -1,4 +1,4 @@
-// Device memory for a tensor_map_target (lib/tensor_memory.h): the target's
+// Device memory for a tensor_map_target (lib/model/tensor_memory.h): the target's
 // tensors on one CUDA device.
 //
 //   auto memory = std::make_shared<refit::cuda::device_tensor_memory>(0);  // cuda:0

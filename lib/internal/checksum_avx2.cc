@@ -1,6 +1,6 @@
 // XXH3-64 compiled for AVX2 (this file alone is built with -mavx2): about 1.6x the
 // speed of Debian's libxxhash, which is built for baseline x86-64 (SSE2). Called
-// only where the CPU has AVX2 (lib/checksum.cc checks). Nothing here but xxhash's
+// only where the CPU has AVX2 (lib/backend/checksum.cc checks). Nothing here but xxhash's
 // own static inline functions and one plain function, so no AVX2 code can stand in
 // for an inline function shared with other files.
 #define XXH_INLINE_ALL

@@ -1,5 +1,5 @@
-// The AVX2 build of XXH3-64 (lib/checksum_avx2.cc); only lib/checksum.cc calls it,
-// and only on CPUs with AVX2. Plain types: this header is included by a file built
+// The AVX2 build of XXH3-64 (lib/internal/checksum_avx2.cc); only
+// lib/backend/checksum.cc calls it, and only on CPUs with AVX2. Plain types: this header is included by a file built
 // with -mavx2 and must pull in nothing else.
 #pragma once
 

@@ -1,5 +1,5 @@
 // The plan of a sharded transfer: from the trainer's placements and every worker's
-// destination layout (lib/layout.h), for each (trainer rank, worker) pair the
+// destination layout (lib/layout/layout.h), for each (trainer rank, worker) pair the
 // ordered list of boxes that rank sends that worker. Each destination byte a piece
 // covers comes exactly once, from one rank that holds it; a box several ranks hold
 // (replicated) is sent by the one with the least egress so far (up to 16 holders;

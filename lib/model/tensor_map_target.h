@@ -24,7 +24,7 @@
 // fingerprinted.
 //
 // Device tensors. tensor_map_target_options::memory says where the tensors live
-// and how bytes move there (lib/tensor_memory.h; null: host memory). With device
+// and how bytes move there (lib/model/tensor_memory.h; null: host memory). With device
 // memory (CUDA builds: refit::cuda::device_tensor_memory, lib/cuda/tensor_memory.h)
 // every tensor is allocated on that device, and:
 //  * the views readers see (and destination() offers) carry the memory's device;
@@ -110,8 +110,8 @@
 //    still read what is now the back copy); guards of the current generation never
 //    delay an update.
 //
-// Threading contract (what the engines do: lib/engine.cc, lib/pipeline.cc,
-// lib/group/engine_base.cc, and what the application may do concurrently):
+// Threading contract (what the engines do: lib/engine.cc, lib/backend/pipeline.cc,
+// lib/backend/links/engine_base.cc, and what the application may do concurrently):
 //
 //  * begin_update, destination, direct_write_begins: on the engine's event loop
 //    (engine_context::executor). begin_update and destination are O(tensors in

@@ -3,7 +3,7 @@
 // and a device layer implements the interface for its memory (CUDA builds:
 // refit::cuda::device_tensor_memory, lib/cuda/tensor_memory.h).
 //
-// Who calls what (see the threading contract in lib/tensor_map_target.h):
+// Who calls what (see the threading contract in lib/model/tensor_map_target.h):
 //
 //  * allocate_zeroed / release: at tensor_map_target::add() and at the target's
 //    destruction, on the application's thread, never on an engine's event loop

@@ -1,5 +1,5 @@
 // Needs a GPU; skips itself, with the reason, where there is none.
-// The conversion kernels against the CPU reference (//lib:convert), bit for bit:
+// The conversion kernels against the CPU reference (//tests/support:convert), bit for bit:
 // every bf16/fp16 pattern, every fp8 pattern, a float sample dense at every
 // rounding boundary, for every supported pair and several fp8 scales; through the
 // vectorised path, its tail, and the unaligned (scalar) path.

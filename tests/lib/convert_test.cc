@@ -1,4 +1,4 @@
-// Tests of lib/convert against references that share no code with it: GCC's
+// Tests of tests/support/convert against references that share no code with it: GCC's
 // _Float16 (soft-float) for fp16, and tables built in double from each format's
 // definition with brute-force nearest-value search (ties to even) for bf16 and fp8.
 // 16-bit and 8-bit decoding is checked exhaustively; encoding over large strided

@@ -555,7 +555,7 @@ asio::awaitable<void> send_set(weight_sender& sender, update_metadata meta, std:
 }
 
 // Regression test (was a bug in lib/engine.cc, weight_transfer_engine::shutdown; with the receive pipeline
-// in lib/pipeline.cc): shutdown() calls do_shutdown() even while deferred
+// in lib/backend/pipeline.cc): shutdown() calls do_shutdown() even while deferred
 // processing of the last update is still pending (deferred().pending() > 0). For
 // the loopback engine (and any engine built on receive_pipeline) that frees the
 // staging slots and the pipeline, and the pending processing then runs anyway:

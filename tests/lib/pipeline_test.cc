@@ -172,7 +172,7 @@ TEST(receive_pipeline, staging_must_match_the_wire_params) {
   EXPECT_EQ(e.kind(), errc::invalid_argument);
 }
 
-// Regression test (was a minor bug in lib/pipeline.cc receive_pipeline::receive_pipeline): the member
+// Regression test (was a minor bug in lib/backend/pipeline.cc receive_pipeline::receive_pipeline): the member
 // initialisers build slots_(executor, params.num_buffers) before the body runs
 // params_.validate(), so num_buffers = 0 is reported by slot_ring as "slot_ring: size
 // must be at least 1" instead of the wire-params message that names the member and
@@ -569,7 +569,7 @@ TEST_F(pipeline_test, load_weights_error_names_bucket_and_tensor_and_is_reported
   EXPECT_EQ(scope.pending(), 0u);
 }
 
-// Regression test (was a bug in lib/pipeline.cc, receive_pipeline::process_bucket, `if (!state->failed)`
+// Regression test (was a bug in lib/backend/pipeline.cc, receive_pipeline::process_bucket, `if (!state->failed)`
 // before the offload): update_state::failed promises "after a processing error,
 // later buckets are not loaded", but the flag is read when each bucket's
 // processing coroutine starts, which is right after the bucket is received, and it

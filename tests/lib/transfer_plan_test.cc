@@ -1,4 +1,4 @@
-// Tests of lib/transfer_plan.h: the plan of a sharded transfer is checked by
+// Tests of lib/layout/transfer_plan.h: the plan of a sharded transfer is checked by
 // simulating it in memory (every rank's local shards serialised item by item,
 // scattered into every worker's destination tensors) against the reference
 // slicing of the global tensors, over many random layouts; plus the balancing of

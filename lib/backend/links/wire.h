@@ -3,10 +3,10 @@
 // against what the receiver's own plan expects before a byte of payload is read,
 // so a corrupt or mismatched stream is a typed error.
 //
-//   (authentication, lib/auth.h)
+//   (authentication, lib/integrity/auth.h)
 //   worker -> trainer   hello        {rank, wire params, relay port}
 //   trainer -> worker   status       (ok with the welcome text, or why the worker is refused)
-//   relay topologies (lib/group/relay.h), once every worker has joined:
+//   relay topologies (lib/backend/links/relay.h), once every worker has joined:
 //   trainer -> worker   status       (its place: upstream and children, JSON)
 //   worker -> upstream  (authentication, hello) on the upstream's relay port; the
 //                       per-update messages below then flow trainer -> children ->

@@ -1,4 +1,4 @@
-// The TCP engine's relay topologies (lib/group/relay.h) in one process: a trainer
+// The TCP engine's relay topologies (lib/backend/links/relay.h) in one process: a trainer
 // and N workers on one loop; the trainer sends one copy (chain) or K (tree), the
 // workers forward each bucket as it arrives, and every worker gets every byte.
 #include <gtest/gtest.h>
