@@ -1,7 +1,5 @@
 #include <refit/config.h>
 
-#include <refit/backend/infos.h>
-
 namespace refit {
 
 std::string_view to_string(commit_mode mode) noexcept { return mode == commit_mode::staged ? "staged" : "in_place"; }

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include <refit/json.h>
+#include <refit/json_reader.h>
 
 namespace refit {
 
@@ -41,7 +42,7 @@ struct weight_transfer_config {
   /// Threads for CPU post-processing (load_weights) when the context brings none.
   std::size_t processing_threads = 1;
   /// Shared secret for authenticating every control and data connection
-  /// (challenge-response with HMAC-SHA256, lib/auth.h); empty: unauthenticated.
+  /// (challenge-response with HMAC-SHA256, lib/integrity/auth.h); empty: unauthenticated.
   /// Both sides of a connection must agree. Never serialised by to_json; load it
   /// with auth::read_secret_file or from a secret store, never from init info.
   std::string auth_secret;
@@ -63,5 +64,9 @@ struct weight_transfer_config {
   static weight_transfer_config from_json(const json& j);
   json to_json() const;
 };
+
+/// Reads the optional member `name` ("in_place" or "staged") of an init or update
+/// info; throws invalid_argument naming the member path otherwise.
+std::optional<commit_mode> read_commit_mode(json_reader& r, const std::string& name = "commit");
 
 }  // namespace refit

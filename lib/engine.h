@@ -26,6 +26,10 @@
 
 namespace refit {
 
+namespace internal {
+class engine_access;
+}  // namespace internal
+
 namespace backend {
 class engine;
 }  // namespace backend
@@ -67,7 +71,7 @@ class model_target {
   /// destination() offered (not at all when none do): from then on a failed update
   /// has changed the model. Default: nothing.
   virtual void direct_write_begins() {}
-  /// Fingerprints (see lib/fingerprint.h) of the named weights as the model holds
+  /// Fingerprints (see lib/integrity/fingerprint.h) of the named weights as the model holds
   /// them now, all weights when `names` is empty; what the worker's
   /// weight_fingerprint call answers. The default throws unsupported.
   virtual std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names);
@@ -239,6 +243,21 @@ class weight_transfer_engine {
   // Only backend::engine derives from this class: every engine shares its checks.
   friend class backend::engine;
   weight_transfer_engine() = default;
+
+  // How weight_update_session and the control plane coordinate with an engine
+  // (internal/engine_access.h): update sessions, dirty marks, refusals, where to
+  // offload work. backend::engine implements them; their rules are there
+  // ("Staged commits").
+  friend class internal::engine_access;
+  virtual void begin_session() = 0;
+  virtual asio::awaitable<void> commit_session() = 0;
+  virtual void discard_session() = 0;
+  virtual bool session_open() const noexcept = 0;
+  virtual std::size_t staged_chunks() const noexcept = 0;
+  virtual void mark_weights_dirty(std::string reason) = 0;
+  virtual void session_finished() = 0;
+  virtual void refuse_update(errc kind, const std::string& reason) noexcept = 0;
+  virtual asio::any_io_executor offload_executor() = 0;
 };
 
 }  // namespace refit

@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include <refit/backend/plugin.h>
+#include <refit/plugin_abi.h>
 
 namespace refit {
 

@@ -1,7 +1,5 @@
 #include <refit/metadata.h>
 
-#include <refit/backend/infos.h>
-
 #include <limits>
 #include <string>
 #include <unordered_set>

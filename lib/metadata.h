@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <refit/json.h>
+#include <refit/json_reader.h>
 #include <refit/tensor.h>
 
 namespace refit {
@@ -27,7 +28,12 @@ struct update_metadata {
 std::uint64_t metadata_digest(const update_metadata& meta);
 
 /// Writes vLLM's metadata members `names`, `dtype_names` and `shapes` (parallel
-/// arrays) into `out` (backend/infos.h reads them).
+/// arrays) into `out` (read_update_metadata reads them).
 void write_update_metadata(const update_metadata& meta, json& out);
+
+/// Reads vLLM's metadata members `names`, `dtype_names` and `shapes` (parallel
+/// arrays), validating lengths, dtypes, shapes and duplicates; throws
+/// invalid_argument naming the member path (json_reader's context).
+update_metadata read_update_metadata(json_reader& reader);
 
 }  // namespace refit

@@ -1,9 +1,10 @@
 // The "torch_ipc" worker: tensors of a PyTorch trainer, copied out of its memory
 // through the handles its update_info carries (torch_ipc.h).
 #include <refit/backend/async/offload.h>
-#include <refit/backend/infos.h>
 #include <refit/backend/pipeline.h>
+#include <refit/config.h>
 #include <refit/engines/cuda_ipc/torch_ipc.h>
+#include <refit/metadata.h>
 
 namespace refit::cuda_ipc {
 

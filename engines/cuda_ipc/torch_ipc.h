@@ -25,8 +25,8 @@
 #include <string_view>
 #include <vector>
 
-#include <refit/backend/json_reader.h>
 #include <refit/engines/cuda_ipc/cuda_ipc.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 
 namespace refit::cuda_ipc {

@@ -66,9 +66,9 @@ int run(int argc, char** argv) {
       timeout_ms = std::stol(next());
     else if (a == "--backend") {
       backend = next();
-      if (backend != "torch_ipc" && backend != "cuda_ipc") return usage(("--backend " + backend + ": this worker serves torch_ipc or cuda_ipc").c_str());
-    }
-    else
+      if (backend != "torch_ipc" && backend != "cuda_ipc")
+        return usage(("--backend " + backend + ": this worker serves torch_ipc or cuda_ipc").c_str());
+    } else
       return usage(("unknown argument " + a).c_str());
   }
   int count = 0;

@@ -53,10 +53,10 @@
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
 
-#include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/factory.h>
+#include <refit/json_reader.h>
 #include <refit/torch/source.h>
 #include <refit/torch/target.h>
 #include "examples/common/worker_process.h"

@@ -23,7 +23,6 @@
 #include <asio/io_context.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/backend/infos.h>
 #include <refit/control/worker_group.h>
 #include <refit/error.h>
 #include <refit/factory.h>

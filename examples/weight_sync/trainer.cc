@@ -17,12 +17,12 @@
 #include <asio/io_context.hpp>
 #include <asio/use_awaitable.hpp>
 
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
 #include <refit/error.h>
 #include <refit/factory.h>
 #include <refit/integrity/fingerprint.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 #include "examples/weight_sync/job.h"
 #include "examples/weight_sync/verify.h"
 

@@ -14,13 +14,13 @@
 #include <asio/io_context.hpp>
 
 #include <refit/adapters/vllm.h>
-#include <refit/backend/infos.h>
 #include <refit/control/worker_host.h>
 #include <refit/error.h>
 #include <refit/integrity/fingerprint.h>
 #include <refit/internal/lag_probe.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
+#include <refit/metadata.h>
 #include "examples/weight_sync/job.h"
 
 namespace refit::example::weight_sync {

@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 
 namespace refit {

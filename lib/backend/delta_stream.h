@@ -25,11 +25,11 @@
 
 #include <refit/backend/bucket_plan.h>
 #include <refit/backend/delta.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
 #include <refit/json.h>
+#include <refit/json_reader.h>
 #include <refit/trainer.h>
 
 namespace refit::backend {

@@ -61,15 +61,12 @@
 #include <asio/thread_pool.hpp>
 
 #include <refit/backend/async/drain_scope.h>
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
+#include <refit/config.h>
 #include <refit/engine.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 
 namespace refit {
-
-namespace internal {
-class engine_access;
-}  // namespace internal
 
 /// Update info that is only the tensor metadata (vLLM's "names", "dtype_names",
 /// "shapes") and the optional "commit" ("in_place" | "staged"): what engines use
@@ -166,9 +163,8 @@ class engine : public weight_transfer_engine {
   }
 
  private:
-  // weight_update_session and the control plane coordinate through it
-  // (internal/engine_access.h): sessions, dirty marks, refusals.
-  friend class refit::internal::engine_access;
+  // weight_update_session and the control plane call these through
+  // internal/engine_access.h (weight_transfer_engine's private interface).
 
   /// Staged commits are atomic per update session. weight_update_session (and so
   /// control::worker_host and the Python Engine) calls these; with commit
@@ -205,18 +201,19 @@ class engine : public weight_transfer_engine {
   /// session (mremap: earlier chunks are not copied), is kept for later sessions
   /// (no allocation per update once it is large enough), and is freed by
   /// shutdown(); staged_bytes() is its size.
-  void begin_session();
+  void begin_session() final;
   /// See begin_session. Refused (invalid_state) while a chunk is being received.
-  asio::awaitable<void> commit_session();
+  asio::awaitable<void> commit_session() final;
   /// See begin_session: drops every staged chunk of the open session (if any); the
   /// model is not touched. Refused (invalid_state) while a chunk is being received
   /// or committed.
-  void discard_session();
-  bool session_open() const noexcept { return session_open_; }
-  std::size_t staged_chunks() const noexcept { return staged_.size(); }
-  void mark_weights_dirty(std::string reason);
-  void session_finished() { do_session_finished(); }
-  void refuse_update(errc kind, const std::string& reason) noexcept { do_refuse_update(kind, reason); }
+  void discard_session() final;
+  bool session_open() const noexcept final { return session_open_; }
+  std::size_t staged_chunks() const noexcept final { return staged_.size(); }
+  void mark_weights_dirty(std::string reason) final;
+  void session_finished() final { do_session_finished(); }
+  void refuse_update(errc kind, const std::string& reason) noexcept final { do_refuse_update(kind, reason); }
+  asio::any_io_executor offload_executor() final { return processing_executor(); }
 
   enum class state { created, initializing, ready, receiving, committing, shut_down };
   class tracking_target;

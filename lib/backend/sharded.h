@@ -20,10 +20,10 @@
 #include <asio/ip/tcp.hpp>
 
 #include <refit/backend/bucket_plan.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/links/wire.h>
 #include <refit/engine.h>
 #include <refit/json.h>
+#include <refit/json_reader.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
 #include <refit/metadata.h>

@@ -5,9 +5,9 @@
 
 #include <xxhash.h>
 
-#include <refit/backend/json_reader.h>
 #include <refit/error.h>
 #include <refit/internal/hex.h>
+#include <refit/json_reader.h>
 
 namespace refit {
 

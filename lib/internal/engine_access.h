@@ -1,7 +1,9 @@
 // How weight_update_session, the control plane and the Python module coordinate
 // with an engine: update sessions (staged commits), dirty marks and refusals. Not
 // part of any API: these calls have rules (lib/backend/engine.h, "Staged commits")
-// that only the session and the control plane keep.
+// that only the session and the control plane keep. They are private virtuals of
+// weight_transfer_engine (lib/engine.h), implemented by backend::engine: the core
+// needs nothing of the backend API for them.
 #pragma once
 
 #include <cstddef>
@@ -9,34 +11,27 @@
 
 #include <asio/awaitable.hpp>
 
-#include <refit/backend/engine.h>
+#include <refit/engine.h>
 
 namespace refit::internal {
 
 class engine_access {
  public:
-  // Every weight_transfer_engine is a backend::engine (its constructor is private
-  // to that class).
-  static backend::engine& of(weight_transfer_engine& e) noexcept { return static_cast<backend::engine&>(e); }
-  static const backend::engine& of(const weight_transfer_engine& e) noexcept {
-    return static_cast<const backend::engine&>(e);
-  }
-
-  static void begin_session(weight_transfer_engine& e) { of(e).begin_session(); }
-  static asio::awaitable<void> commit_session(weight_transfer_engine& e) { return of(e).commit_session(); }
-  static void discard_session(weight_transfer_engine& e) { of(e).discard_session(); }
-  static bool session_open(const weight_transfer_engine& e) noexcept { return of(e).session_open(); }
-  static std::size_t staged_chunks(const weight_transfer_engine& e) noexcept { return of(e).staged_chunks(); }
+  static void begin_session(weight_transfer_engine& e) { e.begin_session(); }
+  static asio::awaitable<void> commit_session(weight_transfer_engine& e) { return e.commit_session(); }
+  static void discard_session(weight_transfer_engine& e) { e.discard_session(); }
+  static bool session_open(const weight_transfer_engine& e) noexcept { return e.session_open(); }
+  static std::size_t staged_chunks(const weight_transfer_engine& e) noexcept { return e.staged_chunks(); }
   static void mark_weights_dirty(weight_transfer_engine& e, std::string reason) {
-    of(e).mark_weights_dirty(std::move(reason));
+    e.mark_weights_dirty(std::move(reason));
   }
-  static void session_finished(weight_transfer_engine& e) { of(e).session_finished(); }
+  static void session_finished(weight_transfer_engine& e) { e.session_finished(); }
   static void refuse_update(weight_transfer_engine& e, errc kind, const std::string& reason) noexcept {
-    of(e).refuse_update(kind, reason);
+    e.refuse_update(kind, reason);
   }
   /// The engine's processing executor: where the control plane parses large
   /// requests and serializes large answers off the event loop.
-  static asio::any_io_executor processing_executor(weight_transfer_engine& e) { return of(e).processing_executor(); }
+  static asio::any_io_executor processing_executor(weight_transfer_engine& e) { return e.offload_executor(); }
 };
 
 }  // namespace refit::internal

@@ -13,7 +13,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/steady_timer.hpp>
 
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 
 namespace refit::async {
 

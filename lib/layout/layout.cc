@@ -1,7 +1,5 @@
 #include <refit/layout/layout.h>
 
-#include <refit/backend/infos.h>
-
 #include <algorithm>
 #include <cstring>
 #include <map>

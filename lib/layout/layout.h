@@ -12,7 +12,7 @@
 // row-parallel shards, vocab-parallel embeddings with padding (bytes no piece
 // covers are left alone), replicated norms and expert-parallel weights alike.
 //
-// lib/transfer_plan.h turns both into who sends which bytes to whom.
+// lib/layout/transfer_plan.h turns both into who sends which bytes to whom.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include <refit/json.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 #include <refit/tensor.h>
 
@@ -213,11 +214,20 @@ dest_layout tensor_parallel_layout(const update_metadata& global, int tp_size, i
 
 // ---------------------------------------------------------------- JSON
 
-/// A source layout as JSON (backend/infos.h reads it): {"mesh": [2], "ranks":
+/// A source layout as JSON (read_source_layout reads it): {"mesh": [2], "ranks":
 /// [...] (optional), "placements": ["shard(0)"] (every tensor), "tensors": {"name":
 /// ["replicate"], ...} (optional overrides)}, in the compact form when every
 /// tensor has the same placements.
 json write_source_layout(const source_layout& layout);
+
+/// Reads what write_source_layout writes, over the global `meta`; throws
+/// invalid_argument naming the member path.
+source_layout read_source_layout(json_reader& r, const update_metadata& meta);
+
+/// {"preset": "vllm_llama", "tp_size": N (, "vocab_padding": 64)} or {"workers":
+/// [[{"name", "dtype", "shape", "pieces": [{"source", "offset", "extent", "at"}]}]]}:
+/// every worker's layout.
+std::vector<dest_layout> read_dest_layouts(json_reader& r, const update_metadata& global);
 
 // ---------------------------------------------------------------- bytes
 

@@ -2,7 +2,7 @@
 // of its own, "refit's loop") runs every engine, sender, worker group and host the
 // module creates. A blocking call posts its coroutine there and waits with the GIL
 // released; an asyncio call returns at once and its result is delivered to the
-// asyncio loop through loop.call_soon_threadsafe (see refit/__init__.py). Python
+// asyncio loop through loop.call_soon_threadsafe (see refit/_loop.py). Python
 // code that refit calls back (load_weights, hooks) runs with the GIL re-acquired,
 // on refit's loop or its processing threads.
 #pragma once
@@ -26,7 +26,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 
 namespace refit::py {
 
@@ -157,7 +157,7 @@ void deliver(const shared_object& done, std::exception_ptr e, python_error_slot*
 /// Starts `op` on refit's loop and returns at once. When it ends,
 /// `done(result, exception)` is called on refit's loop with the GIL held: result is
 /// convert(value) (None on error), exception the Python exception (None on
-/// success). refit/__init__.py's `done` hands both to the asyncio loop.
+/// success). refit/_loop.py's `done` hands both to the asyncio loop.
 template <class T>
 pending_call start(asio::awaitable<T> op, std::function<nb::object(T&)> convert, nb::object done,
                    std::shared_ptr<python_error_slot> slot = {}) {

@@ -1,5 +1,6 @@
-// refit._refit: the C++ engines for Python. refit/__init__.py wraps these classes
-// (keyword arguments, the asyncio forms, errors by kind); this file maps them onto
+// refit._refit: the C++ engines for Python. refit/_engine.py, _host.py, _sender.py
+// and _group.py wrap these classes (keyword arguments, the asyncio forms, errors by
+// kind); this file maps them onto
 // refit's C++ API, running every coroutine on refit's loop (bridge.h).
 #include <atomic>
 #include <optional>
@@ -14,7 +15,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <refit/backend/infos.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/engine.h>
@@ -22,6 +22,7 @@
 #include <refit/factory.h>
 #include <refit/integrity/auth.h>
 #include <refit/integrity/fingerprint.h>
+#include <refit/metadata.h>
 #include <refit/model/host_copy_target.h>
 #include <refit/model/tensor_map_target.h>
 #include <refit/session.h>
@@ -712,7 +713,7 @@ class py_worker_host {
 
 // ------------------------------------------------------------------ bindings
 
-// Async forms: `_start_<name>(..., done)` returns a pending_call; refit/__init__.py
+// Async forms: `_start_<name>(..., done)` returns a pending_call; refit/_loop.py
 // turns it into an awaitable.
 nb::object none_of(json&) { return nb::none(); }
 

@@ -11,10 +11,18 @@ The tree says which kind a header of lib/ is:
   (lib/cuda/ and lib/torch/ are optional layers on top; examples/, tests/ and
   python/ are users.)
 
-Checks, each failure named with the file and line:
+Dependencies point one way: public core <- backend API <- engines, with the
+control plane (lib/control) beside the engines, above the backend. Checks, each
+failure named with the file and line:
   * a public header includes only public headers (and system ones);
   * a backend header includes only public and backend headers;
-  * an engine's own header (engines/*/*.h) includes no internal header;
+  * a core source (lib/*.cc, model/, integrity/, layout/, internal/) includes only
+    public and internal headers: a core file that needs a helper gets it from the
+    core, never from backend/;
+  * a backend source includes public, backend and internal headers;
+  * an internal header includes only public and internal ones;
+  * an engine's own header (engines/*/*.h) includes no internal header, and no
+    engine file includes the control plane's internals;
   * with --installed DIR (what `./refit install --prefix DIR` made): the installed
     headers are exactly the public ones;
   * with --backend-installed DIR (`--with-backend-api`): exactly public + backend.
@@ -42,6 +50,19 @@ def kind(rel):
     if len(parts) == 1 or parts[0] in ("model", "integrity", "layout", "control", "adapters"):
         return "public"
     return "unknown"
+
+
+def source_kind(rel):
+    """Which layer lib/-relative source `rel` belongs to: core, backend, control or a
+    layer (cuda, torch, adapters: users of the core)."""
+    parts = rel.split("/")
+    if parts[0] == "backend":
+        return "backend"
+    if parts[0] == "control":
+        return "control"
+    if parts[0] in ("cuda", "torch", "adapters"):
+        return "layer"
+    return "core"
 
 
 def lib_headers():
@@ -82,6 +103,30 @@ def main():
             ik = headers.get(inc, "missing")
             if ik not in allowed:
                 problems.append(f"lib/{rel}:{line}: a {k} header includes <refit/{inc}> ({ik})")
+    # Sources, and the internal headers, by where they live.
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "lib")):
+        for f in files:
+            if not (f.endswith(".cc") or (f.endswith(".h") and headers.get(
+                    os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, "lib"))) == "internal")):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, "lib"))
+            where = source_kind(rel)
+            allowed = {"core": {"public", "internal"}, "backend": {"public", "backend", "internal"}}.get(where)
+            if allowed is None:
+                continue
+            for line, inc in includes(os.path.join(ROOT, "lib", rel)):
+                ik = headers.get(inc, "missing")
+                if inc.startswith("engines/") or ik not in allowed:
+                    problems.append(f"lib/{rel}:{line}: {where} code includes <refit/{inc}> ({ik}); "
+                                    f"{where} code may include {', '.join(sorted(allowed))} headers")
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "engines")):
+        for f in files:
+            if f.endswith(".cc"):
+                p = os.path.join(dirpath, f)
+                for line, inc in includes(p):
+                    if inc.startswith("control/internal/"):
+                        problems.append(f"{os.path.relpath(p, ROOT)}:{line}: an engine includes the control plane's "
+                                        f"internal <refit/{inc}>")
     for dirpath, _, files in os.walk(os.path.join(ROOT, "engines")):
         for f in files:
             if f.endswith(".h"):

@@ -9,7 +9,6 @@
 
 #include <asio/steady_timer.hpp>
 
-#include <refit/backend/json_reader.h>
 #include <refit/control/worker_group.h>
 #include <refit/control/worker_host.h>
 #include <refit/cuda/device.h>
@@ -18,6 +17,7 @@
 #include <refit/cuda/memory.h>
 #include <refit/cuda/stream.h>
 #include <refit/factory.h>
+#include <refit/json_reader.h>
 #include "examples/common/worker_process.h"
 #include "examples/torch_ipc/device_model.h"
 

@@ -7,8 +7,8 @@
 #include <string>
 #include <string_view>
 
-#include <refit/backend/json_reader.h>
 #include <refit/control/internal/frame.h>
+#include <refit/json_reader.h>
 #include "tests/fuzz/fuzz.h"
 
 namespace refit::fuzz {

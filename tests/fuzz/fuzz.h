@@ -16,8 +16,8 @@
 #include <initializer_list>
 #include <typeinfo>
 
-#include <refit/backend/json_reader.h>
 #include <refit/error.h>
+#include <refit/json_reader.h>
 
 /// Runs one input. Returns true when the input was accepted (every stage it went
 /// through succeeded), false when it was rejected with an expected refit::error.

@@ -8,11 +8,11 @@
 #include <vector>
 
 #include <refit/backend/bucket_plan.h>
-#include <refit/backend/json_reader.h>
 #include <refit/config.h>
 #include <refit/engine.h>
 #include <refit/engines/cuda_ipc/torch_ipc.h>
 #include <refit/engines/tcp/tcp.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 #include "tests/fuzz/fuzz.h"
 

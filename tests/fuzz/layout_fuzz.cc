@@ -7,8 +7,7 @@
 #include <string_view>
 #include <vector>
 
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 #include <refit/layout/layout.h>
 #include <refit/layout/transfer_plan.h>
 #include <refit/metadata.h>

@@ -18,9 +18,9 @@
 #include <gtest/gtest.h>
 #include <asio/io_context.hpp>
 
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/plugin.h>
+#include <refit/json_reader.h>
+#include <refit/metadata.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 
@@ -414,7 +414,7 @@ TEST_F(factory_test, plugin_of_another_build_is_load_failed_naming_both_builds) 
   EXPECT_THAT(e.message(), HasSubstr("the plugin was built as [no build stamp]"));
   // The stamp names what it must: refit's plugin ABI, the compiler, the library.
   const std::string stamp = refit_build_stamp();
-  EXPECT_THAT(stamp, HasSubstr("refit plugin ABI 3; gcc "));
+  EXPECT_THAT(stamp, HasSubstr("refit plugin ABI " REFIT_PLUGIN_STR(REFIT_PLUGIN_ABI_VERSION) "; gcc "));
   EXPECT_THAT(stamp, HasSubstr("; libstdc++ 12 cxx11-abi 1; C++ 202002"));
 }
 

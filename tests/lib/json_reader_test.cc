@@ -1,4 +1,4 @@
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 
 #include <cstdint>
 #include <limits>

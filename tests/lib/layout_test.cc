@@ -1,4 +1,4 @@
-// Unit and property tests of lib/layout.h: torch.chunk's split, placements, boxes,
+// Unit and property tests of lib/layout/layout.h: torch.chunk's split, placements, boxes,
 // the trainer's mesh layouts (DTensor semantics), vLLM's tensor-parallel
 // destination layouts, destination validation, and the byte-run walkers.
 #include <refit/adapters/vllm.h>
@@ -19,9 +19,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
 #include <refit/error.h>
+#include <refit/json_reader.h>
 
 #include "tests/lib/expect.h"
 

@@ -1,5 +1,4 @@
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 
 #include <limits>

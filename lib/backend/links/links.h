@@ -1,7 +1,7 @@
 // What group engines (one trainer, N workers; tcp and nccl) share: the init info
 // a worker gets, the rendezvous over an authenticated side channel, and the
 // per-update header exchange that makes a metadata mismatch an error on both sides
-// before any weight byte moves (see lib/group/wire.h for the bytes).
+// before any weight byte moves (see lib/backend/links/wire.h for the bytes).
 #pragma once
 
 #include <chrono>
@@ -17,9 +17,9 @@
 #include <asio/ip/tcp.hpp>
 
 #include <refit/backend/bucket_plan.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/links/wire.h>
 #include <refit/engine.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 
 namespace refit::links {

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <refit/backend/json_reader.h>
+#include <refit/json_reader.h>
 
 namespace refit::links {
 

@@ -17,8 +17,8 @@
 #include <asio/ip/tcp.hpp>
 
 #include <refit/backend/async/event.h>
-#include <refit/backend/json_reader.h>
 #include <refit/control/limits.h>
+#include <refit/json_reader.h>
 
 namespace refit::control {
 

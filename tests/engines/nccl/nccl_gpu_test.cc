@@ -30,8 +30,8 @@
 #include <refit/cuda/error.h>
 #include <refit/cuda/fill.h>
 #include <refit/cuda/memory.h>
-#include <refit/cuda/stream.h>
 #include <refit/cuda/processing.h>
+#include <refit/cuda/stream.h>
 #include <refit/engines/nccl/nccl.h>
 #include <refit/engines/nccl/nccl_collective.h>
 #include "tests/conformance/provider_harness.h"
@@ -223,14 +223,13 @@ class device_host_collective final : public collective {
 // (load_weights and the GPU work it queued) ran.
 class device_host_provider final : public collective_provider {
  public:
-  std::vector<double> received_at;                      // event loop
-  std::vector<std::pair<double, double>> processed;     // processing threads
+  std::vector<double> received_at;                   // event loop
+  std::vector<std::pair<double, double>> processed;  // processing threads
   std::mutex mutex;
 
   std::string name() const override { return "nccl memory + host collective"; }
   std::string new_group_id() override { return host_->new_group_id(); }
-  asio::awaitable<std::unique_ptr<collective>> join(std::string id, int rank, int world_size,
-                                                    asio::any_io_executor ex,
+  asio::awaitable<std::unique_ptr<collective>> join(std::string id, int rank, int world_size, asio::any_io_executor ex,
                                                     std::chrono::milliseconds deadline) override {
     auto inner = co_await host_->join(std::move(id), rank, world_size, std::move(ex), deadline);
     co_return std::make_unique<device_host_collective>(std::move(inner), rank, &received_at);
@@ -269,7 +268,8 @@ struct device_model {
     views.clear();
     for (std::size_t i = 0; i < set.meta.tensors.size(); ++i) {
       memory.emplace_back(std::max<std::size_t>(set.data[i].size(), 1), 0);
-      REFIT_CUDA_CHECK(cudaMemcpy(memory.back().data(), set.data[i].data(), set.data[i].size(), cudaMemcpyHostToDevice));
+      REFIT_CUDA_CHECK(
+          cudaMemcpy(memory.back().data(), set.data[i].data(), set.data[i].size(), cudaMemcpyHostToDevice));
       views.emplace_back(set.meta.tensors[i], memory.back().data(), device::cuda(0));
     }
   }
@@ -333,7 +333,9 @@ TEST_F(nccl_gpu, the_engine_receives_into_device_staging_and_overlaps_processing
   auto info = h.engine().parse_update_info(h.update_info_json(m.set.meta));
   auto sent = testing::spawn(io_, testing::send_views(h.sender(), m.set.meta, m.views));
   auto received = testing::spawn(io_, testing::receive_update(h.engine(), std::move(info), got.fn()));
-  ASSERT_TRUE(testing::run_until(io_, [&] { return sent->done && received->done; }, 60s)) << "a hang";
+  ASSERT_TRUE(testing::run_until(
+      io_, [&] { return sent->done && received->done; }, 60s))
+      << "a hang";
   ASSERT_FALSE(sent->error) << sent->message();
   ASSERT_FALSE(received->error) << received->message();
   EXPECT_FALSE(got.saw_host_view) << "load_weights got a view of host memory: the staging is not on the device";
@@ -364,10 +366,13 @@ TEST_F(nccl_gpu, a_trainer_lost_mid_update_fails_the_worker_within_its_deadline_
   auto info = h->engine().parse_update_info(h->update_info_json(m.set.meta));
   auto sent = testing::spawn(io_, testing::send_views(h->sender(), m.set.meta, m.views));
   auto received = testing::spawn(io_, testing::receive_update(h->engine(), std::move(info), got.fn()));
-  ASSERT_TRUE(testing::run_until(io_, [&] { return !provider->received_at.empty() || received->done; }, 30s));
+  ASSERT_TRUE(testing::run_until(
+      io_, [&] { return !provider->received_at.empty() || received->done; }, 30s));
   const auto t0 = std::chrono::steady_clock::now();
   h->sender().shutdown();  // aborts the communicator and closes the side channel
-  ASSERT_TRUE(testing::run_until(io_, [&] { return sent->done && received->done; }, 30s)) << "a hang";
+  ASSERT_TRUE(testing::run_until(
+      io_, [&] { return sent->done && received->done; }, 30s))
+      << "a hang";
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << "past the 5 s deadline and then some";
   ASSERT_TRUE(received->error) << "the worker did not notice its trainer was gone";
   EXPECT_TRUE(received->kind() == static_cast<int>(errc::peer_lost) ||
@@ -382,7 +387,9 @@ TEST_F(nccl_gpu, a_trainer_lost_mid_update_fails_the_worker_within_its_deadline_
   auto info2 = h->engine().parse_update_info(h->update_info_json(m.set.meta));
   auto sent2 = testing::spawn(io_, testing::send_views(h->sender(), m.set.meta, m.views));
   auto received2 = testing::spawn(io_, testing::receive_update(h->engine(), std::move(info2), got2.fn()));
-  ASSERT_TRUE(testing::run_until(io_, [&] { return sent2->done && received2->done; }, 60s)) << "a hang";
+  ASSERT_TRUE(testing::run_until(
+      io_, [&] { return sent2->done && received2->done; }, 60s))
+      << "a hang";
   ASSERT_FALSE(received2->error) << received2->message();
   for (std::size_t i = 0; i < m.set.meta.tensors.size(); ++i)
     ASSERT_TRUE(got2.bytes(m.set.meta.tensors[i].name, m.set.data[i].size()) == m.set.data[i])

@@ -9,9 +9,8 @@
 #include <string>
 
 #include <refit/backend/engine.h>
-#include <refit/backend/infos.h>
-#include <refit/backend/json_reader.h>
 #include <refit/backend/plugin.h>
+#include <refit/json_reader.h>
 #include <refit/metadata.h>
 
 namespace refit_test_plugin {

@@ -7,8 +7,8 @@
 
 #include <asio/awaitable.hpp>
 
-#include <refit/backend/json_reader.h>
 #include <refit/control/internal/worker_state.h>
+#include <refit/json_reader.h>
 
 namespace refit::control::internal::verbs {
 
