@@ -22,6 +22,12 @@ section_python() {
     bash tests/python/run_vllm_own_tests.sh "$venv"
 }
 
+# refit's wheels on the other CPythons (tests/python/versions.sh): on 3.10 and 3.13
+# the wheel built for each, pip-installed into a venv of numpy and torch, one
+# trainer-to-worker round trip; on 3.12 the full suite; pip refuses a wheel whose
+# tags do not fit.
+section_versions() { bash tests/python/versions.sh 3.10 3.12 3.13; }
+
 # ruff, then mypy against the wheel.
 section_lint() { bash python/lint.sh; }
 

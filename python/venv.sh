@@ -58,12 +58,12 @@ PYTHON=${REFIT_PYTHON:-python3}
 command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH (set REFIT_PYTHON to an interpreter)"
 PYTAG=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")') ||
   die "'$PYTHON' does not run"
-[ "$PYTAG" = 311 ] || note "warning: the pins were tested with CPython 3.11; '$PYTHON' is $PYTAG"
+case "$PYTAG" in 310|311|312|313) ;; *) note "warning: the pins were tested with CPython 3.10 to 3.13; '$PYTHON' is $PYTAG" ;; esac
 
 if [ "$REQ" = "$HERE/requirements-vllm.txt" ]; then
   DEFAULT_VENV=$HOME/.cache/refit/venv-$PYTAG
 else
-  # tests/vllm_serve/requirements.txt -> venv-vllm_serve-311
+  # tests/vllm_serve/requirements.txt -> venv-vllm_serve-312
   name=$(basename "$REQ" .txt)
   [ "$name" = requirements ] && name=$(basename "$(dirname "$REQ")")
   DEFAULT_VENV=$HOME/.cache/refit/venv-$name-$PYTAG
@@ -79,13 +79,24 @@ if command -v flock >/dev/null 2>&1; then
   flock 9 || die "cannot lock $VENV.lock"
 fi
 
+# The requirements file and those it includes (`-r FILE` lines, relative to it).
+REQ_FILES=("$REQ")
+while read -r inc; do
+  REQ_FILES+=("$(dirname "$REQ")/$inc")
+done < <(awk '$1 == "-r" {print $2}' "$REQ")
+for f in "${REQ_FILES[@]}"; do [ -f "$f" ] || die "$f (included by $REQ) is missing"; done
+# Whether the environment has torch (then it must import; CUDA fallbacks apply).
+WANTS_TORCH=0
+grep -qh '^torch==' "${REQ_FILES[@]}" && WANTS_TORCH=1
+
 STAMP_VALUE=$( {
-  cat "$REQ" "$CHECK" ${POST:+"$POST"}
+  cat "${REQ_FILES[@]}" "$CHECK" ${POST:+"$POST"}
   "$PYTHON" -c 'import sys, platform; print(sys.version, platform.machine())'
 } | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_VALUE" ] && [ -x "$VENV/bin/python" ] &&
-  "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("torch"))' >/dev/null 2>&1; then
+  { [ "$WANTS_TORCH" = 0 ] ||
+    "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("torch"))' >/dev/null 2>&1; }; then
   note "reusing $VENV (up to date)"
   echo "$VENV"
   exit 0
@@ -127,7 +138,7 @@ for round in 1 2 3 4; do
   [ -z "$missing" ] && break
   reqs=()
   for so in $missing; do
-    r=$(awk -v so="$so" '$1 == "#cuda-fallback" && $2 == so {print $3}' "$REQ")
+    r=$(awk -v so="$so" '$1 == "#cuda-fallback" && $2 == so {print $3; exit}' "${REQ_FILES[@]}")
     [ -n "$r" ] || die "torch needs $so, which no CUDA install here provides and $REQ names no package for (add a '#cuda-fallback $so PACKAGE==VERSION' line)"
     reqs+=("$r")
   done

@@ -22,7 +22,7 @@ during an update.
 
 usage: tests/bench/vllm_serve_bench.py [--rounds 5] [--hidden 1024] [--layers 8] [--json FILE]
 Run with the venv of tests/vllm_serve (refit's wheel installed): tests/vllm_serve/run.sh
-makes it; then $HOME/.cache/refit/venv-vllm_serve-311/bin/python tests/bench/vllm_serve_bench.py
+makes it; then $HOME/.cache/refit/venv-vllm_serve-312/bin/python tests/bench/vllm_serve_bench.py
 """
 
 from __future__ import annotations
