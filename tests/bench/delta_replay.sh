@@ -14,6 +14,7 @@ dir="${1:?usage: delta_replay.sh DIR [ROUNDS] [--json FILE]}"
 rounds="${2:-3}"
 json=""
 [ "${3:-}" = "--json" ] && json="${4:?--json FILE}"
+meta=$(python3 tests/bench/benchmeta.py --rounds "$rounds" -- tests/bench/delta_replay.sh "$@")
 states=$(ls "$dir"/step-*.bin | wc -l)
 bazel build -c opt //examples/weight_sync >&2
 bin="$(bazel info -c opt bazel-bin 2>/dev/null)/examples/weight_sync/weight_sync"
@@ -28,7 +29,7 @@ for r in $(seq 1 "$rounds"); do
     echo "[delta_replay] round $r $mode done" >&2
   done
 done
-python3 - "$out" "$json" <<'PY'
+python3 - "$out" "$json" "$meta" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 assert all(r["verified"] for r in runs), "a run did not verify"
@@ -48,6 +49,6 @@ print(f"full update (after the first): {s(full)} s")
 print(f"delta update (after the first): {s(delta)} s")
 print(f"delta / full, same round: {s(ratio)}; wire / bytes {s(wire)}; full fallbacks {fallbacks}")
 if sys.argv[2]:
-    json.dump({"bytes": b, "rounds": len(rounds), "full_s": full, "delta_s": delta, "ratio": ratio, "wire": wire,
+    json.dump({**json.loads(sys.argv[3]), "bytes": b, "full_s": full, "delta_s": delta, "ratio": ratio, "wire": wire,
                "runs": runs}, open(sys.argv[2], "w"), indent=1)
 PY

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+import benchmeta
 import weight_sync_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,6 +54,7 @@ def main():
     a = ap.parse_args()
     if a.updates < 2:
         sys.exit("loop_lag_bench: --updates must be at least 2 (the first update is reported apart)")
+    meta = benchmeta.record(a.rounds)
     rounds = []
     for k in range(a.rounds):
         r = {"S": run_job(a.binary, ["--trainers", "2", "--tp", "2"], a),
@@ -84,7 +86,7 @@ def main():
               f"{fmt([r['S0']['first'] / max(r['S']['first'], 1e-3) for r in rounds], 1)}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rounds": rounds, "args": vars(a)}, f, indent=1)
+            json.dump({**meta, "args": vars(a), "per_round": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":

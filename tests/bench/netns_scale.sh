@@ -48,6 +48,7 @@ buffer_bytes=8M      # several buckets even in a small model: the pipeline, not 
 bin=
 json_out=
 engine=tcp
+argv=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) rate="$2"; shift 2 ;;
@@ -67,6 +68,8 @@ while [ $# -gt 0 ]; do
     *) echo "netns_scale: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+# command, commit, date, rounds for the JSON (tests/bench/benchmeta.py), as the run starts
+meta=$(python3 tests/bench/benchmeta.py --rounds "$rounds" -- tests/bench/netns_scale.sh "${argv[@]}")
 case "$engine" in
   tcp) ;;
   ucx) export UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 ;;
@@ -225,7 +228,7 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-python3 - "$out/runs.jsonl" "$rate" "$model_bytes" "${json_out:-}" "$engine" "$change_fraction" <<'PY'
+python3 - "$out/runs.jsonl" "$rate" "$model_bytes" "${json_out:-}" "$engine" "$change_fraction" "$meta" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 rate, model, json_out = sys.argv[2], sys.argv[3], sys.argv[4]
@@ -280,9 +283,7 @@ for t in topos:
             failures.append(f"{t} costs {r:.3f}x of {base} at {n} workers, more than {limit}x")
 for c in costs:
     print("cost: " + c)
-import datetime, subprocess
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
-summary = {"engine": sys.argv[5], "rate": rate, "model": model, "date": datetime.date.today().isoformat(), "commit": commit,
+summary = {**json.loads(sys.argv[7]), "engine": sys.argv[5], "rate": rate, "model": model,
            "median_s_per_update": {f"{t}@{n}": med[(n, t)] for n in ns for t in topos},
            "runs": runs, "failures": failures}
 if json_out:

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+import benchmeta
 import refit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,6 +135,7 @@ def main():
     binary = args.weight_sync
     big_flags = ["--model-bytes", args.model_bytes]
     small_flags = ["--model-bytes", "32M", "--layers", "1111", "--vocab", "512"]
+    meta = benchmeta.record(args.rounds)
     big, small = layout(binary, *big_flags), layout(binary, *small_flags)
     layout_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"refit_python_bench_{os.getpid()}.json")
     with open(layout_file, "w") as f:
@@ -169,7 +171,7 @@ def main():
     text = json.dumps(result)
     if args.json:
         with open(args.json, "w") as f:
-            f.write(text + "\n")
+            json.dump({**meta, **result, "per_round": rows}, f, indent=1)
     print(text)
 
     def fmt(k, digits=3):

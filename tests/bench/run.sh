@@ -19,12 +19,16 @@
 #   - the workers' peak RSS vs model + staging + 100 MiB
 # Usage: tests/bench/run.sh [--model-bytes 1G] [--updates 3] [--rounds 3] [--json FILE]
 #        (or ./refit bench ...)
+# --json FILE: the summary and every round's figures, with what tests/bench/benchmeta.py
+# records at the start (command, commit, date, rounds); docs/bench/loopback.json is
+# this script's, and tests/bench/figures.py makes the docs' tables from it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model_bytes=1G
 updates=3
 rounds=3
 json_out=
+argv=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-bytes) model_bytes="$2"; shift 2 ;;
@@ -34,6 +38,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--model-bytes SIZE] [--updates N] [--rounds N] [--json FILE]" >&2; exit 2 ;;
   esac
 done
+meta=$(python3 tests/bench/benchmeta.py --rounds "$rounds" -- tests/bench/run.sh "${argv[@]}")
 out=$(mktemp -d)
 iperf_pids=()
 trap 'for p in "${iperf_pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$out"' EXIT
@@ -125,9 +130,10 @@ for round in $(seq "$rounds"); do
   "$bin/tests/bench/tcp_bench" --updates 3 >"$r/tcp.jsonl"
 done
 
-python3 - "$out" "$rounds" "$model_bytes" "${json_out:-}" <<'PY'
+python3 - "$out" "$rounds" "$model_bytes" "${json_out:-}" "$meta" "$updates" <<'PY'
 import json, os, statistics, sys
-d, rounds, model, json_out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+d, rounds, model, json_out, meta = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+updates = int(sys.argv[6])
 def load(r, name):
     return json.load(open(f"{d}/round{r}/{name}"))
 mooncake = os.path.exists(f"{d}/round1/mooncake.json")
@@ -153,6 +159,7 @@ for r in range(1, rounds + 1):
     gloo = load(r, "gloo.json")
     fresh = load(r, "gloo_fresh.json")
     m["gloo_resident_2_workers_gbps_per_worker"] = gloo["gbps"]
+    m["gloo_fresh_copy_2_workers_gbps_per_worker"] = fresh["gbps"]
     m["refit_vs_gloo_resident_2"] = job2["gbps"] / gloo["gbps"]
     m["refit_vs_gloo_fresh_copy_2"] = job2["gbps"] / fresh["gbps"]
     if mooncake:
@@ -188,10 +195,12 @@ for k in keys:
     print(f"  {k:44s} {s['median']:9.3f} [{s['min']:.3f}-{s['max']:.3f}]{mark}")
 if not mooncake:
     print("  Mooncake: not measured: " + open(f"{d}/mooncake_missing").read().strip())
-import datetime, subprocess
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
-report = {"model": model, "rounds": rounds, "date": datetime.date.today().isoformat(), "commit": commit, "summary": summary, "per_round": per_round,
+job = load(1, "refit2.json")
+report = {**meta, "model": model, "bytes": job["bytes"], "tensors": job["tensors"], "updates": updates,
+          "summary": summary, "per_round": per_round,
           "unmet": [k for k, t in targets.items() if k in summary and summary[k]["median"] < t]}
+if not mooncake:
+    report["mooncake_not_measured"] = open(f"{d}/mooncake_missing").read().strip()
 if json_out:
     json.dump(report, open(json_out, "w"), indent=1)
 print(json.dumps({k: v["median"] for k, v in summary.items()}))

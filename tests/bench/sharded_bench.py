@@ -18,7 +18,9 @@ Per round: wire bytes per worker (the largest worker's) and the steady-state upd
 time (the median of the updates after the first) of each, the ratios A/B and C/D,
 and each sharded run's per-link efficiency (its aggregate GB/s over the limit's).
 Every figure is the median of ROUNDS rounds with its spread; every ratio is taken
-within a round. Prints a table and, with --json FILE, writes the figures there.
+within a round. Prints a table and, with --json FILE, writes the figures there
+(each round's under "per_round"), with the run's command, commit, date and rounds
+(tests/bench/benchmeta.py).
 
 usage: sharded_bench.py [--model-bytes 1G] [--layers 16] [--updates 4] [--rounds 3]
                         [--engine tcp|ucx] [--binary PATH] [--json FILE]
@@ -30,6 +32,7 @@ import statistics
 import subprocess
 import sys
 
+import benchmeta
 import weight_sync_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,6 +81,7 @@ def main():
     if a.engine == "ucx":
         os.environ.setdefault("UCX_TLS", "sm,self")
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    meta = benchmeta.record(a.rounds)
     rounds = []
     for k in range(a.rounds):
         r = {}
@@ -129,8 +133,11 @@ def main():
         print(f"M=2 N=2 update time / tcp_sharded's: {fmt(col('wall_vs_tcp_22'))}")
     print(f"plan_s (coordinator, first plan): {fmt(col('A', 'plan_s'), 4)}")
     if a.json:
+        out = {**meta, "engine": a.engine, "model_bytes": size, "layers": a.layers, "updates": a.updates}
+        if a.engine == "ucx":
+            out["ucx_tls"] = os.environ["UCX_TLS"]
         with open(a.json, "w") as f:
-            json.dump(rounds, f, indent=1)
+            json.dump({**out, "per_round": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 
+import benchmeta
 import weight_sync_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +33,7 @@ def main():
     a = ap.parse_args()
     if a.updates < 2:
         sys.exit("sharded_delta_bench: --updates 2 or more (the first has no base)")
+    meta = benchmeta.record(a.rounds)
     full, delta, ratio, wire, runs = [], [], [], [], []
     for k in range(a.rounds):
         times = {}
@@ -57,7 +59,7 @@ def main():
           f"wire / bytes {s(wire, 4)}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model_bytes": a.model_bytes, "change_fraction": float(a.change_fraction), "rounds": a.rounds,
+            json.dump({**meta, "model_bytes": a.model_bytes, "change_fraction": float(a.change_fraction),
                        "full_s": full, "delta_s": delta, "ratio": ratio, "wire": wire, "runs": runs}, f, indent=1)
 
 

@@ -25,7 +25,8 @@ after the first (which pays for first touches) over `--updates`, every byte
 verified; GB/s = model bytes / that time (per worker; aggregate for 2). Beside it,
 a worker's CPU seconds (user + system, every thread) per GB received, from the
 job's `worker_cpu_seconds` (median over the updates after the first). Ratios are
-taken within a round; the summary gives medians over rounds with [min-max].
+taken within a round; the summary gives medians over rounds with [min-max]. The
+JSON records the run's command, commit, date and rounds (tests/bench/benchmeta.py).
 
     python3 tests/bench/ucx_bench.py --job bazel-bin/examples/weight_sync/weight_sync \\
         [--nixl-python VENV/bin/python] [--rounds 3] [--bytes 1G] [--sm-only] [--json OUT]
@@ -40,6 +41,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import benchmeta
 
 MIB = 1 << 20
 
@@ -180,6 +183,7 @@ def main():
     ap.add_argument("--sm-only", action="store_true", help="only the shared-memory part (no tcp, no NIXL)")
     a = ap.parse_args()
     nbytes = parse_size(a.bytes)
+    meta = benchmeta.record(a.rounds)
     rounds = []
     for i in range(a.rounds):
         print(f"[ucx_bench] round {i + 1}/{a.rounds}", file=sys.stderr, flush=True)
@@ -187,8 +191,7 @@ def main():
         print(json.dumps({k: round(v, 3) for k, v in rounds[-1]["gbps"].items()}), file=sys.stderr, flush=True)
     summary = {section: {k: spread([r[section][k] for r in rounds]) for k in rounds[0][section]}
                for section in ("gbps", "cpu_s_per_gb", "loop_lag_ms", "ratios")}
-    out = {"bytes": nbytes, "rounds": a.rounds, "updates": a.updates, "when": time.strftime("%Y-%m-%d"),
-           "summary": summary, "per_round": rounds}
+    out = {**meta, "bytes": nbytes, "updates": a.updates, "summary": summary, "per_round": rounds}
     print(f"{'measure':<50} median [min-max]")
     for section in ("gbps", "cpu_s_per_gb", "loop_lag_ms", "ratios"):
         for k, s in summary[section].items():

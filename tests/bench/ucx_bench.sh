@@ -15,6 +15,8 @@ for a in "$@"; do
     *) args+=("$a") ;;
   esac
 done
+# What the JSON records as its command (tests/bench/benchmeta.py): this script's line.
+export REFIT_BENCH_COMMAND="${REFIT_BENCH_COMMAND:-bash tests/bench/ucx_bench.sh${*:+ $*}}"
 command -v ucx_perftest >/dev/null || { echo "ucx_bench: ucx_perftest missing (./refit setup installs ucx-utils)" >&2; exit 1; }
 bazel build //examples/weight_sync >&2
 py=()
