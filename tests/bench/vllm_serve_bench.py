@@ -12,13 +12,17 @@ Each round:
   - refit:  the same tensors, refit.Sender -> refit.Engine in this process over
     tcp loopback, staged, load_weights copying each tensor once into a
     preallocated copy (what vLLM's loader does at least): refit's transfer of the
-    same bytes, with no server around it.
+    same bytes, with no server around it. Sender, engine and copies are made once
+    and warmed up before the first round, as the server's are: the timed update
+    pays no mmap and no first touch of a page (before 2026-12-06 each round made
+    new ones, and its "refit alone" included both).
   - latency: greedy completions (8 tokens) back to back from a client thread,
     first with no update running (idle), then during the server update.
 
 Reported per round and as medians over rounds with their spread: server / refit
 (the server-side cost as a ratio), and completion latency p50 / max idle vs
-during an update.
+during an update. --json FILE writes the rounds and the summary with the run's
+command, commit, date and rounds (tests/bench/benchmeta.py).
 
 usage: tests/bench/vllm_serve_bench.py [--rounds 5] [--hidden 1024] [--layers 8] [--json FILE]
 Run with the venv of tests/vllm_serve (refit's wheel installed): tests/vllm_serve/run.sh
@@ -38,6 +42,7 @@ import time
 
 import torch
 
+import benchmeta
 import refit
 from refit.vllm import RefitTrainerInitInfo
 
@@ -64,32 +69,49 @@ def server_update(server: Server, tensors: dict, version: str, secret: str) -> f
         trainer.shutdown()
 
 
-def refit_alone(tensors: dict) -> float:
-    """refit.Sender -> refit.Engine (tcp, loopback, staged) with a load_weights that
-    copies each tensor into a preallocated copy."""
-    copies = {n: torch.empty_like(t) for n, t in tensors.items()}
+class RefitAlone:
+    """refit.Sender -> refit.Engine (tcp, loopback, staged) in this process, made
+    once and kept across rounds, with a load_weights that copies each tensor into
+    a preallocated copy. The copies are touched when made and a first update maps
+    and touches the engine's stage, so a timed update measures the transfer, not
+    the mmap and first touch of every page."""
 
-    def load(batch):
-        for name, t in batch:
-            copies[name].copy_(t)
-
-    meta = {"names": list(tensors), "dtype_names": [str(t.dtype).split(".")[-1] for t in tensors.values()],
-            "shapes": [list(t.shape) for t in tensors.values()]}
-    with refit.Sender("tcp", timeout_ms=60000) as sender, \
-            refit.Engine("tcp", timeout_ms=60000, commit="staged") as engine:
-        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
-        t = threading.Thread(target=engine.init, args=(init,))
+    def __init__(self, tensors: dict) -> None:
+        self.copies = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        self.meta = {"names": list(tensors), "dtype_names": [str(t.dtype).split(".")[-1] for t in tensors.values()],
+                     "shapes": [list(t.shape) for t in tensors.values()]}
+        self.sender = refit.Sender("tcp", timeout_ms=60000)
+        self.engine = refit.Engine("tcp", timeout_ms=60000, commit="staged")
+        self.version = 0
+        init = self.sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
+        t = threading.Thread(target=self.engine.init, args=(init,))
         t.start()
-        sender.connect_workers()
+        self.sender.connect_workers()
         t.join()
+        self.update(tensors)
+
+    def _load(self, batch) -> None:
+        for name, t in batch:
+            self.copies[name].copy_(t)
+
+    def update(self, tensors: dict) -> float:
+        """One update of `tensors` (the names and shapes of the first); seconds."""
+        self.version += 1
         t0 = time.perf_counter()
-        engine.start_weight_update()
-        done = threading.Thread(target=engine.update_weights, args=(meta, load))
+        self.engine.start_weight_update()
+        done = threading.Thread(target=self.engine.update_weights, args=(self.meta, self._load))
         done.start()
-        sender.send_weights(list(tensors.items()))
+        self.sender.send_weights(list(tensors.items()))
         done.join()
-        engine.finish_weight_update(1)
+        self.engine.finish_weight_update(self.version)
         return time.perf_counter() - t0
+
+    def __enter__(self) -> RefitAlone:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.shutdown()
+        self.sender.shutdown()
 
 
 def latencies(server: Server, stop: threading.Event, out: list[float]) -> None:
@@ -127,10 +149,11 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors[0].values())
     print(f"vllm_serve_bench: {len(tensors[0])} tensors, {nbytes / 1e6:.1f} MB bf16, {args.rounds} rounds",
           file=sys.stderr)
+    meta = benchmeta.record(args.rounds)
     rows = []
-    with Server(model, os.path.join(root, "vllm_serve.log"), env={"REFIT_AUTH_SECRET_FILE": secret}) as server:
+    with Server(model, os.path.join(root, "vllm_serve.log"), env={"REFIT_AUTH_SECRET_FILE": secret}) as server, \
+            RefitAlone(tensors[1]) as alone:
         server_update(server, tensors[1], "warm-up", secret)
-        refit_alone(tensors[1])
         for r in range(args.rounds):
             idle: list[float] = []
             stop = threading.Event()
@@ -146,7 +169,7 @@ def main() -> None:
             s = server_update(server, tensors[r % 2], f"round-{r}", secret)
             stop.set()
             t.join()
-            a = refit_alone(tensors[r % 2])
+            a = alone.update(tensors[r % 2])
             row = {"round": r, "bytes": nbytes, "server_s": s, "refit_s": a, "server_over_refit": s / a,
                    "idle_p50_s": pct(idle, 0.5), "idle_max_s": max(idle), "busy_p50_s": pct(busy, 0.5),
                    "busy_max_s": max(busy), "busy_requests": len(busy)}
@@ -169,7 +192,7 @@ def main() -> None:
         print(f"| {k} | {v} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": rows, "summary": summary}, f, indent=1)
+            json.dump({**meta, "summary": summary, "per_round": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
