@@ -1,0 +1,217 @@
+// _WorkerGroup, which refit/_group.py wraps: the trainer's control client of many
+// workers (init, update, calls and fingerprints), sending through a _Sender.
+#include <refit/control/worker_group.h>
+#include <refit/error.h>
+#include <refit/integrity/auth.h>
+
+#include "bindings.h"
+#include "sender.h"
+
+namespace refit::py {
+namespace {
+
+using control::worker_group;
+
+std::vector<control::worker_endpoint> read_endpoints(nb::handle endpoints) {
+  std::vector<control::worker_endpoint> out;
+  for (nb::handle e : endpoints) {
+    control::worker_endpoint ep;
+    if (PyUnicode_Check(e.ptr())) {
+      std::string text = nb::cast<std::string>(e);
+      auto colon = text.rfind(':');
+      if (colon == std::string::npos)
+        throw_error(errc::invalid_argument, "WorkerGroup: expected 'host:port', got '" + text + "'");
+      ep.host = text.substr(0, colon);
+      try {
+        int port = std::stoi(text.substr(colon + 1));
+        if (port <= 0 || port > 65535) throw std::out_of_range("port");
+        ep.port = static_cast<std::uint16_t>(port);
+      } catch (const std::exception&) {
+        throw_error(errc::invalid_argument, "WorkerGroup: bad port in '" + text + "'");
+      }
+    } else {
+      auto pair = nb::cast<std::pair<std::string, int>>(e);
+      if (pair.second <= 0 || pair.second > 65535)
+        throw_error(errc::invalid_argument, "WorkerGroup: bad port " + std::to_string(pair.second));
+      ep.host = pair.first;
+      ep.port = static_cast<std::uint16_t>(pair.second);
+    }
+    out.push_back(std::move(ep));
+  }
+  if (out.empty()) throw_error(errc::invalid_argument, "WorkerGroup: no endpoints");
+  return out;
+}
+
+class py_worker_group {
+ public:
+  py_worker_group(nb::handle endpoints, std::int64_t timeout_ms, const std::optional<std::string>& secret_file) {
+    if (timeout_ms <= 0) throw_error(errc::invalid_argument, "timeout_ms: expected a positive number");
+    std::string secret = secret_file && !secret_file->empty() ? auth::read_secret_file(*secret_file) : std::string();
+    group_ = std::make_unique<worker_group>(runtime::get().executor(), std::chrono::milliseconds(timeout_ms),
+                                            std::move(secret), read_endpoints(endpoints));
+  }
+  ~py_worker_group() {
+    if (runtime::get().stopped()) return;
+    block_on(destroy(std::move(group_)));
+  }
+  static asio::awaitable<void> destroy(std::unique_ptr<worker_group> group) {
+    group->close();
+    group.reset();
+    co_return;
+  }
+
+  asio::awaitable<void> connect() { co_await group_->connect(); }
+  static asio::awaitable<json> init(worker_group* group, weight_sender* sender, json args,
+                                    control::init_options options) {
+    co_return co_await group->init(*sender, std::move(args), options);
+  }
+  static asio::awaitable<json> update(worker_group* group, weight_sender* sender, std::shared_ptr<held_tensors> held,
+                                      std::shared_ptr<const update_metadata> meta, std::int64_t version,
+                                      control::update_options options) {
+    auto result = co_await group->update(*sender, *meta, held->views(), version, options);
+    json out;
+    out["version"] = result.version;
+    out["seconds"] = result.seconds;
+    out["verified"] = result.verified;
+    out["workers"] = json::array();
+    for (const auto& w : result.workers) out["workers"].push_back(json{{"seconds", w.seconds}, {"stats", w.stats}});
+    co_return out;
+  }
+  static asio::awaitable<json> call_all(worker_group* group, std::string method, json params) {
+    auto answers = co_await group->call_all(std::move(method), std::move(params));
+    co_return json(answers);
+  }
+  static asio::awaitable<json> differences(worker_group* group, fingerprint_list expected, std::int64_t version) {
+    auto diffs = co_await group->fingerprint_differences(std::move(expected), version);
+    co_return json(diffs);
+  }
+  void close() {
+    on_loop([this] {
+      group_->close();
+      return 0;
+    });
+  }
+  std::size_t size() const { return group_->size(); }
+  worker_group& group() { return *group_; }
+
+ private:
+  std::unique_ptr<worker_group> group_;
+};
+
+control::init_options make_init_options(const std::string& ranks) {
+  control::init_options o;
+  if (ranks == "per_worker")
+    o.ranks = control::rank_layout::per_worker;
+  else if (ranks == "shared")
+    o.ranks = control::rank_layout::shared;
+  else
+    throw_error(errc::invalid_argument, "ranks: expected 'per_worker' or 'shared', got '" + ranks + "'");
+  return o;
+}
+
+control::update_options make_update_options(bool verify, const std::optional<std::string>& commit,
+                                            nb::handle update_info, nb::handle expected, std::optional<bool> delta,
+                                            std::optional<std::uintptr_t> stream) {
+  control::update_options o;
+  o.verify = verify;
+  o.delta = delta;
+  o.producer_stream = producer_stream(stream);
+  if (commit) {
+    if (*commit == "in_place")
+      o.commit = commit_mode::in_place;
+    else if (*commit == "staged")
+      o.commit = commit_mode::staged;
+    else
+      throw_error(errc::invalid_argument, "commit: expected 'in_place' or 'staged', got '" + *commit + "'");
+  }
+  if (!update_info.is_none()) o.update_info = to_json(update_info);
+  if (!expected.is_none()) o.expected = fingerprints_from_python(expected);
+  return o;
+}
+
+}  // namespace
+
+void bind_worker_group(nb::module_& m) {
+  auto to_py = [](json& j) { return to_python(j); };
+  nb::class_<py_worker_group>(m, "_WorkerGroup")
+      .def(nb::init<nb::handle, std::int64_t, const std::optional<std::string>&>(), nb::arg("endpoints"),
+           nb::arg("timeout_ms"), nb::arg("auth_secret_file").none())
+      .def("__len__", &py_worker_group::size)
+      .def("close", &py_worker_group::close)
+      .def("connect", [](py_worker_group& g) { block_on(g.connect()); })
+      .def(
+          "_start_connect",
+          [](py_worker_group& g, nb::object done) { return start_void(g.connect(), std::move(done)); }, nb::arg("done"))
+      .def(
+          "init",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks) {
+            json a = to_json(args);
+            if (a.is_null()) a = json::object();
+            json out = block_on(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)));
+            return nb::cast<nb::dict>(to_py(out));
+          },
+          nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"))
+      .def(
+          "_start_init",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle args, const std::string& ranks, nb::object done) {
+            json a = to_json(args);
+            if (a.is_null()) a = json::object();
+            return start<json>(py_worker_group::init(&g.group(), &s.sender(), std::move(a), make_init_options(ranks)),
+                               to_py, std::move(done));
+          },
+          nb::arg("sender"), nb::arg("trainer_args").none(), nb::arg("ranks"), nb::arg("done"))
+      .def(
+          "update",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
+                  std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
+                  std::optional<bool> delta, std::optional<std::uintptr_t> stream) {
+            auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
+            auto options = make_update_options(verify, commit, update_info, expected, delta, stream);
+            json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
+                                                        version, std::move(options)));
+            return nb::cast<nb::dict>(to_py(out));
+          },
+          nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
+          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
+          nb::arg("delta").none() = nb::none(), nb::arg("stream").none() = nb::none())
+      .def(
+          "_start_update",
+          [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
+                  std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
+                  std::optional<bool> delta, std::optional<std::uintptr_t> stream, nb::object done) {
+            auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
+            auto options = make_update_options(verify, commit, update_info, expected, delta, stream);
+            return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
+                                                       version, std::move(options)),
+                               to_py, std::move(done));
+          },
+          nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
+          nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
+          nb::arg("delta").none(), nb::arg("stream").none(), nb::arg("done"))
+      .def(
+          "call_all",
+          [to_py](py_worker_group& g, const std::string& method, nb::handle params) {
+            json p = to_json(params);
+            if (p.is_null()) p = json::object();
+            json out = block_on(py_worker_group::call_all(&g.group(), method, std::move(p)));
+            return nb::cast<nb::list>(to_py(out));
+          },
+          nb::arg("method"), nb::arg("params").none())
+      .def(
+          "_start_call_all",
+          [to_py](py_worker_group& g, const std::string& method, nb::handle params, nb::object done) {
+            json p = to_json(params);
+            if (p.is_null()) p = json::object();
+            return start<json>(py_worker_group::call_all(&g.group(), method, std::move(p)), to_py, std::move(done));
+          },
+          nb::arg("method"), nb::arg("params").none(), nb::arg("done"))
+      .def(
+          "fingerprint_differences",
+          [to_py](py_worker_group& g, nb::handle expected, std::int64_t version) {
+            json out = block_on(py_worker_group::differences(&g.group(), fingerprints_from_python(expected), version));
+            return nb::cast<nb::list>(to_py(out));
+          },
+          nb::arg("expected"), nb::arg("version"));
+}
+
+}  // namespace refit::py
