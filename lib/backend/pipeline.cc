@@ -259,175 +259,45 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
   co_await receive(meta, plan_buckets(meta, params_), transport, std::move(load_weights), scope, stats, target);
 }
 
+// One receive()'s state while its buckets arrive (on receive()'s frame).
+struct receive_pipeline::receive_call {
+  std::shared_ptr<update_state> state;
+  const bucket_plan& plan;
+  bucket_transport& transport;
+  async::drain_scope& scope;
+  update_stats& stats;
+  model_target* target;
+  device dev;
+  std::vector<std::byte*> direct;             // direct_destinations()
+  std::vector<asio::mutable_buffer> scatter;  // where the current bucket's bytes go
+  bool direct_started = false;
+
+  // The target learns when bytes start landing in its memory (a header refused
+  // before that leaves the model untouched).
+  void before_direct_bytes() {
+    if (direct_started || !target) return;
+    direct_started = true;
+    target->direct_write_begins();
+  }
+};
+
 asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, bucket_plan plan,
                                                 bucket_transport& transport, load_weights_fn load_weights,
                                                 async::drain_scope& scope, update_stats& stats, model_target* target) {
   auto state = std::make_shared<update_state>(meta, std::move(load_weights), asio::make_strand(processing_),
                                               clock_type::now(), executor_);
   const device dev = staging_->device();
-  const std::vector<std::byte*> direct = direct_destinations(state->meta, target, dev);
-  std::vector<asio::mutable_buffer> scatter;
-  // The target learns when bytes start landing in its memory (a header refused
-  // before that leaves the model untouched).
-  bool direct_started = false;
-  auto before_direct_bytes = [&] {
-    if (direct_started || !target) return;
-    direct_started = true;
-    target->direct_write_begins();
-  };
-
-  // The assembly buffer for this update's largest split tensor (one with no direct
-  // destination) is grown now, on the processing executor: allocating and faulting
-  // in hundreds of MiB (or a cudaMalloc, which synchronises the device) is not work
-  // for the event loop. It is taken first, so processing of an earlier update that
-  // still reads it finishes before it moves.
-  std::uint64_t largest_split = 0;
-  for (const bucket& b : plan.buckets) {
-    const auto t = plan.pieces[b.first_piece].tensor;
-    if (b.split && !direct[t]) largest_split = std::max(largest_split, state->meta.tensors[t].nbytes());
-  }
-  if (largest_split > 0) {
-    co_await assembly_.acquire();
-    std::exception_ptr grow_error;
-    try {
-      co_await async::offload(processing_, [this, largest_split] { staging_->assembly(largest_split); });
-    } catch (...) {
-      grow_error = std::current_exception();
-    }
-    assembly_.release(0);
-    if (grow_error) std::rethrow_exception(grow_error);
-  }
+  receive_call call{state, plan, transport, scope, stats, target, dev, direct_destinations(state->meta, target, dev)};
+  co_await grow_assembly(call);
 
   std::exception_ptr failure;
   try {
     for (const bucket& b : plan.buckets) {
-      const bucket_piece& first = plan.pieces[b.first_piece];
-      scatter.clear();
-      if (b.split) {
-        // Chunks of one large tensor land at their offsets in its destination or in
-        // the assembly buffer; the tensor is handed over whole after its last chunk.
-        const auto& spec = state->meta.tensors[first.tensor];
-        std::byte* base = direct[first.tensor];
-        const bool assembled = base == nullptr;
-        if (assembled) {
-          if (first.tensor_offset == 0) co_await assembly_.acquire();
-          base = staging_->assembly(spec.nbytes()).data();
-        }
-        append(scatter, base + first.tensor_offset, b.payload_bytes);
-        auto t0 = clock_type::now();
-        co_await transport.begin(b);
-        if (auto encoded = transport.encoded_bytes(b)) {
-          // A delta of this chunk: into a slot, decoded into the tensor's memory.
-          if (assembled)
-            throw_error(errc::protocol_error,
-                        "bucket " + std::to_string(b.index) + " of '" + spec.name +
-                            "' arrived encoded, but the tensor has no destination to decode into");
-          const std::size_t slot = co_await slots_.acquire();
-          const std::span<std::byte> mem = staging_->slot(slot).first(static_cast<std::size_t>(*encoded));
-          before_direct_bytes();
-          try {
-            const asio::mutable_buffer into(mem.data(), mem.size());
-            co_await transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
-          } catch (...) {
-            slots_.release(slot);
-            throw;
-          }
-          stats.receive_s += seconds_since(t0);
-          stats.bytes += b.payload_bytes;
-          stats.wire_bytes += *encoded;
-          ++stats.buckets;
-          std::vector<bucket_transport::decode_target> out{
-              {first.tensor, first.tensor_offset,
-               std::span<std::byte>(base + first.tensor_offset, static_cast<std::size_t>(b.payload_bytes))}};
-          auto work = decode_then_check(transport.decode(b, mem, std::move(out)), transport.check(b, scatter));
-          std::vector<tensor_view> views;
-          if (b.last_chunk) views.emplace_back(spec, base, dev);
-          process(state, std::move(views), slot, false, b.index, {transport.settled(b), std::move(work)}, scope, stats);
-          continue;
-        }
-        if (!assembled) before_direct_bytes();
-        co_await transport.receive(b, scatter);
-        stats.receive_s += seconds_since(t0);
-        stats.bytes += b.payload_bytes;
-        stats.wire_bytes += b.payload_bytes;
-        ++stats.buckets;
-        bucket_checks checks{transport.settled(b), transport.check(b, scatter)};
-        if (b.last_chunk)
-          process(state, {tensor_view(spec, base, dev)}, std::nullopt, assembled, b.index, std::move(checks), scope,
-                  stats);
-        else if (checks)  // an earlier chunk is only checked; the tensor is loaded after its last
-          process(state, {}, std::nullopt, false, b.index, std::move(checks), scope, stats);
-        continue;
-      }
-      std::size_t slot = co_await slots_.acquire();
-      std::byte* mem = staging_->slot(slot).data();
-      // Staged pieces (and all padding) land at their offsets in the slot; direct
-      // pieces in their owners' memory.
-      std::vector<tensor_view> views;
-      views.reserve(b.piece_count);
-      std::uint64_t at = 0;
-      bool direct_piece = false;
-      for (const auto& p : plan.pieces_of(b)) {
-        const auto& spec = state->meta.tensors[p.tensor];
-        if (std::byte* d = direct[p.tensor]) {
-          append(scatter, mem + at, p.bucket_offset - at);
-          append(scatter, d, p.bytes);
-          direct_piece |= p.bytes != 0;
-          views.emplace_back(spec, d, dev);
-        } else {
-          append(scatter, mem + at, p.bucket_offset + p.bytes - at);
-          views.emplace_back(spec, mem + p.bucket_offset, dev);
-        }
-        at = p.bucket_offset + p.bytes;
-        stats.bytes += p.bytes;
-      }
-      auto t0 = clock_type::now();
-      std::function<void()> work;
-      try {
-        co_await transport.begin(b);
-        if (auto encoded = transport.encoded_bytes(b)) {
-          // A delta of this bucket: the encoded bytes into the slot, decoded on the
-          // processing executor into each piece's destination; checked over the
-          // decoded bytes with the padding as zeros.
-          std::vector<bucket_transport::decode_target> out;
-          std::vector<asio::mutable_buffer> decoded;
-          std::uint64_t end = 0;
-          for (const auto& p : plan.pieces_of(b)) {
-            for (std::uint64_t pad = p.bucket_offset - end; pad > 0;) {
-              const std::uint64_t n = std::min<std::uint64_t>(pad, sizeof zero_padding);
-              decoded.emplace_back(zero_padding, static_cast<std::size_t>(n));
-              pad -= n;
-            }
-            end = p.bucket_offset + p.bytes;
-            if (p.bytes == 0) continue;
-            std::byte* d = direct[p.tensor];
-            if (!d)
-              throw_error(errc::protocol_error, "bucket " + std::to_string(b.index) + " arrived encoded, but '" +
-                                                    state->meta.tensors[p.tensor].name +
-                                                    "' has no destination to decode into");
-            std::span<std::byte> piece(d + p.tensor_offset, static_cast<std::size_t>(p.bytes));
-            out.push_back({p.tensor, p.tensor_offset, piece});
-            append(decoded, piece.data(), p.bytes);
-          }
-          const std::span<std::byte> encoded_mem = std::span<std::byte>(mem, static_cast<std::size_t>(*encoded));
-          before_direct_bytes();
-          const asio::mutable_buffer into(encoded_mem.data(), encoded_mem.size());
-          co_await transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
-          stats.wire_bytes += *encoded;
-          work = decode_then_check(transport.decode(b, encoded_mem, std::move(out)), transport.check(b, decoded));
-        } else {
-          if (direct_piece) before_direct_bytes();
-          co_await transport.receive(b, scatter);
-          stats.wire_bytes += b.payload_bytes;
-          work = transport.check(b, scatter);
-        }
-      } catch (...) {
-        slots_.release(slot);
-        throw;
-      }
-      stats.receive_s += seconds_since(t0);
-      ++stats.buckets;
-      process(state, std::move(views), slot, false, b.index, {transport.settled(b), std::move(work)}, scope, stats);
+      call.scatter.clear();
+      if (b.split)
+        co_await receive_chunk(call, b);
+      else
+        co_await receive_bucket(call, b);
     }
     // Every byte is here; the update is received once every check has passed.
     if (state->checks_left > 0) {
@@ -448,6 +318,174 @@ asio::awaitable<void> receive_pipeline::receive(const update_metadata& meta, buc
     std::rethrow_exception(failure);
   }
   stats.wall_s = std::max(stats.wall_s, seconds_since(state->start));
+}
+
+// The assembly buffer for this update's largest split tensor (one with no direct
+// destination) is grown now, on the processing executor: allocating and faulting
+// in hundreds of MiB (or a cudaMalloc, which synchronises the device) is not work
+// for the event loop. It is taken first, so processing of an earlier update that
+// still reads it finishes before it moves.
+asio::awaitable<void> receive_pipeline::grow_assembly(const receive_call& call) {
+  std::uint64_t largest_split = 0;
+  for (const bucket& b : call.plan.buckets) {
+    const auto t = call.plan.pieces[b.first_piece].tensor;
+    if (b.split && !call.direct[t]) largest_split = std::max(largest_split, call.state->meta.tensors[t].nbytes());
+  }
+  if (largest_split == 0) co_return;
+  co_await assembly_.acquire();
+  std::exception_ptr grow_error;
+  try {
+    co_await async::offload(processing_, [this, largest_split] { staging_->assembly(largest_split); });
+  } catch (...) {
+    grow_error = std::current_exception();
+  }
+  assembly_.release(0);
+  if (grow_error) std::rethrow_exception(grow_error);
+}
+
+// A chunk of a split tensor. Chunks of one large tensor land at their offsets in
+// its destination or in the assembly buffer; the tensor is handed over whole after
+// its last chunk.
+asio::awaitable<void> receive_pipeline::receive_chunk(receive_call& call, const bucket& b) {
+  const bucket_piece& first = call.plan.pieces[b.first_piece];
+  const auto& spec = call.state->meta.tensors[first.tensor];
+  std::byte* base = call.direct[first.tensor];
+  const bool assembled = base == nullptr;
+  if (assembled) {
+    if (first.tensor_offset == 0) co_await assembly_.acquire();
+    base = staging_->assembly(spec.nbytes()).data();
+  }
+  append(call.scatter, base + first.tensor_offset, b.payload_bytes);
+  auto t0 = clock_type::now();
+  co_await call.transport.begin(b);
+  if (auto encoded = call.transport.encoded_bytes(b)) {
+    if (assembled)
+      throw_error(errc::protocol_error, "bucket " + std::to_string(b.index) + " of '" + spec.name +
+                                            "' arrived encoded, but the tensor has no destination to decode into");
+    co_await receive_encoded_chunk(call, b, base, *encoded, t0);
+    co_return;
+  }
+  if (!assembled) call.before_direct_bytes();
+  co_await call.transport.receive(b, call.scatter);
+  call.stats.receive_s += seconds_since(t0);
+  call.stats.bytes += b.payload_bytes;
+  call.stats.wire_bytes += b.payload_bytes;
+  ++call.stats.buckets;
+  bucket_checks checks{call.transport.settled(b), call.transport.check(b, call.scatter)};
+  if (b.last_chunk)
+    process(call.state, {tensor_view(spec, base, call.dev)}, std::nullopt, assembled, b.index, std::move(checks),
+            call.scope, call.stats);
+  else if (checks)  // an earlier chunk is only checked; the tensor is loaded after its last
+    process(call.state, {}, std::nullopt, false, b.index, std::move(checks), call.scope, call.stats);
+}
+
+// A delta of a split tensor's chunk (begun, `encoded` bytes announced): into a
+// slot, decoded into the tensor's memory at `base`.
+asio::awaitable<void> receive_pipeline::receive_encoded_chunk(receive_call& call, const bucket& b, std::byte* base,
+                                                              std::uint64_t encoded, clock_type::time_point t0) {
+  const bucket_piece& first = call.plan.pieces[b.first_piece];
+  const auto& spec = call.state->meta.tensors[first.tensor];
+  const std::size_t slot = co_await slots_.acquire();
+  const std::span<std::byte> mem = staging_->slot(slot).first(static_cast<std::size_t>(encoded));
+  call.before_direct_bytes();
+  try {
+    const asio::mutable_buffer into(mem.data(), mem.size());
+    co_await call.transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
+  } catch (...) {
+    slots_.release(slot);
+    throw;
+  }
+  call.stats.receive_s += seconds_since(t0);
+  call.stats.bytes += b.payload_bytes;
+  call.stats.wire_bytes += encoded;
+  ++call.stats.buckets;
+  std::vector<bucket_transport::decode_target> out{
+      {first.tensor, first.tensor_offset,
+       std::span<std::byte>(base + first.tensor_offset, static_cast<std::size_t>(b.payload_bytes))}};
+  auto work = decode_then_check(call.transport.decode(b, mem, std::move(out)), call.transport.check(b, call.scatter));
+  std::vector<tensor_view> views;
+  if (b.last_chunk) views.emplace_back(spec, base, call.dev);
+  process(call.state, std::move(views), slot, false, b.index, {call.transport.settled(b), std::move(work)}, call.scope,
+          call.stats);
+}
+
+// A packed bucket (whole tensors at aligned offsets), through a staging slot.
+// Staged pieces (and all padding) land at their offsets in the slot; direct pieces
+// in their owners' memory.
+asio::awaitable<void> receive_pipeline::receive_bucket(receive_call& call, const bucket& b) {
+  std::size_t slot = co_await slots_.acquire();
+  std::byte* mem = staging_->slot(slot).data();
+  std::vector<tensor_view> views;
+  views.reserve(b.piece_count);
+  std::uint64_t at = 0;
+  bool direct_piece = false;
+  for (const auto& p : call.plan.pieces_of(b)) {
+    const auto& spec = call.state->meta.tensors[p.tensor];
+    if (std::byte* d = call.direct[p.tensor]) {
+      append(call.scatter, mem + at, p.bucket_offset - at);
+      append(call.scatter, d, p.bytes);
+      direct_piece |= p.bytes != 0;
+      views.emplace_back(spec, d, call.dev);
+    } else {
+      append(call.scatter, mem + at, p.bucket_offset + p.bytes - at);
+      views.emplace_back(spec, mem + p.bucket_offset, call.dev);
+    }
+    at = p.bucket_offset + p.bytes;
+    call.stats.bytes += p.bytes;
+  }
+  auto t0 = clock_type::now();
+  std::function<void()> work;
+  try {
+    co_await call.transport.begin(b);
+    if (auto encoded = call.transport.encoded_bytes(b)) {
+      work = co_await receive_encoded_bucket(call, b, mem, *encoded);
+    } else {
+      if (direct_piece) call.before_direct_bytes();
+      co_await call.transport.receive(b, call.scatter);
+      call.stats.wire_bytes += b.payload_bytes;
+      work = call.transport.check(b, call.scatter);
+    }
+  } catch (...) {
+    slots_.release(slot);
+    throw;
+  }
+  call.stats.receive_s += seconds_since(t0);
+  ++call.stats.buckets;
+  process(call.state, std::move(views), slot, false, b.index, {call.transport.settled(b), std::move(work)}, call.scope,
+          call.stats);
+}
+
+// A delta of a bucket (begun, `encoded` bytes announced): the encoded bytes into
+// the slot at `mem`; returns the work that decodes them on the processing executor
+// into each piece's destination and checks the decoded bytes, padding as zeros.
+asio::awaitable<std::function<void()>> receive_pipeline::receive_encoded_bucket(receive_call& call, const bucket& b,
+                                                                                std::byte* mem, std::uint64_t encoded) {
+  std::vector<bucket_transport::decode_target> out;
+  std::vector<asio::mutable_buffer> decoded;
+  std::uint64_t end = 0;
+  for (const auto& p : call.plan.pieces_of(b)) {
+    for (std::uint64_t pad = p.bucket_offset - end; pad > 0;) {
+      const std::uint64_t n = std::min<std::uint64_t>(pad, sizeof zero_padding);
+      decoded.emplace_back(zero_padding, static_cast<std::size_t>(n));
+      pad -= n;
+    }
+    end = p.bucket_offset + p.bytes;
+    if (p.bytes == 0) continue;
+    std::byte* d = call.direct[p.tensor];
+    if (!d)
+      throw_error(errc::protocol_error, "bucket " + std::to_string(b.index) + " arrived encoded, but '" +
+                                            call.state->meta.tensors[p.tensor].name +
+                                            "' has no destination to decode into");
+    std::span<std::byte> piece(d + p.tensor_offset, static_cast<std::size_t>(p.bytes));
+    out.push_back({p.tensor, p.tensor_offset, piece});
+    append(decoded, piece.data(), p.bytes);
+  }
+  const std::span<std::byte> encoded_mem = std::span<std::byte>(mem, static_cast<std::size_t>(encoded));
+  call.before_direct_bytes();
+  const asio::mutable_buffer into(encoded_mem.data(), encoded_mem.size());
+  co_await call.transport.receive(b, std::span<const asio::mutable_buffer>(&into, 1));
+  call.stats.wire_bytes += encoded;
+  co_return decode_then_check(call.transport.decode(b, encoded_mem, std::move(out)), call.transport.check(b, decoded));
 }
 
 }  // namespace refit

@@ -163,6 +163,18 @@ class receive_pipeline {
                                        std::optional<std::size_t> slot, bool assembly, std::uint64_t bucket_index,
                                        bucket_checks checks, update_stats& stats);
 
+  // receive()'s steps: the assembly buffer grown for the update, then each bucket
+  // received (a split tensor's chunk, or a bucket through a staging slot; either
+  // plain or a delta) and handed to process().
+  struct receive_call;
+  asio::awaitable<void> grow_assembly(const receive_call& call);
+  asio::awaitable<void> receive_chunk(receive_call& call, const bucket& b);
+  asio::awaitable<void> receive_encoded_chunk(receive_call& call, const bucket& b, std::byte* base,
+                                              std::uint64_t encoded, std::chrono::steady_clock::time_point t0);
+  asio::awaitable<void> receive_bucket(receive_call& call, const bucket& b);
+  asio::awaitable<std::function<void()>> receive_encoded_bucket(receive_call& call, const bucket& b, std::byte* mem,
+                                                                std::uint64_t encoded);
+
   asio::any_io_executor executor_;
   asio::any_io_executor processing_;
   wire_params params_;
