@@ -330,7 +330,7 @@ void worker::close() noexcept {
     s->status = UCS_ERR_CANCELED;
     s->request = nullptr;
     try {
-      asio::post(s->executor, [s] { s->done.set(); });
+      asio::post(s->executor, [s = s] { s->done.set(); });
     } catch (...) {  // an executor gone: no waiter left to wake
     }
   }

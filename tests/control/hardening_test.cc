@@ -41,8 +41,9 @@ std::uint64_t rss_bytes() {
   return resident * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-// From the sanitizer runtime's allocator interface (GCC 12 ships no header for it).
+#ifdef REFIT_SANITIZED  // --config=asan, --config=tsan
+// From the sanitizer runtime's allocator interface (declared here: GCC 12 ships no
+// header for it).
 extern "C" std::size_t __sanitizer_get_current_allocated_bytes();
 // Under ASan RSS also counts the quarantine of freed blocks (up to 256 MiB, filled
 // by 30k cycles of ordinary allocations), so it says nothing about retained state;
