@@ -68,8 +68,10 @@ class Run:
     def record(self) -> str:
         """Command, rounds, date and commit, as a caption or a cell says them."""
         added = " (recorded afterwards: see its provenance)" if "provenance" in self.data else ""
+        # A run that was not made on a quiet machine says so wherever it is shown.
+        conditions = f"; {self.data['conditions']}" if "conditions" in self.data else ""
         return (f"`{self['command']}`, {self['rounds']} rounds, {self['date']} at {self['commit']}, "
-                f"`{self.path}`{added}")
+                f"`{self.path}`{added}{conditions}")
 
     def caption(self, what: str) -> str:
         return f"{what}. Measured by {self.record()}; medians [min-max] over the rounds, ratios within a round."
