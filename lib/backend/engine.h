@@ -252,29 +252,41 @@ class engine : public weight_transfer_engine {
   std::string dirty_reason_;
 };
 
-/// Implements parse_init_info / parse_update_info for typed infos. InitInfo and
-/// UpdateInfo provide `static X read(json_reader&)`; members not read are rejected.
-template <class InitInfo, class UpdateInfo>
-class typed_engine : public engine {
+/// Implements parse_init_info for a typed init info over `Base`, an engine base
+/// that implements the rest (typed_engine below). InitInfo provides `static X read(json_reader&)`; members
+/// not read are rejected.
+template <class InitInfo, class Base = engine>
+class typed_init : public Base {
  public:
   using init_info_type = InitInfo;
-  using update_info_type = UpdateInfo;
 
   std::unique_ptr<init_info> parse_init_info(const json& j) const override {
-    json_reader r(j, std::string(backend()) + " init_info");
+    json_reader r(j, std::string(this->backend()) + " init_info");
     auto info = std::make_unique<InitInfo>(InitInfo::read(r));
     r.finish();
     return info;
   }
+
+ protected:
+  using Base::Base;
+};
+
+/// Implements parse_init_info / parse_update_info for typed infos. InitInfo and
+/// UpdateInfo provide `static X read(json_reader&)`; members not read are rejected.
+template <class InitInfo, class UpdateInfo>
+class typed_engine : public typed_init<InitInfo> {
+ public:
+  using update_info_type = UpdateInfo;
+
   std::unique_ptr<update_info> parse_update_info(const json& j) const override {
-    json_reader r(j, std::string(backend()) + " update_info");
+    json_reader r(j, std::string(this->backend()) + " update_info");
     auto info = std::make_unique<UpdateInfo>(UpdateInfo::read(r));
     r.finish();
     return info;
   }
 
  protected:
-  using engine::engine;
+  using typed_init<InitInfo>::typed_init;
 
   virtual asio::awaitable<void> init(const InitInfo& info) = 0;
   virtual asio::awaitable<void> receive(const UpdateInfo& info, load_weights_fn load_weights) = 0;

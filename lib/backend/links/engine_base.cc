@@ -23,6 +23,35 @@ stream_free_init_info stream_free_init_info::read(json_reader& r) {
   return info;
 }
 
+void check_connected(bool connected, const std::string& who) {
+  if (!connected)
+    throw_error(errc::invalid_state, who +
+                                         ": the connection to the trainer was closed by an earlier failure; "
+                                         "call init_transfer_engine again");
+}
+
+asio::awaitable<void> ensure_staging(std::unique_ptr<receive_pipeline>& pipeline, wire_params wire, bool serves,
+                                     asio::any_io_executor executor, asio::any_io_executor processing,
+                                     std::function<std::unique_ptr<staging_memory>(const wire_params&)> make) {
+  if (pipeline && pipeline->params() == wire && serves) co_return;
+  pipeline.reset();  // the old staging goes first: peak memory is one set
+  std::unique_ptr<staging_memory> staging = co_await async::offload(processing, [&make, &wire] { return make(wire); });
+  pipeline = std::make_unique<receive_pipeline>(executor, processing, wire, std::move(staging));
+}
+
+void refuse_upstream(asio::any_io_executor executor, std::shared_ptr<asio::ip::tcp::socket> socket, std::uint64_t seq,
+                     errc kind, const std::string& reason, std::chrono::milliseconds timeout,
+                     const std::string& who) noexcept {
+  if (!socket) return;
+  try {
+    asio::co_spawn(executor,
+                   links::refuse_update(std::move(socket), seq, kind, reason,
+                                        std::min(timeout, std::chrono::milliseconds(2000)), who),
+                   asio::detached);
+  } catch (...) {  // could not start the refusal: the trainer fails at its deadline
+  }
+}
+
 asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
   timeout_ = info.timeout.value_or(config().timeout);
   rank_ = worker_rank(info, context().ranks, std::string(backend()));
@@ -31,17 +60,9 @@ asio::awaitable<void> worker_engine::init(const stream_free_init_info& info) {
   auto socket = std::make_unique<asio::ip::tcp::socket>(std::move(j.socket));
   co_await transport_closed();  // an earlier communicator's abort, before its staging is reused
   co_await joined(info, j.welcome);
-  // Staging is allocated once here and reused by every update, on the processing
-  // executor (allocating and faulting it in, or a cudaMalloc, is no work for the
-  // event loop).
-  if (!pipeline_ || !(pipeline_->params() == info.wire)) {
-    pipeline_.reset();  // the old staging goes first: peak memory is one set
-    const wire_params wire = info.wire;
-    std::unique_ptr<staging_memory> staging =
-        co_await async::offload(processing_executor(), [this, wire] { return make_staging(wire); });
-    pipeline_ =
-        std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
-  }
+  // Staging is allocated once here and reused by every update.
+  auto make = [this](const wire_params& wire) { return make_staging(wire); };
+  co_await ensure_staging(pipeline_, info.wire, true, context().executor, processing_executor(), make);
   socket_ = std::move(socket);
   last_seq_ = 0;
 }
@@ -54,10 +75,7 @@ std::string worker_engine::staged_commit_refusal() const {
 }
 
 asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, load_weights_fn load_weights) {
-  if (!socket_)
-    throw_error(errc::invalid_state, who() +
-                                         ": the connection to the trainer was closed by an earlier failure; "
-                                         "call init_transfer_engine again");
+  check_connected(socket_ != nullptr, who());
   std::exception_ptr failure;
   try {
     bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
@@ -81,15 +99,9 @@ asio::awaitable<void> worker_engine::receive(const metadata_update_info& info, l
 
 void worker_engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
   if (!socket_) return;
-  try {
-    close_transport();
-    std::shared_ptr<asio::ip::tcp::socket> s(socket_.release());
-    asio::co_spawn(context().executor,
-                   links::refuse_update(s, last_seq_ + 1, kind, reason,
-                                        std::min(timeout_, std::chrono::milliseconds(2000)), who()),
-                   asio::detached);
-  } catch (...) {  // could not start the refusal: the trainer fails at its deadline
-  }
+  close_transport();
+  refuse_upstream(context().executor, std::shared_ptr<asio::ip::tcp::socket>(socket_.release()), last_seq_ + 1, kind,
+                  reason, timeout_, who());
 }
 
 void worker_engine::close() noexcept {

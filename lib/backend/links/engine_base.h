@@ -3,10 +3,12 @@
 // joins through the side channel, allocates staging once, checks each update's
 // header, runs the receive pipeline and confirms, and closes everything after a
 // failure; the trainer base listens, welcomes the workers and closes everything
-// after a failure. Engines (nccl, cuda_ipc) add the transport through the hooks.
+// after a failure. Engines (nccl, cuda_ipc; ucx's trainer) add the transport
+// through the hooks.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +30,24 @@ namespace refit::links {
 struct stream_free_init_info final : refit::init_info, join_info {
   static stream_free_init_info read(json_reader& r);
 };
+
+/// Steps a worker base takes whatever its transport.
+/// invalid_state naming `who` unless the worker is `connected` (an earlier failure
+/// closed its connection to the trainer).
+void check_connected(bool connected, const std::string& who);
+/// Keeps `pipeline` when it was made for `wire` and `serves` (its staging fits this
+/// init too); else frees it first (peak memory is one set of staging) and makes a
+/// new one over the staging `make` allocates on `processing` (allocating and
+/// faulting it in, or a cudaMalloc, is no work for the event loop).
+asio::awaitable<void> ensure_staging(std::unique_ptr<receive_pipeline>& pipeline, wire_params wire, bool serves,
+                                     asio::any_io_executor executor, asio::any_io_executor processing,
+                                     std::function<std::unique_ptr<staging_memory>(const wire_params&)> make);
+/// Starts links::refuse_update of update `seq` on `socket` (nothing when null)
+/// in the background on `executor`, lingering at most 2 s; never throws (if it
+/// cannot start, the trainer fails at its deadline).
+void refuse_upstream(asio::any_io_executor executor, std::shared_ptr<asio::ip::tcp::socket> socket, std::uint64_t seq,
+                     errc kind, const std::string& reason, std::chrono::milliseconds timeout,
+                     const std::string& who) noexcept;
 
 class worker_engine : public backend::typed_engine<stream_free_init_info, metadata_update_info> {
  public:
