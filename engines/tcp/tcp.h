@@ -24,6 +24,7 @@
 #include <refit/backend/engine.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/relay.h>
+#include <refit/backend/links/stream_engine.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
@@ -41,79 +42,32 @@ using backend::held_version;
 /// Worker init info, like vLLM's NCCL engine's plus the trainer's wire parameters:
 /// {"master_address": str, "master_port": int, "rank_offset": int,
 ///  "world_size": int, "buffer_bytes": int, "num_buffers": int, "timeout_ms": int,
-///  "topology": "star" | "chain" | "tree:K" (optional, star by default)}.
-/// The worker's rank is rank_offset + its local rank (from the engine context's
-/// parallel ranks); the trainer is rank 0.
-struct init_info final : refit::init_info, links::join_info {
-  links::topology topology;
-  static init_info read(json_reader& r) {
-    init_info info;
-    static_cast<links::join_info&>(info) = links::join_info::read(r);
-    info.topology = links::topology::parse(r.optional<std::string>("topology", "star"),
-                                           r.context() + ": member '" + r.member_path("topology") + "'");
-    return info;
-  }
-};
+///  "topology": "star" | "chain" | "tree:K" (optional, star by default)}
+/// (links::stream_init_info). The worker's rank is rank_offset + its local rank
+/// (from the engine context's parallel ranks); the trainer is rank 0.
+using init_info = links::stream_init_info;
 
 /// {"names", "dtype_names", "shapes"} (vLLM's metadata members).
 using update_info = metadata_update_info;
 
-/// Worker side: connects to the trainer, receives straight into staging slots.
-class engine final : public backend::typed_engine<init_info, update_info> {
+/// Worker side: connects to the trainer, receives straight into staging slots and,
+/// in a relay topology, forwards each bucket to its children as it arrives; the
+/// rest (joining, the subtree's header and confirmation, deltas' answers and
+/// versions, rank(), children(), held(), disconnect()) is links::stream_engine's.
+class engine final : public backend::typed_init<init_info, links::stream_engine> {
  public:
   engine(const weight_transfer_config& config, const engine_context& context);
-  ~engine() override;
   std::string_view backend() const noexcept override { return "tcp"; }
   /// Direct receive, staged commits, checksums, relays (chain, tree:K); processing
   /// deferred.
   static engine_capabilities capabilities_of() {
     return {.direct_receive = true, .staged_commit = true, .checksums = true, .relay = true, .defers_processing = true};
   }
-  /// This worker's rank once initialised.
-  int rank() const noexcept { return rank_; }
-  /// Closes every connection now (to the trainer, upstream, children): an update
-  /// in flight fails, its children fail at once, and init_transfer_engine must run
-  /// again. For a server that must cut refit off at once (and tests that stand a
-  /// dead process in for it); unlike shutdown() it is allowed while buckets are
-  /// still being processed.
-  void disconnect() noexcept { do_shutdown(); }
-  /// The rank it receives from (0: the trainer) and those it forwards to.
-  int upstream_rank() const noexcept { return position_.upstream; }
-  const std::vector<int>& children() const noexcept { return position_.children; }
-  /// The trainer's version of the weights this worker holds and its fingerprint
-  /// (delta_fingerprint of the bytes that arrived), known after an update from a
-  /// trainer with deltas on completed (docs/delta.md); a delta update is taken only
-  /// against exactly this (and clean weights).
-  std::optional<held_version> held() const noexcept { return held_.held(); }
 
  protected:
-  asio::awaitable<void> init(const init_info& info) override;
-  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
-  void do_shutdown() override;
-  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
-  void do_session_committed() override;
-  void do_session_finished() override;
-
- private:
-  asio::awaitable<void> receive_on(asio::ip::tcp::socket& socket,
-                                   const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
-                                   const update_info& info, load_weights_fn load_weights);
-  asio::awaitable<void> join_relay(const init_info& info);
-  std::string who() const { return "tcp worker rank " + std::to_string(rank_); }
-  std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
-
-  // Shared with an update in flight, so that closing them (disconnect, a failure)
-  // never frees a socket a coroutine still reads.
-  std::shared_ptr<asio::ip::tcp::socket> socket_;                 // to the trainer (the data path in a star)
-  std::shared_ptr<asio::ip::tcp::socket> upstream_;               // to the upstream worker (relay topologies)
-  std::vector<std::shared_ptr<asio::ip::tcp::socket>> children_;  // in position_.children order
-  std::unique_ptr<asio::ip::tcp::acceptor> relay_;                // where children connect
-  links::relay_position position_;
-  std::unique_ptr<receive_pipeline> pipeline_;
-  std::chrono::milliseconds timeout_{0};
-  int rank_ = -1;
-  std::uint64_t last_seq_ = 0;
-  backend::held_record held_;  // the version the model holds (deltas)
+  std::unique_ptr<staging_memory> make_staging(const wire_params& wire) override;
+  void opened(asio::ip::tcp::socket& socket) override;
+  asio::awaitable<void> receive_buckets(links::stream_update& u) override;
 };
 
 /// Trainer side. trainer_args: {"master_address": str, "master_port": int (0: any

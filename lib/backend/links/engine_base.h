@@ -4,7 +4,8 @@
 // header, runs the receive pipeline and confirms, and closes everything after a
 // failure; the trainer base listens, welcomes the workers and closes everything
 // after a failure. Engines (nccl, cuda_ipc; ucx's trainer) add the transport
-// through the hooks.
+// through the hooks. The worker base of engines whose buckets do cross a stream
+// (tcp, ucx) is stream_engine.h, which shares the steps declared first below.
 #pragma once
 
 #include <chrono>
