@@ -1,8 +1,9 @@
-// The UCX worker: join the trainer over the authenticated side channel, register
-// the staging slots and offer them (address and remote keys) to whoever sends to
-// it (the trainer, or in a chain or tree the worker relaying to it), then per
-// bucket grant it a destination the pipeline has acquired, wait for its "done",
-// and send the bucket on to this worker's own children, if any.
+// The UCX worker: register the staging slots and offer them (address and remote
+// keys) to whoever sends to it (the trainer, or in a chain or tree the worker
+// relaying to it), then per bucket grant it a destination the pipeline has
+// acquired, wait for its "done", and send the bucket on to this worker's own
+// children, if any. Joining, the subtree's update header and confirmation, and
+// deltas' answers are links::stream_engine's.
 #include <algorithm>
 #include <cstdlib>
 #include <future>
@@ -347,11 +348,11 @@ class transport final : public bucket_transport {
 }  // namespace
 
 engine::engine(const weight_transfer_config& config, const engine_context& context)
-    : typed_engine(config, context, capabilities_of()) {}
+    : typed_init(config, context, capabilities_of()) {}
 
 engine::~engine() {
   close();
-  pipeline_.reset();  // registrations before the context
+  free_staging();  // registrations before the context
 }
 
 bool puts_into_model(const endpoint_report& report, std::optional<bool> asked) {
@@ -365,12 +366,14 @@ bool puts_into_model(const endpoint_report& report, std::optional<bool> asked) {
 
 bool engine::puts_into_model() const { return ucx::puts_into_model(report_, put_into_model_); }
 
+registered_staging& engine::staging() const { return static_cast<registered_staging&>(pipeline()->staging()); }
+
 json engine::transport_info() const {
-  if (!initialized_) return nullptr;
+  if (!worker_) return nullptr;
   json j = report_.to_json();
-  j["rank"] = rank_;
+  j["rank"] = rank();
   j["put_into_model"] = puts_into_model();
-  j["memory"] = to_string(staging_ ? staging_->device() : device::cpu());
+  j["memory"] = to_string(pipeline() ? pipeline()->staging_device() : device::cpu());
   return j;
 }
 
@@ -395,248 +398,95 @@ refit::device engine::receive_device(const init_info& info) const {
   return dev;
 }
 
-asio::awaitable<void> engine::init(const init_info& info) {
-  close();
-  timeout_ = info.timeout.value_or(config().timeout);
-  rank_ = links::worker_rank(info, context().ranks, "ucx");
+asio::awaitable<void> engine::joined(const links::stream_init_info& base) {
+  const auto& info = downcast<init_info>(base, "init_info");
   put_into_model_ = info.put_into_model;  // nullopt: decided by the put lanes once connected
-  position_ = {};
-  // In a relay topology the hello says where this worker's children may connect.
-  links::relay_listener relay;
-  if (!info.topology.star())
-    relay = [this](const asio::ip::address& local) {
-      relay_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context().executor, local.to_string(), 0));
-      return relay_->local_endpoint().port();
-    };
-  auto j = co_await links::join(info.master_address, info.master_port, rank_, info.wire, config().auth_secret, timeout_,
-                                who(), relay);
-  socket_ = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
-  std::exception_ptr failure;
-  try {
-    // UCX's context (it loads its transport modules) and the registered staging
-    // are made once, off the event loop, and kept across inits.
-    if (!ucp_) ucp_ = co_await async::offload(processing_executor(), [] { return std::make_shared<ucx::context>(); });
-    const refit::device where = receive_device(info);
-    if (!pipeline_ || !(pipeline_->params() == info.wire) || staging_->device() != where) {
-      pipeline_.reset();  // the old staging goes first: peak memory is one set
-      staging_ = nullptr;
-      const wire_params wire = info.wire;
-      // Captured by reference (they live in this frame): GCC 12 may destroy an
-      // owning capture of a lambda written inside co_await twice (async/offload.h).
-      auto ctx = ucp_;
-      std::unique_ptr<registered_staging> staging =
-          co_await async::offload(processing_executor(), [&ctx, &wire, &where] {
-            return std::make_unique<registered_staging>(ctx, wire.num_buffers, wire.buffer_bytes, where);
-          });
-      staging_ = staging.get();
-      pipeline_ =
-          std::make_unique<receive_pipeline>(context().executor, processing_executor(), info.wire, std::move(staging));
-    }
-    worker_ = worker::create(ucp_, context().executor);
-    worker::engaged progressing(worker_);
-    if (!info.topology.star()) co_await join_relay(info);
-    // This worker's offer goes upstream while its children's offers come in: the
-    // endpoints to them are made on this worker's own UCX worker.
-    std::vector<asio::awaitable<void>> both;
-    both.push_back(offer_upstream(info));
-    for (auto& c : children_) both.push_back(connect_downstream(c, worker_, timeout_));
-    co_await async::all_of(std::move(both));
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
-    close();
-    std::rethrow_exception(failure);
-  }
-  last_seq_ = 0;
-  initialized_ = true;
+  // UCX's context (it loads its transport modules) and the registered staging are
+  // made once, off the event loop, and kept across inits.
+  if (!ucp_) ucp_ = co_await async::offload(processing_executor(), [] { return std::make_shared<ucx::context>(); });
+  device_ = receive_device(info);
 }
 
-asio::awaitable<void> engine::join_relay(const init_info& info) {
-  // The trainer says where this worker sits once every worker has joined.
-  position_ = co_await links::read_position(*socket_, info.topology, timeout_, who());
-  // Connect upstream and accept the children at once: a chain forms in one step.
-  auto connect_upstream = [](engine* self, links::relay_position p, wire_params wire) -> asio::awaitable<void> {
-    auto j = co_await links::join(p.upstream_address, p.upstream_port, self->rank_, wire, self->config().auth_secret,
-                                  self->timeout_, self->who() + ": upstream worker rank " + std::to_string(p.upstream));
-    self->upstream_ = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
-  };
-  auto accept_children = [](engine* self, std::vector<int> ranks, wire_params wire) -> asio::awaitable<void> {
-    auto members = co_await links::accept_members(*self->relay_, self->context().executor, self->config().auth_secret,
-                                                  self->timeout_, wire, ranks, self->who() + " (relay)");
-    // In the order of `ranks` (accept_members sorts by rank, as are they).
-    for (auto& m : members) {
-      auto c = std::make_shared<downstream>();
-      c->rank = m.rank;
-      c->name = self->who() + ": downstream worker rank " + std::to_string(m.rank);
-      c->socket = m.socket;
-      self->children_.push_back(std::move(c));
-    }
-  };
+std::unique_ptr<staging_memory> engine::make_staging(const wire_params& wire) {
+  return std::make_unique<registered_staging>(ucp_, wire.num_buffers, wire.buffer_bytes, device_);
+}
+
+asio::awaitable<void> engine::connected(const links::stream_init_info& base) {
+  const auto& info = downcast<init_info>(base, "init_info");
+  worker_ = worker::create(ucp_, context().executor);
+  worker::engaged progressing(worker_);
+  const std::vector<int>& ranks = children();
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    auto c = std::make_shared<downstream>();
+    c->rank = ranks[i];
+    c->name = who() + ": downstream worker rank " + std::to_string(ranks[i]);
+    c->socket = child_sockets().at(i);
+    downstream_.push_back(std::move(c));
+  }
+  // This worker's offer goes upstream while its children's offers come in: the
+  // endpoints to them are made on this worker's own UCX worker.
   std::vector<asio::awaitable<void>> both;
-  if (position_.upstream != 0) both.push_back(connect_upstream(this, position_, info.wire));
-  if (!position_.children.empty()) both.push_back(accept_children(this, position_.children, info.wire));
+  both.push_back(offer_upstream(info));
+  for (auto& c : downstream_) both.push_back(connect_downstream(c, worker_, timeout()));
   co_await async::all_of(std::move(both));
-  if (position_.children.empty()) relay_.reset();  // nobody will connect
 }
 
 asio::awaitable<void> engine::offer_upstream(const init_info& info) {
   const auto socket = upstream();
   const std::string to =
-      position_.upstream == 0 ? "the trainer" : "upstream worker rank " + std::to_string(position_.upstream);
+      upstream_rank() == 0 ? "the trainer" : "upstream worker rank " + std::to_string(upstream_rank());
   // The offer: this worker's address and every slot's extent and key.
   std::vector<const registration*> regions;
   announced_.clear();
-  for (std::size_t i = 0; i < staging_->slot_count(); ++i) {
-    regions.push_back(&staging_->slot_registration(i));
+  for (std::size_t i = 0; i < staging().slot_count(); ++i) {
+    regions.push_back(&staging().slot_registration(i));
     announced_.push_back(static_cast<std::uint32_t>(i));
   }
-  report_ = co_await offer_and_agree(*socket, *worker_, regions, info.require_transports, {}, timeout_, who(), to);
+  report_ = co_await offer_and_agree(*socket, *worker_, regions, info.require_transports, {}, timeout(), who(), to);
 }
 
-asio::awaitable<void> engine::receive(const update_info& info, load_weights_fn load_weights) {
-  if (!socket_)
-    throw_error(errc::invalid_state, who() +
-                                         ": the connection to the trainer was closed by an earlier failure; "
-                                         "call init_transfer_engine again");
+std::string engine::delta_refusal() const {
+  if (staging().device().is_cpu()) return {};
+  return "it receives into device memory (" + to_string(staging().device()) + "): deltas are decoded on the host";
+}
+
+asio::awaitable<void> engine::receive_buckets(links::stream_update& u) {
   // Held: a disconnect closes them, never frees them under a read.
-  const auto from = upstream();
   const auto w = worker_;
-  const auto children = children_;
-  std::vector<links::socket_ptr> child_sockets;
-  for (const auto& c : children) child_sockets.push_back(c->socket);
-  const std::vector<int> child_ranks = position_.children;
-  const std::string me = who();
-  // What reads from upstream names it: a lost relay shows up as that rank.
-  const std::string source =
-      position_.upstream > 0 ? me + ": upstream worker rank " + std::to_string(position_.upstream) : me;
-  std::exception_ptr failure;
+  const auto children = downstream_;
+  worker::engaged progressing(w);
   std::unique_ptr<update_registry> registry;  // released when the update ends, whichever way
   last_put_regions_ = 0;
+  // Where puts carry the data, the model's memory (direct receive) and a stage are
+  // registered as the pipeline grants them, for this update only.
+  const bool puts = report_.mode == "put";
+  if (puts && puts_into_model()) {
+    if (!registrar_) registrar_ = std::make_unique<registrar>();
+    registry = registrar_->open(ucp_, staging().device());
+  }
+  std::exception_ptr failure;
   try {
-    worker::engaged progressing(w);
-    bucket_plan plan = plan_buckets(info.metadata, pipeline_->params());
-    // Which version the weights hold is known only until this update changes them.
-    const std::optional<backend::held_version> held = held_.take();
-    // Deltas are hashed and decoded on the host: a worker receiving into device
-    // memory takes every update full (and records no version).
-    const bool on_host = staging_->device().is_cpu();
-    // A trainer with deltas on sends a delta header (a relay passes it down).
-    std::optional<links::wire::delta_header> delta_header;
-    last_seq_ = co_await links::accept_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, info.metadata,
-                                                          plan, timeout_, me, source, &delta_header);
-    std::optional<backend::delta_receive> delta;
-    std::vector<bool> child_forms(children.size(), false);
-    if (delta_header)
-      child_forms = co_await answer_delta_offer(*from, child_sockets, child_ranks, *delta_header, held, info, plan,
-                                                delta.emplace());
-    // Where puts carry the data, the model's memory (direct receive) and a stage are
-    // registered as the pipeline grants them, for this update only.
-    const bool puts = report_.mode == "put";
-    if (puts && puts_into_model()) {
-      if (!registrar_) registrar_ = std::make_unique<registrar>();
-      registry = registrar_->open(ucp_, staging_->device());
-    }
-    transport t(*from, w, *staging_, announced_, puts, last_seq_, timeout_, source, pipeline_->params().checksums,
-                children, std::move(child_forms), delta && on_host ? &*delta : nullptr, registry.get());
-    co_await pipeline_->receive(info.metadata, std::move(plan), t, std::move(load_weights), deferred(), mutable_stats(),
-                                receive_target());
+    transport t(u.upstream, w, staging(), announced_, puts, u.seq, timeout(), u.source, pipeline()->params().checksums,
+                children, std::move(u.child_took), u.delta, registry.get());
+    co_await pipeline()->receive(u.info.metadata, std::move(u.plan), t, std::move(u.load_weights), deferred(),
+                                 mutable_stats(), receive_target());
     last_put_regions_ = registry ? registry->size() : 0;
-    co_await links::confirm_update_for_subtree(*from, child_sockets, child_ranks, last_seq_, timeout_, me);
-    // The weights now hold the trainer's version (its fingerprint: the hashes of the
-    // bytes that arrived); a chunk staged in an open session, once it commits.
-    if (delta_header && on_host) {
-      held_.record({delta_header->version, backend::delta_fingerprint(metadata_digest(info.metadata), delta->hashes)},
-                   receiving_into_open_session(), held);
-    }
   } catch (...) {
     failure = std::current_exception();
   }
   // Every put completed (each done came after its flush) or the update failed.
   if (registry) co_await registrar_->close(std::move(registry));
-  if (failure) {
-    // The upstream (the trainer or the worker relaying to this one) learns why,
-    // so its error names this worker's reason (say, which child was lost); then,
-    // as the stream position is unknown, the connections and the UCX worker close
-    // (nothing lands in staging afterwards, and the children fail at once).
-    if (from->is_open()) co_await links::tell_failure(*from, failure, last_seq_);
-    close();
-    std::rethrow_exception(failure);
-  }
+  if (failure) std::rethrow_exception(failure);
 }
 
-asio::awaitable<std::vector<bool>> engine::answer_delta_offer(
-    asio::ip::tcp::socket& socket, const std::vector<links::socket_ptr>& children, const std::vector<int>& child_ranks,
-    const links::wire::delta_header& d, const std::optional<backend::held_version>& held, const update_info& info,
-    const bucket_plan& plan, backend::delta_receive& delta) {
-  delta.meta = &info.metadata;
-  delta.hashes.assign(plan.buckets.size(), 0);
-  if ((d.flags & links::wire::delta_flag_has_base) == 0) co_return std::vector<bool>(children.size(), false);
-  // Whether this worker holds the base (then its buckets may arrive encoded) or not
-  // (then every bucket comes full), before any byte of the model changes; the
-  // tensors' bytes are hashed (off the loop), so bytes written outside refit since
-  // get the update full.
-  // (Arguments named first: GCC 12 may destroy a temporary of a co_await
-  // expression twice.)
-  const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
-  const std::string dirty = weights_dirty() ? dirty_reason() : std::string();
-  model_target* const current = staged ? context().model : receive_target();
-  const asio::any_io_executor processing = processing_executor();
-  std::string why_full;
-  if (staging_->device().is_cpu())
-    why_full = co_await backend::check_delta_base(d, held, dirty, info.metadata, current, staged, plan, processing,
-                                                  delta.base);
-  else
-    why_full = "it receives into device memory (" + to_string(staging_->device()) + "): deltas are decoded on the host";
-  // One stream carries one form of each bucket to the whole subtree: this worker
-  // reads forms only when all of it took the deltas; a child that took them reads
-  // a form (0: the bucket's own bytes) of each bucket this worker forwards.
-  const std::string me = who();
-  const links::subtree_delta_answer answer = co_await links::answer_delta_offer_for_subtree(
-      socket, children, child_ranks, std::move(why_full), last_seq_, timeout_, me);
-  delta.accepted = answer.why_full.empty();
-  co_return answer.child_took;
-}
-
-void engine::do_session_committed() { held_.committed(); }
-
-void engine::do_session_finished() { held_.finished(weights_dirty()); }
-
-void engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
-  if (!upstream()) return;
-  try {
-    // The refusal goes upstream; children (whose header never comes) are closed.
-    std::shared_ptr<asio::ip::tcp::socket> s =
-        upstream_ ? std::exchange(upstream_, nullptr) : std::exchange(socket_, nullptr);
-    asio::co_spawn(context().executor,
-                   links::refuse_update(s, last_seq_ + 1, kind, reason,
-                                        std::min(timeout_, std::chrono::milliseconds(2000)), who()),
-                   asio::detached);
-  } catch (...) {  // could not start the refusal: the trainer fails at its deadline
-  }
-  close();
-}
-
-void engine::close() noexcept {
+void engine::close_transport() noexcept {
   // Children's keys and endpoints before the UCX worker they live on.
-  for (auto& c : children_) c->close();
-  children_.clear();
-  for (auto* s : {socket_.get(), upstream_.get()})
-    if (s) net::close(*s);
-  socket_.reset();
-  upstream_.reset();
-  if (relay_) {
-    std::error_code ignored;
-    relay_->close(ignored);
-    relay_.reset();
-  }
+  for (auto& c : downstream_) c->close();
+  downstream_.clear();
   if (worker_) {
     worker_->close();
     worker_.reset();
   }
-  initialized_ = false;
 }
-
-void engine::do_shutdown() { close(); }
 
 }  // namespace refit::ucx

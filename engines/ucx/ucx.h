@@ -54,6 +54,7 @@
 #include <refit/backend/links/engine_base.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/relay.h>
+#include <refit/backend/links/stream_engine.h>
 #include <refit/backend/pipeline.h>
 #include <refit/engine.h>
 #include <refit/json.h>
@@ -70,16 +71,15 @@ class update_registry;
 class registrar;
 struct downstream;
 
-/// Worker init info: links::join_info plus "topology" ("star", "chain",
-/// "tree:K"; the trainer's prepare() writes it) and "require_transports": [str]
+/// Worker init info: links::stream_init_info (join_info plus "topology": "star",
+/// "chain", "tree:K"; the trainer's prepare() writes it) and "require_transports": [str]
 /// (optional): the UCX transports (as ucx_info names them: "rc_mlx5", "dc_mlx5",
 /// "ud_verbs", "cma", "posix", "sysv", "tcp", or "sm" for any of
 /// cma/posix/sysv/xpmem/knem, "rdma" for any InfiniBand/RoCE one) of which the
 /// endpoint to this worker (from the trainer, or from the worker relaying to it)
 /// must use at least one for its data; otherwise init fails with errc::unsupported
 /// naming what UCX chose.
-struct init_info final : refit::init_info, links::join_info {
-  links::topology topology;
+struct init_info final : links::stream_init_info {
   std::vector<std::string> require_transports;
   /// "put_into_model" (optional): true: where UCX carries puts, the model's
   /// memory (direct receive) and a staged commit's stage are registered for each
@@ -121,8 +121,12 @@ bool puts_into_model(const endpoint_report& report, std::optional<bool> asked);
 /// why not (naming what UCX offered).
 std::string check_required(const endpoint_report& report, const std::vector<std::string>& required);
 
-/// Worker side.
-class engine final : public backend::typed_engine<init_info, update_info> {
+/// Worker side: joining, the subtree's update header and confirmation, deltas'
+/// answers and versions, rank(), children(), held() and disconnect() are
+/// links::stream_engine's; this adds the UCX worker, the registered staging and the
+/// offer upstream, and per bucket the grant, the done and the forward to the
+/// children (downstream.h).
+class engine final : public backend::typed_init<init_info, links::stream_engine> {
  public:
   engine(const weight_transfer_config& config, const engine_context& context);
   ~engine() override;
@@ -141,76 +145,42 @@ class engine final : public backend::typed_engine<init_info, update_info> {
             .defers_processing = true,
             .opt_in_build = true};
   }
-  int rank() const noexcept { return rank_; }
-  /// The rank it receives from (0: the trainer) and those it forwards to.
-  int upstream_rank() const noexcept { return position_.upstream; }
-  const std::vector<int>& children() const noexcept { return position_.children; }
-  /// Closes every connection and the UCX worker now: an update in flight fails,
-  /// as do its upstream and children, and init_transfer_engine must run again. For
-  /// a server that must cut refit off at once (and tests that stand a dead process
-  /// in for it); unlike shutdown() it is allowed while buckets are processed.
-  void disconnect() noexcept { close(); }
   /// What UCX chose for this worker's data, once initialised (null before):
   /// {"transports", "put_transports", "mode", "peer_failure_handling", "rank",
   /// "put_into_model" (puts land in the model's memory and the stage), "memory"
   /// (where it receives: "cpu" or "cuda:N", init_info::device_memory)}.
   json transport_info() const override;
-  /// The trainer's version of the weights this worker holds, known after an update
-  /// from a trainer with deltas on completed (docs/delta.md).
-  std::optional<backend::held_version> held() const noexcept { return held_.held(); }
   /// How many ranges of the model's memory (or the stage) the last update
   /// registered for the sender's puts (0: none landed outside the staging, or they
   /// came tagged: no put lane, or "put_into_model": false).
   std::size_t last_put_regions() const noexcept { return last_put_regions_; }
 
  protected:
-  asio::awaitable<void> init(const init_info& info) override;
-  asio::awaitable<void> receive(const update_info& info, load_weights_fn load_weights) override;
-  void do_shutdown() override;
-  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
-  void do_session_committed() override;
-  void do_session_finished() override;
+  asio::awaitable<void> joined(const links::stream_init_info& info) override;
+  std::unique_ptr<staging_memory> make_staging(const wire_params& wire) override;
+  bool staging_serves(const staging_memory& staging) const override { return staging.device() == device_; }
+  asio::awaitable<void> connected(const links::stream_init_info& info) override;
+  std::string delta_refusal() const override;
+  asio::awaitable<void> receive_buckets(links::stream_update& u) override;
+  void close_transport() noexcept override;
 
  private:
-  std::string who() const { return "ucx worker rank " + std::to_string(rank_); }
   // Where this worker receives (init_info::device_memory); throws when it was
   // asked for a device it cannot receive on.
   refit::device receive_device(const init_info& info) const;
-  void close() noexcept;
-  asio::awaitable<void> join_relay(const init_info& info);
   asio::awaitable<void> offer_upstream(const init_info& info);
-  std::shared_ptr<asio::ip::tcp::socket> upstream() const { return upstream_ ? upstream_ : socket_; }
-  // Answers a delta offer (when d has a base): whether this worker, and with
-  // children its whole subtree, holds it (links/relay_io.h); fills `delta`.
-  // Returns, per child, whether it took the deltas (it reads each bucket's form).
-  asio::awaitable<std::vector<bool>> answer_delta_offer(
-      asio::ip::tcp::socket& socket, const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& children,
-      const std::vector<int>& child_ranks, const links::wire::delta_header& d,
-      const std::optional<backend::held_version>& held, const update_info& info, const bucket_plan& plan,
-      backend::delta_receive& delta);
+  registered_staging& staging() const;
+  bool puts_into_model() const;  // what put_into_model_ comes to for this endpoint
 
-  std::shared_ptr<ucx::context> ucp_;  // lives as long as the engine: registrations belong to it
-  std::shared_ptr<worker> worker_;
-  registered_staging* staging_ = nullptr;      // owned by pipeline_
+  std::shared_ptr<ucx::context> ucp_;          // lives as long as the engine: registrations belong to it
+  std::shared_ptr<worker> worker_;             // null until initialised, and once closed
+  refit::device device_;                       // where it receives (init_info::device_memory)
   std::vector<std::uint32_t> announced_;       // staging regions whose keys the trainer has
   std::optional<bool> put_into_model_;         // init_info's
-  bool puts_into_model() const;                // what it comes to for this endpoint
   std::unique_ptr<ucx::registrar> registrar_;  // registers memory for puts, off the loop (made when first used)
   std::size_t last_put_regions_ = 0;
-  // Shared with an update in flight: a shutdown() while it waits on the trainer
-  // closes the socket and the UCX worker but frees neither under it.
-  std::shared_ptr<asio::ip::tcp::socket> socket_;
-  std::shared_ptr<asio::ip::tcp::socket> upstream_;    // to the upstream worker (relay topologies)
-  std::vector<std::shared_ptr<downstream>> children_;  // in position_.children order
-  std::unique_ptr<asio::ip::tcp::acceptor> relay_;     // where children connect
-  links::relay_position position_;
-  std::unique_ptr<receive_pipeline> pipeline_;
-  std::chrono::milliseconds timeout_{0};
-  int rank_ = -1;
-  std::uint64_t last_seq_ = 0;
+  std::vector<std::shared_ptr<downstream>> downstream_;  // the children, in children() order
   endpoint_report report_;
-  bool initialized_ = false;
-  backend::held_record held_;  // the version the model holds (deltas)
 };
 
 /// Trainer side; trainer_args as links::trainer_args plus "topology" ("star",

@@ -32,7 +32,7 @@ struct stream_free_init_info final : refit::init_info, join_info {
   static stream_free_init_info read(json_reader& r);
 };
 
-/// Steps a worker base takes whatever its transport.
+/// What both worker bases (worker_engine here, stream_engine) do alike.
 /// invalid_state naming `who` unless the worker is `connected` (an earlier failure
 /// closed its connection to the trainer).
 void check_connected(bool connected, const std::string& who);
