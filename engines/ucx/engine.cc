@@ -157,6 +157,23 @@ namespace {
 
 std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32) | (index & 0xffffffffu); }
 
+// What one update's transport works with.
+struct transport_args {
+  asio::ip::tcp::socket& socket;  // from the trainer or the upstream worker
+  std::shared_ptr<ucx::worker> worker;
+  registered_staging& staging;
+  std::vector<std::uint32_t>& announced;  // staging regions whose keys the sender has
+  bool puts = false;                      // the endpoint carries puts (else every bucket comes tagged)
+  std::uint64_t seq = 0;
+  std::chrono::milliseconds timeout{0};
+  std::string who;  // this worker, and the upstream worker it reads from (if not the trainer)
+  bool checksums = false;
+  const std::vector<std::shared_ptr<downstream>>& children;
+  std::vector<bool> child_forms;  // per child: it took a delta offer (it reads each bucket's form)
+  backend::delta_receive* delta = nullptr;
+  update_registry* registry = nullptr;  // null: the model's memory is received tagged
+};
+
 // One update's buckets: a grant each (a registered slot for the sender's puts, or
 // a tagged receive posted into wherever the pipeline wants the bytes), then the
 // sender's "done" (with the bucket's checksum, when asked for, verified by
@@ -170,25 +187,19 @@ std::uint64_t tag_of(std::uint64_t seq, std::uint64_t index) { return (seq << 32
 // flush completed, and a failed forward fails the update with its error.
 class transport final : public bucket_transport {
  public:
-  transport(asio::ip::tcp::socket& s, std::shared_ptr<worker> w, registered_staging& staging,
-            std::vector<std::uint32_t>& announced, bool puts, std::uint64_t seq, std::chrono::milliseconds timeout,
-            std::string who, bool checksums, const std::vector<std::shared_ptr<downstream>>& children,
-            std::vector<bool> child_forms, backend::delta_receive* delta, update_registry* registry)
-      : socket_(s), worker_(std::move(w)), staging_(staging), announced_(announced), puts_(puts), seq_(seq),
-        timeout_(timeout), who_(std::move(who)), checksums_(checksums), children_(children),
-        child_forms_(std::move(child_forms)), delta_(delta), registry_(registry) {
+  explicit transport(transport_args args) : a_(std::move(args)) {
     // The children's grants of this update come with fresh keys for the regions
     // they register for it (wire::first_update_region).
-    for (const auto& c : children_) c->forget_update_regions();
+    for (const auto& c : a_.children) c->forget_update_regions();
   }
 
   // Deltas taken: the trainer says first in what form the bucket comes.
   asio::awaitable<void> begin(const bucket& b) override {
     encoded_.reset();
-    if (!delta_ || !delta_->accepted) co_return;
-    const std::string what = who_ + ": bucket " + std::to_string(b.index);
+    if (!a_.delta || !a_.delta->accepted) co_return;
+    const std::string what = a_.who + ": bucket " + std::to_string(b.index);
     std::array<std::byte, sizeof(wire::form)> raw;
-    co_await net::read_exact(socket_, asio::buffer(raw), timeout_, what + ": waiting for its form");
+    co_await net::read_exact(a_.socket, asio::buffer(raw), a_.timeout, what + ": waiting for its form");
     const auto f = wire::decode<wire::form>(raw);
     if (f.magic != wire::form_magic || f.index != b.index ||
         f.encoded_bytes >= std::max<std::uint64_t>(b.payload_bytes, 1))
@@ -200,13 +211,13 @@ class transport final : public bucket_transport {
   std::optional<std::uint64_t> encoded_bytes(const bucket&) override { return encoded_; }
   std::function<void()> decode(const bucket& b, std::span<const std::byte> encoded,
                                std::vector<decode_target> pieces) override {
-    if (!delta_)
-      throw_error(errc::protocol_error, who_ + ": bucket " + std::to_string(b.index) + ": an unexpected delta");
-    return backend::delta_decode(*delta_, encoded, std::move(pieces), who_ + ": bucket " + std::to_string(b.index));
+    if (!a_.delta)
+      throw_error(errc::protocol_error, a_.who + ": bucket " + std::to_string(b.index) + ": an unexpected delta");
+    return backend::delta_decode(*a_.delta, encoded, std::move(pieces), a_.who + ": bucket " + std::to_string(b.index));
   }
 
   asio::awaitable<void> receive(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
-    const std::string what = who_ + ": bucket " + std::to_string(b.index);
+    const std::string what = a_.who + ": bucket " + std::to_string(b.index);
     wire::grant g;
     g.index = b.index;
     g.payload_bytes = asio::buffer_size(dest);  // a delta's bytes, or the bucket's
@@ -215,18 +226,18 @@ class transport final : public bucket_transport {
     const registration* reg = nullptr;
     std::uint32_t id = 0;
     if (g.payload_bytes == 0) {
-      reg = &staging_.slot_registration(0);  // nothing is put; any granted region will do
-    } else if (puts_ && dest.size() == 1) {
-      std::tie(id, reg) = staging_.find(static_cast<const std::byte*>(dest[0].data()), dest[0].size());
+      reg = &a_.staging.slot_registration(0);  // nothing is put; any granted region will do
+    } else if (a_.puts && dest.size() == 1) {
+      std::tie(id, reg) = a_.staging.find(static_cast<const std::byte*>(dest[0].data()), dest[0].size());
     }
     std::vector<std::byte> pieces;  // mode_put_pieces: the records and their keys
-    if (!reg && puts_ && registry_) {
+    if (!reg && a_.puts && a_.registry) {
       // The model's memory or the stage: puts into each piece, registered for this
       // update (the trainer writes there; nothing is copied on this side).
       std::vector<asio::mutable_buffer> nonempty;
       for (const auto& d : dest)
         if (d.size() > 0) nonempty.push_back(d);
-      const auto regions = co_await registry_->cover(nonempty);
+      const auto regions = co_await a_.registry->cover(nonempty);
       pieces = put_pieces_grant(
           nonempty, regions, [](update_registry::region& r) { return !std::exchange(r.announced, true); }, g);
     } else if (reg) {
@@ -234,42 +245,42 @@ class transport final : public bucket_transport {
       g.region = id;
       g.remote = g.payload_bytes == 0 ? reinterpret_cast<std::uint64_t>(reg->base())
                                       : reinterpret_cast<std::uint64_t>(dest[0].data());
-      if (std::find(announced_.begin(), announced_.end(), id) == announced_.end()) {
+      if (std::find(a_.announced.begin(), a_.announced.end(), id) == a_.announced.end()) {
         key = reg->packed_rkey();
         g.rkey_bytes = static_cast<std::uint32_t>(key.size());
         g.region_base = reinterpret_cast<std::uint64_t>(reg->base());
         g.region_bytes = reg->bytes();
-        announced_.push_back(id);
+        a_.announced.push_back(id);
       }
     } else {
       // Not a registered slot (the model's memory, the stage) or puts would be
       // emulated: the bytes come as one tagged message, received in place.
       g.mode = wire::mode_tag;
-      g.tag = tag_of(seq_, b.index);
-      posted = std::make_unique<tag_receive>(worker_, dest, g.tag, what + " (tagged receive)");
+      g.tag = tag_of(a_.seq, b.index);
+      posted = std::make_unique<tag_receive>(a_.worker, dest, g.tag, what + " (tagged receive)");
     }
     const auto raw = wire::encode(g);
     std::vector<asio::const_buffer> out{asio::buffer(raw)};
     if (!key.empty()) out.push_back(asio::buffer(key));
     if (!pieces.empty()) out.push_back(asio::buffer(pieces));
-    co_await net::write_all(socket_, out, timeout_, what + ": granting its destination");
-    expected_ = co_await read_done(socket_, b.index, checksums_, timeout_, what);
-    if (posted) co_await posted->wait(timeout_);
-    if (!children_.empty()) {
+    co_await net::write_all(a_.socket, out, a_.timeout, what + ": granting its destination");
+    expected_ = co_await read_done(a_.socket, b.index, a_.checksums, a_.timeout, what);
+    if (posted) co_await posted->wait(a_.timeout);
+    if (!a_.children.empty()) {
       // The bucket goes on to every child at once, in the background; the first
       // failure names it and fails this bucket's check.
       std::optional<std::uint64_t> sum;
-      if (checksums_) sum = expected_;  // the trainer's, passed on unchanged
+      if (a_.checksums) sum = expected_;  // the trainer's, passed on unchanged
       // The bytes as they came: a delta's (then each child decodes it against its
       // own base) or the bucket's; a child that took the deltas hears which first.
-      std::vector<std::optional<std::uint64_t>> forms(children_.size());
+      std::vector<std::optional<std::uint64_t>> forms(a_.children.size());
       for (std::size_t i = 0; i < forms.size(); ++i)
-        if (child_forms_.at(i)) forms[i] = encoded_.value_or(0);
-      auto st = std::make_shared<forwarding>(worker_->executor());
-      asio::co_spawn(worker_->executor(),
-                     forward(std::exchange(last_, st), st, worker_, children_,
-                             std::vector<asio::const_buffer>(dest.begin(), dest.end()), b.index, seq_, sum,
-                             std::move(forms), timeout_),
+        if (a_.child_forms.at(i)) forms[i] = encoded_.value_or(0);
+      auto st = std::make_shared<forwarding>(a_.worker->executor());
+      asio::co_spawn(a_.worker->executor(),
+                     forward(std::exchange(last_, st), st, a_.worker, a_.children,
+                             std::vector<asio::const_buffer>(dest.begin(), dest.end()), b.index, a_.seq, sum,
+                             std::move(forms), a_.timeout),
                      asio::detached);
       forwards_[b.index] = std::move(st);
     }
@@ -287,28 +298,16 @@ class transport final : public bucket_transport {
   }
 
   std::function<void()> check(const bucket& b, std::span<const asio::mutable_buffer> dest) override {
-    if (!checksums_ && !delta_) return {};
+    if (!a_.checksums && !a_.delta) return {};
     // With a delta header every bucket is hashed (checksums or not): the hashes make
     // the fingerprint of the version this worker then holds.
-    return backend::bucket_hash_check(dest, checksums_ ? std::optional<std::uint64_t>(expected_) : std::nullopt,
-                                      delta_ ? &delta_->hashes.at(b.index) : nullptr,
-                                      who_ + ": bucket " + std::to_string(b.index), encoded_.has_value());
+    return backend::bucket_hash_check(dest, a_.checksums ? std::optional<std::uint64_t>(expected_) : std::nullopt,
+                                      a_.delta ? &a_.delta->hashes.at(b.index) : nullptr,
+                                      a_.who + ": bucket " + std::to_string(b.index), encoded_.has_value());
   }
 
  private:
-  asio::ip::tcp::socket& socket_;
-  std::shared_ptr<worker> worker_;
-  registered_staging& staging_;
-  std::vector<std::uint32_t>& announced_;
-  bool puts_;
-  std::uint64_t seq_;
-  std::chrono::milliseconds timeout_;
-  std::string who_;
-  bool checksums_;
-  const std::vector<std::shared_ptr<downstream>>& children_;
-  std::vector<bool> child_forms_;  // per child: it took a delta offer (it reads each bucket's form)
-  backend::delta_receive* delta_;
-  update_registry* registry_;  // null: the model's memory is received tagged
+  transport_args a_;
   std::uint64_t expected_ = 0;
   std::optional<std::uint64_t> encoded_;  // the bucket begun arrives as a delta of this many bytes
   // A bucket's forward to the children: set when it ended, with its error.
@@ -466,8 +465,19 @@ asio::awaitable<void> engine::receive_buckets(links::stream_update& u) {
   }
   std::exception_ptr failure;
   try {
-    transport t(u.upstream, w, staging(), announced_, puts, u.seq, timeout(), u.source, pipeline()->params().checksums,
-                children, std::move(u.child_took), u.delta, registry.get());
+    transport t({.socket = u.upstream,
+                 .worker = w,
+                 .staging = staging(),
+                 .announced = announced_,
+                 .puts = puts,
+                 .seq = u.seq,
+                 .timeout = timeout(),
+                 .who = u.source,
+                 .checksums = pipeline()->params().checksums,
+                 .children = children,
+                 .child_forms = std::move(u.child_took),
+                 .delta = u.delta,
+                 .registry = registry.get()});
     co_await pipeline()->receive(u.info.metadata, std::move(u.plan), t, std::move(u.load_weights), deferred(),
                                  mutable_stats(), receive_target());
     last_put_regions_ = registry ? registry->size() : 0;
