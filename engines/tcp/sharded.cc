@@ -32,13 +32,6 @@ using clock_type = std::chrono::steady_clock;
 
 double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
 
-std::vector<asio::mutable_buffer> mutable_buffers(const stream_frame& f) {
-  std::vector<asio::mutable_buffer> out;
-  out.reserve(f.runs.size());
-  for (const auto& r : f.runs) out.emplace_back(r.data, r.bytes);
-  return out;
-}
-
 // The element size a pair's frames are delta-encoded with: its items' dtype size
 // when they all share one, else 1 (both sides compute it from the global metadata).
 std::size_t pair_element_size(const sharded_layouts& l, const pair_plan& pair) {
@@ -49,13 +42,6 @@ std::size_t pair_element_size(const sharded_layouts& l, const pair_plan& pair) {
     elem = e;
   }
   return elem == 0 ? 1 : elem;
-}
-
-std::vector<asio::const_buffer> const_buffers(const stream_frame& f) {
-  std::vector<asio::const_buffer> out;
-  out.reserve(f.runs.size());
-  for (const auto& r : f.runs) out.emplace_back(r.data, r.bytes);
-  return out;
 }
 
 // Copies a frame's runs into `out` (f.bytes of room), in order.
@@ -70,121 +56,47 @@ void gather(const stream_frame& f, std::byte* out) {
 std::uint64_t frames_fingerprint(std::uint64_t digest, const std::vector<stream_frame>& frames) {
   std::vector<std::uint64_t> hashes;
   hashes.reserve(frames.size());
-  for (const auto& f : frames) hashes.push_back(checksum(std::span<const asio::const_buffer>(const_buffers(f))));
+  for (const auto& f : frames)
+    hashes.push_back(checksum(std::span<const asio::const_buffer>(backend::buffers_of<asio::const_buffer>(f))));
   return delta_fingerprint(digest, hashes);
 }
 
 }  // namespace
 
-sharded_init_info sharded_init_info::read(json_reader& r) {
-  sharded_init_info info;
-  static_cast<backend::sharded_join_info&>(info) = backend::sharded_join_info::read(r);
-  return info;
-}
-
 // ---------------------------------------------------------------- worker
 
 sharded_engine::sharded_engine(const weight_transfer_config& config, const engine_context& context)
-    : engine(config, context, capabilities_of()) {}
+    : typed_init(config, context, capabilities_of()) {}
 
-sharded_engine::~sharded_engine() { do_shutdown(); }
-
-std::unique_ptr<refit::init_info> sharded_engine::parse_init_info(const json& j) const {
-  json_reader r(j, "tcp_sharded init_info");
-  auto info = std::make_unique<sharded_init_info>(sharded_init_info::read(r));
-  r.finish();
-  return info;
+// Each side channel carries its pair's frames.
+asio::awaitable<void> sharded_engine::joined_rank(const backend::sharded_init_info&, int,
+                                                  asio::ip::tcp::socket& socket) {
+  net::set_buffers(socket, config().socket_buffer_bytes);
+  co_return;
 }
 
-std::unique_ptr<refit::update_info> sharded_engine::parse_update_info(const json& j) const {
-  return backend::read_sharded_update_info(j, "tcp_sharded", worker_, workers_, trainers_, layouts_);
-}
-
-asio::awaitable<void> sharded_engine::do_init(const refit::init_info& base) {
-  const auto& info = downcast<sharded_init_info>(base, "init_info");
-  do_shutdown();
-  timeout_ = info.timeout.value_or(config().timeout);
-  wire_ = info.wire;
-  workers_ = info.workers;
-  trainers_ = static_cast<int>(info.trainers.size());
-  worker_ = info.worker_number(context().ranks.tp_rank, "tcp_sharded");
-  std::vector<socket_ptr> sockets(info.trainers.size());
-  std::vector<asio::awaitable<void>> joins;
-  for (std::size_t r = 0; r < info.trainers.size(); ++r)
-    joins.push_back([](socket_ptr* out, backend::rank_endpoint e, int rank, wire_params wire, std::string secret,
-                       std::chrono::milliseconds timeout, std::string who,
-                       std::size_t buffers) -> asio::awaitable<void> {
-      auto j = co_await links::join(e.address, e.port, rank, wire, std::move(secret), timeout, who);
-      *out = std::make_shared<asio::ip::tcp::socket>(std::move(j.socket));
-      net::set_buffers(**out, buffers);
-    }(&sockets[r], info.trainers[r], worker_ + 1, wire_, config().auth_secret, timeout_,
-                                            who() + ": trainer rank " + std::to_string(r),
-                                            config().socket_buffer_bytes));
-  try {
-    co_await async::all_of(std::move(joins));
-  } catch (...) {
-    for (auto& s : sockets)
-      if (s) net::close(*s);
-    throw;
-  }
-  sockets_ = std::move(sockets);
-  last_seq_.assign(sockets_.size(), 0);
-}
-
-asio::awaitable<void> sharded_engine::do_receive(const refit::update_info& base, load_weights_fn load_weights) {
-  const auto& info = downcast<backend::sharded_update_info>(base, "update_info");
-  if (sockets_.empty())
-    throw_error(errc::invalid_state, who() +
-                                         ": the connections to the trainer ranks were closed by an earlier "
-                                         "failure; call init_transfer_engine again");
-  const auto start = clock_type::now();
-  auto layouts = info.layouts;
-  const auto& plan = *layouts->plan;
-  const auto& dest = layouts->workers.at(worker_);
-  if (plan.ranks != static_cast<int>(sockets_.size()))
-    throw_error(errc::invalid_argument, who() + ": the layout's mesh has " + std::to_string(plan.ranks) +
-                                            " trainer ranks, this worker connected to " +
-                                            std::to_string(sockets_.size()));
-  // Where each tensor lands: the model's own memory where it offers host memory,
-  // else the engine's fallback area (load_weights then copies from it).
-  model_target* target = receive_target();
-  const bool staged = info.commit.value_or(config().commit) == commit_mode::staged;
+asio::awaitable<std::uint64_t> sharded_engine::receive_pairs(const backend::sharded_update& u) {
+  const std::size_t ranks = sockets().size();
   // Which version each pair holds is known only until this update changes it.
-  held_.resize(sockets_.size());
-  std::vector<std::optional<held_version>> held;
-  for (auto& h : held_) held.push_back(h.take());
-  auto placed =
-      co_await backend::place_destination(dest, target, context().model, staged, fallback_, processing_executor());
-  auto current = placed.current;
-  const std::vector<std::byte*>& bases = placed.bases;
-  // Told once the first pair's header is accepted: from then on bytes land in it.
-  direct_target_ = placed.direct ? target : nullptr;
-
+  held_.resize(ranks);
+  states_.assign(ranks, {});
+  for (std::size_t r = 0; r < ranks; ++r) states_[r] = {held_[r].take(), u.placed.current, u.staged, std::nullopt, 0};
   // Every pair at once (the first failure cancels the others and tells every rank).
-  std::vector<pair_state> states(sockets_.size());
-  for (std::size_t r = 0; r < sockets_.size(); ++r) states[r] = {held[r], current, staged, std::nullopt, 0};
   std::vector<asio::awaitable<void>> pairs;
-  for (std::size_t r = 0; r < sockets_.size(); ++r)
-    pairs.push_back(receive_pair(sockets_[r], static_cast<int>(r), layouts, bases, &states[r]));
-  std::exception_ptr failure;
-  try {
-    co_await backend::run_pairs(std::move(pairs), sockets_, last_seq_);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
-    do_shutdown();
-    std::rethrow_exception(failure);
-  }
-  auto& stats = mutable_stats();
-  stats.wire_bytes = 0;
-  for (const auto& st : states) stats.wire_bytes += st.wire_bytes;
-  co_await backend::load_sharded(dest, plan.ingress[worker_], bases, load_weights, processing_executor(), stats, start);
-  // The pairs from ranks with deltas on now hold those ranks' versions (each
-  // fingerprint hashes the bytes that arrived). A chunk staged in an open update
-  // session holds them once the session commits.
-  for (std::size_t r = 0; r < states.size(); ++r)
-    if (const auto& now = states[r].now) held_[r].record(*now, receiving_into_open_session(), held[r]);
+  for (std::size_t r = 0; r < ranks; ++r)
+    pairs.push_back(receive_pair(sockets()[r], static_cast<int>(r), u.layouts, u.placed.bases, &states_[r]));
+  co_await all_pairs(std::move(pairs));
+  std::uint64_t wire_bytes = 0;
+  for (const auto& st : states_) wire_bytes += st.wire_bytes;
+  co_return wire_bytes;
+}
+
+// The pairs from ranks with deltas on now hold those ranks' versions (each
+// fingerprint hashes the bytes that arrived). A chunk staged in an open update
+// session holds them once the session commits.
+void sharded_engine::loaded() {
+  for (std::size_t r = 0; r < states_.size(); ++r)
+    if (const auto& now = states_[r].now) held_[r].record(*now, receiving_into_open_session(), states_[r].held);
 }
 
 void sharded_engine::do_session_committed() {
@@ -208,8 +120,8 @@ std::string sharded_engine::base_refusal(const wire::delta_header& d, const pair
            "'s bytes, the deltas are against version " + std::to_string(d.base_version) + " (fingerprint " +
            hex(d.base_fingerprint) + ")";
   if (weights_dirty()) return "this worker's weights are dirty: " + dirty_reason();
-  const auto& dest = layouts.workers.at(worker_);
-  for (const auto& it : layouts.plan->pair(rank, worker_).items)
+  const auto& dest = layouts.workers.at(worker());
+  for (const auto& it : layouts.plan->pair(rank, worker()).items)
     if (it.bytes > 0 && (*st.current).at(it.dest) == nullptr)
       return "the model offers no host memory holding '" + dest.tensors.at(it.dest).spec.name +
              "' to decode a delta against (deltas need a model target with destination())";
@@ -221,58 +133,15 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
                                                    std::vector<std::byte*> bases, pair_state* state) {
   const std::string me = who() + ": trainer rank " + std::to_string(rank);
   const auto& plan = *layouts->plan;
-  const auto& pair = plan.pair(rank, worker_);
-  const auto& dest = layouts->workers[worker_];
-  const std::uint64_t frame_bytes = wire_.buffer_bytes;
-  const std::uint64_t digest = backend::pair_digest(plan.digest, rank, worker_);
-  // The pair's runs over this worker's tensors, made off the loop (a row-parallel
-  // shard is one run per row).
-  const auto frames_over = [d = &dest, items = &pair.items, frame_bytes](const std::vector<std::byte*>& at) {
-    const auto runs = pair_runs(*items, item_side::destination, [&](const transfer_item& it) {
-      const auto& spec = d->tensors[it.dest].spec;
-      return tensor_place{at[it.dest], spec.shape, element_size(spec.dtype)};
-    });
-    return cut_frames(runs, frame_bytes);
-  };
-  std::vector<stream_frame> frames;
-  {
-    auto* f = &frames;
-    auto* b = &bases;
-    co_await async::offload(processing_executor(), [f, b, &frames_over] { *f = frames_over(*b); });
-  }
-  // The pair's header: its plan digest first (a layout that differs between the
-  // sides is named as such), then its size; with deltas on, the delta header; a
-  // refusal is sent back before any byte.
+  const auto& pair = plan.pair(rank, worker());
+  const std::uint64_t frame_bytes = wire().buffer_bytes;
+  const std::uint64_t digest = backend::pair_digest(plan.digest, rank, worker());
+  const bool checksums = wire().checksums;
+  const std::vector<stream_frame> frames = co_await pair_frames(*layouts, rank, bases);
+  // The pair's header (with deltas on, and its delta header); a refusal is sent
+  // back before any byte.
   std::optional<wire::delta_header> delta;
-  std::uint64_t seq = 0;
-  {
-    std::array<std::byte, sizeof(wire::update)> raw;
-    co_await net::read_exact(*socket, asio::buffer(raw), timeout_, me + ": waiting for the update header");
-    const auto u = wire::decode<wire::update>(raw);
-    if (auto bad = wire::check_update_magic(u); !bad.empty()) throw_error(errc::protocol_error, me + ": " + bad);
-    std::string refusal;
-    if ((u.flags & wire::update_flag_delta) != 0) {
-      std::array<std::byte, sizeof(wire::delta_header)> raw_delta;
-      co_await net::read_exact(*socket, asio::buffer(raw_delta), timeout_, me + ": reading the delta header");
-      delta = wire::decode<wire::delta_header>(raw_delta);
-      refusal = wire::check_delta_header(*delta);
-    }
-    if (!refusal.empty()) {
-      // (the delta header is malformed)
-    } else if ((u.flags & ~wire::update_flag_delta) != 0) {
-      refusal = "unknown update flags " + std::to_string(u.flags);
-    } else {
-      refusal = backend::pair_header_refusal(u, last_seq_[rank], digest, plan.digest, pair, frames.size());
-    }
-    if (!refusal.empty()) {
-      co_await links::send_status(*socket, static_cast<std::uint32_t>(errc::protocol_error), u.seq, refusal, timeout_,
-                                  me + ": refusing the update");
-      throw_error(errc::protocol_error, me + ": " + refusal);
-    }
-    co_await links::send_status(*socket, 0, u.seq, {}, timeout_, me + ": accepting the update");
-    last_seq_[rank] = u.seq;
-    seq = u.seq;
-  }
+  const std::uint64_t seq = co_await accept_pair(*socket, rank, *layouts, frames.size(), me, &delta);
   // Offered deltas: this worker says whether it holds the base (then frames may
   // arrive encoded) or not (then every frame comes full), before any byte changes.
   // The recorded version is not enough: the tensors' bytes are hashed (off the
@@ -286,8 +155,7 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
       if (state->staged) {
         std::vector<std::byte*> at(state->current->size());
         for (std::size_t i = 0; i < at.size(); ++i) at[i] = const_cast<std::byte*>((*state->current)[i]);
-        auto* bf = &base_frames;
-        co_await async::offload(processing_executor(), [bf, &at, &frames_over] { *bf = frames_over(at); });
+        base_frames = co_await pair_frames(*layouts, rank, at);
         over = &base_frames;
       }
       const std::uint64_t now =
@@ -299,31 +167,31 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
     }
     accepted = why_full.empty();
     co_await links::send_status(*socket, accepted ? 0 : static_cast<std::uint32_t>(errc::invalid_state), seq, why_full,
-                                timeout_, me + ": answering the delta offer");
+                                timeout(), me + ": answering the delta offer");
   }
-  if (auto* t = std::exchange(direct_target_, nullptr)) t->direct_write_begins();
+  direct_write_begins();
   const std::size_t elem = pair_element_size(*layouts, pair);
   std::vector<std::uint64_t> hashes(frames.size(), 0);
   std::vector<std::byte> encoded, scratch;
   for (std::size_t k = 0; k < frames.size(); ++k) {
     const std::string what = me + ": frame " + std::to_string(k);
     std::array<std::byte, sizeof(wire::bucket_header)> raw;
-    co_await net::read_exact(*socket, asio::buffer(raw), timeout_, what + " header");
+    co_await net::read_exact(*socket, asio::buffer(raw), timeout(), what + " header");
     const auto h = wire::decode<wire::bucket_header>(raw);
-    const std::string bad = delta ? wire::check_delta_bucket_header(h, k, frames[k].bytes, wire_.checksums, accepted)
-                                  : wire::check_bucket_header(h, k, frames[k].bytes, wire_.checksums);
+    const std::string bad = delta ? wire::check_delta_bucket_header(h, k, frames[k].bytes, checksums, accepted)
+                                  : wire::check_bucket_header(h, k, frames[k].bytes, checksums);
     if (!bad.empty()) throw_error(errc::protocol_error, what + ": " + bad);
-    auto buffers = mutable_buffers(frames[k]);
+    auto buffers = backend::buffers_of<asio::mutable_buffer>(frames[k]);
     const bool is_delta = (h.flags & wire::flag_delta) != 0;
     // At most a loop's budget of bytes per system call: the loop is shared.
     if (is_delta) {
       encoded.resize(h.payload_bytes);
-      co_await net::read_exact(*socket, asio::buffer(encoded), timeout_, what, net::loop_bytes_per_call);
+      co_await net::read_exact(*socket, asio::buffer(encoded), timeout(), what, net::loop_bytes_per_call);
     } else {
-      co_await net::read_exact(*socket, buffers, timeout_, what, net::loop_bytes_per_call);
+      co_await net::read_exact(*socket, buffers, timeout(), what, net::loop_bytes_per_call);
     }
     state->wire_bytes += h.payload_bytes;
-    if (!is_delta && !wire_.checksums && !delta) continue;
+    if (!is_delta && !checksums && !delta) continue;
     // Decoded (a delta frame) and hashed on the processing executor: the checksum
     // covers the decoded bytes, and with deltas on every frame's hash is a part
     // of the fingerprint of the version this worker then holds.
@@ -363,7 +231,7 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
       }
       return checksum(std::span<const asio::mutable_buffer>(*b));
     });
-    if (wire_.checksums && got != h.checksum)
+    if (checksums && got != h.checksum)
       throw_error(errc::integrity_error, what + ": payload checksum " + to_hex(got) + " differs from the trainer's " +
                                              to_hex(h.checksum) +
                                              (is_delta ? " after decoding its delta (corrupted in transit, or this "
@@ -371,148 +239,80 @@ asio::awaitable<void> sharded_engine::receive_pair(socket_ptr socket, int rank,
                                                        : ""));
     hashes[k] = got;
   }
-  co_await links::confirm_update(*socket, last_seq_[rank], timeout_, me);
+  co_await links::confirm_update(*socket, seq, timeout(), me);
   if (delta) state->now = held_version{delta->version, delta_fingerprint(digest, hashes)};
-}
-
-void sharded_engine::do_refuse_update(errc kind, const std::string& reason) noexcept {
-  // Every trainer rank is told at once, so its send fails now naming the reason.
-  try {
-    for (std::size_t r = 0; r < sockets_.size(); ++r)
-      asio::co_spawn(context().executor,
-                     links::refuse_update(sockets_[r], last_seq_[r] + 1, kind, reason,
-                                          std::min(timeout_, std::chrono::milliseconds(2000)), who()),
-                     asio::detached);
-  } catch (...) {
-  }
-  sockets_.clear();
-}
-
-void sharded_engine::do_shutdown() {
-  for (auto& s : sockets_)
-    if (s) net::close(*s);
-  sockets_.clear();
 }
 
 // ---------------------------------------------------------------- trainer rank
 
 sharded_sender::sharded_sender(const weight_transfer_config& config, const trainer_context& context)
-    : config_(config), context_(context) {
-  if (!context_.executor) throw_error(errc::invalid_argument, "trainer_context: an executor is required");
-}
+    : sharded_sender_base(config, context) {}
 
-sharded_sender::~sharded_sender() {
-  shutdown();
-  if (io_pool_) io_pool_->join();
-}
+sharded_sender::~sharded_sender() { shutdown(); }
 
-json sharded_sender::prepare(const json& trainer_args) {
-  json_reader r(trainer_args, "tcp_sharded trainer_args");
-  const auto args = backend::sharded_trainer_args::read(r, config_.timeout);
+std::function<void()> sharded_sender::read_args(json_reader& r) {
   const bool delta = r.optional<bool>("delta", false);
   const std::uint64_t delta_max = backend::read_delta_max_bytes(r);
-  r.finish();
-  shutdown();
-  rank_ = args.rank;
-  ranks_ = static_cast<int>(args.trainers.size());
-  workers_ = args.workers;
-  layout_spec_ = args.layout;
-  wire_ = args.wire;
-  timeout_ = args.timeout;
-  delta_ = delta;
-  delta_max_ = delta_max;
-  if (!delta_) bases_.clear();  // no snapshot held without deltas
-  if (!io_pool_) {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    io_pool_ = std::make_unique<asio::thread_pool>(std::min<unsigned>(cores, static_cast<unsigned>(workers_)));
-  }
-  const auto& self = args.trainers[args.rank];
-  acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(net::listen(context_.executor, self.address, self.port));
-  json info = args.worker_init_info(acceptor_->local_endpoint().port());
-  init_info_ = info;
-  return info;
+  return [this, delta, delta_max] {
+    delta_ = delta;
+    delta_max_ = delta_max;
+    if (!delta_) bases_.clear();  // no snapshot held without deltas
+  };
 }
 
-asio::awaitable<void> sharded_sender::connect_workers() {
-  if (!acceptor_ || !acceptor_->is_open())
-    throw_error(errc::invalid_state, "tcp_sharded trainer: connect_workers before prepare");
-  fail_all();
-  const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_);
-  auto members = co_await links::accept_workers(*acceptor_, context_.executor, config_.auth_secret, timeout_, wire_,
-                                                workers_ + 1, who);
-  peers_.clear();
+// The pool's threads copy bytes into the sockets: one per worker, at most one per core.
+unsigned sharded_sender::pool_threads() const {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::min<unsigned>(cores, static_cast<unsigned>(args().workers));
+}
+
+asio::awaitable<void> sharded_sender::connected(std::vector<links::member> members) {
+  // Each worker's socket moves to its own strand of the pool, where its stream runs.
   for (auto& m : members) {
-    auto strand = asio::make_strand(io_pool_->get_executor());
+    auto strand = asio::make_strand(pool().get_executor());
     const auto protocol = m.socket->local_endpoint().protocol();
     asio::ip::tcp::socket moved(strand);
     moved.assign(protocol, m.socket->release());
     net::set_buffers(moved, config_.socket_buffer_bytes);
     peers_.push_back(std::make_shared<peer>(peer{m.rank - 1, strand, std::move(moved)}));
   }
-  std::sort(peers_.begin(), peers_.end(), [](const auto& a, const auto& b) { return a->worker < b->worker; });
-  seq_ = 0;
+  co_return;
 }
 
-void sharded_sender::fail_all() {
+void sharded_sender::close_transport() noexcept {
   for (auto& p : peers_) asio::post(p->strand, [p] { net::close(p->socket); });
   peers_.clear();
 }
 
-void sharded_sender::shutdown() {
-  fail_all();
-  if (acceptor_) {
-    std::error_code ignored;
-    acceptor_->close(ignored);
-  }
-}
+// set_next_send's choice holds for this send only, whatever becomes of it.
+void sharded_sender::send_begins() { allow_base_ = std::exchange(next_delta_, std::nullopt).value_or(true); }
 
-asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declared, tensor_source& source) {
-  // set_next_send's choice holds for this send only, whatever becomes of it.
-  const bool allow_base = std::exchange(next_delta_, std::nullopt).value_or(true);
-  const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_);
-  if (peers_.empty())
-    throw_error(errc::invalid_state, who + ": send_weights before init (or after a failed update; call init again)");
-  declared.validate();
-  const auto start = clock_type::now();
-  stats_ = {};
-  plan_s_ = 0;
-  // Planned once per layout; a cache hit costs a digest of the spec and metadata.
-  const auto plan_start = clock_type::now();
-  const auto layouts = co_await backend::plan_for_rank(io_pool_->get_executor(), layouts_, declared, layout_spec_,
-                                                       ranks_, workers_, who);
-  plan_s_ = since(plan_start);
-  const auto& plan = *layouts->plan;
-  // This rank's shards, each checked against what its placement gives it, before
-  // any byte leaves.
-  const update_metadata local = layouts->source.local_metadata(rank_);
-  const std::vector<std::byte*> bases = backend::local_shards(source, local, who);
-  const std::uint64_t seq = ++seq_;
-  sent_.assign(workers_, 0);
+asio::awaitable<void> sharded_sender::send_pairs(const backend::sharded_send& s) {
+  const auto& plan = *s.layouts->plan;
+  const int rank = this->rank(), workers = args().workers;
+  const bool allow_base = allow_base_;
+  const std::uint64_t seq = s.seq;
   // Deltas on: number this version; each pair whose snapshot holds the last
   // version of that same pair is offered deltas against it.
   delta_stats_ = {};
   // The snapshots hold this rank's egress: beyond the bound the update goes plain.
-  const bool deltas = delta_ && (delta_max_ == 0 || plan.egress[rank_] <= delta_max_);
+  const bool deltas = delta_ && (delta_max_ == 0 || plan.egress[rank] <= delta_max_);
   if (delta_ && !deltas) {
     bases_.clear();
     delta_stats_.over_bound = true;
-    delta_stats_.full_bytes = plan.egress[rank_];
+    delta_stats_.full_bytes = plan.egress[rank];
   }
   if (deltas) {
     ++version_;
     delta_stats_.version = version_;
-    delta_stats_.full_bytes = plan.egress[rank_];
-    bases_.resize(workers_);
+    delta_stats_.full_bytes = plan.egress[rank];
+    bases_.resize(workers);
   }
   std::vector<asio::awaitable<void>> streams;
-  for (int w = 0; w < workers_; ++w) {
-    const auto& pair = plan.pair(rank_, w);
-    auto runs = pair_runs(pair.items, item_side::source, [&](const transfer_item& it) {
-      const auto& spec = local.tensors[it.source];
-      return tensor_place{bases[it.source], spec.shape, element_size(spec.dtype)};
-    });
-    auto frames = std::make_shared<const std::vector<stream_frame>>(cut_frames(runs, wire_.buffer_bytes));
-    const std::uint64_t digest = backend::pair_digest(plan.digest, rank_, w);
+  for (int w = 0; w < workers; ++w) {
+    const auto& pair = plan.pair(rank, w);
+    auto frames = std::make_shared<const std::vector<stream_frame>>(frames_to(s, w));
+    const std::uint64_t digest = backend::pair_digest(plan.digest, rank, w);
     auto header = links::update_header(seq, pair.items.size(), digest, frames->size(), pair.bytes);
     std::optional<pair_delta> delta;
     if (deltas) {
@@ -532,31 +332,21 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       }
       delta->header = wire::encode(d);
       delta->base = &b;
-      delta->elem = pair_element_size(*layouts, pair);
+      delta->elem = pair_element_size(*s.layouts, pair);
       b.valid = false;  // a mix of two versions until this send completes
       b.digest = digest;
       b.size = pair.bytes;
       b.version = version_;
     }
-    sent_[w] = pair.bytes;
     auto p = peers_.at(w);
     streams.push_back(
         asio::co_spawn(p->strand, stream_to(p, header, std::move(frames), seq, std::move(delta)), asio::use_awaitable));
   }
-  std::exception_ptr failure;
-  try {
-    co_await async::all_of(std::move(streams));
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
-    fail_all();  // the workers fail at once; init again before the next update
-    std::rethrow_exception(failure);
-  }
+  co_await async::all_of(std::move(streams));
   if (deltas) {
     // Every worker confirmed: each snapshot is this version's bytes of its pair,
     // the next update's base.
-    for (int w = 0; w < workers_; ++w) {
+    for (int w = 0; w < workers; ++w) {
       auto& b = bases_[w];
       const auto& p = *peers_[w];
       b.valid = true;
@@ -571,17 +361,14 @@ asio::awaitable<void> sharded_sender::send_weights(const update_metadata& declar
       d.snapshot_bytes += b.capacity;
     }
   }
-  stats_.bytes = plan.egress[rank_];
-  stats_.tensors = local.tensors.size();
-  stats_.wall_s = since(start);
-  stats_.receive_s = stats_.wall_s;
-  stats_.finalize();
 }
 
 asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::array<std::byte, 48> header,
                                                 std::shared_ptr<const std::vector<stream_frame>> frames,
                                                 std::uint64_t seq, std::optional<pair_delta> delta) {
-  const std::string who = "tcp_sharded trainer rank " + std::to_string(rank_) + ": worker " + std::to_string(p->worker);
+  const std::string who = this->who() + ": worker " + std::to_string(p->worker);
+  const std::chrono::milliseconds timeout = args().timeout;
+  const bool checksums = args().wire.checksums;
   p->took_delta = p->fell_back = false;
   p->encoded_frames = p->delta_bytes = p->encoded_full = 0;
   p->encode_s = 0;
@@ -589,19 +376,19 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
   try {
     bool deltas = false;
     if (!delta) {
-      co_await links::announce_update(p->socket, header, timeout_, who);
+      co_await links::announce_update(p->socket, header, timeout, who);
     } else {
       // The update header and its delta header, then the worker's answers: it
       // accepts the update, then (when offered deltas) says whether it holds the base.
       std::vector<asio::const_buffer> headers{asio::buffer(header), asio::buffer(delta->header)};
-      co_await net::write_all(p->socket, headers, timeout_, who + ": update header");
+      co_await net::write_all(p->socket, headers, timeout, who + ": update header");
       links::throw_if_failed(
-          co_await links::read_status(p->socket, timeout_,
+          co_await links::read_status(p->socket, timeout,
                                       who + ": waiting for the worker to accept update " + std::to_string(seq)),
           who + " refused the update");
       if (delta->offers_base) {
         const auto answer =
-            co_await links::read_status(p->socket, timeout_, who + ": waiting for its answer to the delta offer");
+            co_await links::read_status(p->socket, timeout, who + ": waiting for its answer to the delta offer");
         if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
           p->fell_back = true;  // it does not hold the base: this update goes to it full
         } else {
@@ -627,13 +414,13 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
     std::uint64_t at = 0;  // the frame's place in the pair's stream
     for (std::size_t k = 0; k < frames->size(); at += (*frames)[k].bytes, ++k) {
       const auto& f = (*frames)[k];
-      buffers = const_buffers(f);
+      buffers = backend::buffers_of<asio::const_buffer>(f);
       wire::bucket_header h;
       h.index = k;
       h.payload_bytes = f.bytes;
-      if (wire_.checksums || delta) {
+      if (checksums || delta) {
         const std::uint64_t sum = checksum(std::span<const asio::const_buffer>(buffers));  // on this I/O thread
-        if (wire_.checksums) {
+        if (checksums) {
           h.flags |= wire::flag_checksum;
           h.checksum = sum;
         }
@@ -676,9 +463,9 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
       }
       const auto raw = wire::encode(h);
       buffers.insert(buffers.begin(), asio::buffer(raw));
-      co_await net::write_all(p->socket, buffers, timeout_, who + ": frame " + std::to_string(k));
+      co_await net::write_all(p->socket, buffers, timeout, who + ": frame " + std::to_string(k));
     }
-    co_await links::await_confirmation(p->socket, seq, timeout_, who);
+    co_await links::await_confirmation(p->socket, seq, timeout, who);
   } catch (...) {
     failure = std::current_exception();
   }
@@ -687,7 +474,7 @@ asio::awaitable<void> sharded_sender::stream_to(std::shared_ptr<peer> p, std::ar
 }
 
 void sharded_sender::set_next_send(const send_options& options) {
-  next_delta_ = backend::next_delta_choice(options, delta_, "tcp_sharded trainer rank " + std::to_string(rank_));
+  next_delta_ = backend::next_delta_choice(options, delta_, who());
 }
 
 json sharded_sender::last_send_info() const {

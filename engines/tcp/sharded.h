@@ -38,6 +38,7 @@
 #include <refit/backend/engine.h>
 #include <refit/backend/shard_io.h>
 #include <refit/backend/sharded.h>
+#include <refit/backend/sharded_engine.h>
 #include <refit/engine.h>
 #include <refit/engines/tcp/tcp.h>
 #include <refit/layout/layout.h>
@@ -49,36 +50,28 @@ namespace refit::tcp {
 using backend::layout_cache;
 using backend::sharded_layouts;
 
-/// Worker init info: backend::sharded_join_info's members ({"trainers": [{"address",
+/// Worker init info: backend::sharded_init_info ({"trainers": [{"address",
 /// "port"}, ...] (rank order), "workers", "rank_offset", "buffer_bytes",
 /// "num_buffers", "checksums", "timeout_ms"}).
-struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
-  static sharded_init_info read(json_reader& r);
-};
+using sharded_init_info = backend::sharded_init_info;
 
 /// Update info: vLLM's metadata members of the GLOBAL tensors (what the trainer
 /// ranks shard), "layout" (the spec above) and optional "commit". Parsed, its
 /// metadata is this worker's own tensors (what its model is told of).
 using sharded_update_info = backend::sharded_update_info;
 
-/// Worker side.
-class sharded_engine final : public backend::engine {
+/// Worker side: joining every rank, placing the tensors, running the pairs and
+/// loading the update are backend::sharded_worker_base's; this reads each pair's
+/// frames from its socket and answers its delta offers.
+class sharded_engine final : public backend::typed_init<sharded_init_info, backend::sharded_worker_base> {
  public:
   sharded_engine(const weight_transfer_config& config, const engine_context& context);
-  ~sharded_engine() override;
   std::string_view backend() const noexcept override { return "tcp_sharded"; }
   /// Sharded (M:N) plans received straight into the worker's tensors (direct
   /// receive), staged commits, checksummed frames.
   static engine_capabilities capabilities_of() {
     return {.direct_receive = true, .staged_commit = true, .checksums = true, .sharded = true};
   }
-  std::unique_ptr<refit::init_info> parse_init_info(const json& j) const override;
-  /// Needs the worker's number, so only after init_transfer_engine.
-  std::unique_ptr<refit::update_info> parse_update_info(const json& j) const override;
-  /// This worker's number among the destinations (after init).
-  int worker() const noexcept { return worker_; }
-  /// Closes every connection now (an update in flight fails).
-  void disconnect() noexcept { do_shutdown(); }
   /// By trainer rank: the version of that rank's pair this worker holds (known
   /// after an update from ranks with deltas on completed; a delta is taken only
   /// against exactly this).
@@ -89,10 +82,10 @@ class sharded_engine final : public backend::engine {
   }
 
  protected:
-  asio::awaitable<void> do_init(const refit::init_info& info) override;
-  asio::awaitable<void> do_receive(const refit::update_info& info, load_weights_fn load_weights) override;
-  void do_shutdown() override;
-  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+  asio::awaitable<void> joined_rank(const backend::sharded_init_info& info, int rank,
+                                    asio::ip::tcp::socket& socket) override;
+  asio::awaitable<std::uint64_t> receive_pairs(const backend::sharded_update& u) override;
+  void loaded() override;
   void do_session_committed() override;
   void do_session_finished() override;
 
@@ -114,22 +107,11 @@ class sharded_engine final : public backend::engine {
   // far as what it recorded tells; the bytes' hash is checked next).
   std::string base_refusal(const links::wire::delta_header& d, const pair_state& st, const sharded_layouts& layouts,
                            int rank) const;
-  std::string who() const { return "tcp_sharded worker " + std::to_string(worker_); }
 
-  std::vector<socket_ptr> sockets_;  // by trainer rank
-  std::vector<std::uint64_t> last_seq_;
-  mutable layout_cache layouts_;
-  wire_params wire_;
-  std::chrono::milliseconds timeout_{0};
-  // Set by init only (parse_update_info reads them, possibly off the loop).
-  int worker_ = -1, workers_ = 0, trainers_ = 0;
-  // Host memory for tensors the model offers no destination for (kept across
-  // updates; load_weights copies from it).
-  std::vector<std::byte> fallback_;
-  model_target* direct_target_ = nullptr;  // to tell when the update's first bytes land
   // By trainer rank (deltas): the version of that rank's pair the model holds,
   // kept across re-inits with the same ranks.
   std::vector<backend::held_record> held_;
+  std::vector<pair_state> states_;  // the update being received, by trainer rank
 };
 
 /// Trainer side: one rank. trainer_args: {"rank": int, "trainers": [{"address",
@@ -143,21 +125,14 @@ class sharded_engine final : public backend::engine {
 /// send_weights(declared, source): `declared` is the GLOBAL metadata (what the
 /// workers' update_info carries); `source` yields this rank's local shards in the
 /// same order, each checked against the shape its placement gives it.
-class sharded_sender final : public weight_sender {
+class sharded_sender final : public backend::sharded_sender_base {
  public:
   sharded_sender(const weight_transfer_config& config, const trainer_context& context);
   ~sharded_sender() override;
   std::string_view backend() const noexcept override { return "tcp_sharded"; }
   /// Sharded (M:N) plans received straight into the worker's tensors (direct
   /// receive), staged commits, checksummed frames.
-  static engine_capabilities capabilities_of() {
-    return {.direct_receive = true, .staged_commit = true, .checksums = true, .sharded = true};
-  }
-  json prepare(const json& trainer_args) override;
-  asio::awaitable<void> connect_workers() override;
-  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
-  void shutdown() override;
-  update_stats last_send_stats() const override { return stats_; }
+  static engine_capabilities capabilities_of() { return sharded_engine::capabilities_of(); }
   /// With deltas on: {"delta": last_delta_stats()'s members}.
   json last_send_info() const override;
   /// delta: false sends the next update full (a delta sender only); true needs
@@ -165,11 +140,14 @@ class sharded_sender final : public weight_sender {
   void set_next_send(const send_options& options) override;
   /// What the last send did with deltas (fingerprint: 0, as each pair has its own).
   const delta_send_stats& last_delta_stats() const noexcept { return delta_stats_; }
-  /// Bytes this rank sent each worker in the last update.
-  const std::vector<std::uint64_t>& last_bytes_per_worker() const noexcept { return sent_; }
-  /// Seconds the last update spent planning (0 when the plan was cached).
-  double last_plan_seconds() const noexcept { return plan_s_; }
-  int rank() const noexcept { return rank_; }
+
+ protected:
+  std::function<void()> read_args(json_reader& r) override;
+  unsigned pool_threads() const override;
+  asio::awaitable<void> connected(std::vector<links::member> members) override;
+  void send_begins() override;
+  asio::awaitable<void> send_pairs(const backend::sharded_send& s) override;
+  void close_transport() noexcept override;
 
  private:
   using pool_strand = asio::strand<asio::thread_pool::executor_type>;
@@ -202,28 +180,14 @@ class sharded_sender final : public weight_sender {
   asio::awaitable<void> stream_to(std::shared_ptr<peer> p, std::array<std::byte, 48> header,
                                   std::shared_ptr<const std::vector<stream_frame>> frames, std::uint64_t seq,
                                   std::optional<pair_delta> delta);
-  void fail_all();
 
-  weight_transfer_config config_;
-  trainer_context context_;
-  std::unique_ptr<asio::thread_pool> io_pool_;
-  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
-  json init_info_;
-  json layout_spec_;
-  layout_cache layouts_;
-  wire_params wire_;
-  std::chrono::milliseconds timeout_{0};
-  int rank_ = 0, ranks_ = 0, workers_ = 0;
   std::vector<std::shared_ptr<peer>> peers_;  // by worker
-  std::uint64_t seq_ = 0;
-  update_stats stats_;
-  std::vector<std::uint64_t> sent_;
-  double plan_s_ = 0;
-  bool delta_ = false;              // trainer_args "delta"
-  std::uint64_t delta_max_ = 0;     // trainer_args "delta_max_bytes" (0: no bound)
-  std::optional<bool> next_delta_;  // set_next_send's, for the next send only
-  std::uint64_t version_ = 0;       // the last version numbered (deltas on)
-  std::vector<pair_base> bases_;    // by worker (deltas on)
+  bool allow_base_ = true;                    // set_next_send's choice, taken for the send in progress
+  bool delta_ = false;                        // trainer_args "delta"
+  std::uint64_t delta_max_ = 0;               // trainer_args "delta_max_bytes" (0: no bound)
+  std::optional<bool> next_delta_;            // set_next_send's, for the next send only
+  std::uint64_t version_ = 0;                 // the last version numbered (deltas on)
+  std::vector<pair_base> bases_;              // by worker (deltas on)
   delta_send_stats delta_stats_;
 };
 

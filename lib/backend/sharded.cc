@@ -275,13 +275,18 @@ asio::awaitable<void> run_pairs(std::vector<asio::awaitable<void>> pairs,
   }
   if (!failure) co_return;
   // Every trainer rank learns why (not just a reset).
-  for (std::size_t r = 0; r < s->sockets.size(); ++r) {
+  co_await tell_ranks(s->sockets, failure, last_seq);
+  std::rethrow_exception(failure);
+}
+
+asio::awaitable<void> tell_ranks(const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& sockets,
+                                 std::exception_ptr failure, const std::vector<std::uint64_t>& last_seq) {
+  for (std::size_t r = 0; r < sockets.size(); ++r) {
     try {
-      co_await links::tell_failure(*s->sockets[r], failure, last_seq.at(r));
+      co_await links::tell_failure(*sockets[r], failure, last_seq.at(r));
     } catch (...) {
     }
   }
-  std::rethrow_exception(failure);
 }
 
 asio::awaitable<void> load_sharded(const dest_layout& dest, std::uint64_t ingress, const std::vector<std::byte*>& bases,

@@ -158,6 +158,11 @@ asio::awaitable<void> run_pairs(std::vector<asio::awaitable<void>> pairs,
                                 std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets,
                                 const std::vector<std::uint64_t>& last_seq);
 
+/// Best effort: tells every trainer rank why this worker fails (links::tell_failure
+/// over `sockets[r]` for update `last_seq[r]`); never throws.
+asio::awaitable<void> tell_ranks(const std::vector<std::shared_ptr<asio::ip::tcp::socket>>& sockets,
+                                 std::exception_ptr failure, const std::vector<std::uint64_t>& last_seq);
+
 /// The end of a sharded worker's update once every pair arrived: `stats` gets the
 /// worker's planned ingress, its tensors and receive_s (since `start`); then the
 /// update, whole (views of `bases`: the model's memory received in place, the stage
