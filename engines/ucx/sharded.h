@@ -35,17 +35,18 @@
 
 #include <refit/backend/engine.h>
 #include <refit/backend/sharded.h>
+#include <refit/backend/sharded_engine.h>
 #include <refit/engine.h>
 #include <refit/engines/ucx/ucx.h>
 #include <refit/trainer.h>
 
 namespace refit::ucx {
 
-/// Worker init info: backend::sharded_join_info's members ({"trainers": [{"address",
+/// Worker init info: backend::sharded_init_info's members ({"trainers": [{"address",
 /// "port"}, ...], "workers", "rank_offset", "buffer_bytes", "checksums",
 /// "timeout_ms"}) plus "require_transports": [str] as the ucx engine's (each
 /// rank's endpoint to this worker must move the data over one of them).
-struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
+struct sharded_init_info final : backend::sharded_init_info {
   std::vector<std::string> require_transports;
   /// "put_into_model" (optional), as the ucx engine's: puts into this worker's
   /// tensors where the endpoint carries them (by default where RDMA does).
@@ -57,8 +58,10 @@ struct sharded_init_info final : refit::init_info, backend::sharded_join_info {
 /// tcp_sharded's), optional "commit".
 using sharded_update_info = backend::sharded_update_info;
 
-/// Worker side.
-class sharded_engine final : public backend::engine {
+/// Worker side: joining every rank, placing the tensors, running the pairs and
+/// loading the update are backend::sharded_worker_base's; this adds the UCX
+/// worker, the offer to each rank and, per pair and frame, the grant and the done.
+class sharded_engine final : public backend::typed_init<sharded_init_info, backend::sharded_worker_base> {
  public:
   sharded_engine(const weight_transfer_config& config, const engine_context& context);
   ~sharded_engine() override;
@@ -69,13 +72,6 @@ class sharded_engine final : public backend::engine {
   static engine_capabilities capabilities_of() {
     return {.direct_receive = true, .staged_commit = true, .checksums = true, .sharded = true, .opt_in_build = true};
   }
-  std::unique_ptr<refit::init_info> parse_init_info(const json& j) const override;
-  /// Needs the worker's number, so only after init_transfer_engine.
-  std::unique_ptr<refit::update_info> parse_update_info(const json& j) const override;
-  /// This worker's number among the destinations (after init).
-  int worker() const noexcept { return worker_; }
-  /// Closes every connection and the UCX worker now (an update in flight fails).
-  void disconnect() noexcept { close(); }
   /// What UCX chose for each rank's endpoint to this worker, once initialised
   /// (null before): {"worker", "transports" (every rank's, each once), "mode" ("put"
   /// or "tag" where every rank's is that, else "mixed"), "peer_failure_handling"
@@ -88,10 +84,11 @@ class sharded_engine final : public backend::engine {
   std::size_t last_put_regions() const noexcept { return last_put_regions_; }
 
  protected:
-  asio::awaitable<void> do_init(const refit::init_info& info) override;
-  asio::awaitable<void> do_receive(const refit::update_info& info, load_weights_fn load_weights) override;
-  void do_shutdown() override { close(); }
-  void do_refuse_update(errc kind, const std::string& reason) noexcept override;
+  asio::awaitable<void> joining(const backend::sharded_init_info& info) override;
+  asio::awaitable<void> joined_rank(const backend::sharded_init_info& info, int rank,
+                                    asio::ip::tcp::socket& socket) override;
+  asio::awaitable<std::uint64_t> receive_pairs(const backend::sharded_update& u) override;
+  void close_transport() noexcept override;
 
  private:
   using socket_ptr = std::shared_ptr<asio::ip::tcp::socket>;
@@ -99,21 +96,10 @@ class sharded_engine final : public backend::engine {
                                      std::shared_ptr<const backend::sharded_layouts> layouts,
                                      std::vector<std::byte*> bases, std::uint64_t* wire_bytes,
                                      update_registry* registry);
-  std::string who() const { return "ucx_sharded worker " + std::to_string(worker_); }
-  void close() noexcept;
 
   std::shared_ptr<ucx::context> ucp_;  // made once, off the loop
   std::shared_ptr<ucx::worker> worker_ucx_;
-  std::vector<socket_ptr> sockets_;  // by trainer rank
-  std::vector<endpoint_report> reports_;
-  std::vector<std::uint64_t> last_seq_;
-  mutable backend::layout_cache layouts_;
-  wire_params wire_;
-  std::chrono::milliseconds timeout_{0};
-  // Set by init only (parse_update_info reads them, possibly off the loop).
-  int worker_ = -1, workers_ = 0, trainers_ = 0;
-  std::vector<std::byte> fallback_;            // tensors the model offers no host memory for
-  model_target* direct_target_ = nullptr;      // to tell when the update's first bytes land
+  std::vector<endpoint_report> reports_;       // by trainer rank
   std::optional<bool> put_into_model_;         // init_info's
   std::unique_ptr<ucx::registrar> registrar_;  // registers memory for puts, off the loop (made when first used)
   std::size_t last_put_regions_ = 0;
@@ -125,38 +111,24 @@ class sharded_engine final : public backend::engine {
 /// info; connect_workers() accepts every worker and makes an endpoint to each from
 /// its offer. send_weights(declared, source): `declared` is the GLOBAL metadata;
 /// `source` yields this rank's local shards in the same order.
-class sharded_sender final : public weight_sender {
+class sharded_sender final : public backend::sharded_sender_base {
  public:
   sharded_sender(const weight_transfer_config& config, const trainer_context& context);
   ~sharded_sender() override;
   std::string_view backend() const noexcept override { return "ucx_sharded"; }
   static engine_capabilities capabilities_of() { return sharded_engine::capabilities_of(); }
-  json prepare(const json& trainer_args) override;
-  asio::awaitable<void> connect_workers() override;
-  asio::awaitable<void> send_weights(const update_metadata& declared, tensor_source& source) override;
-  void shutdown() override;
-  update_stats last_send_stats() const override { return stats_; }
-  /// Bytes this rank sent each worker in the last update.
-  const std::vector<std::uint64_t>& last_bytes_per_worker() const noexcept { return sent_; }
   /// What UCX chose for this rank's endpoint to each worker, by worker number.
   json transport_info() const;
-  int rank() const noexcept { return args_.rank; }
+
+ protected:
+  asio::awaitable<void> connected(std::vector<links::member> members) override;
+  asio::awaitable<void> send_pairs(const backend::sharded_send& s) override;
+  void close_transport() noexcept override;
 
  private:
-  void close() noexcept;
-
-  weight_transfer_config config_;
-  trainer_context context_;
-  backend::sharded_trainer_args args_;
-  std::unique_ptr<asio::thread_pool> pool_;  // planning, the runs and the checksums, off the loop
-  std::unique_ptr<asio::ip::tcp::acceptor> acceptor_;
-  backend::layout_cache layouts_;
   std::shared_ptr<ucx::context> ucp_;
   std::shared_ptr<worker> worker_;
   std::vector<std::shared_ptr<downstream>> peers_;  // by worker number
-  std::uint64_t seq_ = 0;
-  update_stats stats_;
-  std::vector<std::uint64_t> sent_;
 };
 
 }  // namespace refit::ucx
