@@ -49,6 +49,9 @@
 // What else backends use: the receive pipeline (backend/pipeline.h), bucket plans,
 // slot rings and drain scopes (backend/async/), net helpers, checksums, the
 // trainer-worker links (backend/links/), the plugin boundary (backend/plugin.h).
+// Bases that implement this contract but for the transport: links/engine_base.h
+// (buckets that cross no byte stream), links/stream_engine.h (one stream per
+// worker, relayed or not), sharded_engine.h (M:N).
 #pragma once
 
 #include <atomic>
@@ -253,7 +256,8 @@ class engine : public weight_transfer_engine {
 };
 
 /// Implements parse_init_info for a typed init info over `Base`, an engine base
-/// that implements the rest (typed_engine below). InitInfo provides `static X read(json_reader&)`; members
+/// that implements the rest (typed_engine below, links::stream_engine,
+/// sharded_worker_base). InitInfo provides `static X read(json_reader&)`; members
 /// not read are rejected.
 template <class InitInfo, class Base = engine>
 class typed_init : public Base {
