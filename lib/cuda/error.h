@@ -21,7 +21,7 @@ namespace refit::cuda {
 
 // A failed CUDA runtime call. what() names the call, where it was made, the CUDA
 // error name and its description, e.g.
-//   "cudaMalloc(&p, n) failed at lib/cuda/x.cc:12 (cudaErrorMemoryAllocation): out of memory"
+//   "cudaMalloc(&p, n) failed at lib/cuda/staging.cc:12 (cudaErrorMemoryAllocation): out of memory"
 // so a log line alone says which call failed and why.
 class cuda_error : public std::system_error {
  public:
