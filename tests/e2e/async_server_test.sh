@@ -31,9 +31,9 @@ for mode in double_buffered reader_lock; do
   # A trainer whose model has another layout: refused before a byte moves, named.
   if "$trainer_bin" --server "127.0.0.1:$control" --serve-port "$serve" --model-bytes 32M --layers 3 \
        --vocab 4096 --buffer-bytes 8M --num-buffers 2 --updates 1 --idle-ms 50 --between-ms 50 --timeout-ms 20000 > "$tmp/bad.json" 2> "$tmp/bad.err"; then
-    echo "FAIL ($mode): a trainer with another layout was not refused"; cat "$tmp/bad.json"; exit 1
+    echo "FAIL ($mode): a trainer with another layout was not refused"; cat "$tmp/bad.json" "$tmp/bad.err"; exit 1
   fi
-  grep -q 'invalid_argument' "$tmp/bad.json" || { echo "FAIL ($mode): refusal without its reason"; cat "$tmp/bad.json"; exit 1; }
+  grep -q 'invalid_argument' "$tmp/bad.json" || { echo "FAIL ($mode): refusal without its reason"; cat "$tmp/bad.json" "$tmp/bad.err"; exit 1; }
   # The real trainer: 2 updates while requests flow; then the server shuts down.
   "$trainer_bin" --server "127.0.0.1:$control" --serve-port "$serve" --model-bytes 32M --layers 2 --vocab 4096 \
     --buffer-bytes 8M --num-buffers 2 --updates 2 --idle-ms 200 --between-ms 100 --request-interval-us 500 --timeout-ms 20000 --shutdown \
