@@ -83,11 +83,21 @@ section_netns() {
   return $rc
 }
 
-# The CUDA configuration: everything builds, CPU-runnable tests pass, GPU tests
-# skip with their reason (counted as skipped).
+# The CUDA configuration: everything builds; the tests whose code the CUDA
+# configuration changes (what depends on a select() on //third_party:cuda_enabled:
+# the GPU tests, the ucx engine with device memory, //engines:all with nccl and
+# cuda_ipc) run, CPU-runnable ones pass, GPU ones skip with their reason (counted as
+# skipped). The other tests are the same code as the test section's and are not run
+# twice.
 section_cuda() {
-  bazel test --config=cuda --test_output=errors //...
-  local rc=$?
+  local tests rc
+  tests=$(bazel query 'tests(rdeps(//..., //third_party:cuda_enabled))' 2>/dev/null) ||
+    { echo "cuda: bazel query for the CUDA-dependent tests failed"; return 1; }
+  [ -n "$tests" ] || { echo "cuda: no test depends on the CUDA configuration (the query is wrong)"; return 1; }
+  echo "cuda: $(echo "$tests" | wc -l) tests depend on the CUDA configuration"
+  # shellcheck disable=SC2086
+  bazel build --config=cuda //... && bazel test --config=cuda --test_output=errors $tests
+  rc=$?
   python3 tests/codebase/skipped_tests.py "$(bazel info --config=cuda bazel-testlogs 2>/dev/null)" --label cuda
   return $rc
 }
