@@ -4,34 +4,20 @@
 // against a reference slicing of the full model (tests/support/sharded_group.h).
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
 #include <refit/engines/ucx/sharded.h>
 #include <refit/error.h>
+#include "tests/engines/ucx/transports.h"
 #include "tests/support/run.h"
 #include "tests/support/sharded_group.h"
 #include "tests/support/tensors.h"
 
 namespace {
-// The transport family (REFIT_TEST_UCX_TLS, from the test target's env: one binary
-// per family). UCX reads its settings when the first context is made: set them
-// before any test.
-std::string ucx_tls() {
-  const char* tls = std::getenv("REFIT_TEST_UCX_TLS");
-  if (!tls || !*tls) {
-    std::fprintf(stderr, "REFIT_TEST_UCX_TLS is not set (the test target sets it: sm,self or tcp,self)\n");
-    std::exit(2);
-  }
-  return tls;
-}
-const std::string tls_family = ucx_tls();
-const bool ucx_env = [] {
-  setenv("UCX_TLS", tls_family.c_str(), 1);
-  setenv("UCX_NET_DEVICES", "lo", 1);  // else UCX's tcp uses every interface
-  return true;
-}();
+// Before any test: the family's UCX settings (tests/engines/ucx/transports.h).
+const std::string tls_family = refit::testing::use_ucx_test_transports();
+const bool ucx_env = !tls_family.empty();
 const bool shared_memory = tls_family.starts_with("sm");
 
 std::size_t open_descriptors() {
