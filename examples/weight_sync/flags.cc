@@ -131,7 +131,8 @@ const flag table[] = {
      [](options& o, flag_reader& r) { o.master_port = static_cast<std::uint16_t>(r.integer(0, 65535)); }},
     {"--advertise-port", "N[,N...]",
      "trainer: the data port(s) workers are told (proxies\n"
-     "in front): one, or one per worker",
+     "in front): one, or one per worker; prints\n"
+     "REFIT_MASTER_PORT <port> (the one they forward to)",
      [](options& o, flag_reader& r) { o.advertise = port_list(r.name(), r.value()); }},
     {"--first-round", "N",
      "trainer: number of the first update (its weights;\n"

@@ -119,7 +119,16 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   // group's default); proxies in front of the trainer are advertised instead.
   control::init_options init;
   init.adjust = [&o](std::size_t i, json& info) {
-    if (!o.advertise.empty()) info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
+    if (!o.advertise.empty()) {
+      // The proxies learn where to forward from this line (the port is bound by
+      // now, before any worker hears of it): a port picked for the trainer
+      // beforehand can be taken by another process in between.
+      if (i == 0) {
+        std::printf("REFIT_MASTER_PORT %u\n", info["master_port"].get<unsigned>());
+        std::fflush(stdout);
+      }
+      info["master_port"] = o.advertise[o.advertise.size() == 1 ? 0 : i];
+    }
     if (o.ucx_put_into_model) info["put_into_model"] = *o.ucx_put_into_model;
   };
   const json empty = json::object();

@@ -91,8 +91,6 @@ struct worker {
   int fds = 0, threads = 0;  // at the start, for the leak check
 };
 
-std::uint16_t free_port();
-
 // ------------------------------------------------------------------ data proxy
 
 enum class action { none, kill_trainer, kill_worker, corrupt, stall, throttle, hook };
@@ -101,9 +99,11 @@ enum class action { none, kill_trainer, kill_worker, corrupt, stall, throttle, h
 // trainer-to-worker stream passes byte `at`.
 class proxy {
  public:
-  proxy(asio::io_context& io, std::uint16_t trainer_port)
-      : io_(io), acceptor_(net::listen(io.get_executor(), "127.0.0.1", 0)), trainer_port_(trainer_port) {}
+  explicit proxy(asio::io_context& io) : io_(io), acceptor_(net::listen(io.get_executor(), "127.0.0.1", 0)) {}
   std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  // Where to forward: the trainer's data port, 0 until the trainer reports it
+  // (a worker accepted before then waits for it).
+  void forward_to(std::shared_ptr<const std::uint16_t> trainer_port) { trainer_port_ = std::move(trainer_port); }
 
   action act = action::none;
   std::uint64_t at = 0;
@@ -124,7 +124,7 @@ class proxy {
 
   asio::io_context& io_;
   asio::ip::tcp::acceptor acceptor_;
-  std::uint16_t trainer_port_;
+  std::shared_ptr<const std::uint16_t> trainer_port_ = std::make_shared<std::uint16_t>(0);
   // When the stall ends (the epoch when none fired): shared with the pumps.
   std::shared_ptr<clock_type::time_point> black_hole_ = std::make_shared<clock_type::time_point>();
   std::vector<std::shared_ptr<asio::ip::tcp::socket>> sockets_;
@@ -193,6 +193,8 @@ class suite {
     process proc;
     std::shared_ptr<std::string> text = std::make_shared<std::string>();
     std::shared_ptr<bool> eof = std::make_shared<bool>(false);
+    // Its data port, from its "REFIT_MASTER_PORT <port>" line (0 until then).
+    std::shared_ptr<std::uint16_t> master_port = std::make_shared<std::uint16_t>(0);
   };
   running_trainer start_trainer(const std::vector<std::string>& extra, const std::string& log);
   trainer_result wait_trainer(running_trainer& t, std::chrono::milliseconds limit,
@@ -201,10 +203,10 @@ class suite {
                              const std::string& log, process* out_proc = nullptr);
 
   // suite_proxy.cc
-  // Proxies in front of a new trainer data port (master), one per worker, and
-  // the ports to advertise for them ("p1,p2,...").
+  // Proxies in front of the next trainer's data port, one per worker, and the
+  // ports to advertise for them ("p1,p2,..."). The trainer picks its own port
+  // and reports it (wait_trainer hands it to the proxies).
   struct proxy_set {
-    std::uint16_t master;
     std::vector<std::unique_ptr<proxy>> proxies;
     std::string advertise;
   };

@@ -18,8 +18,7 @@ void suite::delta_scenario(const std::string& kind) {
       "--commit", "in_place",          "--checksums", "--auth-secret-file", secret_file_};
   const auto run = [&](int round, int updates, const std::string& tag, proxy_set& set) {
     std::vector<std::string> args = {"--first-round",         std::to_string(round), "--updates",
-                                     std::to_string(updates), "--master-port",       std::to_string(set.master),
-                                     "--advertise-port",      set.advertise};
+                                     std::to_string(updates), "--advertise-port",    set.advertise};
     args.insert(args.end(), delta.begin(), delta.end());
     for (auto& p : set.proxies) p->start();
     return run_trainer(args, &set.proxies, dir_ + "/trainer-" + std::to_string(r_.scenarios) + "-" + tag + ".log");

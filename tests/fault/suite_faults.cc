@@ -40,7 +40,7 @@ void suite::scenario(const std::string& kind, const std::string& commit) {
   std::vector<json> before(workers_.size());
   for (std::size_t i = 0; i < workers_.size(); ++i) before[i] = run_sync(call(*workers_[i].client, "weight_info"));
 
-  auto [master, proxies, advertise] = make_proxies();
+  auto [proxies, advertise] = make_proxies();
   process trainer_proc;
   bool killed_worker = false;
   auto& px = *proxies[target];
@@ -83,7 +83,6 @@ void suite::scenario(const std::string& kind, const std::string& commit) {
   std::vector<std::string> extra = {"--first-round",      std::to_string(round),
                                     "--updates",          "1",
                                     "--commit",           commit,
-                                    "--master-port",      std::to_string(master),
                                     "--advertise-port",   advertise,
                                     "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
   extra.insert(extra.end(), {"--topology", chain ? "chain" : "star"});

@@ -53,12 +53,6 @@ int count_entries(const std::string& dir) {
   return n;
 }
 
-std::uint16_t free_port() {
-  asio::io_context io;
-  asio::ip::tcp::acceptor a(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  return a.local_endpoint().port();
-}
-
 worker suite::start_worker(int index) {
   worker w;
   w.proc = start({o_.binary, "--role", "worker", "--engine", o_.engine, "--timeout-ms", std::to_string(o_.timeout_ms),
@@ -115,8 +109,8 @@ suite::running_trainer suite::start_trainer(const std::vector<std::string>& extr
   args.insert(args.end(), extra.begin(), extra.end());
   running_trainer t;
   t.proc = start(args, log);
-  auto reader = [](asio::io_context& io, int fd, std::shared_ptr<std::string> text,
-                   std::shared_ptr<bool> eof) -> asio::awaitable<void> {
+  auto reader = [](asio::io_context& io, int fd, std::shared_ptr<std::string> text, std::shared_ptr<bool> eof,
+                   std::shared_ptr<std::uint16_t> master_port) -> asio::awaitable<void> {
     asio::posix::stream_descriptor d(io, ::dup(fd));
     char buf[4096];
     for (;;) {
@@ -124,10 +118,16 @@ suite::running_trainer suite::start_trainer(const std::vector<std::string>& extr
       std::size_t n = co_await d.async_read_some(asio::buffer(buf), asio::redirect_error(asio::use_awaitable, ec));
       if (ec) break;
       text->append(buf, n);
+      constexpr std::string_view tag = "REFIT_MASTER_PORT ";
+      if (auto at = text->find(tag); *master_port == 0 && at != std::string::npos) {
+        unsigned port = 0;
+        if (text->find('\n', at) != std::string::npos && std::sscanf(text->c_str() + at + tag.size(), "%u", &port) == 1)
+          *master_port = static_cast<std::uint16_t>(port);
+      }
     }
     *eof = true;
   };
-  asio::co_spawn(io_, reader(io_, t.proc.out, t.text, t.eof), asio::detached);
+  asio::co_spawn(io_, reader(io_, t.proc.out, t.text, t.eof, t.master_port), asio::detached);
   return t;
 }
 
@@ -136,6 +136,8 @@ suite::running_trainer suite::start_trainer(const std::vector<std::string>& extr
 suite::trainer_result suite::wait_trainer(running_trainer& t, std::chrono::milliseconds limit,
                                           std::vector<std::unique_ptr<proxy>>* proxies) {
   const auto until = clock_type::now() + limit;
+  if (proxies)
+    for (auto& px : *proxies) px->forward_to(t.master_port);
   io_.restart();
   while (!*t.eof && clock_type::now() < until) io_.run_for(20ms);
   trainer_result r;

@@ -19,8 +19,19 @@ asio::awaitable<void> proxy::serve() {
     auto worker = std::make_shared<asio::ip::tcp::socket>(io_);
     co_await acceptor_.async_accept(*worker, asio::redirect_error(asio::use_awaitable, ec));
     if (ec) co_return;
+    // The worker heard of this proxy from the trainer, which reported its port
+    // first; the suite reads that report on this same loop, maybe after this.
+    asio::steady_timer wait(io_);
+    for (const auto until = clock_type::now() + 30s; *trainer_port_ == 0 && clock_type::now() < until;) {
+      wait.expires_after(2ms);
+      co_await wait.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    }
+    if (*trainer_port_ == 0) {
+      worker->close(ec);
+      continue;
+    }
     auto trainer = std::make_shared<asio::ip::tcp::socket>(io_);
-    co_await trainer->async_connect(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), trainer_port_),
+    co_await trainer->async_connect(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), *trainer_port_),
                                     asio::redirect_error(asio::use_awaitable, ec));
     if (ec) {
       worker->close(ec);
@@ -91,9 +102,9 @@ asio::awaitable<void> proxy::pump(std::shared_ptr<asio::ip::tcp::socket> from,
 }
 
 suite::proxy_set suite::make_proxies() {
-  proxy_set out{free_port(), {}, {}};
+  proxy_set out;
   for (std::size_t i = 0; i < workers_.size(); ++i) {
-    out.proxies.push_back(std::make_unique<proxy>(io_, out.master));
+    out.proxies.push_back(std::make_unique<proxy>(io_));
     out.advertise += (out.advertise.empty() ? "" : ",") + std::to_string(out.proxies.back()->port());
   }
   return out;
@@ -106,13 +117,14 @@ void suite::calibrate(const std::string& topology, bool checksums) {
   std::vector<std::uint64_t> totals[2];
   const std::string key = topology + (checksums ? "+checksums" : "");
   for (int updates = 1; updates <= 2; ++updates) {
-    auto [master, proxies, advertise] = make_proxies();
+    auto [proxies, advertise] = make_proxies();
     for (auto& p : proxies) p->start();
     const int round = version_ + 1;
-    std::vector<std::string> args = {
-        "--first-round",      std::to_string(round),  "--updates",        std::to_string(updates),
-        "--master-port",      std::to_string(master), "--advertise-port", advertise,
-        "--auth-secret-file", secret_file_,           "--topology",       topology};
+    std::vector<std::string> args = {"--first-round",      std::to_string(round),
+                                     "--updates",          std::to_string(updates),
+                                     "--advertise-port",   advertise,
+                                     "--auth-secret-file", secret_file_,
+                                     "--topology",         topology};
     if (checksums) args.push_back("--checksums");
     auto r = run_trainer(args, &proxies, dir_ + "/trainer-calibrate-" + key + "-" + std::to_string(updates) + ".log");
     if (!(r.exited && r.last.is_object() && r.last.value("verified", false)))
