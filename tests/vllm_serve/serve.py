@@ -32,8 +32,11 @@ def free_port() -> int:
 
 
 def make_model(out: str, **kwargs: Any) -> str:
-    """The tiny Llama of make_model.py in ``out`` (reused when its settings match)."""
+    """The tiny model of make_model.py in ``out`` (reused when its settings match);
+    ``family="qwen2"`` etc. for another family than Llama's."""
     settings = {"hidden": 128, "layers": 2, "dtype": "bfloat16", "seed": 0, **kwargs}
+    if settings.get("family") == "llama":
+        del settings["family"]
     stamp = os.path.join(out, "refit_model.json")
     if os.path.exists(stamp):
         with open(stamp) as f:

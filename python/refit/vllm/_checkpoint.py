@@ -172,13 +172,17 @@ class CheckpointIndex:
     def check(self, update: Mapping[str, Any]) -> None:
         """Raises ValueError naming what keeps ``update`` ({"names", "dtype_names",
         "shapes"}) from loading; returns when it loads."""
-        problems = self.problems(update.get("names", ()), update.get("dtype_names", ()), update.get("shapes", ()))
-        if problems:
-            more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
-            raise ValueError(
-                "the update does not fit the served model, so it was refused before any byte moved (the model "
-                "keeps its weights): " + "; ".join(problems[:_MAX_LISTED]) + more
-            )
+        refuse(self.problems(update.get("names", ()), update.get("dtype_names", ()), update.get("shapes", ())))
+
+
+def refuse(problems: list[str]) -> None:
+    """Raises ValueError listing ``problems`` (at most a few), if there are any."""
+    if problems:
+        more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+        raise ValueError(
+            "the update does not fit the served model, so it was refused before any byte moved (the model "
+            "keeps its weights): " + "; ".join(problems[:_MAX_LISTED]) + more
+        )
 
 
 def fused_modules(model: Any) -> dict[str, str]:

@@ -20,9 +20,9 @@ What a failed update leaves (the guarantee this module exists for):
 
 Either way the server keeps serving: no forward pass ever meets an open reload
 (the reload never outlives the vLLM call that opened it), and every update is
-checked against the checkpoint the model was loaded from (names, shapes, dtypes,
-whole layers; see ``_checkpoint``) before a byte of it moves, so the refusal
-reaches the trainer at once and names the tensor.
+checked by the model's own loader run on meta tensors (names it takes, renames,
+stacks or skips, shapes, dtypes, whole layers; see ``_loader_check``) before a
+byte of it moves, so the refusal reaches the trainer at once and names the tensor.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from vllm.distributed.weight_transfer.base import (
 import refit
 
 from . import _reload
-from ._checkpoint import CheckpointIndex
+from ._checkpoint import CheckpointIndex, refuse
+from ._loader_check import loader_problems
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -226,6 +227,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._last_update_info: dict[torch.nn.Module, RefitUpdateInfo] = {}
         # Checkpoint indexes per model (the target can be a draft model).
         self._indexes: dict[int, CheckpointIndex | None] = {}
+        # Per model, the last metadata its loader accepted: the same again (every
+        # round of a training run) is not checked again.
+        self._accepted: dict[int, tuple] = {}
 
     # -- refit's parallel layout ----------------------------------------------------
 
@@ -295,10 +299,31 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return self._indexes[key]
 
     def _check_update(self, update: dict[str, Any]) -> None:
-        """refit's check_update: runs before any byte of an update moves."""
+        """refit's check_update: runs before any byte of an update moves. The
+        model's own loader judges it, run on meta tensors (``_loader_check``);
+        where vLLM's reload did not record the model, its checkpoint's index."""
+        names = list(update.get("names", ()))
+        dtype_names = list(update.get("dtype_names", ()))
+        shapes = [[int(d) for d in s] for s in update.get("shapes", ())]
+        key = (tuple(names), tuple(dtype_names), tuple(tuple(s) for s in shapes))
+        if self._accepted.get(id(self.model)) == key:
+            return
         index = self._index()
-        if index is not None:
+        dtype = getattr(self.model_config, "dtype", None)
+        problems = loader_problems(
+            self.model,
+            _model_loader(self.model),
+            names,
+            dtype_names,
+            shapes,
+            model_dtype=str(dtype).split(".")[-1] if dtype is not None else None,
+            checkpoint_names=frozenset(index.tensors) if index is not None else frozenset(),
+        )
+        if problems is not None:
+            refuse(problems)
+        elif index is not None:
             index.check(update)
+        self._accepted[id(self.model)] = key
 
     def start_weight_update(self) -> None:
         """Opens refit's update session. The model is not touched yet."""

@@ -1,0 +1,242 @@
+"""An update checked by the served model's own loader, before a byte of it moves.
+
+The check asks vLLM, not a list kept here: the model's ``load_weights`` runs on
+meta tensors of the update's names, shapes and dtypes (no data), with every layer
+in the checkpoint format vLLM recorded for its layerwise reload
+(``LAYERWISE_INFO``) and on the meta device, exactly as during a real reload. So
+whatever that loader does is what is checked: names it renames or stacks
+(``WeightsMapper``, ``stacked_params_mapping``), per-expert names into fused
+experts, names it skips (the tied ``lm_head.weight``, rotary buffers), and names
+it refuses. Each weight's loader call is counted the way vLLM's reload counts it
+(``get_numel_loaded``), which gives:
+
+* a name the loader raises on: refused, naming it and quoting the loader;
+* a name the loader copies nothing of: accepted when the model has a parameter
+  or buffer of that name (a tied alias) or its checkpoint has the tensor (what
+  the loader drops by design), else refused (the loader would drop it silently);
+* a shape the loader cannot take: refused (its shape checks run on meta tensors);
+* a dtype neither the checkpoint format's nor the model's: refused;
+* a layer the update fills only in part: refused (vLLM would process it with
+  the rest of its memory uninitialised).
+
+The model is not used meanwhile: the check runs inside vLLM's ``update_weights``
+call, before any load, so no forward pass meets it, and every layer gets its own
+tensors back (the objects themselves, never copied) before the check returns,
+whatever happened. A model vLLM's reload did not record (or another vLLM whose
+bookkeeping differs) is not checked here (:func:`loader_problems` returns None).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _vllm_reload() -> Any | None:
+    """vLLM's layerwise-reload internals, or None where they differ."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise, meta, utils
+
+        for module, names in (
+            (layerwise, ("LAYERWISE_INFO",)),
+            (meta, ("restore_layer_on_meta", "to_meta_tensor", "get_numel_loaded", "SKIP_LOAD_TENSORS")),
+            (utils, ("get_layer_params_buffers", "get_layer_tensors", "get_layer_size")),
+        ):
+            for name in names:
+                getattr(module, name)
+    except (ImportError, AttributeError):
+        return None
+
+    class Api:
+        LAYERWISE_INFO = layerwise.LAYERWISE_INFO
+        restore_layer_on_meta = staticmethod(meta.restore_layer_on_meta)
+        to_meta_tensor = staticmethod(meta.to_meta_tensor)
+        get_numel_loaded = staticmethod(meta.get_numel_loaded)
+        SKIP_LOAD_TENSORS = meta.SKIP_LOAD_TENSORS
+        get_layer_params_buffers = staticmethod(utils.get_layer_params_buffers)
+        get_layer_tensors = staticmethod(utils.get_layer_tensors)
+        get_layer_size = staticmethod(utils.get_layer_size)
+
+    return Api
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def loader_problems(
+    model: torch.nn.Module,
+    load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    names: list[str],
+    dtype_names: list[str],
+    shapes: list[list[int]],
+    *,
+    model_dtype: str | None,
+    checkpoint_names: set[str] | frozenset[str] = frozenset(),
+) -> list[str] | None:
+    """What keeps the update from loading, by ``load_weights`` (the model's own,
+    run on meta tensors); None when the model cannot be checked this way."""
+    api = _vllm_reload()
+    if api is None:
+        return None
+    layers = [(qual, layer, api.LAYERWISE_INFO.get(layer)) for qual, layer in model.named_modules()]
+    layers = [(qual, layer, info) for qual, layer, info in layers if info is not None]
+    if not layers or any(info.can_load() for _, _, info in layers):
+        return None  # not recorded, or a reload is open: not ours to touch
+
+    problems: list[str] = []
+    tensors: dict[int, str] = {}  # id of a sent meta tensor -> its name
+    weights: list[tuple[str, torch.Tensor]] = []
+    for name, dtype_name, shape in zip(names, dtype_names, shapes):
+        dtype = _dtype(dtype_name)
+        if dtype is None:
+            problems.append(f"{name!r}: dtype {dtype_name!r} is not a torch dtype")
+            continue
+        t = torch.empty([int(d) for d in shape], dtype=dtype, device="meta")
+        tensors[id(t)] = name
+        weights.append((name, t))
+    if problems:
+        return problems
+
+    copied: dict[str, int] = {name: 0 for name, _ in weights}
+    wrong_dtype: dict[str, str] = {}
+    layer_of: dict[int, tuple[str, torch.nn.Module]] = {}
+    loaded: dict[int, int] = {}
+    current: list[str | None] = [None]
+
+    def source_name(args: inspect.BoundArguments) -> str | None:
+        for value in args.arguments.values():
+            base = value
+            while isinstance(base, torch.Tensor) and id(base) not in tensors and base._base is not None:
+                base = base._base
+            if isinstance(base, torch.Tensor) and id(base) in tensors:
+                return tensors[id(base)]
+        return current[0]
+
+    def counting(layer: torch.nn.Module, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        def load(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            numel, ret = api.get_numel_loaded(original, bound)
+            name = source_name(bound)
+            param = bound.arguments.get("param")
+            if name is not None:
+                copied[name] = copied.get(name, 0) + numel
+                if numel and isinstance(param, torch.Tensor):
+                    sent = sent_by_name.get(name)
+                    allowed = {param.dtype} | ({_dtype(model_dtype)} if model_dtype else set())
+                    if sent is not None and sent.dtype not in allowed:
+                        wrong_dtype[name] = " or ".join(sorted(str(d).split(".")[-1] for d in allowed if d))
+            loaded[id(layer)] = loaded.get(id(layer), 0) + numel
+            return ret
+
+        return load
+
+    sent_by_name = dict(weights)
+
+    def feed() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            current[0] = name
+            yield name, t
+        current[0] = None
+
+    saved: list[tuple[torch.nn.Module, Any, set[str]]] = []
+    attrs: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    sizes: dict[int, int] = {}
+    refusal: str | None = None
+    try:
+        with torch.no_grad():
+            for qual, layer, info in layers:
+                saved.append((layer, api.get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
+                params, buffers = info.restore_metadata
+                for t in list(params.values()) + list(buffers.values()):
+                    attrs.append((t, dict(t.__dict__)))
+                api.restore_layer_on_meta(layer, info)
+                layer_of[id(layer)] = (qual, layer)
+                for tname, t in api.get_layer_tensors(layer).items():
+                    if tname in api.SKIP_LOAD_TENSORS:
+                        continue  # never loaded (expert maps): read as they are
+                    if not t.is_meta:
+                        # What vLLM's reload loads in place (a bias): a meta twin
+                        # here, so that nothing of the served model is written.
+                        twin = api.to_meta_tensor(t)
+                        if tname in layer._parameters:
+                            layer._parameters[tname] = twin
+                        else:
+                            layer._buffers[tname] = twin
+                        t = twin
+                    t.weight_loader = counting(layer, _original_loader(t))
+            try:
+                load_weights(feed())
+            except Exception as e:  # noqa: BLE001 - the loader's refusal, quoted
+                who = current[0]
+                refusal = (f"{who!r}: " if who else "") + f"vLLM's loader refuses it: {type(e).__name__}: " + (
+                    _first_sentence(str(e)))
+            sizes = {id(layer): api.get_layer_size(layer) for _, layer, _ in layers}
+    finally:
+        for layer, (params, buffers), non_persistent in saved:
+            for tname in list(api.get_layer_tensors(layer)):
+                delattr(layer, tname)
+            for tname, p in params.items():
+                layer.register_parameter(tname, p)
+            for tname, b in buffers.items():
+                layer.register_buffer(tname, b, persistent=tname not in non_persistent)
+            layer._non_persistent_buffers_set = non_persistent
+        for t, d in attrs:
+            t.__dict__.clear()
+            t.__dict__.update(d)
+
+    if refusal is not None:
+        return [refusal]
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    for name, _ in weights:
+        if name in wrong_dtype:
+            sent = sent_by_name[name].dtype
+            problems.append(f"{name!r}: dtype {str(sent).split('.')[-1]} sent, the model loads {wrong_dtype[name]}")
+        elif copied.get(name, 0) == 0 and name not in known and name not in checkpoint_names:
+            problems.append(
+                f"{name!r} is not a weight of this model: vLLM's loader would drop it (the model has no "
+                "parameter of that name and its checkpoint no such tensor)"
+            )
+    for key, numel in sorted(loaded.items(), key=lambda kv: layer_of[kv[0]][0]):
+        total = sizes.get(key, 0)
+        if 0 < numel < total:
+            qual = layer_of[key][0] or type(layer_of[key][1]).__name__
+            problems.append(
+                f"vLLM layer {qual!r} is loaded whole, but the update fills {numel} of its {total} elements "
+                "(send every tensor of a layer in one update_weights call)"
+            )
+    return problems
+
+
+def _original_loader(t: torch.Tensor) -> Callable:
+    """``t``'s weight loader without vLLM's reload wrappers: a finished reload
+    leaves them on the recorded tensors, and they load nothing once it closed."""
+    loader = getattr(t, "weight_loader", None)
+    if loader is None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        return default_weight_loader
+    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+        loader = loader.__wrapped__
+    return loader
+
+
+def _first_sentence(text: str, limit: int = 300) -> str:
+    """The loader's message up to its first sentence (vLLM's goes on to list every
+    parameter of the module)."""
+    text = text.splitlines()[0] if text else text
+    end = text.find(". ")
+    if end > 0:
+        text = text[:end]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
