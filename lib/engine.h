@@ -193,7 +193,9 @@ class weight_transfer_engine {
   ///
   /// The commit mode is info.commit, else config().commit. in_place: tensors are
   /// loaded as they arrive (or received straight into the model's memory); a
-  /// failure after the first of them marks the weights dirty. staged: every tensor
+  /// failure after the first of them marks the weights dirty, and completes once
+  /// the loads of what had arrived have ended (nothing stays deferred: the next
+  /// update is taken at once). staged: every tensor
   /// is first received into the engine's stage (host memory it owns); load_weights
   /// sees none of it until the commit, so a failed transfer leaves the old weights
   /// untouched. Outside an update session a staged receive commits at its end and

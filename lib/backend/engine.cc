@@ -335,6 +335,15 @@ asio::awaitable<void> engine::receive_weights(const update_info& info, load_weig
   } catch (...) {
     failure = std::current_exception();
   }
+  if (failure) {
+    // The processing of buckets that arrived may still run (engines that defer
+    // it): it ends here, so the failed update leaves nothing pending and the next
+    // one is taken at once. Its own error, if any, is not what failed the update.
+    try {
+      co_await deferred_.join();
+    } catch (...) {
+    }
+  }
   if (state_ == state::receiving) state_ = state::ready;
   if (failure) {
     note_failure("an update", failure);
