@@ -789,14 +789,17 @@ class _VllmStyleModel(torch.nn.Module):
     """Two layers loaded through vLLM's weight loaders, recorded for vLLM's
     layerwise reload as vLLM's model loader records every model it builds;
     ``fail_on`` makes load_weights raise at that tensor (after loading the ones
-    before it in the batch)."""
+    before it in the batch): with its bytes only, like a loader that fails on the
+    data (refit's check, which runs the loader on meta tensors, passes), or on its
+    name too with ``fail_on_meta`` (the check refuses the update)."""
 
-    def __init__(self, fail_on: str | None = None) -> None:
+    def __init__(self, fail_on: str | None = None, fail_on_meta: bool = False) -> None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
         from vllm.model_executor.utils import set_weight_attrs
 
         super().__init__()
         self.fail_on = fail_on
+        self.fail_on_meta = fail_on_meta
         self.a = torch.nn.Linear(16, 8, dtype=torch.bfloat16)
         self.b = torch.nn.Linear(8, 4, dtype=torch.bfloat16)
         for p in self.parameters():
@@ -808,7 +811,7 @@ class _VllmStyleModel(torch.nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         for name, w in weights:
-            if name == self.fail_on:
+            if name == self.fail_on and (self.fail_on_meta or not w.is_meta):
                 raise LoadFailure(f"cannot load {name}")
             p = params[name]
             getattr(p, "weight_loader", default_weight_loader)(p, w)
@@ -893,6 +896,34 @@ def test_load_weights_that_raises_leaves_every_layer_whole(commit):
             want = new[name] if name.startswith("a.") else before[name]
             assert torch.equal(as_bytes(p), want), f"{name}: not the {'new' if name.startswith('a.') else 'old'} bytes"
         assert engine.refit_state()["session_active"] is False
+        model.fail_on = None
+        trainer.send_weights()
+        for (name, got), (_, want) in zip(model.named_parameters(), src.named_parameters()):
+            assert torch.equal(as_bytes(got), as_bytes(want)), name
+    finally:
+        trainer.shutdown()
+        engine.shutdown()
+
+
+def test_an_update_the_loader_refuses_on_its_names_is_refused_before_a_byte_moves():
+    """The model's load_weights raises at b.bias whatever its bytes: refit's check
+    runs it on meta tensors first, so the update is refused naming the tensor and
+    quoting the loader, every layer keeps its old bytes (none is left on the meta
+    device), and the next update lands."""
+    model = _recorded(_VllmStyleModel(fail_on="b.bias", fail_on_meta=True))
+    before = _snapshot(model)
+    vllm_config = make_vllm_config()
+    engine, _ = make_worker(model, vllm_config)
+    client = InProcessClient([WorkerStub(engine, vllm_config.parallel_config)])
+    src = _source_like(model, 33)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        trainer_info(world_size=2), client=client, source=ModuleSource(src))
+    try:
+        with pytest.raises(Exception, match=r"'b\.bias': vLLM's loader refuses it: LoadFailure: cannot load b\.bias"):
+            trainer.send_weights()
+        for name, p in model.named_parameters():
+            assert not p.is_meta, name
+            assert torch.equal(as_bytes(p), before[name]), f"{name} changed on a refused update"
         model.fail_on = None
         trainer.send_weights()
         for (name, got), (_, want) in zip(model.named_parameters(), src.named_parameters()):

@@ -109,7 +109,8 @@ def loader_problems(
     copied: dict[str, int] = {name: 0 for name, _ in weights}
     wrong_dtype: dict[str, str] = {}
     layer_of: dict[int, tuple[str, torch.nn.Module]] = {}
-    loaded: dict[int, int] = {}
+    loaded: dict[int, int] = {}  # per layer (id), elements loaded
+    filled: dict[int, int] = {}  # per layer tensor (id), elements loaded
     current: list[str | None] = [None]
 
     def source_name(args: inspect.BoundArguments) -> str | None:
@@ -138,6 +139,8 @@ def loader_problems(
                     if sent is not None and sent.dtype not in allowed:
                         wrong_dtype[name] = " or ".join(sorted(str(d).split(".")[-1] for d in allowed if d))
             loaded[id(layer)] = loaded.get(id(layer), 0) + numel
+            if isinstance(param, torch.Tensor):
+                filled[id(param)] = filled.get(id(param), 0) + numel
             return ret
 
         return load
@@ -153,6 +156,7 @@ def loader_problems(
     saved: list[tuple[torch.nn.Module, Any, set[str]]] = []
     attrs: list[tuple[torch.Tensor, dict[str, Any]]] = []
     sizes: dict[int, int] = {}
+    unfilled: dict[int, list[str]] = {}  # per layer (id), its tensors nothing was loaded into
     refusal: str | None = None
     try:
         with torch.no_grad():
@@ -183,6 +187,12 @@ def loader_problems(
                 refusal = (f"{who!r}: " if who else "") + f"vLLM's loader refuses it: {type(e).__name__}: " + (
                     _first_sentence(str(e)))
             sizes = {id(layer): api.get_layer_size(layer) for _, layer, _ in layers}
+            for qual, layer, _ in layers:
+                unfilled[id(layer)] = [
+                    f"{qual}.{tname}" if qual else tname
+                    for tname, t in api.get_layer_tensors(layer).items()
+                    if tname not in api.SKIP_LOAD_TENSORS and t.numel() > 0 and filled.get(id(t), 0) == 0
+                ]
     finally:
         for layer, (params, buffers), non_persistent in saved:
             for tname in list(api.get_layer_tensors(layer)):
@@ -216,9 +226,15 @@ def loader_problems(
         total = sizes.get(key, 0)
         if 0 < numel < total:
             qual = layer_of[key][0] or type(layer_of[key][1]).__name__
+            lacks = unfilled.get(key, [])
+            if lacks:
+                more = f" and {len(lacks) - 3} more" if len(lacks) > 3 else ""
+                what = f"lacks {', '.join(repr(n) for n in lacks[:3])}{more} (it fills {numel} of its {total} elements)"
+            else:
+                what = f"fills {numel} of its {total} elements"
             problems.append(
-                f"vLLM layer {qual!r} is loaded whole, but the update fills {numel} of its {total} elements "
-                "(send every tensor of a layer in one update_weights call)"
+                f"vLLM layer {qual!r} is loaded whole, but the update {what} (send every tensor of a layer in one "
+                "update_weights call)"
             )
     return problems
 
