@@ -11,10 +11,11 @@ it refuses. Each weight's loader call is counted the way vLLM's reload counts it
 (``get_numel_loaded``), which gives:
 
 * a name the loader raises on: refused, naming it and quoting the loader;
-* a name the loader copies nothing of: taken, as the loader skips it (a tied
-  alias, a rotary buffer); a warning names those that are neither a parameter of
-  the model nor a tensor of its checkpoint (a loader that drops unknown names
-  silently);
+* a name the loader copies nothing of: taken when the model has a parameter or
+  buffer of that name (a tied alias) or its checkpoint the tensor (what the loader
+  drops by design); else refused, naming it (the loader would drop it unused, as
+  AutoWeightsLoader does any unexpected ".bias": the trainer's model is not the
+  served one);
 * a shape the loader cannot take: refused (its shape checks run on meta tensors);
 * a dtype neither the checkpoint format's nor the model's: refused;
 * a layer the update fills only in part: refused (vLLM would process it with
@@ -210,18 +211,17 @@ def loader_problems(
         return [refusal]
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    dropped = []
     for name, _ in weights:
         if name in wrong_dtype:
             sent = sent_by_name[name].dtype
             problems.append(f"{name!r}: dtype {str(sent).split('.')[-1]} sent, the model loads {wrong_dtype[name]}")
         elif copied.get(name, 0) == 0 and name not in known and name not in checkpoint_names:
-            dropped.append(name)
-    if dropped and not problems:
-        # Taken, as vLLM's own engines take them; said, since a trainer may not mean it.
-        logger.warning(
-            "refit: vLLM's loader drops %d tensor(s) of this update, which the model has no parameter for and "
-            "its checkpoint no tensor of: %s%s", len(dropped), dropped[:8], " ..." if len(dropped) > 8 else "")
+            # What the loader ignores as unexpected (AutoWeightsLoader: any ".bias"):
+            # the trainer's model is not the served one.
+            problems.append(
+                f"{name!r} is not a weight of this model: vLLM's loader would drop it unused (the model has no "
+                "parameter of that name and its checkpoint no such tensor)"
+            )
     for key, numel in sorted(loaded.items(), key=lambda kv: layer_of[kv[0]][0]):
         total = sizes.get(key, 0)
         if 0 < numel < total:
