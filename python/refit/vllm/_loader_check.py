@@ -30,6 +30,7 @@ bookkeeping differs) is not checked here (:func:`loader_problems` returns None).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -40,6 +41,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+@functools.cache
 def _vllm_reload() -> Any | None:
     """vLLM's layerwise-reload internals, or None where they differ."""
     try:

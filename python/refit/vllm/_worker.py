@@ -27,6 +27,7 @@ byte of it moves, so the refusal reaches the trainer at once and names the tenso
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -310,7 +311,25 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             return
         index = self._index()
         dtype = getattr(self.model_config, "dtype", None)
-        problems = loader_problems(
+        # No garbage collection meanwhile: this runs on refit's loop, and a refit
+        # object the collector finishes there would wait on that same loop in its
+        # destructor (a CI run here aborted so).
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            problems = self._loader_problems(index, dtype, names, dtype_names, shapes)
+        finally:
+            if gc_was_on:
+                gc.enable()
+        if problems is not None:
+            refuse(problems)
+        elif index is not None:
+            index.check(update)
+        self._accepted[id(self.model)] = key
+
+    def _loader_problems(self, index: CheckpointIndex | None, dtype: Any, names: list[str], dtype_names: list[str],
+                         shapes: list[list[int]]) -> list[str] | None:
+        return loader_problems(
             self.model,
             _model_loader(self.model),
             names,
@@ -319,11 +338,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             model_dtype=str(dtype).split(".")[-1] if dtype is not None else None,
             checkpoint_names=frozenset(index.tensors) if index is not None else frozenset(),
         )
-        if problems is not None:
-            refuse(problems)
-        elif index is not None:
-            index.check(update)
-        self._accepted[id(self.model)] = key
 
     def start_weight_update(self) -> None:
         """Opens refit's update session. The model is not touched yet."""
