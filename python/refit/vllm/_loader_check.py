@@ -34,6 +34,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,32 +43,25 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def _vllm_reload() -> Any | None:
-    """vLLM's layerwise-reload internals, or None where they differ."""
+def _vllm_reload() -> SimpleNamespace | None:
+    """vLLM's layerwise-reload internals (the same in 0.32 and 0.33), or None where
+    they differ."""
     try:
         from vllm.model_executor.model_loader.reload import layerwise, meta, utils
 
-        for module, names in (
-            (layerwise, ("LAYERWISE_INFO",)),
-            (meta, ("restore_layer_on_meta", "to_meta_tensor", "get_numel_loaded", "SKIP_LOAD_TENSORS")),
-            (utils, ("get_layer_params_buffers", "get_layer_tensors", "get_layer_size")),
-        ):
-            for name in names:
-                getattr(module, name)
+        return SimpleNamespace(
+            LAYERWISE_INFO=layerwise.LAYERWISE_INFO,
+            original_loader=layerwise._get_original_loader,  # without its reload wrappers
+            restore_layer_on_meta=meta.restore_layer_on_meta,
+            to_meta_tensor=meta.to_meta_tensor,
+            get_numel_loaded=meta.get_numel_loaded,
+            SKIP_LOAD_TENSORS=meta.SKIP_LOAD_TENSORS,
+            get_layer_params_buffers=utils.get_layer_params_buffers,
+            get_layer_tensors=utils.get_layer_tensors,
+            get_layer_size=utils.get_layer_size,
+        )
     except (ImportError, AttributeError):
         return None
-
-    class Api:
-        LAYERWISE_INFO = layerwise.LAYERWISE_INFO
-        restore_layer_on_meta = staticmethod(meta.restore_layer_on_meta)
-        to_meta_tensor = staticmethod(meta.to_meta_tensor)
-        get_numel_loaded = staticmethod(meta.get_numel_loaded)
-        SKIP_LOAD_TENSORS = meta.SKIP_LOAD_TENSORS
-        get_layer_params_buffers = staticmethod(utils.get_layer_params_buffers)
-        get_layer_tensors = staticmethod(utils.get_layer_tensors)
-        get_layer_size = staticmethod(utils.get_layer_size)
-
-    return Api
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -182,7 +176,9 @@ def loader_problems(
                         else:
                             layer._buffers[tname] = twin
                         t = twin
-                    t.weight_loader = counting(layer, _original_loader(t))
+                    # A finished reload leaves its wrappers on the recorded tensors, and they
+                    # load nothing once it closed: vLLM's own unwrapping.
+                    t.weight_loader = counting(layer, api.original_loader(t))
             try:
                 load_weights(feed())
             except Exception as e:  # noqa: BLE001 - the loader's refusal, quoted
@@ -239,19 +235,6 @@ def loader_problems(
                 "update_weights call)"
             )
     return problems
-
-
-def _original_loader(t: torch.Tensor) -> Callable:
-    """``t``'s weight loader without vLLM's reload wrappers: a finished reload
-    leaves them on the recorded tensors, and they load nothing once it closed."""
-    loader = getattr(t, "weight_loader", None)
-    if loader is None:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        return default_weight_loader
-    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
-        loader = loader.__wrapped__
-    return loader
 
 
 def _first_sentence(text: str, limit: int = 300) -> str:

@@ -317,7 +317,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            problems = self._loader_problems(index, dtype, names, dtype_names, shapes)
+            problems = loader_problems(
+                self.model,
+                _model_loader(self.model),
+                names,
+                dtype_names,
+                shapes,
+                model_dtype=str(dtype).split(".")[-1] if dtype is not None else None,
+                checkpoint_names=frozenset(index.tensors) if index is not None else frozenset(),
+            )
         finally:
             if gc_was_on:
                 gc.enable()
@@ -326,18 +334,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         elif index is not None:
             index.check(update)
         self._accepted[id(self.model)] = key
-
-    def _loader_problems(self, index: CheckpointIndex | None, dtype: Any, names: list[str], dtype_names: list[str],
-                         shapes: list[list[int]]) -> list[str] | None:
-        return loader_problems(
-            self.model,
-            _model_loader(self.model),
-            names,
-            dtype_names,
-            shapes,
-            model_dtype=str(dtype).split(".")[-1] if dtype is not None else None,
-            checkpoint_names=frozenset(index.tensors) if index is not None else frozenset(),
-        )
 
     def start_weight_update(self) -> None:
         """Opens refit's update session. The model is not touched yet."""
