@@ -37,17 +37,14 @@ import pytest
 import requests
 import torch
 
-from refit.vllm import RefitTrainerInitInfo  # registers "refit" in this (trainer) process
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_model import FAMILIES  # noqa: E402
 from serve import Server, make_model  # noqa: E402
+from test_serve import DEADLINE_MS, vllm_trainer  # noqa: E402 - vLLM's trainer path, as test_serve drives it
 from weights import DictSource  # noqa: E402
 
 PROMPT = "The quick brown fox"
-DEADLINE_MS = 4000
-TRAINER_TIMEOUT_MS = 30000
 REFUSED_THEN_GOOD = int(os.environ.get("REFIT_VLLM_FAMILY_ROUNDS", "20"))
 SELECTED = [f for f in (os.environ.get("REFIT_VLLM_FAMILIES") or ",".join(FAMILIES)).split(",") if f]
 RESULTS: dict[str, dict] = {}
@@ -134,17 +131,6 @@ def fam(request, starts):
         assert alive, f"vllm serve died during the {family} tests; see {log}"
 
 
-def trainer_for(fam, tensors: dict[str, torch.Tensor]):
-    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-
-    info = RefitTrainerInitInfo(
-        master_address="127.0.0.1", world_size=2, rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
-        auth_secret_file=fam["secret"], worker_options={"timeout_ms": DEADLINE_MS},
-    )
-    return WeightTransferTrainerFactory.trainer_init(
-        info, client=HTTPVLLMWeightSyncClient(fam["server"].url), source=DictSource.make(tensors))
-
-
 def perturbed(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """Every floating tensor plus noise; tensors that share storage (tied weights)
     stay one tensor, as in the trainer's model."""
@@ -186,7 +172,7 @@ def test_other_weights_change_output_and_original_restores_it(fam, layout):
     server, reference = fam["server"], fam["reference"]
     original = state_dict_of(fam["hf"]) if layout == "state_dict" else named_parameters_of(fam["hf"])
     other = perturbed(original, seed=11)
-    trainer = trainer_for(fam, other)
+    trainer = vllm_trainer(fam, other)
     try:
         push(trainer, other, f"{layout}-other")
         assert server.weight_version() == f"{layout}-other"
@@ -209,7 +195,7 @@ def test_unknown_name_is_refused_then_a_good_update_lands_every_time(fam):
     first = next(iter(original))
     unknown = "model.layers.0.self_attn.not_a_weight.weight"
     bad = {**original, unknown: original[first]}
-    trainer = trainer_for(fam, original)
+    trainer = vllm_trainer(fam, original)
     per_round: list[dict[str, float]] = []
     try:
         push(trainer, original, "families-0")
