@@ -214,6 +214,24 @@ void block_on<void>(asio::awaitable<void> op, python_error_slot* slot) {
   if (error) raise(error, slot);
 }
 
+void teardown(asio::awaitable<void> op) noexcept {
+  auto& rt = runtime::get();
+  if (rt.stopped()) return;
+  try {
+    if (rt.on_loop()) {
+      asio::co_spawn(rt.executor(), std::move(op), [](std::exception_ptr) {});
+      return;
+    }
+    block_on(std::move(op));
+  } catch (nb::python_error& e) {
+    e.discard_as_unraisable("refit: tearing down an object");  // a destructor raises nothing (Ctrl-C included)
+  } catch (std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    PyErr_WriteUnraisable(nullptr);
+  } catch (...) {
+  }
+}
+
 void pending_call::cancel() {
   auto signal = signal_;
   asio::post(runtime::get().executor(), [signal] { signal->emit(asio::cancellation_type::terminal); });

@@ -129,6 +129,14 @@ auto call(F fn) -> asio::awaitable<decltype(fn())> {
 }
 }  // namespace detail
 
+/// Ends a refit object's life from its destructor: runs `op` (which owns what it
+/// ends) on refit's loop. Off the loop it waits for it with the GIL released; on
+/// the loop itself (a garbage collection inside a Python callback refit runs
+/// there) waiting would deadlock, so it starts `op` and returns: `op` runs once
+/// the callback is done. Never throws; after interpreter exit (no loop) `op` is
+/// destroyed unrun.
+void teardown(asio::awaitable<void> op) noexcept;
+
 /// Runs `fn` on refit's loop (for engine state read or changed outside a
 /// coroutine) and returns its result. GIL held; released while waiting.
 template <class F>

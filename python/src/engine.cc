@@ -97,30 +97,29 @@ class py_engine {
   }
 
   ~py_engine() {
-    if (runtime::get().stopped()) return;  // interpreter exit: the loop is gone
-    try {
-      on_loop([this] {
-        if (engine_->processing_pending() == 0) engine_->shutdown();
-        return 0;
-      });
-    } catch (...) {
-    }
-    // Anything still pending ends with the process; the engine is destroyed on the
-    // loop, where its coroutines run.
-    block_on(destroy(std::move(engine_), std::move(session_)));
+    teardown(destroy(std::move(engine_), std::move(session_), std::move(checked_), std::move(copy_), std::move(held_)));
   }
 
+  // On refit's loop: ends the engine's deferred processing (anything still pending
+  // ends with the process), then the engine, then the targets it wrote to.
   static asio::awaitable<void> destroy(std::unique_ptr<weight_transfer_engine> engine,
-                                       std::unique_ptr<weight_update_session> session) {
-    if (engine && engine->processing_pending() > 0) {
-      try {
-        co_await engine->drain_pending();
-      } catch (...) {
+                                       std::unique_ptr<weight_update_session> session,
+                                       std::unique_ptr<checked_target> checked, std::unique_ptr<host_copy_target> copy,
+                                       std::unique_ptr<held_target> held) {
+    if (engine) {
+      if (engine->processing_pending() > 0) {
+        try {
+          co_await engine->drain_pending();
+        } catch (...) {
+        }
       }
       engine->shutdown();
     }
     session.reset();
     engine.reset();
+    checked.reset();
+    copy.reset();
+    held.reset();
   }
 
   std::string backend() const { return std::string(engine_->backend()); }

@@ -50,10 +50,7 @@ class py_worker_group {
     group_ = std::make_unique<worker_group>(runtime::get().executor(), std::chrono::milliseconds(timeout_ms),
                                             std::move(secret), read_endpoints(endpoints));
   }
-  ~py_worker_group() {
-    if (runtime::get().stopped()) return;
-    block_on(destroy(std::move(group_)));
-  }
+  ~py_worker_group() { teardown(destroy(std::move(group_))); }
   static asio::awaitable<void> destroy(std::unique_ptr<worker_group> group) {
     group->close();
     group.reset();

@@ -83,15 +83,10 @@ class py_worker_host {
     port_ = on_loop([&] { return host_->listen(host, static_cast<std::uint16_t>(port)); });
     asio::co_spawn(runtime::get().executor(), host_->serve(), [](std::exception_ptr) {});
   }
-  ~py_worker_host() {
-    if (runtime::get().stopped()) return;
-    try {
-      stop();
-    } catch (...) {
-    }
-    block_on(destroy(std::move(host_)));
-  }
-  static asio::awaitable<void> destroy(std::unique_ptr<worker_host> host) {
+  ~py_worker_host() { teardown(destroy(std::move(host_), std::move(held_), stopped_)); }
+  static asio::awaitable<void> destroy(std::unique_ptr<worker_host> host, std::unique_ptr<held_target> held,
+                                       bool stopped) {
+    if (host && !stopped) host->stop();
     // Let the connections' coroutines see the stop before the host goes.
     asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::milliseconds(1));
     co_await t.async_wait(asio::use_awaitable);
@@ -102,6 +97,7 @@ class py_worker_host {
       }
     }
     host.reset();
+    held.reset();  // after the host: its hooks and engine write into it
   }
 
   int port() const { return port_; }

@@ -29,10 +29,7 @@ class py_sender {
     ctx.device = parse_device(device);
     sender_ = engine_factory::instance().create_sender(config, ctx);
   }
-  ~py_sender() {
-    if (runtime::get().stopped()) return;
-    block_on(destroy(std::move(sender_)));
-  }
+  ~py_sender() { teardown(destroy(std::move(sender_))); }
   static asio::awaitable<void> destroy(std::unique_ptr<weight_sender> sender) {
     sender->shutdown();
     sender.reset();

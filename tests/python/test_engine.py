@@ -567,3 +567,57 @@ def test_keep_base_lets_a_worker_without_tensors_take_deltas(backend):
         engine.shutdown()
     with pytest.raises(refit.InvalidArgumentError, match="keep_base"):
         refit.Engine("tcp", keep_base=True, tensors={"w": np.zeros(4, dtype=np.int16)})
+
+
+GC_ON_REFITS_LOOP = textwrap.dedent("""
+    import gc, socket, sys, time
+    import numpy as np
+    import refit
+    from conftest import connect, transfer
+
+    # One of each refit object in a reference cycle: only the collector frees them.
+    host = refit.WorkerHost("tcp", tensors={"w": np.zeros(4, dtype=np.float32)}, timeout_ms=5000)
+    port = host.port
+    group = refit.WorkerGroup([("127.0.0.1", port)], timeout_ms=5000)
+    for obj in (host, group, refit.Engine("tcp", timeout_ms=5000), refit.Sender("tcp", timeout_ms=5000)):
+        box = [obj]
+        box.append(box)
+    del host, group, obj, box
+    gc.disable()  # the collection happens in the check, on refit's loop
+    collected = []
+
+    def check(info):
+        collected.append(gc.collect())
+
+    src = {"w": np.arange(4, dtype=np.float32)}
+    with refit.Sender("tcp", timeout_ms=5000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=5000, framework="numpy", check_update=check)
+        connect(sender, [engine])
+        got = {}
+        transfer(sender, [engine], src, lambda batch: got.update((n, t.copy()) for n, t in batch))
+        assert collected and collected[0] > 0, collected
+        assert got["w"].tolist() == [0, 1, 2, 3], got
+        # The host's teardown, started on the loop, ends there: its port closes.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline, "the collected WorkerHost still listens"
+            time.sleep(0.05)
+        engine.shutdown()
+    print("ok", collected[0])
+""")
+
+
+def test_refit_objects_the_collector_frees_on_refits_loop_end_there():
+    # A callback refit runs on its loop (check_update, hooks, load_weights) may
+    # trigger a collection that frees other refit objects. Their teardown cannot
+    # wait on the loop it runs on; it must start there and end later, never abort
+    # the process (a vLLM worker's loader check aborted so).
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", GC_ON_REFITS_LOOP], cwd=here, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, f"rc={out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
+    assert out.stdout.startswith("ok"), out.stdout

@@ -27,7 +27,6 @@ byte of it moves, so the refusal reaches the trainer at once and names the tenso
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -311,24 +310,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             return
         index = self._index()
         dtype = getattr(self.model_config, "dtype", None)
-        # No garbage collection meanwhile: this runs on refit's loop, and a refit
-        # object the collector finishes there would wait on that same loop in its
-        # destructor (a CI run here aborted so).
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
-            problems = loader_problems(
-                self.model,
-                _model_loader(self.model),
-                names,
-                dtype_names,
-                shapes,
-                model_dtype=str(dtype).split(".")[-1] if dtype is not None else None,
-                checkpoint_names=frozenset(index.tensors) if index is not None else frozenset(),
-            )
-        finally:
-            if gc_was_on:
-                gc.enable()
+        problems = loader_problems(
+            self.model,
+            _model_loader(self.model),
+            names,
+            dtype_names,
+            shapes,
+            model_dtype=str(dtype).split(".")[-1] if dtype is not None else None,
+            checkpoint_names=frozenset(index.tensors) if index is not None else frozenset(),
+        )
         if problems is not None:
             refuse(problems)
         elif index is not None:
