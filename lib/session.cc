@@ -15,14 +15,24 @@ void weight_update_session::start_weight_update() {
   active_ = true;
   chunks_ = 0;
   applied_ = 0;
+  prepared_ = false;
   failure_.clear();
 }
 
 asio::awaitable<void> weight_update_session::update_weights(const update_info& info, load_weights_fn load_weights) {
   if (!active_)
     throw_error(errc::invalid_state, "update_weights: no active weight update (call start_weight_update first)");
-  if (updating_)
-    throw_error(errc::invalid_state, "update_weights: another chunk of this update is still being received");
+  if (updating_ || preparing_)
+    throw_error(errc::invalid_state, preparing_
+                                         ? "update_weights: the session is being prepared"
+                                         : "update_weights: another chunk of this update is still being received");
+  if (prepared_) {
+    const std::string message =
+        "update_weights: the session is prepared (it voted to commit what it holds); finish "
+        "or abort it";
+    internal::engine_access::refuse_update(engine_, errc::invalid_state, message);
+    throw_error(errc::invalid_state, message);
+  }
   if (!failure_.empty()) {
     // The trainer is about to send this chunk: tell it at once.
     const std::string message = "update_weights: " + failure_ +
@@ -81,11 +91,48 @@ asio::awaitable<void> weight_update_session::update_weights(const json& update_i
   co_await update_weights(*info, std::move(load_weights));
 }
 
+asio::awaitable<void> weight_update_session::prepare_weight_update() {
+  if (!active_)
+    throw_error(errc::invalid_state, "prepare_weight_update: no active weight update (call start_weight_update first)");
+  if (updating_ || reading_ || preparing_)
+    throw_error(errc::invalid_state,
+                std::string("prepare_weight_update: ") +
+                    (preparing_ ? "the session is already being prepared" : "a chunk is still being received"));
+  if (prepared_) co_return;
+  if (!failure_.empty())
+    throw_error(errc::invalid_state,
+                "prepare_weight_update: " + failure_ + "; this session cannot be committed: abort it");
+  if (applied_ > 0)
+    throw_error(errc::invalid_state, "prepare_weight_update: " + std::to_string(applied_) +
+                                         " chunk(s) of this session were applied in place as they arrived; only a "
+                                         "staged session (commit \"staged\") can be prepared");
+  preparing_ = true;
+  std::exception_ptr failure;
+  try {
+    co_await engine_.drain_pending();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  preparing_ = false;
+  if (failure) {
+    failure_ = "its processing failed: " + describe_error(failure);
+    std::rethrow_exception(failure);
+  }
+  if (internal::engine_access::staged_chunks(engine_) != chunks_)
+    throw_error(errc::invalid_state, "prepare_weight_update: the engine holds " +
+                                         std::to_string(internal::engine_access::staged_chunks(engine_)) +
+                                         " staged chunk(s) of the session's " + std::to_string(chunks_) +
+                                         "; this session cannot be committed whole: abort it");
+  prepared_ = true;
+}
+
 asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<std::int64_t> weight_version) {
   if (!active_)
     throw_error(errc::invalid_state, "finish_weight_update: no active weight update (call start_weight_update first)");
   if (updating_ || reading_) throw_error(errc::invalid_state, "finish_weight_update: a chunk is still being received");
+  if (preparing_) throw_error(errc::invalid_state, "finish_weight_update: the session is being prepared");
   active_ = false;
+  prepared_ = false;
   std::exception_ptr failure;
   if (!failure_.empty()) {
     // Nothing may claim a version for an update that did not arrive whole.
@@ -119,7 +166,9 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
 asio::awaitable<void> weight_update_session::abort_weight_update(std::string why) {
   if (!active_) co_return;
   if (updating_) throw_error(errc::invalid_state, "abort_weight_update: a chunk of the update is still being received");
+  if (preparing_) throw_error(errc::invalid_state, "abort_weight_update: the session is being prepared");
   active_ = false;
+  prepared_ = false;
   if (applied_ > 0 && !engine_.weights_dirty())
     internal::engine_access::mark_weights_dirty(
         engine_, "a weight update was aborted after " + std::to_string(applied_) + " chunk(s) of it had been applied" +

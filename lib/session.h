@@ -57,6 +57,14 @@ class weight_update_session {
   /// dirty mark (the trainer sent a full update).
   asio::awaitable<void> finish_weight_update(std::optional<std::int64_t> weight_version = std::nullopt);
 
+  /// The first phase of a fleet-atomic update (two-phase commit, see
+  /// control::update_options::fleet_atomic): drains deferred processing and
+  /// checks that the session holds its whole update staged, nothing of it
+  /// applied, no chunk failed. Then the session is prepared: it takes no more
+  /// chunks, and finish_weight_update commits it or abort_weight_update drops it.
+  /// Throws invalid_state (the session stays open, to be aborted) otherwise.
+  asio::awaitable<void> prepare_weight_update();
+
   /// Closes an active session without recording a version (after a failure, or
   /// when its owner is gone). Staged chunks are discarded: the weights are as
   /// before. If in_place chunks of it were already applied, the weights are a mix
@@ -71,6 +79,8 @@ class weight_update_session {
   /// True while finish_weight_update drains and commits (the session is no longer
   /// active, and the model is changing: a staged commit, in_place processing).
   bool finishing() const noexcept { return finishing_; }
+  /// True once prepare_weight_update succeeded, until the session closes.
+  bool prepared() const noexcept { return prepared_; }
   /// The version recorded by the last successful finish, if any.
   std::optional<std::int64_t> weight_version() const noexcept { return version_; }
   /// Chunks received in the active (or last) session.
@@ -85,6 +95,8 @@ class weight_update_session {
   bool updating_ = false;
   bool reading_ = false;    // update_weights(json): its update_info is being read off the loop
   bool finishing_ = false;  // finish_weight_update is draining or committing
+  bool preparing_ = false;  // prepare_weight_update is draining
+  bool prepared_ = false;   // prepare_weight_update succeeded: no more chunks
   std::uint64_t chunks_ = 0;
   std::uint64_t applied_ = 0;  // in_place chunks of the active session (they reached the model)
   std::string failure_;        // a chunk of the active session failed: how

@@ -108,6 +108,13 @@ const flag table[] = {
        else
          throw_error(errc::invalid_argument, "--commit: expected in_place or staged, got '" + v + "'");
      }},
+    {"--fleet-atomic", "",
+     "two-phase updates: staged on every worker, each votes, none\n"
+     "commits unless all voted yes (implies --commit staged)",
+     [](options& o, flag_reader&) {
+       o.fleet_atomic = true;
+       o.commit = commit_mode::staged;
+     }},
     {"--auth-secret-file", "PATH",
      "authenticate every connection (mode 0600;\n"
      "default $REFIT_AUTH_SECRET_FILE)",
@@ -275,7 +282,7 @@ options parse_args(int argc, char** argv) {
     if (!o.connect.empty() || o.one_tensor || !o.advertise.empty() || o.commit == commit_mode::staged)
       throw_error(errc::invalid_argument,
                   "--trainers/--tp: --connect, --one-tensor, --advertise-port "
-                  "and --commit staged are for the one-trainer job");
+                  "and --commit staged (or --fleet-atomic) are for the one-trainer job");
     if (!o.topology.empty() && !o.broadcast)
       throw_error(errc::invalid_argument,
                   "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");

@@ -38,6 +38,7 @@ struct options {
   std::optional<bool> ucx_put_into_model;  // ucx: the workers' "put_into_model" (nullopt: the engine's default)
   bool checksums = false;
   commit_mode commit = commit_mode::in_place;
+  bool fleet_atomic = false;               // trainer: two-phase updates (every worker votes before any commits)
   std::string listen = "127.0.0.1";        // workers' control address; the trainer's data address
   std::vector<endpoint> connect;           // trainer: use running workers instead of starting them
   bool load_model = false;                 // trainer: have --connect workers allocate the model first

@@ -151,6 +151,7 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   if (o.load_model) co_await workers.call_all("load_model", layout_info);
   control::update_options update;
   update.commit = o.commit;
+  update.fleet_atomic = o.fleet_atomic;
   update.verify = false;  // checked below, after the loop-lag probe, counting every difference
   update.hold_before_finish = std::chrono::milliseconds(o.hold_before_finish_ms);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
@@ -312,6 +313,7 @@ int run_trainer(const options& o) {
                  {"direct_receive", !o.no_direct && o.commit == commit_mode::in_place},
                  {"checksums", o.checksums},
                  {"commit", to_string(o.commit)},
+                 {"fleet_atomic", o.fleet_atomic},
                  {"authenticated", !o.secret.empty()},
                  {"first_round", o.first_round},
                  {"rounds_verified", t.check.verified ? t.check.rounds_done : 0},

@@ -53,14 +53,6 @@ asio::awaitable<void> connect_one(client& c, std::string name, worker_endpoint a
   if (failure) rethrow_named(failure, name);
 }
 
-// finish_weight_update on one worker, timed from `t0`.
-asio::awaitable<void> finish_one(client& c, std::string name, json params, worker_update* out,
-                                 clock_type::time_point t0) {
-  co_await call_one(c, std::move(name), "finish_weight_update", std::move(params), &out->finish);
-  out->seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
-  if (out->finish.is_object() && out->finish.contains("stats")) out->stats = out->finish["stats"];
-}
-
 }  // namespace
 
 worker_group::worker_group(asio::any_io_executor executor, std::chrono::milliseconds timeout, std::string secret,
@@ -154,17 +146,107 @@ asio::awaitable<update_result> worker_group::update(weight_sender& sender, updat
   co_return co_await run_update(sender, std::move(meta), source, version, std::move(options));
 }
 
+namespace {}  // namespace
+
+// Where an update stands on each worker, and its failures: each worker's (and
+// the send's) first error, kept rather than thrown, and the first of all in time
+// (the one an update that is not fleet-atomic throws, named).
+struct detail::fleet_state {
+  explicit fleet_state(std::size_t n) : phase(n), errors(n), answers(n) {}
+  std::vector<std::string> phase;          // the verb each worker is at (or failed in)
+  std::vector<std::exception_ptr> errors;  // as the worker said it (fleet errors name it themselves)
+  std::vector<json> answers;
+  std::exception_ptr send_error;
+  std::exception_ptr first;  // named
+  bool failed() const noexcept { return first != nullptr; }
+};
+
 namespace {
 
-asio::awaitable<void> send(weight_sender& sender, const update_metadata& meta, tensor_source& source) {
-  co_await sender.send_weights(meta, source);
+using detail::fleet_state;
+
+// Keeps `e` as worker `w`'s error (or the send's, w = npos), named.
+void keep(fleet_state& f, std::size_t w, const std::string& name, std::exception_ptr e) {
+  std::exception_ptr named = e;
+  if (!name.empty()) {
+    try {
+      rethrow_named(e, name);
+    } catch (const error&) {
+      named = std::current_exception();
+    } catch (...) {
+    }
+  }
+  if (w == static_cast<std::size_t>(-1))
+    f.send_error = e;
+  else if (!f.errors[w])
+    f.errors[w] = e;
+  if (!f.first) f.first = named;
+}
+
+asio::awaitable<void> call_kept(client& c, std::string name, std::string method, json params, fleet_state* f,
+                                std::size_t w) {
+  f->phase[w] = method;
+  try {
+    f->answers[w] = co_await c.call(std::move(method), std::move(params));
+  } catch (...) {
+    keep(*f, w, name, std::current_exception());
+  }
+}
+
+asio::awaitable<void> send_kept(weight_sender& sender, const update_metadata& meta, tensor_source& source,
+                                fleet_state* f) {
+  try {
+    co_await sender.send_weights(meta, source);
+  } catch (...) {
+    keep(*f, static_cast<std::size_t>(-1), "", std::current_exception());
+  }
+}
+
+// finish_weight_update on one worker, timed from `t0`; its error kept.
+asio::awaitable<void> finish_one(client& c, std::string name, json params, worker_update* out,
+                                 clock_type::time_point t0, fleet_state* f, std::size_t w) {
+  f->phase[w] = "finish_weight_update";
+  try {
+    out->finish = co_await c.call("finish_weight_update", std::move(params));
+  } catch (...) {
+    keep(*f, w, name, std::current_exception());
+    co_return;
+  }
+  out->seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+  if (out->finish.is_object() && out->finish.contains("stats")) out->stats = out->finish["stats"];
+}
+
+std::string error_line(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return std::string(errc_name(x.kind())) + ": " + x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
 }
 
 }  // namespace
 
+asio::awaitable<void> worker_group::each_kept(std::string method, json params, detail::fleet_state& f) {
+  std::vector<asio::awaitable<void>> ops;
+  for (std::size_t i = 0; i < clients_.size(); ++i)
+    if (!f.errors[i]) ops.push_back(call_kept(*clients_[i], name(i), method, params, &f, i));
+  co_await async::all_of(std::move(ops));
+}
+
 asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, update_metadata meta,
                                                         tensor_source& source, std::int64_t version,
                                                         update_options options) {
+  if (options.fleet_atomic) {
+    if (options.commit == commit_mode::in_place)
+      throw_error(errc::invalid_argument,
+                  "worker_group::update: a fleet-atomic update is staged (every worker votes before any commits); "
+                  "commit in_place cannot be fleet-atomic");
+    options.commit = commit_mode::staged;
+  }
   // Bodies built before any co_await (GCC 12 and braced lists across suspension).
   json update_info = options.update_info.is_object() ? options.update_info : json::object();
   write_update_metadata(meta, update_info);
@@ -181,16 +263,26 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
   if (options.delta || options.producer_stream)
     sender.set_next_send({.delta = options.delta, .producer_stream = options.producer_stream});
   const auto t0 = clock_type::now();
-  co_await call_all("start_weight_update");
-  co_await both(call_all("update_weights", std::move(update_body)), send(sender, meta, source));
-  if (options.hold_before_finish.count() > 0) {
+  fleet_state f(clients_.size());
+  co_await each_kept("start_weight_update", json::object(), f);
+  if (!f.failed()) {
+    std::vector<asio::awaitable<void>> ops;
+    ops.push_back(each_kept("update_weights", std::move(update_body), f));
+    ops.push_back(send_kept(sender, meta, source, &f));
+    co_await async::all_of(std::move(ops));
+  }
+  if (!f.failed() && options.hold_before_finish.count() > 0) {
     asio::steady_timer hold(executor_, options.hold_before_finish);
     co_await hold.async_wait(asio::use_awaitable);
   }
+  if (!f.failed() && options.fleet_atomic) co_await each_kept("prepare_weight_update", json::object(), f);
+  if (f.failed()) co_await abort_all(f, version, options.fleet_atomic);
+
   std::vector<asio::awaitable<void>> finishes;
   for (std::size_t i = 0; i < clients_.size(); ++i)
-    finishes.push_back(finish_one(*clients_[i], name(i), finish_body, &result.workers[i], t0));
+    finishes.push_back(finish_one(*clients_[i], name(i), finish_body, &result.workers[i], t0, &f, i));
   co_await async::all_of(std::move(finishes));
+  if (f.failed()) throw_commit_failure(f, version, options.fleet_atomic);
   result.seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
 
   if (options.verify) {
@@ -198,6 +290,72 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
     result.verified = true;
   }
   co_return result;
+}
+
+// After a failure before any commit: every worker's session is aborted (a worker
+// whose session already ended answers that it had none), then the failure is
+// thrown. Fleet-atomic: one error naming every worker's phase; otherwise the first
+// error, as it came.
+asio::awaitable<void> worker_group::abort_all(detail::fleet_state& f, std::int64_t version, bool fleet_atomic) {
+  const std::string why = "update " + std::to_string(version) + " failed: " + error_line(f.first);
+  std::vector<std::exception_ptr> abort_errors(clients_.size());
+  std::vector<asio::awaitable<void>> ops;
+  for (std::size_t i = 0; i < clients_.size(); ++i)
+    ops.push_back([](client& c, json body, std::exception_ptr* out) -> asio::awaitable<void> {
+      try {
+        co_await c.call("abort_weight_update", std::move(body));
+      } catch (...) {
+        *out = std::current_exception();
+      }
+    }(*clients_[i], json{{"why", why}}, &abort_errors[i]));
+  co_await async::all_of(std::move(ops));
+  if (!fleet_atomic) std::rethrow_exception(f.first);
+  std::string message = "fleet-atomic update " + std::to_string(version) +
+                        ": no worker committed; every worker keeps its previous version:";
+  for (std::size_t i = 0; i < clients_.size(); ++i) {
+    message += "\n  " + name(i) + ": ";
+    if (f.errors[i])
+      message += "failed in " + f.phase[i] + ": " + error_line(f.errors[i]);
+    else
+      message += "aborted after " + f.phase[i];
+    if (abort_errors[i]) message += " (its abort failed: " + error_line(abort_errors[i]) + ")";
+  }
+  if (f.send_error) message += "\n  the trainer's send: " + error_line(f.send_error);
+  errc kind = errc::io_error;
+  try {
+    std::rethrow_exception(f.first);
+  } catch (const error& e) {
+    kind = e.kind();
+  } catch (...) {
+  }
+  throw_error(kind, message);
+}
+
+// A failure at commit, after every worker voted (fleet-atomic) or of a finish.
+void worker_group::throw_commit_failure(detail::fleet_state& f, std::int64_t version, bool fleet_atomic) {
+  if (!fleet_atomic) std::rethrow_exception(f.first);
+  std::string committed, failed;
+  errc kind = errc::io_error;
+  bool have_kind = false;
+  for (std::size_t i = 0; i < clients_.size(); ++i) {
+    if (!f.errors[i]) {
+      committed += (committed.empty() ? "" : ", ") + name(i);
+      continue;
+    }
+    failed += "\n  " + name(i) + ": failed at its commit: " + error_line(f.errors[i]);
+    if (!have_kind) {
+      try {
+        std::rethrow_exception(f.errors[i]);
+      } catch (const error& e) {
+        kind = e.kind();
+      } catch (...) {
+      }
+      have_kind = true;
+    }
+  }
+  throw_error(kind, "fleet-atomic update " + std::to_string(version) + ": every worker voted to commit, and " +
+                        (committed.empty() ? std::string("none") : committed) + " committed it; the fleet holds two " +
+                        "versions until the next update:" + failed);
 }
 
 asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(fingerprint_list expected,

@@ -62,6 +62,10 @@ asio::awaitable<void> both(asio::awaitable<A> a, asio::awaitable<B> b) {
   co_await both_void(discard(std::move(a)), discard(std::move(b)));
 }
 
+namespace detail {
+struct fleet_state;  // worker_group.cc: where an update stands on each worker
+}  // namespace detail
+
 /// A worker's control address.
 struct worker_endpoint {
   std::string host;
@@ -106,6 +110,17 @@ struct update_options {
   /// The trainer's fingerprints to verify against instead of the views' (required
   /// with verify for the tensor_source overload).
   std::optional<fingerprint_list> expected;
+  /// Two-phase: every worker receives the update into its stage (the commit is
+  /// staged; commit in_place is invalid_argument), then votes
+  /// (prepare_weight_update: its whole update is staged, nothing of it applied,
+  /// no chunk failed). Only when every worker voted yes is any told to commit.
+  /// Before that, any failure (a worker refusing, losing its stream, voting no,
+  /// the send failing) aborts every worker's session: each keeps its previous
+  /// version and weights, untouched, and the error names every worker with its
+  /// phase (docs/control-plane.md, "Fleet-atomic updates"). A worker that fails
+  /// at its commit, after every vote, is named with the workers that did commit
+  /// (the fleet then holds two versions until the next update).
+  bool fleet_atomic = false;
   /// A pause between update_weights and finish_weight_update (fault tests: a
   /// window in which every worker holds the whole stream but has not committed).
   /// The group sends nothing meanwhile: a pause longer than a worker's session
@@ -210,6 +225,10 @@ class worker_group {
   asio::awaitable<update_result> run_update(weight_sender& sender, update_metadata meta, tensor_source& source,
                                             std::int64_t version, update_options options);
   asio::awaitable<std::vector<json>> call_with(std::string method, std::vector<json> params);
+  // `method` on every worker that has not failed yet, its errors kept in `f`.
+  asio::awaitable<void> each_kept(std::string method, json params, detail::fleet_state& f);
+  asio::awaitable<void> abort_all(detail::fleet_state& f, std::int64_t version, bool fleet_atomic);
+  [[noreturn]] void throw_commit_failure(detail::fleet_state& f, std::int64_t version, bool fleet_atomic);
   asio::awaitable<void> init_workers(weight_sender& sender, std::vector<json> bodies);
 
   asio::any_io_executor executor_;

@@ -76,9 +76,15 @@ class WorkerGroup(_Scoped):
         metadata: Info | None = None,
         delta: bool | None = None,
         stream: Any = None,
+        fleet_atomic: bool = False,
     ) -> Info:
         """One update of every worker; returns {"version", "seconds", "verified", "workers"}.
-        ``delta`` and ``stream``: as :meth:`Sender.send_weights`'s, for this update."""
+        ``delta`` and ``stream``: as :meth:`Sender.send_weights`'s, for this update.
+
+        A failure before any worker commits aborts every worker's session (each keeps
+        its previous version). ``fleet_atomic=True`` makes the update two-phase: staged
+        on every worker, each votes (``prepare_weight_update``), and none commits
+        unless all voted yes; its error names every worker's phase."""
         return self._impl.update(
             sender=sender._impl,
             tensors=tensors,
@@ -90,6 +96,7 @@ class WorkerGroup(_Scoped):
             metadata=metadata,
             delta=delta,
             stream=sender._order.handle(stream),
+            fleet_atomic=fleet_atomic,
         )
 
     async def update_async(
@@ -105,6 +112,7 @@ class WorkerGroup(_Scoped):
         metadata: Info | None = None,
         delta: bool | None = None,
         stream: Any = None,
+        fleet_atomic: bool = False,
     ) -> Info:
         return await _run(
             _keep((self, sender), self._impl._start_update),
@@ -118,6 +126,7 @@ class WorkerGroup(_Scoped):
             metadata=metadata,
             delta=delta,
             stream=sender._order.handle(stream),
+            fleet_atomic=fleet_atomic,
         )
 
     def call_all(self, method: str, params: Info | None = None) -> list[Any]:

@@ -108,9 +108,10 @@ control::init_options make_init_options(const std::string& ranks) {
 
 control::update_options make_update_options(bool verify, const std::optional<std::string>& commit,
                                             nb::handle update_info, nb::handle expected, std::optional<bool> delta,
-                                            std::optional<std::uintptr_t> stream) {
+                                            std::optional<std::uintptr_t> stream, bool fleet_atomic) {
   control::update_options o;
   o.verify = verify;
+  o.fleet_atomic = fleet_atomic;
   o.delta = delta;
   o.producer_stream = producer_stream(stream);
   if (commit) {
@@ -161,30 +162,30 @@ void bind_worker_group(nb::module_& m) {
           "update",
           [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                   std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
-                  std::optional<bool> delta, std::optional<std::uintptr_t> stream) {
+                  std::optional<bool> delta, std::optional<std::uintptr_t> stream, bool fleet_atomic) {
             auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-            auto options = make_update_options(verify, commit, update_info, expected, delta, stream);
+            auto options = make_update_options(verify, commit, update_info, expected, delta, stream, fleet_atomic);
             json out = block_on(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                         version, std::move(options)));
             return nb::cast<nb::dict>(to_py(out));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
           nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
-          nb::arg("delta").none() = nb::none(), nb::arg("stream").none() = nb::none())
+          nb::arg("delta").none() = nb::none(), nb::arg("stream").none() = nb::none(), nb::arg("fleet_atomic") = false)
       .def(
           "_start_update",
           [to_py](py_worker_group& g, py_sender& s, nb::handle tensors, std::int64_t version, bool verify,
                   std::optional<std::string> commit, nb::handle update_info, nb::handle expected, nb::handle metadata,
-                  std::optional<bool> delta, std::optional<std::uintptr_t> stream, nb::object done) {
+                  std::optional<bool> delta, std::optional<std::uintptr_t> stream, bool fleet_atomic, nb::object done) {
             auto [held, declared] = hold_for_send(tensors, metadata, "update", &s.cache());
-            auto options = make_update_options(verify, commit, update_info, expected, delta, stream);
+            auto options = make_update_options(verify, commit, update_info, expected, delta, stream, fleet_atomic);
             return start<json>(py_worker_group::update(&g.group(), &s.sender(), std::move(held), std::move(declared),
                                                        version, std::move(options)),
                                to_py, std::move(done));
           },
           nb::arg("sender"), nb::arg("tensors"), nb::arg("version"), nb::arg("verify"), nb::arg("commit").none(),
           nb::arg("update_info").none(), nb::arg("expected").none(), nb::arg("metadata").none(),
-          nb::arg("delta").none(), nb::arg("stream").none(), nb::arg("done"))
+          nb::arg("delta").none(), nb::arg("stream").none(), nb::arg("fleet_atomic"), nb::arg("done"))
       .def(
           "call_all",
           [to_py](py_worker_group& g, const std::string& method, nb::handle params) {

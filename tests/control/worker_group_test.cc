@@ -109,6 +109,18 @@ class worker_group_test : public ::testing::Test {
     out = co_await group_->call_all(std::move(method));
   }
 
+  // Every worker holds exactly `set` at `version`, clean, with no session open.
+  void expect_at(tensor_set& set, std::int64_t version) {
+    std::vector<std::vector<std::string>> diffs;
+    auto fetch = [&]() -> asio::awaitable<void> {
+      diffs = co_await group_->fingerprint_differences(fingerprint_all(set.views()), version);
+    };
+    run_to_completion(io_, fetch());
+    for (std::size_t w = 0; w < diffs.size(); ++w)
+      EXPECT_TRUE(diffs[w].empty()) << "worker " << w << ": " << diffs[w][0];
+    for (const auto& info : call_all("weight_info")) EXPECT_EQ(info["session_active"], false) << info.dump();
+  }
+
   static tensor_set model_tensors(std::uint64_t seed) {
     tensor_set set;
     for (int i = 0; i < 6; ++i) set.add("layer." + std::to_string(i), dtype::bfloat16, {64, 96}, seed);
@@ -223,6 +235,111 @@ TEST_F(worker_group_test, the_check_also_wants_the_version) {
   run_to_completion(io_, check());
   EXPECT_NE(message.find("worker 0"), std::string::npos) << message;
   EXPECT_NE(message.find("version is 3"), std::string::npos) << message;
+}
+
+// Every worker's weight_info and fingerprints say `version` of `set`, clean, no
+// session open.
+TEST_F(worker_group_test, a_fleet_atomic_update_votes_then_commits_on_every_worker) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set set = model_tensors(11);
+  control::update_result result;
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  auto failure = try_update(set, 11, result, atomic);
+  ASSERT_FALSE(failure) << failure->message();
+  EXPECT_TRUE(result.verified);
+  expect_at(set, 11);
+}
+
+TEST_F(worker_group_test, fleet_atomic_in_place_is_refused_before_any_worker_is_told) {
+  start({{}, {}});
+  run_to_completion(io_, init());
+  tensor_set set = model_tensors(12);
+  control::update_result result;
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  atomic.commit = commit_mode::in_place;
+  auto failure = try_update(set, 12, result, atomic);
+  ASSERT_TRUE(failure);
+  EXPECT_EQ(failure->kind(), errc::invalid_argument) << failure->message();
+  for (const auto& info : call_all("weight_info")) {
+    EXPECT_EQ(info["session_active"], false) << info.dump();
+    EXPECT_EQ(info["weight_version"], nullptr) << info.dump();
+  }
+}
+
+// One worker refuses the update before a byte moves. Fleet-atomic or not, every
+// worker's session is aborted, each keeps the old version untouched, and the
+// same trainer's next update lands at once (before, the others' sessions stayed
+// open until their idle deadline and refused it).
+class worker_group_failure_test : public worker_group_test, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(worker_group_failure_test, a_worker_refusing_an_update_leaves_every_worker_at_the_old_version) {
+  const bool atomic = GetParam();
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(20);
+  control::update_result result;
+  control::update_options options;
+  options.fleet_atomic = atomic;
+  options.commit = commit_mode::staged;
+  ASSERT_FALSE(try_update(old_set, 20, result, options));
+
+  tensor_set new_set = model_tensors(21);
+  workers_[2]->model.refuse_next = true;
+  auto failure = try_update(new_set, 21, result, options);
+  ASSERT_TRUE(failure) << "the refusal was not reported";
+  EXPECT_EQ(failure->kind(), errc::invalid_argument) << failure->message();
+  const std::string refused = "worker 2 (127.0.0.1:" + std::to_string(workers_[2]->port) + ")";
+  EXPECT_NE(failure->message().find(refused), std::string::npos) << failure->message();
+  if (atomic) {
+    EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
+    // The workers relay as a chain: the refusal reaches the others as theirs.
+    EXPECT_NE(failure->message().find(refused +
+                                      ": failed in update_weights: invalid_argument: update_weights failed "
+                                      "on worker 127.0.0.1:" +
+                                      std::to_string(workers_[2]->port) + ": holding model: refused this update"),
+              std::string::npos)
+        << failure->message();
+  }
+  expect_at(old_set, 20);
+  for (const auto& info : call_all("weight_info")) EXPECT_NE(info["last_error"], nullptr) << info.dump();
+
+  // The tcp engine's data connections end with a failed update: init again.
+  run_to_completion(io_, init());
+  failure = try_update(new_set, 22, result, options);
+  ASSERT_FALSE(failure) << failure->message();
+  EXPECT_TRUE(result.verified);
+  expect_at(new_set, 22);
+}
+
+INSTANTIATE_TEST_SUITE_P(fleet_atomic, worker_group_failure_test, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "fleet_atomic" : "staged"; });
+
+// After every vote, one worker's commit fails (its load_weights throws). The
+// error names the workers that committed and the one that did not: the fleet
+// holds two versions until the next update, which lands on all.
+TEST_F(worker_group_test, a_commit_failing_after_every_vote_names_who_committed) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set set = model_tensors(30);
+  control::update_result result;
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  workers_[1]->model.fail_next_load = true;
+  auto failure = try_update(set, 30, result, atomic);
+  ASSERT_TRUE(failure);
+  EXPECT_EQ(failure->kind(), errc::processing_failed) << failure->message();
+  const std::string w1 = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  EXPECT_NE(failure->message().find("every worker voted to commit"), std::string::npos) << failure->message();
+  EXPECT_NE(failure->message().find(w1 + ": failed at its commit"), std::string::npos) << failure->message();
+  const auto infos = call_all("weight_info");
+  EXPECT_EQ(infos[0]["weight_version"], 30) << infos[0].dump();
+  EXPECT_NE(infos[1]["weight_version"], 30) << infos[1].dump();
+  failure = try_update(set, 31, result, atomic);
+  ASSERT_FALSE(failure) << failure->message();
+  expect_at(set, 31);
 }
 
 TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once) {

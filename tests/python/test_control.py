@@ -47,6 +47,39 @@ def test_a_worker_group_updates_worker_hosts_and_verifies_them():
         h.stop()
 
 
+def test_a_fleet_atomic_update_commits_nowhere_unless_every_worker_votes_yes():
+    # Worker 1 refuses update 2 from its on_update_started hook: no worker commits,
+    # both keep update 1 whole, and the next update lands on both.
+    dests = [{k: np.zeros_like(v) for k, v in model(0).items()} for _ in range(2)]
+    refuse = {"next": False}
+
+    def started(owner):
+        if refuse["next"]:
+            refuse["next"] = False
+            raise RuntimeError("worker 1 is draining its requests")
+
+    hosts = [refit.WorkerHost("tcp", tensors=dests[0], timeout_ms=10000),
+             refit.WorkerHost("tcp", tensors=dests[1], timeout_ms=10000, on_update_started=started)]
+    with refit.Sender("tcp", timeout_ms=10000) as sender, \
+            refit.WorkerGroup([f"127.0.0.1:{h.port}" for h in hosts], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        assert group.update(sender, model(1), 1, fleet_atomic=True)["verified"]
+        refuse["next"] = True
+        with pytest.raises(refit.Error, match=r"(?s)no worker committed.*worker 1 .*draining") as e:
+            group.update(sender, model(2), 2, fleet_atomic=True)
+        assert "failed in start_weight_update" in str(e.value), e.value
+        for h, d in zip(hosts, dests):
+            info = h.weight_info()
+            assert (info["weight_version"], info["state"], info["session_active"]) == (1, "clean", False), info
+            assert all(d[k].tobytes() == model(1)[k].tobytes() for k in d)
+        with pytest.raises(refit.InvalidArgumentError, match="in_place"):
+            group.update(sender, model(3), 3, fleet_atomic=True, commit="in_place")
+        assert group.update(sender, model(3), 3, fleet_atomic=True)["verified"]
+    for h in hosts:
+        h.stop()
+
+
 def test_a_worker_that_holds_other_weights_is_named():
     dest = {k: np.zeros_like(v) for k, v in model(0).items()}
     host = refit.WorkerHost("tcp", tensors=dest, timeout_ms=10000)

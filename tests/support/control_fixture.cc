@@ -12,6 +12,7 @@ weight_transfer_config tcp_config(std::chrono::milliseconds timeout) {
 }
 
 void holding_model::load_weights(std::span<const tensor_view> views) {
+  if (fail_next_load.exchange(false)) throw_error(errc::processing_failed, "holding model: load_weights failed");
   std::lock_guard lock(mutex_);
   for (const auto& v : views) {
     auto& slot = tensors_[std::string(v.name)];
@@ -23,6 +24,7 @@ void holding_model::load_weights(std::span<const tensor_view> views) {
 }
 
 void holding_model::begin_update(const update_metadata& meta) {
+  if (refuse_next.exchange(false)) throw_error(errc::invalid_argument, "holding model: refused this update");
   for (const auto& t : meta.tensors)
     if (t.name == "forbidden") throw_error(errc::invalid_argument, "holding model: no tensor may be named 'forbidden'");
 }

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -39,6 +40,11 @@ class holding_model final : public model_target {
   void load_weights(std::span<const tensor_view> views) override;
   void begin_update(const update_metadata& meta) override;
   fingerprint_list fingerprint(const std::vector<std::string>& names) override;
+
+  /// Faults of the next update only: begin_update refuses it (before any byte
+  /// moves), or load_weights throws (in a staged session: at its commit).
+  std::atomic<bool> refuse_next{false};
+  std::atomic<bool> fail_next_load{false};
 
  private:
   struct tensor {

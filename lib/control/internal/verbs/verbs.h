@@ -15,7 +15,9 @@ namespace refit::control::internal::verbs {
 asio::awaitable<json> init_weight_transfer_engine(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> start_weight_update(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> update_weights(worker_state& w, rpc_connection& caller, json params);
+asio::awaitable<json> prepare_weight_update(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> finish_weight_update(worker_state& w, rpc_connection& caller, json params);
+asio::awaitable<json> abort_weight_update(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> weight_info(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> weight_fingerprint(worker_state& w, rpc_connection& caller, json params);
 
