@@ -8,6 +8,10 @@ std::vector<std::pair<std::string, std::uint64_t>> model_target::fingerprint(con
   throw_error(errc::unsupported, "this model target offers no weight fingerprint");
 }
 
+void model_target::read_back(const tensor_spec& spec, std::span<std::byte>) {
+  throw_error(errc::unsupported, "this model target cannot read back '" + spec.name + "'");
+}
+
 json engine_capabilities::to_json() const {
   return {{"direct_receive", direct_receive},
           {"staged_commit", staged_commit},

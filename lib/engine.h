@@ -75,6 +75,17 @@ class model_target {
   /// them now, all weights when `names` is empty; what the worker's
   /// weight_fingerprint call answers. The default throws unsupported.
   virtual std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names);
+  /// Undo of a staged commit (fleet-atomic updates, docs/control-plane.md): whether
+  /// read_back can copy the bytes of `spec` (its dtype and shape) as the model holds
+  /// them now. Asked on the engine's loop before any byte of the update moves; a
+  /// worker whose model cannot read a tensor back refuses a fleet-atomic update of
+  /// it. Default: false.
+  virtual bool can_read_back(const tensor_spec& /*spec*/) { return false; }
+  /// Copies the bytes of `spec` as the model holds them now (what it serves) into
+  /// `out` (spec.nbytes() bytes). Called on the processing executor during a staged
+  /// commit that keeps its undo, just before that tensor's load_weights. Default:
+  /// throws unsupported.
+  virtual void read_back(const tensor_spec& spec, std::span<std::byte> out);
   /// A load_weights_fn that forwards to this target.
   load_weights_fn as_load_weights() {
     return [this](std::span<const tensor_view> w) { load_weights(w); };
@@ -252,7 +263,11 @@ class weight_transfer_engine {
   // ("Staged commits").
   friend class internal::engine_access;
   virtual void begin_session() = 0;
-  virtual asio::awaitable<void> commit_session() = 0;
+  virtual asio::awaitable<void> commit_session(bool keep_undo) = 0;
+  virtual std::string undo_refusal(const update_metadata& meta) = 0;
+  virtual asio::awaitable<void> rollback_session() = 0;
+  virtual void release_undo() noexcept = 0;
+  virtual bool holds_undo() const noexcept = 0;
   virtual void discard_session() = 0;
   virtual bool session_open() const noexcept = 0;
   virtual std::size_t staged_chunks() const noexcept = 0;

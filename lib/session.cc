@@ -16,7 +16,47 @@ void weight_update_session::start_weight_update() {
   chunks_ = 0;
   applied_ = 0;
   prepared_ = false;
+  undoable_ = false;
+  undo_version_.reset();  // begin_session dropped the engine's undo
   failure_.clear();
+}
+
+void weight_update_session::require_undo() {
+  if (!active_) throw_error(errc::invalid_state, "require_undo: no active weight update");
+  if (chunks_ > 0 || updating_)
+    throw_error(errc::invalid_state, "require_undo: chunks of this session were already received");
+  undoable_ = true;
+}
+
+bool weight_update_session::holds_undo() const noexcept { return internal::engine_access::holds_undo(engine_); }
+
+void weight_update_session::release_undo() noexcept {
+  internal::engine_access::release_undo(engine_);
+  undo_version_.reset();
+}
+
+asio::awaitable<void> weight_update_session::rollback_weight_update() {
+  if (active_ || finishing_)
+    throw_error(errc::invalid_state, "rollback_weight_update: a weight update session is open; abort it first");
+  if (!holds_undo())
+    throw_error(errc::invalid_state,
+                "rollback_weight_update: no undo is held (only the last fleet-atomic update can be rolled back, "
+                "until the next update starts)");
+  const std::optional<std::int64_t> previous = undo_version_;
+  finishing_ = true;
+  std::exception_ptr failure;
+  try {
+    co_await internal::engine_access::rollback_session(engine_);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  finishing_ = false;
+  undo_version_.reset();
+  if (failure) {
+    version_.reset();  // the weights are a mix (the engine says dirty): no version is claimed
+    std::rethrow_exception(failure);
+  }
+  version_ = previous;
 }
 
 asio::awaitable<void> weight_update_session::update_weights(const update_info& info, load_weights_fn load_weights) {
@@ -26,6 +66,17 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
     throw_error(errc::invalid_state, preparing_
                                          ? "update_weights: the session is being prepared"
                                          : "update_weights: another chunk of this update is still being received");
+  if (undoable_) {
+    std::string why = internal::engine_access::undo_refusal(engine_, info.metadata);
+    if (!why.empty()) {
+      const std::string message =
+          "update_weights: a fleet-atomic update needs every worker to be able to undo its commit, and this "
+          "worker cannot: " +
+          why;
+      internal::engine_access::refuse_update(engine_, errc::unsupported, message);
+      throw_error(errc::unsupported, message);
+    }
+  }
   if (prepared_) {
     const std::string message =
         "update_weights: the session is prepared (it voted to commit what it holds); finish "
@@ -149,7 +200,7 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
     finishing_ = true;
     try {
       co_await engine_.drain_pending();
-      co_await internal::engine_access::commit_session(engine_);
+      co_await internal::engine_access::commit_session(engine_, undoable_);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -159,6 +210,7 @@ asio::awaitable<void> weight_update_session::finish_weight_update(std::optional<
   }
   internal::engine_access::session_finished(engine_);
   if (failure) std::rethrow_exception(failure);
+  if (holds_undo()) undo_version_ = version_;
   if (weight_version) version_ = weight_version;
   engine_.mark_weights_clean();
 }

@@ -65,6 +65,24 @@ class weight_update_session {
   /// Throws invalid_state (the session stays open, to be aborted) otherwise.
   asio::awaitable<void> prepare_weight_update();
 
+  /// Makes the active session undoable (a fleet-atomic update): each chunk is
+  /// refused before any byte moves (unsupported, naming the tensor) unless the
+  /// model can read back every tensor of it, and finish_weight_update keeps the
+  /// previous version in the stage (weight_transfer_engine's "Undo"), for
+  /// rollback_weight_update until the next session starts or release_undo().
+  void require_undo();
+  /// Returns the model to the version before the last finish of an undoable
+  /// session, and records that version again. Refused (invalid_state) while a
+  /// session is active or without an undo. A rollback that fails part-way leaves
+  /// the weights dirty and the session claims no version.
+  asio::awaitable<void> rollback_weight_update();
+  /// Drops the kept previous version (its stage memory is given back).
+  void release_undo() noexcept;
+  /// An undo is held: the version rollback_weight_update returns to (nullopt
+  /// inside when that version was unlabelled).
+  bool holds_undo() const noexcept;
+  std::optional<std::int64_t> undo_version() const noexcept { return undo_version_; }
+
   /// Closes an active session without recording a version (after a failure, or
   /// when its owner is gone). Staged chunks are discarded: the weights are as
   /// before. If in_place chunks of it were already applied, the weights are a mix
@@ -97,10 +115,12 @@ class weight_update_session {
   bool finishing_ = false;  // finish_weight_update is draining or committing
   bool preparing_ = false;  // prepare_weight_update is draining
   bool prepared_ = false;   // prepare_weight_update succeeded: no more chunks
+  bool undoable_ = false;   // require_undo(): the finish keeps the previous version
   std::uint64_t chunks_ = 0;
   std::uint64_t applied_ = 0;  // in_place chunks of the active session (they reached the model)
   std::string failure_;        // a chunk of the active session failed: how
   std::optional<std::int64_t> version_;
+  std::optional<std::int64_t> undo_version_;  // the version an undo held returns to
 };
 
 }  // namespace refit

@@ -155,7 +155,14 @@ asio::awaitable<void> trainer_main(const options& o, const std::vector<worker_pr
   update.verify = false;  // checked below, after the loop-lag probe, counting every difference
   update.hold_before_finish = std::chrono::milliseconds(o.hold_before_finish_ms);
   const std::uint64_t bytes = model.layout.meta.total_bytes();
+  // A fleet-atomic update keeps each worker's previous version: workers that hold
+  // none yet (never updated) get their first update staged, not fleet-atomic.
+  bool first_without_undo = false;
+  if (o.fleet_atomic)
+    for (const auto& info : co_await workers.call_all("weight_info", empty))
+      first_without_undo = first_without_undo || info["weight_version"].is_null();
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
+    update.fleet_atomic = o.fleet_atomic && !(first_without_undo && round == o.first_round);
     if (o.replay.empty())
       model.step(round);
     else

@@ -99,6 +99,22 @@ class worker_model final : public model_target {
     return tensor_view(spec, it->second.bytes.data());
   }
 
+  // Undo of a fleet-atomic commit: the bytes it holds read back (not a sliced
+  // model's: its tensors are slices of what the trainer sends).
+  bool can_read_back(const tensor_spec& spec) override {
+    if (slice_tp_ > 0) return false;
+    std::lock_guard lock(mutex_);
+    auto it = tensors_.find(spec.name);
+    return it != tensors_.end() && it->second.spec.dtype == spec.dtype && it->second.spec.shape == spec.shape;
+  }
+  void read_back(const tensor_spec& spec, std::span<std::byte> out) override {
+    std::lock_guard lock(mutex_);
+    auto it = tensors_.find(spec.name);
+    if (it == tensors_.end() || it->second.bytes.size() != out.size())
+      throw_error(errc::invalid_argument, "worker model: read_back of '" + spec.name + "'");
+    std::memcpy(out.data(), it->second.bytes.data(), out.size());
+  }
+
   // A server has its model resident before any update: allocate and touch it.
   void allocate(const update_metadata& meta) {
     std::lock_guard lock(mutex_);

@@ -463,12 +463,44 @@ asio::awaitable<void> engine::receive_staged(const update_info& info, load_weigh
   if (failure) std::rethrow_exception(failure);
 }
 
-asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks) {
+namespace {
+
+// The batches of a staged commit: views of at most 64 MiB (one view may be more).
+std::vector<std::span<const tensor_view>> batches_of(const std::vector<tensor_view>& views) {
+  constexpr std::uint64_t batch_bytes = 64ull << 20;
+  std::vector<std::span<const tensor_view>> out;
+  std::size_t first = 0;
+  while (first < views.size()) {
+    std::size_t last = first;
+    std::uint64_t bytes = 0;
+    while (last < views.size() && (last == first || bytes + views[last].nbytes() <= batch_bytes))
+      bytes += views[last++].nbytes();
+    out.emplace_back(views.data() + first, last - first);
+    first = last;
+  }
+  return out;
+}
+
+}  // namespace
+
+asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks, bool keep_undo) {
   // Everything arrived and was verified; each chunk's load_weights now sees its
   // tensors, chunk by chunk in order, in batches, on the processing executor.
   mode_ = commit_mode::staged;
   touched_ = false;
   const auto t0 = std::chrono::steady_clock::now();
+  model_target* model = keep_undo ? context_.model : nullptr;
+  if (keep_undo && !model)
+    throw_error(errc::unsupported, std::string(backend()) + ": a commit that keeps its undo needs the model target");
+  // With undo: each batch's previous bytes (read back just before it is loaded),
+  // then written into the stage in place of the new ones.
+  std::vector<std::byte> scratch;
+  struct loaded_batch {
+    staged_chunk* chunk;
+    std::size_t first, count;
+  };
+  std::vector<loaded_batch> loaded;       // fully loaded, their stage holding the previous bytes
+  std::optional<loaded_batch> in_flight;  // read back, being loaded
   std::exception_ptr failure;
   try {
     for (auto& chunk : chunks) {
@@ -477,30 +509,128 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
       std::vector<tensor_view> views =
           co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
       touched_ = true;
-      constexpr std::uint64_t batch_bytes = 64ull << 20;
-      std::size_t first = 0;
-      while (first < views.size()) {
-        std::size_t last = first;
-        std::uint64_t bytes = 0;
-        while (last < views.size() && (last == first || bytes + views[last].nbytes() <= batch_bytes))
-          bytes += views[last++].nbytes();
-        std::span<const tensor_view> batch(views.data() + first, last - first);
-        load_weights_fn* load = &c->load;
+      load_weights_fn* load = &c->load;
+      for (std::span<const tensor_view> batch : batches_of(views)) {
+        const loaded_batch here{c, static_cast<std::size_t>(batch.data() - views.data()), batch.size()};
+        if (model) {
+          std::vector<std::byte>* old = &scratch;
+          co_await async::offload(processing_executor(), [model, batch, old] {
+            std::uint64_t total = 0;
+            for (const auto& v : batch) total += v.nbytes();
+            old->resize(total);
+            std::uint64_t at = 0;
+            for (const auto& v : batch) {
+              model->read_back(v.spec(), std::span<std::byte>(old->data() + at, v.nbytes()));
+              at += v.nbytes();
+            }
+          });
+          in_flight = here;
+        }
         co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
-        first = last;
+        if (model) {
+          std::vector<std::byte>* old = &scratch;
+          co_await async::offload(processing_executor(), [batch, old] {
+            std::uint64_t at = 0;
+            for (const auto& v : batch) {
+              if (v.nbytes() != 0) std::memcpy(v.data, old->data() + at, v.nbytes());
+              at += v.nbytes();
+            }
+          });
+          in_flight.reset();
+          loaded.push_back(here);
+        }
       }
     }
   } catch (...) {
     failure = std::current_exception();
   }
+  if (failure && model && touched_) {
+    // Back to the previous version: the batch that failed from its scratch, then
+    // every loaded batch from the stage, each through its chunk's load_weights.
+    try {
+      if (in_flight) {
+        std::vector<tensor_view> previous;
+        std::uint64_t at = 0;
+        const auto& specs = in_flight->chunk->meta.tensors;
+        for (std::size_t i = in_flight->first; i < in_flight->first + in_flight->count; ++i) {
+          previous.emplace_back(specs[i], scratch.data() + at);
+          at += specs[i].nbytes();
+        }
+        load_weights_fn* load = &in_flight->chunk->load;
+        std::span<const tensor_view> batch(previous);
+        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
+      }
+      for (auto it = loaded.rbegin(); it != loaded.rend(); ++it) {
+        std::vector<tensor_view> views = it->chunk->views(stage_->base());
+        std::span<const tensor_view> batch(views.data() + it->first, it->count);
+        load_weights_fn* load = &it->chunk->load;
+        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
+      }
+      touched_ = false;  // the model holds the previous version again
+    } catch (...) {
+      mark_weights_dirty(
+          "the commit of a staged update failed (" + describe_error(failure) +
+          ") and loading the previous version back failed too: " + describe_error(std::current_exception()));
+    }
+  }
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   stats_.process_s += took;
   stats_.wall_s += took;
-  dispose(std::move(chunks));
+  if (failure || !model) {
+    dispose(std::move(chunks));
+  } else {
+    dispose(std::exchange(undo_, {}));
+    undo_ = std::move(chunks);
+  }
   if (failure) {
     note_failure("the commit of a staged update", failure);
     std::rethrow_exception(failure);
   }
+}
+
+std::string engine::undo_refusal(const update_metadata& meta) {
+  if (!context_.model) return "its engine has no model target to read the previous version back from";
+  for (const auto& t : meta.tensors)
+    if (!context_.model->can_read_back(t)) return "its model cannot read back '" + t.name + "' to undo a commit";
+  return {};
+}
+
+asio::awaitable<void> engine::rollback_session() {
+  const std::string name(backend());
+  if (undo_.empty()) throw_error(errc::invalid_state, name + ": rollback: no committed update with its undo is held");
+  if (session_open_ || state_ == state::receiving || state_ == state::committing)
+    throw_error(errc::invalid_state, name + ": rollback while an update session is open or being committed");
+  const state before = state_;
+  state_ = state::committing;
+  mode_ = commit_mode::staged;
+  touched_ = false;
+  auto chunks = std::exchange(undo_, {});
+  std::exception_ptr failure;
+  try {
+    for (auto it = chunks.rbegin(); it != chunks.rend(); ++it) {
+      staged_chunk* c = it->get();
+      std::vector<tensor_view> views = c->views(stage_->base());
+      touched_ = true;
+      load_weights_fn* load = &c->load;
+      for (std::span<const tensor_view> batch : batches_of(views))
+        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  dispose(std::move(chunks));
+  if (stage_) stage_->release_to(0);
+  if (state_ == state::committing) state_ = before;
+  if (failure) {
+    mark_weights_dirty("the rollback of a committed update failed part-way: " + describe_error(failure));
+    std::rethrow_exception(failure);
+  }
+}
+
+void engine::release_undo() noexcept {
+  if (undo_.empty()) return;
+  dispose(std::exchange(undo_, {}));
+  if (stage_ && !session_open_ && staged_.empty() && state_ != state::committing) stage_->release_to(0);
 }
 
 void engine::dispose(std::vector<std::unique_ptr<staged_chunk>> chunks) noexcept {
@@ -520,6 +650,7 @@ void engine::dispose(std::vector<std::unique_ptr<staged_chunk>> chunks) noexcept
 
 void engine::clear_stage() noexcept {
   dispose(std::exchange(staged_, {}));
+  dispose(std::exchange(undo_, {}));
   if (stage_) stage_->release_to(0);
 }
 
@@ -533,7 +664,7 @@ void engine::begin_session() {
   session_mode_.reset();
 }
 
-asio::awaitable<void> engine::commit_session() {
+asio::awaitable<void> engine::commit_session(bool keep_undo) {
   const std::string name(backend());
   if (state_ == state::receiving || state_ == state::committing)
     throw_error(errc::invalid_state,
@@ -556,11 +687,11 @@ asio::awaitable<void> engine::commit_session() {
   std::exception_ptr failure;
   try {
     auto chunks = std::exchange(staged_, {});
-    co_await commit_staged(std::move(chunks));
+    co_await commit_staged(std::move(chunks), keep_undo);
   } catch (...) {
     failure = std::current_exception();
   }
-  if (stage_) stage_->release_to(0);
+  if (stage_ && undo_.empty()) stage_->release_to(0);  // kept while it holds the previous version
   if (state_ == state::committing) state_ = before;
   if (failure) std::rethrow_exception(failure);
   do_session_committed();

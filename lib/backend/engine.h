@@ -198,6 +198,18 @@ class engine : public weight_transfer_engine {
   ///    closing: lib/control/worker_host.h): the model's bytes and version are
   ///    exactly as before and the weights stay clean; commit_session() after a
   ///    failed chunk throws invalid_state and commits nothing.
+  ///  * Undo (fleet-atomic updates): commit_session(true) reads each tensor's
+  ///    current bytes back from the context's model (model_target::read_back)
+  ///    just before its batch is loaded and writes them into the stage in place
+  ///    of the new bytes, so after the commit the stage holds the previous
+  ///    version at no extra memory (a scratch of one batch, at most 64 MiB).
+  ///    rollback_session() loads the stage back through each chunk's own
+  ///    load_weights; release_undo() (and the next begin_session) drops it. A
+  ///    commit that keeps its undo and fails part-way loads back what it had
+  ///    changed (the failing batch from its scratch) and rethrows: the model is
+  ///    the previous version again, clean; only a failure of that restore leaves
+  ///    the weights dirty. undo_refusal(meta) names the first tensor the model
+  ///    cannot read back (empty when it can read them all).
   ///
   /// in_place chunks keep their rules inside a session: loaded as they arrive,
   /// dirty after a failure that had reached the model. The stage grows with the
@@ -206,7 +218,13 @@ class engine : public weight_transfer_engine {
   /// shutdown(); staged_bytes() is its size.
   void begin_session() final;
   /// See begin_session. Refused (invalid_state) while a chunk is being received.
-  asio::awaitable<void> commit_session() final;
+  asio::awaitable<void> commit_session(bool keep_undo) final;
+  std::string undo_refusal(const update_metadata& meta) final;
+  /// See begin_session ("Undo"). Refused (invalid_state) without an undo or while
+  /// a session is open or being committed.
+  asio::awaitable<void> rollback_session() final;
+  void release_undo() noexcept final;
+  bool holds_undo() const noexcept final { return !undo_.empty(); }
   /// See begin_session: drops every staged chunk of the open session (if any); the
   /// model is not touched. Refused (invalid_state) while a chunk is being received
   /// or committed.
@@ -226,7 +244,9 @@ class engine : public weight_transfer_engine {
 
   asio::awaitable<void> receive_staged(const update_info& info, load_weights_fn load_weights);
   // The staged chunks' load_weights over their views, in order (commit_session).
-  asio::awaitable<void> commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks);
+  // With keep_undo the stage ends holding the previous bytes, and the chunks are
+  // kept in undo_.
+  asio::awaitable<void> commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks, bool keep_undo = false);
   // Drops the staged chunks and empties the stage (its memory is kept).
   void clear_stage() noexcept;
   // Frees staged chunks (their metadata off the loop when large).
@@ -252,6 +272,7 @@ class engine : public weight_transfer_engine {
   bool staging_in_session_ = false;          // receiving a staged chunk of a begin_session session
   std::optional<commit_mode> session_mode_;  // of its first chunk
   std::vector<std::unique_ptr<staged_chunk>> staged_;
+  std::vector<std::unique_ptr<staged_chunk>> undo_;  // committed chunks whose stage holds the previous bytes
   std::string dirty_reason_;
 };
 

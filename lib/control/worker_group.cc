@@ -264,7 +264,9 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
     sender.set_next_send({.delta = options.delta, .producer_stream = options.producer_stream});
   const auto t0 = clock_type::now();
   fleet_state f(clients_.size());
-  co_await each_kept("start_weight_update", json::object(), f);
+  json start_body = json::object();
+  if (options.fleet_atomic) start_body["fleet_atomic"] = true;
+  co_await each_kept("start_weight_update", std::move(start_body), f);
   if (!f.failed()) {
     std::vector<asio::awaitable<void>> ops;
     ops.push_back(each_kept("update_weights", std::move(update_body), f));
@@ -282,7 +284,10 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
   for (std::size_t i = 0; i < clients_.size(); ++i)
     finishes.push_back(finish_one(*clients_[i], name(i), finish_body, &result.workers[i], t0, &f, i));
   co_await async::all_of(std::move(finishes));
-  if (f.failed()) throw_commit_failure(f, version, options.fleet_atomic);
+  if (f.failed()) {
+    if (!options.fleet_atomic) std::rethrow_exception(f.first);
+    co_await roll_back_committed(f, version);
+  }
   result.seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
 
   if (options.verify) {
@@ -331,31 +336,136 @@ asio::awaitable<void> worker_group::abort_all(detail::fleet_state& f, std::int64
   throw_error(kind, message);
 }
 
-// A failure at commit, after every worker voted (fleet-atomic) or of a finish.
-void worker_group::throw_commit_failure(detail::fleet_state& f, std::int64_t version, bool fleet_atomic) {
-  if (!fleet_atomic) std::rethrow_exception(f.first);
-  std::string committed, failed;
+// A fleet-atomic update that failed at a commit, after every vote: every worker
+// that committed is rolled back (a worker whose own commit failed loaded its
+// previous version back itself), then the failure is thrown naming each worker's
+// outcome. A worker whose rollback fails is fenced: dirty, claiming no version.
+asio::awaitable<void> worker_group::roll_back_committed(detail::fleet_state& f, std::int64_t version) {
+  std::vector<std::exception_ptr> rollback_errors(clients_.size());
+  std::vector<asio::awaitable<void>> ops;
+  for (std::size_t i = 0; i < clients_.size(); ++i) {
+    if (f.errors[i]) continue;
+    ops.push_back([](client& c, std::exception_ptr* out) -> asio::awaitable<void> {
+      try {
+        co_await c.call("rollback_weight_update", json::object());
+      } catch (...) {
+        *out = std::current_exception();
+      }
+    }(*clients_[i], &rollback_errors[i]));
+  }
+  co_await async::all_of(std::move(ops));
+  std::string lines;
+  bool fenced = false;
   errc kind = errc::io_error;
   bool have_kind = false;
   for (std::size_t i = 0; i < clients_.size(); ++i) {
-    if (!f.errors[i]) {
-      committed += (committed.empty() ? "" : ", ") + name(i);
-      continue;
-    }
-    failed += "\n  " + name(i) + ": failed at its commit: " + error_line(f.errors[i]);
-    if (!have_kind) {
-      try {
-        std::rethrow_exception(f.errors[i]);
-      } catch (const error& e) {
-        kind = e.kind();
-      } catch (...) {
+    lines += "\n  " + name(i) + ": ";
+    if (f.errors[i]) {
+      lines += "failed at its commit: " + error_line(f.errors[i]);
+      if (!have_kind) {
+        try {
+          std::rethrow_exception(f.errors[i]);
+        } catch (const error& e) {
+          kind = e.kind();
+        } catch (...) {
+        }
+        have_kind = true;
       }
-      have_kind = true;
+    } else if (rollback_errors[i]) {
+      lines += "committed, and its rollback failed (fenced: dirty, no version): " + error_line(rollback_errors[i]);
+      fenced = true;
+    } else {
+      lines += "committed, rolled back";
     }
   }
-  throw_error(kind, "fleet-atomic update " + std::to_string(version) + ": every worker voted to commit, and " +
-                        (committed.empty() ? std::string("none") : committed) + " committed it; the fleet holds two " +
-                        "versions until the next update:" + failed);
+  throw_error(kind, "fleet-atomic update " + std::to_string(version) + ": a commit failed after every worker voted; " +
+                        (fenced ? std::string("the workers not fenced keep their previous version:")
+                                : std::string("every worker keeps its previous version:")) +
+                        lines);
+}
+
+asio::awaitable<json> worker_group::reconcile() {
+  const std::vector<json> infos = co_await call_all("weight_info");
+  const std::size_t n = infos.size();
+  json workers = json::array();
+  std::vector<std::optional<std::int64_t>> version(n);
+  std::vector<bool> clean(n, false);
+  for (std::size_t i = 0; i < n; ++i) {
+    const json& info = infos[i];
+    if (info.value("session_active", false))
+      throw_error(errc::invalid_state, "reconcile: " + name(i) + " has a weight update session open (owner " +
+                                           info.value("session_owner", json("?")).dump() +
+                                           "): a trainer is still updating it; reconcile after its session deadline");
+    clean[i] = info.value("state", std::string()) == "clean";
+    if (info.contains("weight_version") && info["weight_version"].is_number_integer())
+      version[i] = info["weight_version"].get<std::int64_t>();
+    json w = json::object();
+    w["worker"] = name(i);
+    w["weight_version"] = info.contains("weight_version") ? info["weight_version"] : json(nullptr);
+    w["state"] = info.value("state", std::string());
+    w["action"] = clean[i] ? "none" : "fenced";
+    workers.push_back(std::move(w));
+  }
+  // The version every clean worker is at, or can roll back to.
+  auto undo_of = [&](std::size_t i) -> std::optional<std::int64_t> {
+    const json& info = infos[i];
+    if (!info.value("holds_undo", false) || !info.contains("undo_version") || !info["undo_version"].is_number_integer())
+      return std::nullopt;
+    return info["undo_version"].get<std::int64_t>();
+  };
+  std::vector<std::size_t> clean_ones;
+  for (std::size_t i = 0; i < n; ++i)
+    if (clean[i]) clean_ones.push_back(i);
+  std::optional<std::int64_t> target;
+  bool found = true;  // every clean worker at one version (or none clean)
+  if (!clean_ones.empty()) {
+    target = version[clean_ones.front()];
+    for (std::size_t i : clean_ones) found = found && version[i] == target;
+  }
+  if (!found) {
+    target.reset();
+    for (std::size_t c : clean_ones) {
+      if (!version[c]) continue;
+      bool all = true;
+      for (std::size_t i : clean_ones) all = all && (version[i] == version[c] || undo_of(i) == version[c]);
+      if (all) {
+        target = version[c];
+        found = true;
+        break;
+      }
+    }
+  }
+  if (!found) {
+    std::string lines;
+    for (std::size_t i = 0; i < n; ++i)
+      lines += "\n  " + name(i) + ": " + infos[i].value("state", std::string()) + " at " +
+               infos[i].value("weight_version", json(nullptr)).dump() + ", undo to " +
+               infos[i].value("undo_version", json(nullptr)).dump();
+    throw_error(
+        errc::invalid_state,
+        "reconcile: no version every worker holds or can roll back to; a full update brings them together:" + lines);
+  }
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<asio::awaitable<void>> ops;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!clean[i] || version[i] == target) continue;
+    workers[i]["action"] = "rolled back";
+    ops.push_back([](client& c, std::string who, std::exception_ptr* out) -> asio::awaitable<void> {
+      try {
+        json answer;
+        co_await call_one(c, std::move(who), "rollback_weight_update", json::object(), &answer);
+      } catch (...) {
+        *out = std::current_exception();
+      }
+    }(*clients_[i], name(i), &errors[i]));
+  }
+  co_await async::all_of(std::move(ops));
+  for (std::size_t i = 0; i < n; ++i)
+    if (errors[i]) std::rethrow_exception(errors[i]);
+  json out = json::object();
+  out["version"] = target ? json(*target) : json(nullptr);
+  out["workers"] = std::move(workers);
+  co_return out;
 }
 
 asio::awaitable<std::vector<std::vector<std::string>>> worker_group::fingerprint_differences(fingerprint_list expected,

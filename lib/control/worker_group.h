@@ -117,9 +117,14 @@ struct update_options {
   /// Before that, any failure (a worker refusing, losing its stream, voting no,
   /// the send failing) aborts every worker's session: each keeps its previous
   /// version and weights, untouched, and the error names every worker with its
-  /// phase (docs/control-plane.md, "Fleet-atomic updates"). A worker that fails
-  /// at its commit, after every vote, is named with the workers that did commit
-  /// (the fleet then holds two versions until the next update).
+  /// phase (docs/control-plane.md, "Fleet-atomic updates"). Every worker must be
+  /// able to undo its commit (its model reads its tensors back,
+  /// model_target::read_back), else it refuses before any byte moves
+  /// (unsupported, naming it). A worker that fails at its commit, after every
+  /// vote, loads its previous version back, and every worker that committed is
+  /// rolled back (rollback_weight_update): the fleet stays at one version, and
+  /// the error names each worker's outcome; a worker whose rollback fails is
+  /// fenced (dirty, claiming no version).
   bool fleet_atomic = false;
   /// A pause between update_weights and finish_weight_update (fault tests: a
   /// window in which every worker holds the whole stream but has not committed).
@@ -206,6 +211,21 @@ class worker_group {
   /// its first difference (and how many more it has).
   asio::awaitable<void> verify(fingerprint_list expected, std::int64_t version);
 
+  /// Brings a fleet that a lost trainer left at two versions back to one (a new
+  /// trainer calls it before its first update; docs/control-plane.md, "A lost
+  /// trainer"). Reads every worker's weight_info. Clean workers all at one version:
+  /// nothing to do. Otherwise, when there is a version V such that every clean
+  /// worker is at V or holds an undo back to V (it committed a fleet-atomic update
+  /// after V), those are rolled back to V. Dirty workers claim no version and are
+  /// reported as fenced (only a full update makes them whole). Returns
+  /// {"version": V or null, "workers": [{"worker", "weight_version", "state",
+  /// "action": "none" | "rolled back" | "fenced", "error"?}]}. Throws
+  /// invalid_state when a worker has a session open (a trainer is still updating
+  /// it: call again after its session deadline) or no such V exists (naming each
+  /// worker's version; a full update brings them together), and the rollback's
+  /// error (naming the worker, which is then fenced) when one fails.
+  asio::awaitable<json> reconcile();
+
   /// `method` on every worker at once with params_for(i); the answers by worker.
   asio::awaitable<std::vector<json>> call_each(std::string method, std::function<json(std::size_t)> params_for);
   /// The same `params` for every worker.
@@ -228,7 +248,7 @@ class worker_group {
   // `method` on every worker that has not failed yet, its errors kept in `f`.
   asio::awaitable<void> each_kept(std::string method, json params, detail::fleet_state& f);
   asio::awaitable<void> abort_all(detail::fleet_state& f, std::int64_t version, bool fleet_atomic);
-  [[noreturn]] void throw_commit_failure(detail::fleet_state& f, std::int64_t version, bool fleet_atomic);
+  asio::awaitable<void> roll_back_committed(detail::fleet_state& f, std::int64_t version);
   asio::awaitable<void> init_workers(weight_sender& sender, std::vector<json> bodies);
 
   asio::any_io_executor executor_;

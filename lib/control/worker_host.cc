@@ -31,6 +31,8 @@ worker_host::worker_host(weight_transfer_config config, engine_context context, 
       {"prepare_weight_update", &verbs::prepare_weight_update},
       {"finish_weight_update", &verbs::finish_weight_update},
       {"abort_weight_update", &verbs::abort_weight_update},
+      {"rollback_weight_update", &verbs::rollback_weight_update},
+      {"release_weight_undo", &verbs::release_weight_undo},
       {"weight_fingerprint", &verbs::weight_fingerprint},
       {"weight_info", &verbs::weight_info},
   };

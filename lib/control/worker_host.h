@@ -46,7 +46,8 @@ struct worker_state;
 ///    already shows the state the hook is called for); it must not call stop() or
 ///    destroy the host.
 ///  * in pairs: every on_update_started that returns normally is followed by
-///    exactly one on_update_finished or on_update_failed for that session.
+///    exactly one on_update_finished or on_update_failed for that session (a
+///    rollback_weight_update, after the session, adds one on_update_finished).
 ///
 /// What a hook throws never escapes into the host; it is recorded in weight_info's
 /// "last_hook_error" ("<hook>: <kind>: <message>"), and:
@@ -72,7 +73,12 @@ struct update_hooks {
   /// ("update_weights: <kind>: <message>", the update refused before its first byte
   /// included), its owner's connection closed, its owner re-initialised the engine,
   /// the finish failed, or it finished with the weights still dirty. weight_info()
-  /// says whether the weights are dirty (and why).
+  /// says whether the weights are dirty (and why). A fleet-atomic commit that
+  /// failed loaded the previous version back through load_weights: weight_info()
+  /// then says clean at that version, and a tensor_map_target should be told
+  /// finish(that version), not abort() (which would mark its readers dirty).
+  /// rollback_weight_update calls on_update_finished with the version it
+  /// returned to (no on_update_started before it).
   std::function<void(const std::string& reason)> on_update_failed;
 };
 

@@ -18,7 +18,16 @@ namespace refit::internal {
 class engine_access {
  public:
   static void begin_session(weight_transfer_engine& e) { e.begin_session(); }
-  static asio::awaitable<void> commit_session(weight_transfer_engine& e) { return e.commit_session(); }
+  static asio::awaitable<void> commit_session(weight_transfer_engine& e, bool keep_undo = false) {
+    return e.commit_session(keep_undo);
+  }
+  /// Why the engine could not undo a commit of `meta` (empty: it can).
+  static std::string undo_refusal(weight_transfer_engine& e, const update_metadata& meta) {
+    return e.undo_refusal(meta);
+  }
+  static asio::awaitable<void> rollback_session(weight_transfer_engine& e) { return e.rollback_session(); }
+  static void release_undo(weight_transfer_engine& e) noexcept { e.release_undo(); }
+  static bool holds_undo(const weight_transfer_engine& e) noexcept { return e.holds_undo(); }
   static void discard_session(weight_transfer_engine& e) { e.discard_session(); }
   static bool session_open(const weight_transfer_engine& e) noexcept { return e.session_open(); }
   static std::size_t staged_chunks(const weight_transfer_engine& e) noexcept { return e.staged_chunks(); }

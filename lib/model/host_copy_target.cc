@@ -17,6 +17,7 @@ void host_copy_target::begin_update(const update_metadata& meta) {
     if (e.data && e.spec.dtype == spec.dtype && e.spec.shape == spec.shape) continue;
     e.spec = spec;
     e.data = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(spec.nbytes(), 1));
+    e.filled = false;
   }
 }
 
@@ -43,6 +44,7 @@ void host_copy_target::load_weights(std::span<const tensor_view> weights) {
         throw_error(errc::unsupported, "host_copy_target: '" + std::string(v.name) + "' arrived on " +
                                            to_string(v.device) + ", not in host memory");
       if (v.data != it->second.data.get() && v.nbytes() > 0) copies.emplace_back(it->second.data.get(), &v);
+      it->second.filled = true;  // whole once the copies below are done (a failure throws past the update)
     }
   }
   for (auto [to, v] : copies) std::memcpy(to, v->data, v->nbytes());
@@ -56,6 +58,26 @@ std::vector<std::pair<std::string, std::uint64_t>> host_copy_target::fingerprint
   views.reserve(tensors_.size());
   for (const auto& [name, e] : tensors_) views.emplace_back(e.spec, e.data.get());
   return fingerprint_all(views, names);
+}
+
+bool host_copy_target::can_read_back(const tensor_spec& spec) {
+  std::lock_guard lock(mutex_);
+  auto it = tensors_.find(spec.name);
+  return it != tensors_.end() && it->second.filled && it->second.spec.dtype == spec.dtype &&
+         it->second.spec.shape == spec.shape;
+}
+
+void host_copy_target::read_back(const tensor_spec& spec, std::span<std::byte> out) {
+  const std::byte* from = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = tensors_.find(spec.name);
+    if (it == tensors_.end() || !it->second.filled || it->second.spec.dtype != spec.dtype ||
+        it->second.spec.shape != spec.shape || out.size() != spec.nbytes())
+      throw_error(errc::invalid_argument, "host_copy_target: read_back: no whole copy of '" + spec.name + "'");
+    from = it->second.data.get();
+  }
+  if (!out.empty()) std::memcpy(out.data(), from, out.size());
 }
 
 load_weights_fn host_copy_target::loading_through(load_weights_fn load) {

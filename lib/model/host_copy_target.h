@@ -53,6 +53,11 @@ class host_copy_target final : public model_target {
   /// by the receive's load_weights (loading_through), never here.
   void load_weights(std::span<const tensor_view> weights) override;
   std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names) override;
+  /// The copy reads back what the model was last given: a tensor the copy holds
+  /// whole (loaded at least once with this dtype and shape). Undo of a staged
+  /// commit (lib/engine.h) then reloads the previous version through load_weights.
+  bool can_read_back(const tensor_spec& spec) override;
+  void read_back(const tensor_spec& spec, std::span<std::byte> out) override;
 
   /// `load` preceded by load_weights(views) above: what a receive passes so that
   /// the copy holds every view the model is given, in either commit mode.
@@ -64,6 +69,7 @@ class host_copy_target final : public model_target {
   struct entry {
     tensor_spec spec;
     std::unique_ptr<std::byte[]> data;
+    bool filled = false;  // load_weights gave it whole bytes since it was allocated
   };
   model_target* inner_;
   mutable std::mutex mutex_;

@@ -386,6 +386,25 @@ void tensor_map_target::begin_update(const update_metadata& meta) {
   open_ = true;
 }
 
+bool tensor_map_target::can_read_back(const tensor_spec& spec) {
+  const entry* e = lookup(spec.name);
+  return e && mismatch(e->spec, spec.dtype, spec.shape).empty();
+}
+
+void tensor_map_target::read_back(const tensor_spec& spec, std::span<std::byte> out) {
+  const entry* e = lookup(spec.name);
+  if (!e || !mismatch(e->spec, spec.dtype, spec.shape).empty() || out.size() != e->nbytes)
+    throw_error(errc::invalid_argument, std::string(who) + ": read_back: no tensor '" + spec.name +
+                                            "' of that dtype "
+                                            "and shape");
+  const std::byte* served = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    served = e->buf[options_.mode == reader_mode::double_buffered ? e->front : 0];
+  }
+  if (e->nbytes != 0) memory_->copy_out(out, served);
+}
+
 std::optional<tensor_view> tensor_map_target::destination(const tensor_spec& spec) {
   if (!options_.direct_receive) return std::nullopt;
   // Engines refuse a destination on another device than theirs: device memory is

@@ -327,6 +327,11 @@ class tensor_map_target final : public model_target {
   void direct_write_begins() override;
   void load_weights(std::span<const tensor_view> weights) override;
   fingerprint_list fingerprint(const std::vector<std::string>& names) override;
+  /// Every tensor it holds (same dtype and shape) reads back: the served copy
+  /// (reader_lock: the one copy; double_buffered: the front), through
+  /// memory()->copy_out. Undo of a staged commit (lib/engine.h).
+  bool can_read_back(const tensor_spec& spec) override;
+  void read_back(const tensor_spec& spec, std::span<std::byte> out) override;
 
  private:
   struct memory_deleter {

@@ -136,6 +136,16 @@ class WorkerGroup(_Scoped):
     async def call_all_async(self, method: str, params: Info | None = None) -> list[Any]:
         return await _run(_keep(self, self._impl._start_call_all), method=method, params=params or {})
 
+    def reconcile(self) -> Info:
+        """Brings a fleet a lost trainer left at two versions back to one: workers that
+        committed a fleet-atomic update the others never did are rolled back. Returns
+        {"version", "workers": [{"worker", "weight_version", "state", "action"}]};
+        call it from a new trainer before its first update (docs/control-plane.md)."""
+        return self._impl.reconcile()
+
+    async def reconcile_async(self) -> Info:
+        return await _run(_keep(self, self._impl._start_reconcile))
+
     def fingerprint_differences(self, expected: Mapping[str, int], version: int) -> list[list[str]]:
         return self._impl.fingerprint_differences(expected=expected, version=int(version))
 

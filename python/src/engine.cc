@@ -55,6 +55,11 @@ class checked_target final : public model_target {
     if (!inner_) return model_target::fingerprint(names);
     return inner_->fingerprint(names);
   }
+  bool can_read_back(const tensor_spec& spec) override { return inner_ && inner_->can_read_back(spec); }
+  void read_back(const tensor_spec& spec, std::span<std::byte> out) override {
+    if (!inner_) return model_target::read_back(spec, out);
+    inner_->read_back(spec, out);
+  }
 
  private:
   shared_object check_;

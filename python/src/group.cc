@@ -78,6 +78,7 @@ class py_worker_group {
     auto answers = co_await group->call_all(std::move(method), std::move(params));
     co_return json(answers);
   }
+  static asio::awaitable<json> reconcile(worker_group* group) { co_return co_await group->reconcile(); }
   static asio::awaitable<json> differences(worker_group* group, fingerprint_list expected, std::int64_t version) {
     auto diffs = co_await group->fingerprint_differences(std::move(expected), version);
     co_return json(diffs);
@@ -209,7 +210,18 @@ void bind_worker_group(nb::module_& m) {
             json out = block_on(py_worker_group::differences(&g.group(), fingerprints_from_python(expected), version));
             return nb::cast<nb::list>(to_py(out));
           },
-          nb::arg("expected"), nb::arg("version"));
+          nb::arg("expected"), nb::arg("version"))
+      .def("reconcile",
+           [to_py](py_worker_group& g) {
+             json out = block_on(py_worker_group::reconcile(&g.group()));
+             return nb::cast<nb::dict>(to_py(out));
+           })
+      .def(
+          "_start_reconcile",
+          [to_py](py_worker_group& g, nb::object done) {
+            return start<json>(py_worker_group::reconcile(&g.group()), to_py, std::move(done));
+          },
+          nb::arg("done"));
 }
 
 }  // namespace refit::py

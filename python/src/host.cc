@@ -72,8 +72,17 @@ class py_worker_host {
       nb::gil_scoped_acquire gil;
       call_hook("on_update_finished", [&] { nb::handle(finished.get())(version, to_python(stats)); });
     };
-    hooks.on_update_failed = [failed, target](const std::string& reason) {
-      if (target && target->updating()) target->abort(reason);
+    hooks.on_update_failed = [this, failed, target](const std::string& reason) {
+      if (target && target->updating()) {
+        // A failed fleet-atomic commit loads the previous version back: when the
+        // engine is not dirty the tensors hold its version whole again.
+        if (!host_->engine().weights_dirty()) {
+          const json v = host_->weight_info()["weight_version"];
+          target->finish(v.is_number_integer() ? std::optional<std::int64_t>(v.get<std::int64_t>()) : std::nullopt);
+        } else {
+          target->abort(reason);
+        }
+      }
       if (!failed || failed.get().is_none()) return;
       nb::gil_scoped_acquire gil;
       call_hook("on_update_failed", [&] { nb::handle(failed.get())(reason); });

@@ -242,14 +242,41 @@ TEST_F(worker_group_test, the_check_also_wants_the_version) {
 TEST_F(worker_group_test, a_fleet_atomic_update_votes_then_commits_on_every_worker) {
   start({{}, {}, {}});
   run_to_completion(io_, init());
-  tensor_set set = model_tensors(11);
+  tensor_set old_set = model_tensors(10);
   control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 10, result));
+  tensor_set set = model_tensors(11);
   control::update_options atomic;
   atomic.fleet_atomic = true;
   auto failure = try_update(set, 11, result, atomic);
   ASSERT_FALSE(failure) << failure->message();
   EXPECT_TRUE(result.verified);
   expect_at(set, 11);
+  // Each worker keeps the version before it until the next update starts.
+  for (const auto& info : call_all("weight_info")) {
+    EXPECT_EQ(info["holds_undo"], true) << info.dump();
+    EXPECT_EQ(info["undo_version"], 10) << info.dump();
+  }
+}
+
+// A worker whose model cannot read its weights back (here: it holds none yet)
+// cannot undo a commit: it refuses a fleet-atomic update before any byte moves.
+TEST_F(worker_group_test, a_worker_that_cannot_undo_refuses_a_fleet_atomic_update_up_front) {
+  start({{}, {}});
+  run_to_completion(io_, init());
+  tensor_set set = model_tensors(13);
+  control::update_result result;
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  auto failure = try_update(set, 13, result, atomic);
+  ASSERT_TRUE(failure);
+  EXPECT_EQ(failure->kind(), errc::unsupported) << failure->message();
+  EXPECT_NE(failure->message().find("cannot read back 'layer.0'"), std::string::npos) << failure->message();
+  for (const auto& info : call_all("weight_info")) {
+    EXPECT_EQ(info["session_active"], false) << info.dump();
+    EXPECT_EQ(info["weight_version"], nullptr) << info.dump();
+    EXPECT_EQ(info["last_update"]["bytes"], 0) << info.dump();
+  }
 }
 
 TEST_F(worker_group_test, fleet_atomic_in_place_is_refused_before_any_worker_is_told) {
@@ -284,7 +311,7 @@ TEST_P(worker_group_failure_test, a_worker_refusing_an_update_leaves_every_worke
   control::update_options options;
   options.fleet_atomic = atomic;
   options.commit = commit_mode::staged;
-  ASSERT_FALSE(try_update(old_set, 20, result, options));
+  ASSERT_FALSE(try_update(old_set, 20, result));  // a fleet-atomic update needs weights to undo to
 
   tensor_set new_set = model_tensors(21);
   workers_[2]->model.refuse_next = true;
@@ -317,29 +344,156 @@ TEST_P(worker_group_failure_test, a_worker_refusing_an_update_leaves_every_worke
 INSTANTIATE_TEST_SUITE_P(fleet_atomic, worker_group_failure_test, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "fleet_atomic" : "staged"; });
 
-// After every vote, one worker's commit fails (its load_weights throws). The
-// error names the workers that committed and the one that did not: the fleet
-// holds two versions until the next update, which lands on all.
-TEST_F(worker_group_test, a_commit_failing_after_every_vote_names_who_committed) {
+// After every vote, one worker's commit fails (its load_weights throws on the
+// first batch). It loads its previous version back itself, the workers that
+// committed are rolled back, and every worker ends at the old version, whole; the
+// error names each worker's outcome. The next update lands on all.
+TEST_F(worker_group_test, a_commit_failing_after_every_vote_rolls_the_fleet_back) {
   start({{}, {}, {}});
   run_to_completion(io_, init());
-  tensor_set set = model_tensors(30);
+  tensor_set old_set = model_tensors(29);
   control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 29, result));
+  tensor_set set = model_tensors(30);
   control::update_options atomic;
   atomic.fleet_atomic = true;
   workers_[1]->model.fail_next_load = true;
   auto failure = try_update(set, 30, result, atomic);
   ASSERT_TRUE(failure);
   EXPECT_EQ(failure->kind(), errc::processing_failed) << failure->message();
-  const std::string w1 = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
-  EXPECT_NE(failure->message().find("every worker voted to commit"), std::string::npos) << failure->message();
-  EXPECT_NE(failure->message().find(w1 + ": failed at its commit"), std::string::npos) << failure->message();
-  const auto infos = call_all("weight_info");
-  EXPECT_EQ(infos[0]["weight_version"], 30) << infos[0].dump();
-  EXPECT_NE(infos[1]["weight_version"], 30) << infos[1].dump();
+  const auto named = [&](std::size_t i) {
+    return "worker " + std::to_string(i) + " (127.0.0.1:" + std::to_string(workers_[i]->port) + ")";
+  };
+  const std::string& m = failure->message();
+  EXPECT_NE(m.find("every worker keeps its previous version"), std::string::npos) << m;
+  EXPECT_NE(m.find(named(1) + ": failed at its commit"), std::string::npos) << m;
+  EXPECT_NE(m.find(named(0) + ": committed, rolled back"), std::string::npos) << m;
+  EXPECT_NE(m.find(named(2) + ": committed, rolled back"), std::string::npos) << m;
+  expect_at(old_set, 29);
+  for (const auto& info : call_all("weight_info")) EXPECT_EQ(info["holds_undo"], false) << info.dump();
+
   failure = try_update(set, 31, result, atomic);
   ASSERT_FALSE(failure) << failure->message();
   expect_at(set, 31);
+}
+
+// A rollback that fails fences its worker: dirty, claiming no version; the others
+// are at the old version. reconcile() then reports it fenced and leaves the rest;
+// a full update makes every worker whole again.
+TEST_F(worker_group_test, a_worker_whose_rollback_fails_is_fenced_and_reconcile_says_so) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(60);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 60, result));
+  tensor_set set = model_tensors(61);
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  workers_[1]->model.fail_next_load = true;  // its commit fails
+  workers_[0]->model.fail_load_after = 1;    // its commit (one batch) loads, its rollback does not
+  auto failure = try_update(set, 61, result, atomic);
+  ASSERT_TRUE(failure);
+  const std::string w0 = "worker 0 (127.0.0.1:" + std::to_string(workers_[0]->port) + ")";
+  EXPECT_NE(failure->message().find(w0 + ": committed, and its rollback failed (fenced"), std::string::npos)
+      << failure->message();
+  EXPECT_NE(failure->message().find("the workers not fenced keep their previous version"), std::string::npos)
+      << failure->message();
+  auto infos = call_all("weight_info");
+  EXPECT_EQ(infos[0]["state"], "dirty") << infos[0].dump();
+  EXPECT_EQ(infos[0]["weight_version"], nullptr) << infos[0].dump();
+  for (std::size_t i : {1u, 2u}) {
+    EXPECT_EQ(infos[i]["state"], "clean") << infos[i].dump();
+    EXPECT_EQ(infos[i]["weight_version"], 60) << infos[i].dump();
+  }
+  json report;
+  auto reconcile = [&]() -> asio::awaitable<void> { report = co_await group_->reconcile(); };
+  run_to_completion(io_, reconcile());
+  EXPECT_EQ(report["version"], 60) << report.dump();
+  EXPECT_EQ(report["workers"][0]["action"], "fenced") << report.dump();
+  EXPECT_EQ(report["workers"][1]["action"], "none") << report.dump();
+  ASSERT_FALSE(try_update(set, 62, result));
+  expect_at(set, 62);
+}
+
+// The restore inside a failing commit: the failure comes after a first batch
+// was loaded (a model over 64 MiB, two batches), and the worker's whole previous
+// version is back, not just the failing batch's.
+TEST_F(worker_group_test, a_commit_failing_in_its_second_batch_loads_the_first_back_too) {
+  start({{}});
+  run_to_completion(io_, init());
+  auto big = [](std::uint64_t seed) {
+    tensor_set set;
+    for (int i = 0; i < 3; ++i) set.add("big." + std::to_string(i), dtype::uint8, {40ll << 20}, seed);
+    return set;
+  };
+  tensor_set old_set = big(40);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 40, result));
+  tensor_set set = big(41);
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  workers_[0]->model.fail_load_after = 1;
+  auto failure = try_update(set, 41, result, atomic);
+  ASSERT_TRUE(failure);
+  EXPECT_NE(failure->message().find("failed at its commit"), std::string::npos) << failure->message();
+  expect_at(old_set, 40);
+}
+
+// A trainer lost between its commits: workers 0 and 1 committed update 51, worker
+// 2 voted yes and never heard; the trainer's connections close (its session on
+// worker 2 is aborted: the old version, untouched). A new trainer's reconcile()
+// rolls 0 and 1 back: every worker at 50, whole.
+asio::awaitable<void> commit_on_some(control::worker_group& group, tcp::sender& sender, tensor_set& set,
+                                     std::int64_t version, std::vector<std::size_t> committed) {
+  json start = json::object();
+  start["fleet_atomic"] = true;
+  co_await group.call_all("start_weight_update", std::move(start));
+  json info = json::object();
+  write_update_metadata(set.meta, info);
+  info["commit"] = "staged";
+  auto views = set.views();
+  std::span<const tensor_view> all(views);
+  range_source<std::span<const tensor_view>> source(all);
+  json body = json::object();
+  body["update_info"] = std::move(info);
+  co_await control::both(group.call_all("update_weights", std::move(body)),
+                         sender.send_weights(set.meta, source));
+  co_await group.call_all("prepare_weight_update");
+  for (std::size_t i : committed) {
+    json finish = json::object();
+    finish["weight_version"] = version;
+    co_await group.at(i).call("finish_weight_update", std::move(finish));
+  }
+}
+
+TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_some_workers) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(50);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 50, result));
+  tensor_set new_set = model_tensors(51);
+  run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 51, {0, 1}));
+  group_->close();  // the trainer is gone
+  run(io_, 200ms);
+
+  std::vector<control::worker_endpoint> endpoints;
+  for (auto& w : workers_) endpoints.push_back({"127.0.0.1", w->port});
+  group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", std::move(endpoints));
+  run_to_completion(io_, group_->connect());
+  json report;
+  auto reconcile = [&]() -> asio::awaitable<void> { report = co_await group_->reconcile(); };
+  run_to_completion(io_, reconcile());
+  EXPECT_EQ(report["version"], 50) << report.dump();
+  ASSERT_EQ(report["workers"].size(), 3u) << report.dump();
+  EXPECT_EQ(report["workers"][0]["action"], "rolled back") << report.dump();
+  EXPECT_EQ(report["workers"][1]["action"], "rolled back") << report.dump();
+  EXPECT_EQ(report["workers"][2]["action"], "none") << report.dump();
+  expect_at(old_set, 50);
+  // Once one version, reconcile has nothing to do.
+  run_to_completion(io_, reconcile());
+  EXPECT_EQ(report["version"], 50) << report.dump();
+  for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
 }
 
 TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once) {

@@ -37,6 +37,9 @@
 //   chain_corrupt (3+ workers, chain, checksums) flip one byte of the first hop:
 //                 worker 0 reports the corruption, every worker after it fails too
 //                 (the byte was forwarded), none claims the update
+//   fleet_kill_worker, fleet_kill_trainer, fleet_corrupt, fleet_stall  (tcp) the
+//                 same faults of a fleet-atomic update (--fleet-atomic): every
+//                 worker that lives ends at the old version, with the old weights
 // The other kinds run as a star (--topology star); every recovery update uses the
 // engine's default topology (a chain from 3 workers on).
 //
@@ -114,6 +117,11 @@ json suite::run() {
     kinds.push_back("chain_corrupt");
   }
   if (o_.engine == "tcp") kinds.push_back("delta_wrong_base");
+  // Fleet-atomic updates (tcp): a worker killed, the trainer killed, a corrupt
+  // stream, a stalled one; afterwards every worker is at the old version.
+  if (o_.engine == "tcp")
+    for (const char* k : {"fleet_kill_worker", "fleet_kill_trainer", "fleet_corrupt", "fleet_stall"})
+      kinds.push_back(k);
   for (int r = 0; r < o_.rounds; ++r)
     for (std::size_t k = 0; k < kinds.size(); ++k) {
       // Both commit modes for every kind over the rounds (alternating).
@@ -123,6 +131,8 @@ json suite::run() {
           session_scenario(kinds[k], commit);
         else if (kinds[k] == "delta_wrong_base")
           delta_scenario(kinds[k]);  // in place: deltas refuse staged sessions
+        else if (kinds[k].rfind("fleet_", 0) == 0)
+          scenario(kinds[k].substr(6), "fleet_atomic");
         else
           scenario(kinds[k], commit);
       } catch (const std::exception& e) {

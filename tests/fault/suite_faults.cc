@@ -80,11 +80,16 @@ void suite::scenario(const std::string& kind, const std::string& commit) {
   }
   for (auto& p : proxies) p->start();
 
+  // fleet_atomic: two-phase (the trainer's --fleet-atomic, staged on every worker).
+  const bool atomic = commit == "fleet_atomic";
   std::vector<std::string> extra = {"--first-round",      std::to_string(round),
                                     "--updates",          "1",
-                                    "--commit",           commit,
                                     "--advertise-port",   advertise,
                                     "--auth-secret-file", kind == "impostor" ? wrong_secret_file_ : secret_file_};
+  if (atomic)
+    extra.push_back("--fleet-atomic");
+  else
+    extra.insert(extra.end(), {"--commit", commit});
   extra.insert(extra.end(), {"--topology", chain ? "chain" : "star"});
   if (kind == "corrupt" || kind == "chain_corrupt") extra.push_back("--checksums");
   if (kind == "stale_trainer") {
@@ -217,15 +222,18 @@ void suite::scenario(const std::string& kind, const std::string& commit) {
   // Nothing lost: a worker that says clean holds its version's weights; where the
   // update failed, staged left the old weights intact and clean, and in_place
   // either did too or says dirty. (Where it completed but the trainer died before
-  // finishing, the worker says "updating": new weights, not yet claimed.)
+  // finishing, the worker says "updating": new weights, not yet claimed.) A
+  // fleet-atomic update that failed anywhere left every worker at the old version.
+  const bool failed_somewhere = !(result.exited && WIFEXITED(result.status) && WEXITSTATUS(result.status) == 0);
   for (std::size_t i = 0; i < workers_.size(); ++i) {
     if (!after[i]) continue;
     // Exactly at the old version or the new one (not the new one where its
     // staged update failed), or, in_place only, dirty: claiming no version.
     const bool failed_here = !worker_error(i).empty();
-    const bool staged_failure = failed_here && commit == "staged";
-    std::string lost =
-        not_at_a_version(i, *after[i], version_, staged_failure ? std::nullopt : std::optional<int>(round), commit);
+    const bool staged_failure = (failed_here && commit == "staged") || (atomic && failed_somewhere);
+    std::string lost = not_at_a_version(
+        i, *after[i], version_, staged_failure ? std::nullopt : std::optional<int>(round), atomic ? "staged" : commit);
+    if (atomic && failed_somewhere && !lost.empty()) lost = "a failed fleet-atomic update changed it: " + lost;
     if (staged_failure && !lost.empty()) lost = "a failed staged update changed the weights: " + lost;
     if (!lost.empty()) {
       ++r_.lost;

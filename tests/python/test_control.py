@@ -76,8 +76,30 @@ def test_a_fleet_atomic_update_commits_nowhere_unless_every_worker_votes_yes():
         with pytest.raises(refit.InvalidArgumentError, match="in_place"):
             group.update(sender, model(3), 3, fleet_atomic=True, commit="in_place")
         assert group.update(sender, model(3), 3, fleet_atomic=True)["verified"]
+        # Each worker keeps version 1 in its stage: the trainer can take update 3 back.
+        assert [i["undo_version"] for i in group.call_all("weight_info")] == [1, 1]
+        assert group.call_all("rollback_weight_update") == [{"weight_version": 1, "state": "clean"}] * 2
+        assert group.fingerprint_differences(refit.fingerprints(model(1)), 1) == [[], []]
+        for d in dests:
+            assert all(d[k].tobytes() == model(1)[k].tobytes() for k in d)
+        assert not any(i["holds_undo"] for i in group.call_all("weight_info"))
     for h in hosts:
         h.stop()
+
+
+def test_a_worker_that_cannot_undo_refuses_a_fleet_atomic_update_before_a_byte_moves():
+    got = {}
+    host = refit.WorkerHost("tcp", load_weights=lambda batch: got.update(batch), framework="numpy",
+                            timeout_ms=10000)
+    with refit.Sender("tcp", timeout_ms=10000) as sender, \
+            refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        cannot = r"(?s)worker 0 .*this worker cannot: its engine has no model target"
+        with pytest.raises(refit.UnsupportedError, match=cannot):
+            group.update(sender, model(1), 1, fleet_atomic=True, verify=False)
+        assert not got
+    host.stop()
 
 
 def test_a_worker_that_holds_other_weights_is_named():

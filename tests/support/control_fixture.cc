@@ -1,5 +1,7 @@
 #include "tests/support/control_fixture.h"
 
+#include <cstring>
+
 namespace refit::testing {
 
 using namespace std::chrono_literals;
@@ -13,6 +15,8 @@ weight_transfer_config tcp_config(std::chrono::milliseconds timeout) {
 
 void holding_model::load_weights(std::span<const tensor_view> views) {
   if (fail_next_load.exchange(false)) throw_error(errc::processing_failed, "holding model: load_weights failed");
+  if (fail_load_after.load() >= 0 && fail_load_after.fetch_sub(1) == 0)
+    throw_error(errc::processing_failed, "holding model: load_weights failed after a batch");
   std::lock_guard lock(mutex_);
   for (const auto& v : views) {
     auto& slot = tensors_[std::string(v.name)];
@@ -27,6 +31,20 @@ void holding_model::begin_update(const update_metadata& meta) {
   if (refuse_next.exchange(false)) throw_error(errc::invalid_argument, "holding model: refused this update");
   for (const auto& t : meta.tensors)
     if (t.name == "forbidden") throw_error(errc::invalid_argument, "holding model: no tensor may be named 'forbidden'");
+}
+
+bool holding_model::can_read_back(const tensor_spec& spec) {
+  std::lock_guard lock(mutex_);
+  auto it = tensors_.find(spec.name);
+  return it != tensors_.end() && it->second.spec.dtype == spec.dtype && it->second.spec.shape == spec.shape;
+}
+
+void holding_model::read_back(const tensor_spec& spec, std::span<std::byte> out) {
+  std::lock_guard lock(mutex_);
+  auto it = tensors_.find(spec.name);
+  if (it == tensors_.end() || it->second.bytes.size() != out.size())
+    throw_error(errc::invalid_argument, "holding model: read_back of '" + spec.name + "'");
+  std::memcpy(out.data(), it->second.bytes.data(), out.size());
 }
 
 fingerprint_list holding_model::fingerprint(const std::vector<std::string>& names) {

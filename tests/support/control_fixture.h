@@ -40,11 +40,16 @@ class holding_model final : public model_target {
   void load_weights(std::span<const tensor_view> views) override;
   void begin_update(const update_metadata& meta) override;
   fingerprint_list fingerprint(const std::vector<std::string>& names) override;
+  /// Tensors it holds read back (undo of a fleet-atomic commit).
+  bool can_read_back(const tensor_spec& spec) override;
+  void read_back(const tensor_spec& spec, std::span<std::byte> out) override;
 
   /// Faults of the next update only: begin_update refuses it (before any byte
   /// moves), or load_weights throws (in a staged session: at its commit).
   std::atomic<bool> refuse_next{false};
   std::atomic<bool> fail_next_load{false};
+  /// load_weights succeeds this many more times, then throws once (-1: off).
+  std::atomic<int> fail_load_after{-1};
 
  private:
   struct tensor {

@@ -29,6 +29,8 @@ json weight_info_of(const worker_state& w) {
       owned ? json(w.owner.busy() ? std::int64_t{0} : static_cast<std::int64_t>(w.owner.silence().count()))
             : json(nullptr);
   info["weight_version"] = session.weight_version() ? json(*session.weight_version()) : json(nullptr);
+  info["holds_undo"] = session.holds_undo();
+  info["undo_version"] = session.undo_version() ? json(*session.undo_version()) : json(nullptr);
   info["dirty_reason"] = engine.weights_dirty() ? json(engine.dirty_reason()) : json(nullptr);
   info["last_error"] = w.last_error.empty() ? json(nullptr) : json(w.last_error);
   info["last_hook_error"] = w.last_hook_error.empty() ? json(nullptr) : json(w.last_hook_error);

@@ -18,6 +18,8 @@ asio::awaitable<json> update_weights(worker_state& w, rpc_connection& caller, js
 asio::awaitable<json> prepare_weight_update(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> finish_weight_update(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> abort_weight_update(worker_state& w, rpc_connection& caller, json params);
+asio::awaitable<json> rollback_weight_update(worker_state& w, rpc_connection& caller, json params);
+asio::awaitable<json> release_weight_undo(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> weight_info(worker_state& w, rpc_connection& caller, json params);
 asio::awaitable<json> weight_fingerprint(worker_state& w, rpc_connection& caller, json params);
 
