@@ -456,8 +456,7 @@ asio::awaitable<void> commit_on_some(control::worker_group& group, tcp::sender& 
   range_source<std::span<const tensor_view>> source(all);
   json body = json::object();
   body["update_info"] = std::move(info);
-  co_await control::both(group.call_all("update_weights", std::move(body)),
-                         sender.send_weights(set.meta, source));
+  co_await control::both(group.call_all("update_weights", std::move(body)), sender.send_weights(set.meta, source));
   co_await group.call_all("prepare_weight_update");
   for (std::size_t i : committed) {
     json finish = json::object();
