@@ -375,6 +375,20 @@ def vllm_families() -> list[str]:
          "server / refit"], rows)
 
 
+def fleet_atomic() -> list[str]:
+    run = Run("fleet_atomic.json")
+    c = run.col
+    gib = [x / 2**30 for x in c("staged_peak_rss")], [x / 2**30 for x in c("fleet_atomic_peak_rss")]
+    added = [(a - b) / 2**20 for a, b in zip(c("fleet_atomic_peak_rss"), c("staged_peak_rss"))]
+    ratio = ratios(c("fleet_atomic_s"), c("staged_s"))
+    rows = [["staged (`--commit staged`)", f"{spread(c('staged_s'), 3)} s", "", f"{spread(gib[0])} GiB"],
+            ["fleet-atomic (`--fleet-atomic`)", f"{spread(c('fleet_atomic_s'), 3)} s",
+             f"{spread(ratio)}x, target {target(ratio, '≤', 1.1)}", f"{spread(gib[1])} GiB (+{spread(added, 0)} MiB)"]]
+    return [run.caption(f"The main job's {run['model_bytes']} model to {run['workers']} workers on this 2-core "
+                        f"machine's loopback, per update (the median of updates 2-{run['updates']} of each job)"),
+            ""] + table(["commit", "update", "fleet-atomic / staged", "largest worker peak RSS"], rows)
+
+
 def readme() -> list[str]:
     lo, ns, ux = Run("loopback.json"), Run("netns_scale.json"), Run("ucx_bench_5.json")
     sh, vl = Run("sharded_ucx_sm.json"), Run("vllm_serve_bench.json")
@@ -425,6 +439,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "ucx": ucx,
     "vllm_serve": vllm_serve,
     "vllm_families": vllm_families,
+    "fleet_atomic": fleet_atomic,
 }
 
 # Where a figure written by hand would hide: these files (a section of one) outside the blocks.

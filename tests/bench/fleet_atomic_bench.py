@@ -46,18 +46,18 @@ def main():
     if a.updates < 2:
         p.error("--updates: at least 2 (the first is not fleet-atomic)")
     report = {**benchmeta.record(a.rounds), "model_bytes": a.model_bytes, "workers": a.workers,
-              "updates": a.updates, "rounds_raw": []}
+              "updates": a.updates, "per_round": []}
     for k in range(a.rounds):
         order = ["staged", "fleet_atomic"] if k % 2 == 0 else ["fleet_atomic", "staged"]
         got = {m: job(a.binary, a, m) for m in order}
         row = {"staged_s": got["staged"][0], "fleet_atomic_s": got["fleet_atomic"][0],
                "ratio": got["fleet_atomic"][0] / got["staged"][0],
                "staged_peak_rss": got["staged"][1], "fleet_atomic_peak_rss": got["fleet_atomic"][1]}
-        report["rounds_raw"].append(row)
+        report["per_round"].append(row)
         print(f"round {k + 1}: staged {row['staged_s']:.3f} s, fleet-atomic {row['fleet_atomic_s']:.3f} s, "
               f"ratio {row['ratio']:.3f}; peak RSS {row['staged_peak_rss'] / 2**30:.2f} / "
               f"{row['fleet_atomic_peak_rss'] / 2**30:.2f} GiB", flush=True)
-    rows = report["rounds_raw"]
+    rows = report["per_round"]
     for key in ("staged_s", "fleet_atomic_s", "ratio", "staged_peak_rss", "fleet_atomic_peak_rss"):
         xs = [r[key] for r in rows]
         report[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}

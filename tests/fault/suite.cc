@@ -37,7 +37,7 @@
 //   chain_corrupt (3+ workers, chain, checksums) flip one byte of the first hop:
 //                 worker 0 reports the corruption, every worker after it fails too
 //                 (the byte was forwarded), none claims the update
-//   fleet_kill_worker, fleet_kill_trainer, fleet_corrupt, fleet_stall  (tcp) the
+//   fleet_kill_worker, fleet_kill_trainer, fleet_corrupt, fleet_stall  the
 //                 same faults of a fleet-atomic update (--fleet-atomic): every
 //                 worker that lives ends at the old version, with the old weights
 // The other kinds run as a star (--topology star); every recovery update uses the
@@ -117,11 +117,9 @@ json suite::run() {
     kinds.push_back("chain_corrupt");
   }
   if (o_.engine == "tcp") kinds.push_back("delta_wrong_base");
-  // Fleet-atomic updates (tcp): a worker killed, the trainer killed, a corrupt
-  // stream, a stalled one; afterwards every worker is at the old version.
-  if (o_.engine == "tcp")
-    for (const char* k : {"fleet_kill_worker", "fleet_kill_trainer", "fleet_corrupt", "fleet_stall"})
-      kinds.push_back(k);
+  // Fleet-atomic updates: a worker killed, the trainer killed, a corrupt stream,
+  // a stalled one; afterwards every worker is at the old version.
+  for (const char* k : {"fleet_kill_worker", "fleet_kill_trainer", "fleet_corrupt", "fleet_stall"}) kinds.push_back(k);
   for (int r = 0; r < o_.rounds; ++r)
     for (std::size_t k = 0; k < kinds.size(); ++k) {
       // Both commit modes for every kind over the rounds (alternating).
