@@ -420,10 +420,16 @@ TEST_F(worker_group_test, a_worker_whose_rollback_fails_is_fenced_and_reconcile_
 // version is back, not just the failing batch's.
 TEST_F(worker_group_test, a_commit_failing_in_its_second_batch_loads_the_first_back_too) {
   start({{}});
-  run_to_completion(io_, init());
-  auto big = [](std::uint64_t seed) {
+  // Buckets of 4 MiB: 72 MiB in 16 KiB ones outlast the deadline under TSan.
+  auto init_big = [&]() -> asio::awaitable<void> {
+    json args = trainer_args();
+    args["buffer_bytes"] = 4 << 20;
+    co_await group_->init(*sender_, std::move(args));
+  };
+  run_to_completion(io_, init_big());
+  auto big = [](std::uint64_t seed) {  // two batches: 36 + 36 MiB is over the commit's 64 MiB
     tensor_set set;
-    for (int i = 0; i < 3; ++i) set.add("big." + std::to_string(i), dtype::uint8, {40ll << 20}, seed);
+    for (int i = 0; i < 2; ++i) set.add("big." + std::to_string(i), dtype::uint8, {36ll << 20}, seed);
     return set;
   };
   tensor_set old_set = big(40);
