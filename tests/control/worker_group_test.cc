@@ -445,6 +445,51 @@ TEST_F(worker_group_test, a_commit_failing_in_its_second_batch_loads_the_first_b
   expect_at(old_set, 40);
 }
 
+// Worker 2 goes away after its stream is in and before its vote (its host stops
+// during the trainer's hold): its prepare fails, every other session is aborted,
+// and workers 0 and 1 keep the old version, whole. reconcile() then fails naming
+// the worker it cannot reach.
+TEST_F(worker_group_test, a_worker_lost_before_its_vote_leaves_the_others_at_the_old_version) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(70);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 70, result));
+  tensor_set set = model_tensors(71);
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  atomic.hold_before_finish = 2s;  // the window between the streams and the votes
+  asio::steady_timer lose(io_, 500ms);
+  lose.async_wait([&](std::error_code) { workers_[2]->host->stop(); });
+  auto failure = try_update(set, 71, result, atomic);
+  ASSERT_TRUE(failure);
+  const std::string w2 = "worker 2 (127.0.0.1:" + std::to_string(workers_[2]->port) + ")";
+  EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
+  EXPECT_NE(failure->message().find(w2 + ": failed in prepare_weight_update"), std::string::npos) << failure->message();
+  const auto expected = fingerprint_all(old_set.views());
+  for (std::size_t i : {0u, 1u}) {
+    json fp;
+    auto fetch = [&]() -> asio::awaitable<void> { fp = co_await group_->at(i).call("weight_fingerprint"); };
+    run_to_completion(io_, fetch());
+    EXPECT_EQ(fp["state"], "clean") << fp.dump();
+    EXPECT_EQ(fp["weight_version"], 70) << fp.dump();
+    json list = json::object();
+    list["algorithm"] = fp["algorithm"];
+    list["tensors"] = fp["tensors"];
+    EXPECT_TRUE(compare_fingerprints(expected, fingerprints_from_json(list)).empty()) << "worker " << i;
+  }
+  std::string refused;
+  auto reconcile = [&]() -> asio::awaitable<void> {
+    try {
+      co_await group_->reconcile();
+    } catch (const error& e) {
+      refused = e.message();
+    }
+  };
+  run_to_completion(io_, reconcile());
+  EXPECT_NE(refused.find(w2), std::string::npos) << refused;
+}
+
 // A trainer lost between its commits: workers 0 and 1 committed update 51, worker
 // 2 voted yes and never heard; the trainer's connections close (its session on
 // worker 2 is aborted: the old version, untouched). A new trainer's reconcile()
