@@ -77,7 +77,7 @@ class model_target {
   virtual std::vector<std::pair<std::string, std::uint64_t>> fingerprint(const std::vector<std::string>& names);
   /// Undo of a staged commit (fleet-atomic updates, docs/control-plane.md): whether
   /// read_back can copy the bytes of `spec` (its dtype and shape) as the model holds
-  /// them now. Asked on the engine's loop before any byte of the update moves; a
+  /// them now. Asked on the processing executor before any byte of the update moves; a
   /// worker whose model cannot read a tensor back refuses a fleet-atomic update of
   /// it. Default: false.
   virtual bool can_read_back(const tensor_spec& /*spec*/) { return false; }

@@ -1,8 +1,33 @@
 #include <refit/session.h>
 
+#include <asio/post.hpp>
+#include <asio/this_coro.hpp>
+#include <asio/use_awaitable.hpp>
+
 #include <refit/internal/engine_access.h>
 
 namespace refit {
+
+namespace {
+
+// engine_access::undo_refusal on the engine's processing executor (a lookup per
+// tensor: milliseconds for a large model), resuming on the caller's loop.
+asio::awaitable<std::string> undo_refusal_off_loop(weight_transfer_engine& engine, const update_metadata& meta) {
+  auto loop = co_await asio::this_coro::executor;
+  co_await asio::post(internal::engine_access::processing_executor(engine), asio::use_awaitable);
+  std::string why;
+  std::exception_ptr failure;
+  try {
+    why = internal::engine_access::undo_refusal(engine, meta);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  co_await asio::post(loop, asio::use_awaitable);
+  if (failure) std::rethrow_exception(failure);
+  co_return why;
+}
+
+}  // namespace
 
 void weight_update_session::start_weight_update() {
   if (active_)
@@ -67,7 +92,16 @@ asio::awaitable<void> weight_update_session::update_weights(const update_info& i
                                          ? "update_weights: the session is being prepared"
                                          : "update_weights: another chunk of this update is still being received");
   if (undoable_) {
-    std::string why = internal::engine_access::undo_refusal(engine_, info.metadata);
+    updating_ = true;  // no other chunk, finish or abort while the check runs off the loop
+    std::string why;
+    std::exception_ptr failure;
+    try {
+      why = co_await undo_refusal_off_loop(engine_, info.metadata);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    updating_ = false;
+    if (failure) std::rethrow_exception(failure);
     if (!why.empty()) {
       const std::string message =
           "update_weights: a fleet-atomic update needs every worker to be able to undo its commit, and this "

@@ -202,6 +202,15 @@ asio::awaitable<void> send_kept(weight_sender& sender, const update_metadata& me
   }
 }
 
+// One call whose error is kept in *error, not thrown (its answer is not needed).
+asio::awaitable<void> call_keeping(client& c, std::string method, json params, std::exception_ptr* error) {
+  try {
+    co_await c.call(std::move(method), std::move(params));
+  } catch (...) {
+    *error = std::current_exception();
+  }
+}
+
 // finish_weight_update on one worker, timed from `t0`; its error kept.
 asio::awaitable<void> finish_one(client& c, std::string name, json params, worker_update* out,
                                  clock_type::time_point t0, fleet_state* f, std::size_t w) {
@@ -214,18 +223,6 @@ asio::awaitable<void> finish_one(client& c, std::string name, json params, worke
   }
   out->seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
   if (out->finish.is_object() && out->finish.contains("stats")) out->stats = out->finish["stats"];
-}
-
-std::string error_line(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    return std::string(errc_name(x.kind())) + ": " + x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
 }
 
 }  // namespace
@@ -302,17 +299,11 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
 // thrown. Fleet-atomic: one error naming every worker's phase; otherwise the first
 // error, as it came.
 asio::awaitable<void> worker_group::abort_all(detail::fleet_state& f, std::int64_t version, bool fleet_atomic) {
-  const std::string why = "update " + std::to_string(version) + " failed: " + error_line(f.first);
+  const std::string why = "update " + std::to_string(version) + " failed: " + describe_error(f.first);
   std::vector<std::exception_ptr> abort_errors(clients_.size());
   std::vector<asio::awaitable<void>> ops;
   for (std::size_t i = 0; i < clients_.size(); ++i)
-    ops.push_back([](client& c, json body, std::exception_ptr* out) -> asio::awaitable<void> {
-      try {
-        co_await c.call("abort_weight_update", std::move(body));
-      } catch (...) {
-        *out = std::current_exception();
-      }
-    }(*clients_[i], json{{"why", why}}, &abort_errors[i]));
+    ops.push_back(call_keeping(*clients_[i], "abort_weight_update", json{{"why", why}}, &abort_errors[i]));
   co_await async::all_of(std::move(ops));
   if (!fleet_atomic) std::rethrow_exception(f.first);
   std::string message = "fleet-atomic update " + std::to_string(version) +
@@ -320,20 +311,13 @@ asio::awaitable<void> worker_group::abort_all(detail::fleet_state& f, std::int64
   for (std::size_t i = 0; i < clients_.size(); ++i) {
     message += "\n  " + name(i) + ": ";
     if (f.errors[i])
-      message += "failed in " + f.phase[i] + ": " + error_line(f.errors[i]);
+      message += "failed in " + f.phase[i] + ": " + describe_error(f.errors[i]);
     else
       message += "aborted after " + f.phase[i];
-    if (abort_errors[i]) message += " (its abort failed: " + error_line(abort_errors[i]) + ")";
+    if (abort_errors[i]) message += " (its abort failed: " + describe_error(abort_errors[i]) + ")";
   }
-  if (f.send_error) message += "\n  the trainer's send: " + error_line(f.send_error);
-  errc kind = errc::io_error;
-  try {
-    std::rethrow_exception(f.first);
-  } catch (const error& e) {
-    kind = e.kind();
-  } catch (...) {
-  }
-  throw_error(kind, message);
+  if (f.send_error) message += "\n  the trainer's send: " + describe_error(f.send_error);
+  throw_error(error_kind_of(f.first), message);
 }
 
 // A fleet-atomic update that failed at a commit, after every vote: every worker
@@ -344,35 +328,20 @@ asio::awaitable<void> worker_group::roll_back_committed(detail::fleet_state& f, 
   std::vector<std::exception_ptr> rollback_errors(clients_.size());
   std::vector<asio::awaitable<void>> ops;
   for (std::size_t i = 0; i < clients_.size(); ++i) {
-    if (f.errors[i]) continue;
-    ops.push_back([](client& c, std::exception_ptr* out) -> asio::awaitable<void> {
-      try {
-        co_await c.call("rollback_weight_update", json::object());
-      } catch (...) {
-        *out = std::current_exception();
-      }
-    }(*clients_[i], &rollback_errors[i]));
+    if (!f.errors[i])
+      ops.push_back(call_keeping(*clients_[i], "rollback_weight_update", json::object(), &rollback_errors[i]));
   }
   co_await async::all_of(std::move(ops));
   std::string lines;
   bool fenced = false;
-  errc kind = errc::io_error;
-  bool have_kind = false;
+  errc kind{};  // the first failed commit's, by worker
   for (std::size_t i = 0; i < clients_.size(); ++i) {
     lines += "\n  " + name(i) + ": ";
     if (f.errors[i]) {
-      lines += "failed at its commit: " + error_line(f.errors[i]);
-      if (!have_kind) {
-        try {
-          std::rethrow_exception(f.errors[i]);
-        } catch (const error& e) {
-          kind = e.kind();
-        } catch (...) {
-        }
-        have_kind = true;
-      }
+      lines += "failed at its commit: " + describe_error(f.errors[i]);
+      if (kind == errc{}) kind = error_kind_of(f.errors[i]);
     } else if (rollback_errors[i]) {
-      lines += "committed, and its rollback failed (fenced: dirty, no version): " + error_line(rollback_errors[i]);
+      lines += "committed, and its rollback failed (fenced: dirty, no version): " + describe_error(rollback_errors[i]);
       fenced = true;
     } else {
       lines += "committed, rolled back";
@@ -450,18 +419,11 @@ asio::awaitable<json> worker_group::reconcile() {
   for (std::size_t i = 0; i < n; ++i) {
     if (!clean[i] || version[i] == target) continue;
     workers[i]["action"] = "rolled back";
-    ops.push_back([](client& c, std::string who, std::exception_ptr* out) -> asio::awaitable<void> {
-      try {
-        json answer;
-        co_await call_one(c, std::move(who), "rollback_weight_update", json::object(), &answer);
-      } catch (...) {
-        *out = std::current_exception();
-      }
-    }(*clients_[i], name(i), &errors[i]));
+    ops.push_back(call_keeping(*clients_[i], "rollback_weight_update", json::object(), &errors[i]));
   }
   co_await async::all_of(std::move(ops));
   for (std::size_t i = 0; i < n; ++i)
-    if (errors[i]) std::rethrow_exception(errors[i]);
+    if (errors[i]) rethrow_named(errors[i], name(i));
   json out = json::object();
   out["version"] = target ? json(*target) : json(nullptr);
   out["workers"] = std::move(workers);
