@@ -80,6 +80,19 @@ void host_copy_target::read_back(const tensor_spec& spec, std::span<std::byte> o
   if (!out.empty()) std::memcpy(out.data(), from, out.size());
 }
 
+void host_copy_target::seed(const tensor_view& v) {
+  if (!v.device.is_cpu())
+    throw_error(errc::unsupported, "host_copy_target: seed: '" + std::string(v.name) + "' is on " +
+                                       to_string(v.device) + ", not the host");
+  entry e;
+  e.spec = v.spec();
+  e.data = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(v.nbytes(), 1));
+  if (v.nbytes() > 0) std::memcpy(e.data.get(), v.data, v.nbytes());
+  e.filled = true;
+  std::lock_guard lock(mutex_);
+  tensors_[e.spec.name] = std::move(e);
+}
+
 load_weights_fn host_copy_target::loading_through(load_weights_fn load) {
   return [this, load = std::move(load)](std::span<const tensor_view> weights) {
     load_weights(weights);

@@ -59,6 +59,12 @@ class host_copy_target final : public model_target {
   bool can_read_back(const tensor_spec& spec) override;
   void read_back(const tensor_spec& spec, std::span<std::byte> out) override;
 
+  /// Gives the copy `v`'s bytes (host memory) as what the model holds now, before
+  /// any update reached it: what a server loaded from its checkpoint, so that the
+  /// first update can be undone too. Replaces what the copy held of that tensor.
+  /// Not during an update.
+  void seed(const tensor_view& v);
+
   /// `load` preceded by load_weights(views) above: what a receive passes so that
   /// the copy holds every view the model is given, in either commit mode.
   load_weights_fn loading_through(load_weights_fn load);

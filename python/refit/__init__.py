@@ -48,7 +48,7 @@ if _BUILD == "cuda":
 
 # The extension and every module that imports it come after torch (see above).
 from . import _refit
-from ._engine import Engine
+from ._engine import Engine, HostCopy
 from ._errors import (
     AlreadyRegisteredError,
     AuthError,
@@ -75,6 +75,7 @@ from ._types import Info, LoadWeights, Tensors
 
 __all__ = [
     "Engine",
+    "HostCopy",
     "Sender",
     "WorkerGroup",
     "WorkerHost",

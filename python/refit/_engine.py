@@ -46,7 +46,18 @@ class Engine(_Scoped):
     engine last delivered (memory: the model's bytes, on the host) and receives
     into it: ``load_weights`` gets views of the copy, and a trainer's delta updates
     (``"delta": True``, docs/delta.md) decode against it where the model's own
-    memory cannot be read back (vLLM's fused parameters, GPU tensors).
+    memory cannot be read back (vLLM's fused parameters, GPU tensors). A
+    :class:`HostCopy` given as ``keep_base`` is that copy, kept by its owner across
+    engines (and seeded with what the model holds before its first update).
+
+    ``start_weight_update(fleet_atomic=True)`` makes the session undoable, the
+    worker's part of a fleet-atomic update (docs/control-plane.md): each chunk is
+    refused before a byte moves unless the model can read back every tensor of it
+    (``tensors=``, or ``keep_base`` holding it); ``prepare_weight_update()`` votes
+    (the whole update staged, nothing applied, no chunk failed); the finish keeps
+    the previous version, which ``rollback_weight_update()`` loads back through the
+    chunks' own ``load_weights`` (and records its version again) until the next
+    session starts or ``release_undo()``.
 
     ``check_update(update_info)``, when given, is called with every update's
     ``{"names", "dtype_names", "shapes"}`` before any byte of it moves (on refit's
@@ -74,7 +85,7 @@ class Engine(_Scoped):
         framework: str = "auto",
         max_stage_bytes: int = 0,
         check_update: Callable[[Info], None] | None = None,
-        keep_base: bool = False,
+        keep_base: bool | HostCopy = False,
     ) -> None:
         self._impl = _refit._Engine(
             backend=backend,
@@ -93,6 +104,7 @@ class Engine(_Scoped):
             max_stage_bytes=int(max_stage_bytes),
             check_update=check_update,
             keep_base=bool(keep_base),
+            base=keep_base._impl if isinstance(keep_base, HostCopy) else None,
         )
         self._tensors = tensors  # referenced for as long as the engine writes them
 
@@ -108,8 +120,9 @@ class Engine(_Scoped):
 
     def state(self) -> Info:
         """The engine's state: initialized, receiving, processing_pending, weights_dirty,
-        dirty_reason, session_active, weight_version, last_update (stats), transport
-        (what the engine's transport chose, e.g. ucx's transports and mode; else None)."""
+        dirty_reason, session_active, weight_version, prepared, holds_undo, undo_version,
+        last_update (stats), transport (what the engine's transport chose, e.g. ucx's
+        transports and mode; else None)."""
         return self._impl.state()
 
     @property
@@ -151,8 +164,27 @@ class Engine(_Scoped):
     drain_pending = drain
     drain_pending_async = drain_async
 
-    def start_weight_update(self) -> None:
-        self._impl.start_weight_update()
+    def start_weight_update(self, fleet_atomic: bool = False) -> None:
+        self._impl.start_weight_update(fleet_atomic=bool(fleet_atomic))
+
+    def prepare_weight_update(self) -> None:
+        """The vote of a fleet-atomic update: raises :class:`InvalidStateError`
+        (naming why) unless the session holds its whole update staged."""
+        self._impl.prepare_weight_update()
+
+    async def prepare_weight_update_async(self) -> None:
+        await _run(_keep(self, self._impl._start_prepare_weight_update))
+
+    def rollback_weight_update(self) -> None:
+        """Loads the version before the last fleet-atomic finish back."""
+        self._impl.rollback_weight_update()
+
+    async def rollback_weight_update_async(self) -> None:
+        await _run(_keep(self, self._impl._start_rollback_weight_update))
+
+    def release_undo(self) -> None:
+        """Drops the previous version a fleet-atomic finish kept."""
+        self._impl.release_undo()
 
     def update_weights(self, update_info: Info, load_weights: LoadWeights | None = None) -> None:
         self._impl.update_weights(update_info=update_info, load_weights=load_weights)
@@ -182,3 +214,22 @@ class Engine(_Scoped):
 
     def _release(self) -> None:  # with, async with
         self.shutdown()
+
+
+class HostCopy:
+    """A host copy of a model's checkpoint-format tensors that outlives any one
+    :class:`Engine`: pass it as ``keep_base`` to each engine in turn (one at a
+    time). ``seed(tensors)`` copies in what the model holds before refit's first
+    update (e.g. its checkpoint), so that update can be undone too. Memory: the
+    bytes of every tensor it holds, on the host (``bytes``)."""
+
+    def __init__(self) -> None:
+        self._impl = _refit._HostCopy()
+
+    def seed(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Copies ``{name: tensor}`` (host tensors) in as the model's current bytes."""
+        self._impl.seed(tensors=tensors)
+
+    @property
+    def bytes(self) -> int:
+        return self._impl.bytes

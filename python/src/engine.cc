@@ -71,7 +71,8 @@ class py_engine {
   py_engine(const std::string& backend, const std::string& device, std::int64_t timeout_ms, const std::string& commit,
             const std::optional<std::string>& secret_file, std::size_t processing_threads,
             std::size_t socket_buffer_bytes, int tp_rank, int tp_size, int dp_rank, int dp_size, nb::handle tensors,
-            const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update, bool keep_base)
+            const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update, bool keep_base,
+            std::shared_ptr<host_copy_target> base)
       : fw_(parse_framework(fw)) {
     auto config =
         make_config(backend, timeout_ms, commit, secret_file, processing_threads, socket_buffer_bytes, max_stage_bytes);
@@ -83,14 +84,15 @@ class py_engine {
     ctx.ranks.dp_rank = dp_rank;
     ctx.ranks.dp_size = dp_size;
     if (!tensors.is_none()) {
-      if (keep_base)
-        throw_error(errc::invalid_argument,
-                    "Engine: keep_base=True with tensors=: the tensors already hold the bytes deltas decode against");
       held_ = held_target::make(tensors, "Engine(tensors=...)", ctx.device);
       ctx.model = held_->target.get();
     }
+    if (base) keep_base = true;
+    if (!tensors.is_none() && keep_base)
+      throw_error(errc::invalid_argument,
+                  "Engine: keep_base= with tensors=: the tensors already hold the bytes deltas decode against");
     if (keep_base) {
-      copy_ = std::make_unique<host_copy_target>();
+      copy_ = base ? std::move(base) : std::make_shared<host_copy_target>();
       ctx.model = copy_.get();
     }
     if (!check_update.is_none()) {
@@ -109,7 +111,7 @@ class py_engine {
   // ends with the process), then the engine, then the targets it wrote to.
   static asio::awaitable<void> destroy(std::unique_ptr<weight_transfer_engine> engine,
                                        std::unique_ptr<weight_update_session> session,
-                                       std::unique_ptr<checked_target> checked, std::unique_ptr<host_copy_target> copy,
+                                       std::unique_ptr<checked_target> checked, std::shared_ptr<host_copy_target> copy,
                                        std::unique_ptr<held_target> held) {
     if (engine) {
       if (engine->processing_pending() > 0) {
@@ -194,7 +196,32 @@ class py_engine {
     if (held_ && held_->target->updating()) held_->target->abort(why);
   }
 
-  void start() { session_->start_weight_update(); }
+  void start(bool fleet_atomic) {
+    session_->start_weight_update();
+    if (fleet_atomic) session_->require_undo();
+  }
+
+  asio::awaitable<void> prepare() { co_await session_->prepare_weight_update(); }
+
+  // Back to the version before the last fleet-atomic commit; the engine's own
+  // tensors (tensors=) end their update as the finish does.
+  asio::awaitable<void> rollback() {
+    std::exception_ptr failure;
+    try {
+      co_await session_->rollback_weight_update();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (held_ && held_->target->updating()) {
+      if (engine_->weights_dirty())
+        held_->target->abort(engine_->dirty_reason());
+      else
+        held_->target->finish(session_->weight_version());
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  void release_undo() { session_->release_undo(); }
 
   nb::dict fingerprint(const std::vector<std::string>& names) {
     if (!held_)
@@ -214,6 +241,9 @@ class py_engine {
       s["dirty_reason"] = engine_->dirty_reason();
       s["session_active"] = session_->active();
       s["weight_version"] = session_->weight_version() ? json(*session_->weight_version()) : json(nullptr);
+      s["prepared"] = session_->prepared();
+      s["holds_undo"] = session_->holds_undo();
+      s["undo_version"] = session_->undo_version() ? json(*session_->undo_version()) : json(nullptr);
       s["last_update"] = engine_->last_update_stats().to_json();
       s["transport"] = engine_->transport_info();  // null unless the engine reports one (ucx)
       return s;
@@ -237,32 +267,76 @@ class py_engine {
   std::shared_ptr<python_error_slot> slot_ = std::make_shared<python_error_slot>();
   std::unique_ptr<held_target> held_;
   std::unique_ptr<checked_target> checked_;  // check_update=, in front of held_'s target (or copy_)
-  std::unique_ptr<host_copy_target> copy_;   // keep_base=: what deltas decode against
+  std::shared_ptr<host_copy_target> copy_;   // keep_base=: what deltas decode against and undo reloads
   std::unique_ptr<weight_transfer_engine> engine_;
   std::unique_ptr<weight_update_session> session_;
 };
 
 }  // namespace
 
+/// _HostCopy: a host_copy_target an Engine's keep_base can be given, so that what it
+/// holds outlives one engine (a vLLM worker builds a new engine per trainer).
+struct py_host_copy {
+  std::shared_ptr<host_copy_target> copy = std::make_shared<host_copy_target>();
+};
+
 void bind_engine(nb::module_& m) {
+  nb::class_<py_host_copy>(m, "_HostCopy")
+      .def(nb::init<>())
+      .def(
+          "seed",
+          [](py_host_copy& h, nb::handle tensors) {
+            held_tensors held = held_tensors::from_python(tensors, "HostCopy.seed");
+            nb::gil_scoped_release release;
+            for (const auto& v : held.views()) h.copy->seed(v);
+          },
+          nb::arg("tensors"))
+      .def_prop_ro("bytes", [](const py_host_copy& h) { return h.copy->bytes(); });
+
   nb::class_<py_engine>(m, "_Engine")
-      .def(nb::init<const std::string&, const std::string&, std::int64_t, const std::string&,
-                    const std::optional<std::string>&, std::size_t, std::size_t, int, int, int, int, nb::handle,
-                    const std::string&, std::uint64_t, nb::handle, bool>(),
-           nb::arg("backend"), nb::arg("device"), nb::arg("timeout_ms"), nb::arg("commit"),
-           nb::arg("auth_secret_file").none(), nb::arg("processing_threads"), nb::arg("socket_buffer_bytes"),
-           nb::arg("tp_rank"), nb::arg("tp_size"), nb::arg("dp_rank"), nb::arg("dp_size"), nb::arg("tensors").none(),
-           nb::arg("framework"), nb::arg("max_stage_bytes"), nb::arg("check_update").none(),
-           nb::arg("keep_base") = false)
+      .def(
+          "__init__",
+          [](py_engine* self, const std::string& backend, const std::string& device, std::int64_t timeout_ms,
+             const std::string& commit, const std::optional<std::string>& secret_file, std::size_t processing_threads,
+             std::size_t socket_buffer_bytes, int tp_rank, int tp_size, int dp_rank, int dp_size, nb::handle tensors,
+             const std::string& fw, std::uint64_t max_stage_bytes, nb::handle check_update, bool keep_base,
+             py_host_copy* base) {
+            new (self) py_engine(backend, device, timeout_ms, commit, secret_file, processing_threads,
+                                 socket_buffer_bytes, tp_rank, tp_size, dp_rank, dp_size, tensors, fw, max_stage_bytes,
+                                 check_update, keep_base, base ? base->copy : nullptr);
+          },
+          nb::arg("backend"), nb::arg("device"), nb::arg("timeout_ms"), nb::arg("commit"),
+          nb::arg("auth_secret_file").none(), nb::arg("processing_threads"), nb::arg("socket_buffer_bytes"),
+          nb::arg("tp_rank"), nb::arg("tp_size"), nb::arg("dp_rank"), nb::arg("dp_size"), nb::arg("tensors").none(),
+          nb::arg("framework"), nb::arg("max_stage_bytes"), nb::arg("check_update").none(),
+          nb::arg("keep_base") = false, nb::arg("base").none() = nb::none())
       .def_prop_ro("backend", &py_engine::backend)
       .def_prop_ro("defers_processing", &py_engine::defers_processing)
       .def("state", &py_engine::state)
       .def("fingerprint", &py_engine::fingerprint, nb::arg("names"))
       .def("shutdown", &py_engine::shutdown)
-      .def("start_weight_update",
+      .def(
+          "start_weight_update",
+          [](py_engine& e, bool fleet_atomic) {
+            on_loop([&] {
+              e.start(fleet_atomic);
+              return 0;
+            });
+          },
+          nb::arg("fleet_atomic") = false)
+      .def("prepare_weight_update", [](py_engine& e) { block_on(e.prepare()); })
+      .def(
+          "_start_prepare_weight_update",
+          [](py_engine& e, nb::object done) { return start_void(e.prepare(), std::move(done)); }, nb::arg("done"))
+      .def("rollback_weight_update", [](py_engine& e) { block_on(e.rollback(), e.slot().get()); })
+      .def(
+          "_start_rollback_weight_update",
+          [](py_engine& e, nb::object done) { return start_void(e.rollback(), std::move(done), e.slot()); },
+          nb::arg("done"))
+      .def("release_undo",
            [](py_engine& e) {
              on_loop([&] {
-               e.start();
+               e.release_undo();
                return 0;
              });
            })

@@ -84,5 +84,30 @@ TEST(host_copy_target, refuses_loads_it_was_not_told_of_and_device_views) {
   }
 }
 
+TEST(host_copy_target, a_seeded_tensor_reads_back_before_any_update_and_stays_across_one) {
+  host_copy_target copy;
+  const tensor_spec w{"w", dtype::float32, {4}};
+  std::vector<float> served{1, 2, 3, 4};
+  EXPECT_FALSE(copy.can_read_back(w));
+  copy.seed(tensor_view(w, served.data()));
+  served.assign(4, 0);  // seed copied the bytes
+  ASSERT_TRUE(copy.can_read_back(w));
+  EXPECT_FALSE(copy.can_read_back(tensor_spec{"w", dtype::bfloat16, {4}})) << "another dtype is not held";
+  EXPECT_FALSE(copy.can_read_back(tensor_spec{"w", dtype::float32, {2, 2}})) << "another shape is not held";
+  // An update that announces the same tensor keeps what was seeded: the previous
+  // version an undo of that update loads back.
+  copy.begin_update(meta_of({w}));
+  std::vector<float> back(4);
+  copy.read_back(w, std::as_writable_bytes(std::span(back)));
+  EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 4}));
+  const tensor_view on_gpu(w, served.data(), device::cuda(0));
+  try {
+    copy.seed(on_gpu);
+    FAIL() << "a device view was read as host memory";
+  } catch (const error& e) {
+    EXPECT_EQ(e.kind(), errc::unsupported) << e.message();
+  }
+}
+
 }  // namespace
 }  // namespace refit::testing

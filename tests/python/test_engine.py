@@ -569,6 +569,63 @@ def test_keep_base_lets_a_worker_without_tensors_take_deltas(backend):
         refit.Engine("tcp", keep_base=True, tensors={"w": np.zeros(4, dtype=np.int16)})
 
 
+def test_a_fleet_atomic_session_votes_commits_and_rolls_back_through_its_host_copy():
+    """The worker's verbs of a fleet-atomic update from Python, for a worker with
+    its own load_weights (vLLM's shape): a HostCopy seeded with what the model
+    serves makes even the first update undoable; prepare votes; the finish keeps
+    the previous version; rollback loads it back through load_weights and records
+    its version again. The HostCopy outlives the engine: a new engine undoes too."""
+    served = {"w": np.arange(64, dtype=np.float32), "b": np.full(8, 3, dtype=np.int32)}
+    new = {"w": np.arange(64, dtype=np.float32) * -1, "b": np.full(8, 9, dtype=np.int32)}
+    model = {k: v.copy() for k, v in served.items()}
+
+    def load(batch):
+        for name, t in batch:
+            model[name] = np.array(t, copy=True)
+
+    base = refit.HostCopy()
+    base.seed(served)
+    assert base.bytes == sum(v.nbytes for v in served.values())
+    for round_ in range(2):  # the second round: a new engine over the same copy
+        with refit.Sender("tcp", timeout_ms=10000) as sender:
+            engine = refit.Engine("tcp", timeout_ms=10000, commit="staged", framework="numpy", keep_base=base)
+            connect(sender, [engine])
+            engine.start_weight_update(fleet_atomic=True)
+            send = Background(sender.send_weights, new)
+            engine.update_weights(refit.describe(new), load)
+            send.join()
+            engine.prepare_weight_update()
+            assert engine.state()["prepared"]
+            with pytest.raises(refit.InvalidStateError, match="prepared"):
+                engine.update_weights(refit.describe(new), load)
+            engine.finish_weight_update(10 + round_)
+            assert all(model[k].tobytes() == new[k].tobytes() for k in new)
+            st = engine.state()
+            assert st["holds_undo"] and st["weight_version"] == 10 + round_, st
+            engine.rollback_weight_update()
+            assert all(model[k].tobytes() == served[k].tobytes() for k in served), "the rollback did not load back"
+            st = engine.state()
+            assert not st["holds_undo"] and not st["weights_dirty"], st
+            with pytest.raises(refit.InvalidStateError, match="no undo"):
+                engine.rollback_weight_update()
+            engine.shutdown()
+
+    # A tensor the copy does not hold cannot be undone: refused before a byte moves.
+    with refit.Sender("tcp", timeout_ms=10000) as sender:
+        engine = refit.Engine("tcp", timeout_ms=10000, commit="staged", framework="numpy", keep_base=base)
+        connect(sender, [engine])
+        engine.start_weight_update(fleet_atomic=True)
+        other = {"unseen": np.zeros(4, dtype=np.float32)}
+        send = Background(sender.send_weights, other)
+        with pytest.raises(refit.UnsupportedError, match="unseen"):
+            engine.update_weights(refit.describe(other), load)
+        with pytest.raises(refit.Error):
+            send.join()
+        engine.abort_weight_update("refused")
+        assert "unseen" not in model
+        engine.shutdown()
+
+
 GC_ON_REFITS_LOOP = textwrap.dedent("""
     import gc, socket, sys, time
     import numpy as np
