@@ -29,7 +29,7 @@ echo "vllm_serve: $("$venv/bin/python" -c 'import importlib.metadata as m; print
 status=0
 REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log REFIT_REQUIRE_PYTHON=1 \
   timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-2400} \
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_families.py" "$@" ||
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_fleet.py" "$here/test_families.py" "$@" ||
   status=$?
 if [ "$status" -ne 0 ]; then
   echo "vllm_serve: FAILED (status $status); the last lines of the server's log ($log):"

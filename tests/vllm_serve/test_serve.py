@@ -4,8 +4,8 @@ weights at its old version, and the next update lands.
 
 Run by tests/vllm_serve/run.sh (CI: .ci/run), which makes the venv, installs
 refit's wheel into it and sets REFIT_VLLM_SERVE_LOG. One server serves every
-test (starting one takes a minute or more here); each test leaves it at a known
-version with known weights (``state``). The server and every trainer share an
+test (conftest's ``served``; starting one takes a minute or more here); each test
+leaves it at a known version with known weights (``state``). The server and every trainer share an
 auth secret; the impostor test uses another.
 """
 
@@ -30,7 +30,7 @@ from refit.vllm import RefitTrainerInitInfo  # registers "refit" in this (traine
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from proxy import HoldingProxy  # noqa: E402
-from serve import Server, error_text, make_model  # noqa: E402
+from serve import error_text  # noqa: E402
 from weights import DictSource, checkpoint_tensors, update_info  # noqa: E402
 
 PROMPT = "The quick brown fox"
@@ -48,25 +48,8 @@ class State:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_serve")
-    model = make_model(os.environ.get("REFIT_VLLM_SERVE_MODEL") or str(root / "model"))
-    secret = root / "secret"
-    secret.write_bytes(os.urandom(32))
-    secret.chmod(0o600)
-    wrong = root / "wrong-secret"
-    wrong.write_bytes(os.urandom(32))
-    wrong.chmod(0o600)
-    log = os.environ.get("REFIT_VLLM_SERVE_LOG") or str(root / "vllm_serve.log")
-    # UCX_NET_DEVICES: UCX's tcp transport stays on loopback (the ucx backend's test).
-    server = Server(model, log, env={"REFIT_AUTH_SECRET_FILE": str(secret), "UCX_NET_DEVICES": "lo"})
-    server.start()
-    try:
-        yield {"server": server, "model": model, "secret": str(secret), "wrong_secret": str(wrong)}
-    finally:
-        alive = server.alive()
-        server.stop()
-        assert alive, f"vllm serve died during the tests; see {log}"
+def env(served):
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -41,12 +41,18 @@ refit's wheel installed in vLLM's environment.
 
 from __future__ import annotations
 
+from ._extension import RefitWorkerExtension
+from ._fleet import FENCED, FleetClient, FleetUpdateError
 from ._trainer import BACKEND, InferenceServerError, RefitTrainerInitInfo, RefitTrainerWeightTransferEngine
 from ._worker import RefitInitInfo, RefitUpdateInfo, RefitWeightTransferEngine
 
 __all__ = [
     "BACKEND",
+    "FENCED",
+    "FleetClient",
+    "FleetUpdateError",
     "InferenceServerError",
+    "RefitWorkerExtension",
     "RefitInitInfo",
     "RefitUpdateInfo",
     "RefitWeightTransferEngine",

@@ -169,6 +169,24 @@ class CheckpointIndex:
                     )
         return problems
 
+    def seed(self, base: Any) -> None:
+        """Copies every checkpoint tensor into ``base`` (a ``refit.HostCopy``) as
+        the model holds it: floating tensors in the model's dtype (vLLM casts them
+        so at load), one file at a time."""
+        import torch
+        from safetensors import safe_open
+
+        dtype = getattr(torch, self.model_dtype, None) if self.model_dtype else None
+        for path in sorted(glob.glob(os.path.join(self.folder, "*.safetensors"))):
+            tensors = {}
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    t = f.get_tensor(name)
+                    if isinstance(dtype, torch.dtype) and t.is_floating_point() and t.dtype != dtype:
+                        t = t.to(dtype)
+                    tensors[name] = t.contiguous()
+            base.seed(tensors)
+
     def check(self, update: Mapping[str, Any]) -> None:
         """Raises ValueError naming what keeps ``update`` ({"names", "dtype_names",
         "shapes"}) from loading; returns when it loads."""

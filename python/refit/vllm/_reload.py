@@ -12,6 +12,9 @@ tensors arrive: a forward pass then kills vLLM's EngineCore. So refit:
   at ``start_weight_update``;
 * closes it before the vLLM call that loaded returns (``settle``), so no forward
   pass can ever meet it open;
+* after a failed load, loads the previous version back (a staged commit undoing
+  itself, a rollback) in a fresh reload: vLLM's reload silently ignores loads into
+  a layer it already processed, so the open one is closed first;
 * on a failure, gives every layer that had started loading but was not processed
   yet its old weights back before closing (``settle(failed=True)``): such a layer
   is never processed with part of its bytes (vLLM would fill the rest with
@@ -60,6 +63,7 @@ class LayerwiseReload:
         self.model_config = model_config
         self.enabled = enabled
         self._open = False
+        self._failed = False  # a load of the open reload raised
         self._lock = threading.Lock()
 
     @property
@@ -71,8 +75,18 @@ class LayerwiseReload:
             return load
 
         def load_in_reload(weights: list) -> None:
+            if self._failed:
+                # A load after a failed one (refit loading the previous version
+                # back): vLLM's reload ignores loads into layers it already
+                # processed, so close this reload (half-loaded layers get their old
+                # tensors) and load into a fresh one, where every layer takes them.
+                self.settle(failed=True)
             self._enter()
-            load(weights)
+            try:
+                load(weights)
+            except BaseException:
+                self._failed = True
+                raise
 
         return load_in_reload
 
@@ -89,6 +103,7 @@ class LayerwiseReload:
         """Closes the reload if one is open. After a failure, first gives the layers
         that had started loading but were not processed their old weights back;
         returns their names."""
+        self._failed = False
         if not self._open:
             return []
         restored = _restore_unprocessed_layers(self.model) if failed else []

@@ -90,6 +90,11 @@ class RefitTrainerInitInfo(TrainerInitInfo):
             every worker needs the same one in its $REFIT_AUTH_SECRET_FILE.
         commit: every update's refit commit mode ("in_place" | "staged"); the
             workers' default (staged) when None.
+        fleet_atomic: every update reaches every worker of every replica or none
+            (refit's two phases; the client must be a :class:`refit.vllm.FleetClient`,
+            the replicas served with refit's ``RefitWorkerExtension``). The workers
+            then keep a host copy of the weights (``keep_base``; memory: the
+            model's bytes on the host) that undoes a commit; updates are staged.
         worker_options: further members of the workers' ``RefitInitInfo``
             (``timeout_ms``, ``commit``, ``device``, ``layerwise_reload``,
             ``validate``, ``keep_base``: on by default when ``trainer_args`` has
@@ -108,9 +113,14 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     timeout_ms: int = 60000
     auth_secret_file: str | None = None
     commit: str | None = None
+    fleet_atomic: bool = False
     worker_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fleet_atomic, bool):
+            raise ValueError(f"`fleet_atomic` must be a bool, got {self.fleet_atomic!r}")
+        if self.fleet_atomic and self.commit == "in_place":
+            raise ValueError("a fleet-atomic update commits staged: `commit` must not be 'in_place'")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 2:
             raise ValueError(f"`world_size` (the trainer and its workers) must be at least 2, got {self.world_size!r}")
         if self.commit is not None and self.commit not in COMMIT_MODES:
@@ -190,6 +200,13 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         engine = cls(client=client, source=source, init_info=init_info)
         if not engine.is_sender:
             return engine
+        if init_info.fleet_atomic and not all(
+            callable(getattr(client, verb, None)) for verb in ("prepare_weight_update", "abort_weight_update")
+        ):
+            raise TypeError(
+                f"fleet_atomic=True needs a client that drives refit's two phases (refit.vllm.FleetClient), "
+                f"not {type(client).__name__}"
+            )
         missing = _compat.not_sent_by_rank0(source, _compat.source_metadata(source))
         if missing is not None:
             raise ValueError(
@@ -223,7 +240,8 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         }
         # Deltas decode against what the worker holds; vLLM's own parameters cannot
         # be read back by the trainer's names, so the worker keeps a host copy.
-        if init_info.trainer_args.get("delta") is True:
+        # So does a fleet-atomic update's undo.
+        if init_info.trainer_args.get("delta") is True or init_info.fleet_atomic:
             payload.setdefault("keep_base", True)
         _rendezvous(self.sender, lambda: _call("init_weight_transfer_engine",
                                                self.client.init_weight_transfer_engine, payload))
@@ -246,15 +264,18 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             raise RuntimeError("refit trainer engine is shut down (or trainer_init() did not complete)")
         if not self._connected:
             self._connect()
+        fleet_atomic = self.init_info.fleet_atomic
         if meta == self._sent_meta:
-            update_info = RefitUpdateInfo(commit=self.commit)
+            update_info = RefitUpdateInfo(commit=self.commit, fleet_atomic=fleet_atomic)
         else:
             update_info = RefitUpdateInfo(
                 names=[m.name for m in meta],
                 dtype_names=[_dtype_name(m.dtype) for m in meta],
                 shapes=[list(m.shape) for m in meta],
                 commit=self.commit,
+                fleet_atomic=fleet_atomic,
             )
+        committing = False
 
         try:
             _call("start_weight_update", self.client.start_weight_update)
@@ -269,14 +290,24 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
                 # wait for bytes until refit's timeout, and joining would hold the
                 # error back that long.
                 exe.shutdown(wait=False)
+            if fleet_atomic:
+                self.client.prepare_weight_update()  # a no vote aborts every replica
+            committing = True
             if weight_version is None:
                 _call("finish_weight_update", self.client.finish_weight_update)
             else:
                 _call("finish_weight_update", self.client.finish_weight_update, weight_version)
-        except BaseException:
+        except BaseException as e:
             # The workers closed their data path (refit does after any failed
             # update): the next round connects again.
             self._connected = False
+            if fleet_atomic and not committing:
+                # Before the commit nothing reached a model: drop every stage (the
+                # finish settles its own failures: rollback, fencing).
+                try:
+                    self.client.abort_weight_update(f"the trainer's update failed: {e}")
+                except BaseException:  # noqa: BLE001 - the original error is what matters
+                    logger.exception("refit: aborting the fleet's update after a failure failed too")
             raise
         self._sent_meta = meta
 

@@ -93,7 +93,11 @@ class RefitInitInfo(WeightTransferInitInfo):
             parameters are fused and repacked, so their own bytes cannot be read
             back as the trainer sends them. Set by refit's trainer engine when its
             ``trainer_args`` turn deltas on; without it such a worker gets every
-            update full (its engine says why).
+            update full (its engine says why). The copy is also what a
+            fleet-atomic update's undo loads back (set by the trainer engine's
+            ``fleet_atomic``); it outlives the engine (a new trainer's init keeps
+            it) and starts as the model's checkpoint when the worker has loaded
+            no update yet.
 
     The auth secret file is the worker's own ``$REFIT_AUTH_SECRET_FILE`` (never
     sent over the wire).
@@ -139,6 +143,11 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
             into the dict refit receives).
         refit_backend: when given, the refit backend the trainer sends with; a
             worker whose engine is another backend refuses the update.
+        fleet_atomic: this update is one worker's part of a fleet-atomic update
+            (refit's two phases, ``FleetClient``): every chunk is refused before a
+            byte moves unless the worker's host copy (``keep_base``) holds each
+            tensor to undo it; the session is voted on by
+            ``prepare_weight_update`` and its finish keeps the previous version.
     """
 
     names: list[str] = field(default_factory=list)
@@ -147,6 +156,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     commit: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     refit_backend: str | None = None
+    fleet_atomic: bool = False
 
     def __post_init__(self) -> None:
         num_params = len(self.names)
@@ -160,7 +170,11 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"`commit` must be 'in_place', 'staged' or None, got {self.commit!r}")
         if not isinstance(self.extra, dict):
             raise ValueError(f"`extra` must be a dict, got {type(self.extra).__name__}")
-        clash = {"names", "dtype_names", "shapes", "commit"} & self.extra.keys()
+        if not isinstance(self.fleet_atomic, bool):
+            raise ValueError(f"`fleet_atomic` must be a bool, got {self.fleet_atomic!r}")
+        if self.fleet_atomic and self.commit == "in_place":
+            raise ValueError("a fleet-atomic update commits staged: `commit` must not be 'in_place'")
+        clash = {"names", "dtype_names", "shapes", "commit", "fleet_atomic"} & self.extra.keys()
         if clash:
             raise ValueError(f"`extra` must not repeat the update info's own members: {sorted(clash)}")
 
@@ -186,6 +200,8 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
             payload["extra"] = self.extra
         if self.refit_backend is not None:
             payload["refit_backend"] = self.refit_backend
+        if self.fleet_atomic:
+            payload["fleet_atomic"] = True
         return payload
 
 
@@ -230,6 +246,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         # Per model, the last metadata its loader accepted: the same again (every
         # round of a training run) is not checked again.
         self._accepted: dict[int, tuple] = {}
+        # keep_base's host copy, kept across engines (a new trainer's init); what a
+        # fleet-atomic update's undo loads back.
+        self._base: refit.HostCopy | None = None
+        # Whether any update reached the model (then the checkpoint is not what it
+        # serves, and cannot seed the host copy).
+        self._updated = False
+        # The reload a kept undo loads through (the last fleet-atomic finish's).
+        self._undo_reload: _reload.LayerwiseReload | None = None
 
     # -- refit's parallel layout ----------------------------------------------------
 
@@ -269,7 +293,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             tp_rank=index,
             tp_size=count,
             check_update=self._check_update if init_info.validate else None,
-            keep_base=init_info.keep_base,
+            keep_base=self._host_copy() if init_info.keep_base else False,
         )
         try:
             engine.init(_bounded_wait(init_info.init_info, init_info.timeout_ms))
@@ -280,6 +304,19 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._backend = init_info.refit_backend
         self._init = init_info
         self._last_update_info.clear()
+
+    def _host_copy(self) -> refit.HostCopy:
+        """keep_base's copy, made once: seeded with the model's checkpoint while no
+        update has reached the model (so that the first update can be undone too)."""
+        if self._base is None:
+            base = refit.HostCopy()
+            if not self._updated:
+                index = self._index()
+                if index is not None:
+                    index.seed(base)
+                    logger.info("refit: host copy seeded from the checkpoint (%d bytes)", base.bytes)
+            self._base = base
+        return self._base
 
     def _engine(self) -> refit.Engine:
         if self._refit is None:
@@ -333,7 +370,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             # here is one the worker gave up on: abort it and start afresh.
             logger.warning("refit: aborting a weight update that was never finished")
             self._fail("a new weight update started before the previous one finished")
-        engine.start_weight_update()
+        # refit's own session starts at the first chunk, which says whether the
+        # update is fleet-atomic; a kept undo goes now (the next update's start).
+        engine.release_undo()
+        self._undo_reload = None
         assert self._init is not None
         self._session = _Session(
             _reload.LayerwiseReload(
@@ -379,6 +419,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 raise
             reload.settle(failed=False)
             return
+        if not session.started:
+            engine.start_weight_update(fleet_atomic=update_info.fleet_atomic)
+            session.started = True
+            session.fleet_atomic = update_info.fleet_atomic
+        elif update_info.fleet_atomic != session.fleet_atomic:
+            raise ValueError("every chunk of a fleet-atomic update must say so (`fleet_atomic`), and no other's")
+        if update_info.commit == "in_place" or (update_info.commit is None and self._init.commit == "in_place"):
+            self._updated = True  # in place, the chunk's bytes reach the model now
         engine.update_weights(update_info.to_refit(), session.reload.wrap(_model_loader(self.model)))
         session.chunks += 1
         # In place, the chunk's loads may still run (tcp defers them): wait, then
@@ -402,6 +450,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             shapes=last.shapes,
             commit=update_info.commit,
             extra=update_info.extra,
+            fleet_atomic=update_info.fleet_atomic,
         )
 
     def finish_weight_update(self) -> None:
@@ -414,12 +463,64 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if session is None:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update")
         try:
+            if not session.started:  # no chunk: an empty session
+                engine.start_weight_update()
+                session.started = True
+            self._updated = True
             engine.finish_weight_update()
         except BaseException as e:
             self._fail(f"finish_weight_update failed: {e!r}")
             raise
         self._session = None
         session.reload.settle(failed=False)
+        if session.fleet_atomic:
+            self._undo_reload = session.reload
+
+    # -- fleet-atomic updates (refit's two phases; called through RefitWorkerExtension) --
+
+    def prepare_weight_update(self) -> dict[str, Any]:
+        """The vote of a fleet-atomic update: the whole update staged, nothing of it
+        applied, no chunk failed; raises (refit's InvalidStateError, why) otherwise."""
+        engine = self._engine()
+        session = self._session
+        if session is None or not session.started:
+            raise refit.InvalidStateError("prepare_weight_update: no weight update with chunks is open")
+        if not session.fleet_atomic:
+            raise refit.InvalidStateError(
+                "prepare_weight_update: this update is not fleet-atomic (its chunks did not say `fleet_atomic`)")
+        engine.prepare_weight_update()
+        return {"prepared": True, "chunks": session.chunks}
+
+    def abort_weight_update(self, why: str) -> dict[str, Any]:
+        """Ends an open session (a fleet-atomic update another worker failed): the
+        stage is dropped, the model keeps its weights."""
+        aborted = self._session is not None
+        if aborted:
+            self._fail(why or "the trainer aborted the update")
+        return {"aborted": aborted, "state": self.refit_state()}
+
+    def rollback_weight_update(self) -> dict[str, Any]:
+        """Loads the version before the last fleet-atomic finish back, through the
+        model's load_weights in a fresh layerwise reload."""
+        engine = self._engine()
+        if self._session is not None:
+            raise refit.InvalidStateError("rollback_weight_update: a weight update is open; abort it first")
+        reload, self._undo_reload = self._undo_reload, None
+        try:
+            engine.rollback_weight_update()
+        except BaseException:
+            if reload is not None:
+                reload.settle(failed=True)
+            raise
+        if reload is not None:
+            reload.settle(failed=False)
+        return self.refit_state()
+
+    def release_undo(self) -> None:
+        """Drops the previous version a fleet-atomic finish kept."""
+        if self._refit is not None:
+            self._refit.release_undo()
+        self._undo_reload = None
 
     def drain_pending(self) -> None:
         """refit's ``drain``. Nothing is left to wait for when a vLLM call has
@@ -462,7 +563,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     logger.warning("refit: %s; layers restored to their old weights: %s", why, restored)
             except BaseException:  # noqa: BLE001
                 logger.exception("refit: closing vLLM's layerwise reload after a failure failed")
-        if engine is None:
+        if engine is None or session is None or not session.started:
             return
         try:
             engine.abort_weight_update(why)
@@ -490,6 +591,8 @@ def _bounded_wait(init: dict[str, Any], timeout_ms: int) -> dict[str, Any]:
 class _Session:
     reload: _reload.LayerwiseReload
     chunks: int = 0
+    started: bool = False  # refit's session (at the first chunk)
+    fleet_atomic: bool = False
 
 
 def _model_loader(model: torch.nn.Module):

@@ -1,0 +1,259 @@
+"""Several ``vllm serve`` replicas driven as one: :class:`FleetClient`.
+
+A ``VLLMWeightSyncClient`` (vLLM's trainer engines take one) over the RLHF HTTP
+routes of several servers: each call goes to every replica at once and waits for
+all of them, and each replica's workers get their own ranks in refit's group
+(``rank_offset``). With refit's trainer engine's ``fleet_atomic=True`` it also
+drives refit's two phases, so that the fleet ends every update at one version:
+
+1. ``start_weight_update`` and ``update_weights`` on every replica: each stages
+   the whole update (the model untouched) and refuses it before a byte moves when
+   it could not undo it;
+2. ``prepare_weight_update``: every worker votes; a failed vote or any failure
+   before it aborts the update on every replica (each keeps its weights);
+3. ``finish_weight_update``: every replica commits, keeping its previous version.
+   If any replica's commit fails, every replica that committed rolls back (and its
+   ``/weight_info`` is set back to the version it had); a replica whose own commit
+   failed loads its previous version back itself. :class:`FleetUpdateError` names
+   every replica with its phase and error. A replica whose rollback failed is
+   fenced: its ``/weight_info`` says ``"refit-fenced"``, never a version.
+
+The extra verbs go through vLLM's dev-mode ``/collective_rpc`` route to refit's
+``RefitWorkerExtension``: serve each replica with ``VLLM_SERVER_DEV_MODE=1`` and
+``--worker-extension-cls refit.vllm.RefitWorkerExtension``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ._trainer import InferenceServerError
+
+__all__ = ["FENCED", "FleetClient", "FleetUpdateError"]
+
+# The version a replica that could not be brought back to one is set to.
+FENCED = "refit-fenced"
+
+
+class FleetUpdateError(InferenceServerError):
+    """A fleet update failed. ``outcomes`` is {replica url: {"phase": ..., ...}}:
+    ``"failed"`` with ``error`` (the replica's own failure and its phase in
+    ``at``), ``"rolled_back"`` (it had committed and is back at ``version``),
+    ``"aborted"`` (its staged update was dropped), ``"fenced"`` (it holds no
+    whole version; ``error`` says why)."""
+
+    def __init__(self, message: str, outcomes: dict[str, dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+def _error_text(response: Any) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return str(body)
+
+
+class FleetClient:
+    """vLLM's weight-sync client over ``urls`` (one per ``vllm serve`` replica)."""
+
+    def __init__(self, urls: Sequence[str], timeout: float = 300) -> None:
+        if not urls:
+            raise ValueError("FleetClient needs at least one replica's url")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout = timeout
+        self._fleet_atomic = False
+        self._versions: dict[str, str | None] = {}  # each replica's version at start_weight_update
+
+    # -- HTTP --------------------------------------------------------------------
+
+    def _post(self, url: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        import requests
+
+        r = requests.post(f"{url}/{route}", json=body if body is not None else {}, timeout=self.timeout)
+        if r.status_code != 200:
+            raise InferenceServerError(f"{url}: {route}: HTTP {r.status_code}: {_error_text(r)}")
+        try:
+            return r.json()
+        except ValueError:
+            return None
+
+    def _rpc(self, url: str, method: str, *args: str) -> list[Any]:
+        """``method`` on every worker of one replica (vLLM's ``/collective_rpc``)."""
+        out = self._post(url, "collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        return list((out or {}).get("results", []))
+
+    def weight_version(self, url: str) -> str | None:
+        import requests
+
+        r = requests.get(f"{url}/weight_info", timeout=self.timeout)
+        if r.status_code != 200:
+            raise InferenceServerError(f"{url}: weight_info: HTTP {r.status_code}: {_error_text(r)}")
+        return r.json().get("weight_version")
+
+    def _each(self, fn: Callable[[str], Any]) -> dict[str, BaseException | Any]:
+        """fn(url) for every replica at once; {url: result or the exception}."""
+        with ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="refit-fleet") as pool:
+            futures = {url: pool.submit(fn, url) for url in self.urls}
+        out: dict[str, BaseException | Any] = {}
+        for url, f in futures.items():
+            error = f.exception()
+            out[url] = error if error is not None else f.result()
+        return out
+
+    def _all(self, verb: str, fn: Callable[[str], Any]) -> dict[str, Any]:
+        results = self._each(fn)
+        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+        if failed:
+            outcomes = {u: {"phase": "failed", "at": verb, "error": str(e)} for u, e in failed.items()}
+            raise FleetUpdateError(f"{verb} failed on {len(failed)} of {len(self.urls)} replicas: " +
+                                   "; ".join(f"{u}: {e}" for u, e in failed.items()), outcomes) \
+                from next(iter(failed.values()))
+        return results
+
+    # -- vLLM's VLLMWeightSyncClient ------------------------------------------------
+
+    def world_sizes(self) -> list[int]:
+        """Each replica's worker count (TP * PP * DP)."""
+        import requests
+
+        sizes = []
+        for url in self.urls:
+            r = requests.get(f"{url}/get_world_size", timeout=self.timeout)
+            if r.status_code != 200:
+                raise InferenceServerError(f"{url}: get_world_size: HTTP {r.status_code}: {_error_text(r)}")
+            sizes.append(int(r.json()["world_size"]))
+        return sizes
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Every replica's init, each with its workers' ranks: the trainer's
+        ``rank_offset`` plus the workers of the replicas before it."""
+        inner = init_info.get("init_info")
+        payloads: dict[str, dict[str, Any]] = {}
+        offset = int(inner.get("rank_offset", 1)) if isinstance(inner, dict) else 0
+        sizes = self.world_sizes() if isinstance(inner, dict) else [0] * len(self.urls)
+        for url, size in zip(self.urls, sizes):
+            payload = dict(init_info)
+            if isinstance(inner, dict):
+                payload["init_info"] = dict(inner, rank_offset=offset)
+            payloads[url] = payload
+            offset += size
+        self._all("init_weight_transfer_engine",
+                  lambda url: self._post(url, "init_weight_transfer_engine", {"init_info": payloads[url]}))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all("shutdown_weight_transfer_engine", lambda url: self._post(url, "shutdown_weight_transfer_engine"))
+
+    def start_weight_update(self) -> None:
+        self._fleet_atomic = False
+        self._versions = {url: self.weight_version(url) for url in self.urls}
+        self._all("start_weight_update", lambda url: self._post(url, "start_weight_update"))
+
+    def update_weights(self, update_info: Any) -> None:
+        if isinstance(update_info, dict) and update_info.get("fleet_atomic"):
+            self._fleet_atomic = True
+        self._all("update_weights", lambda url: self._post(url, "update_weights", {"update_info": update_info}))
+
+    # -- refit's two phases -----------------------------------------------------------
+
+    def prepare_weight_update(self) -> None:
+        """Every worker's vote. A failed vote aborts the update on every replica
+        (each keeps its weights) and raises :class:`FleetUpdateError`."""
+        results = self._each(lambda url: self._rpc(url, "refit_prepare_weight_update"))
+        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+        if not failed:
+            return
+        why = "; ".join(f"{u}: {e}" for u, e in failed.items())
+        outcomes = self._abort_all(f"a replica voted no: {why}")
+        for u, e in failed.items():
+            outcomes[u] = dict(outcomes.get(u, {}), phase="failed", at="prepare", error=str(e))
+        raise FleetUpdateError(f"prepare failed; the update was aborted on every replica: {why}", outcomes) \
+            from next(iter(failed.values()))
+
+    def abort_weight_update(self, why: str = "") -> dict[str, dict[str, Any]]:
+        """Drops the open update on every replica (each keeps its weights)."""
+        return self._abort_all(why or "the trainer aborted the update")
+
+    def _abort_all(self, why: str) -> dict[str, dict[str, Any]]:
+        outcomes: dict[str, dict[str, Any]] = {}
+        for url, r in self._each(lambda url: self._rpc(url, "refit_abort_weight_update", why)).items():
+            outcomes[url] = {"phase": "aborted"} if not isinstance(r, BaseException) else \
+                {"phase": "failed", "at": "abort", "error": str(r)}
+        return outcomes
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Every replica commits. In a fleet-atomic update, a commit that fails on
+        any replica rolls back every replica that committed (see the module)."""
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        results = self._each(lambda url: self._post(url, "finish_weight_update", body))
+        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+        if not failed:
+            return
+        why = "; ".join(f"{u}: {e}" for u, e in failed.items())
+        if not self._fleet_atomic:  # no undo: each replica is left as its commit left it
+            plain = {u: {"phase": "failed", "at": "commit", "error": str(e)} for u, e in failed.items()}
+            raise FleetUpdateError(f"finish_weight_update failed on {len(failed)} of {len(self.urls)} replicas: {why}",
+                                   plain) from next(iter(failed.values()))
+        outcomes: dict[str, dict[str, Any]] = {}
+        for url in self.urls:
+            if url in failed:
+                outcomes[url] = self._settle_failed(url, str(failed[url]))
+            else:
+                outcomes[url] = self._roll_back(url)
+        raise FleetUpdateError(
+            f"the commit failed on {len(failed)} of {len(self.urls)} replicas ({why}); " +
+            ", ".join(f"{u}: {o['phase']}" for u, o in outcomes.items()), outcomes) from next(iter(failed.values()))
+
+    def _settle_failed(self, url: str, error: str) -> dict[str, Any]:
+        """A replica whose own commit failed: its refit engine loaded the previous
+        version back (or is dirty: then it is fenced); vLLM's session is ended."""
+        outcome: dict[str, Any] = {"phase": "failed", "at": "commit", "error": error,
+                                   "version": self._versions.get(url)}
+        try:
+            states = self._rpc(url, "refit_abort_weight_update", "its commit failed")
+            dirty = [s["state"].get("dirty_reason") for s in states if s["state"].get("weights_dirty")]
+        except BaseException as e:  # noqa: BLE001 - the replica is not known to hold one version
+            dirty = [f"its state could not be read: {e}"]
+        if dirty:
+            return self._fence(url, dict(outcome, error=f"{error}; not back at one version: {dirty[0]}"))
+        return outcome
+
+    def _roll_back(self, url: str) -> dict[str, Any]:
+        before = self._versions.get(url)
+        try:
+            self._rpc(url, "refit_rollback_weight_update")
+            if before is not None:
+                self._post(url, "update_weight_version", {"new_version": before})
+        except BaseException as e:  # noqa: BLE001 - reported, and the replica fenced
+            return self._fence(url, {"phase": "failed", "at": "rollback", "error": str(e)})
+        return {"phase": "rolled_back", "version": before}
+
+    def _fence(self, url: str, outcome: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._post(url, "update_weight_version", {"new_version": FENCED})
+        except BaseException as e:  # noqa: BLE001
+            outcome["error"] = f"{outcome.get('error', '')}; fencing its version failed too: {e}"
+        return dict(outcome, phase="fenced")
+
+    def rollback_weight_update(self) -> None:
+        """Every replica back to the version before the last fleet-atomic finish
+        (each holds that version's undo until the next update starts)."""
+        outcomes = {url: self._roll_back(url) for url in self.urls}
+        bad = {u: o for u, o in outcomes.items() if o["phase"] != "rolled_back"}
+        if bad:
+            raise FleetUpdateError("rollback failed on " + ", ".join(bad), outcomes)
+
+    def release_weight_undo(self) -> None:
+        self._all("release_weight_undo", lambda url: self._rpc(url, "refit_release_weight_undo"))
+
+    def refit_states(self) -> dict[str, list[dict[str, Any]]]:
+        """{url: every worker's refit state}."""
+        return self._all("refit_weight_state", lambda url: self._rpc(url, "refit_weight_state"))
