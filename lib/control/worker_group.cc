@@ -332,14 +332,28 @@ asio::awaitable<void> worker_group::roll_back_committed(detail::fleet_state& f, 
       ops.push_back(call_keeping(*clients_[i], "rollback_weight_update", json::object(), &rollback_errors[i]));
   }
   co_await async::all_of(std::move(ops));
+  // A call that timed out or lost its connection did not say how its commit or
+  // rollback ended: it may still be running, or have ended either way.
+  const auto unknown = [](const std::exception_ptr& e) {
+    const errc k = error_kind_of(e);
+    return k == errc::timeout || k == errc::peer_lost;
+  };
   std::string lines;
-  bool fenced = false;
+  bool fenced = false, in_doubt = false;
   errc kind{};  // the first failed commit's, by worker
   for (std::size_t i = 0; i < clients_.size(); ++i) {
     lines += "\n  " + name(i) + ": ";
     if (f.errors[i]) {
-      lines += "failed at its commit: " + describe_error(f.errors[i]);
+      if (unknown(f.errors[i])) {
+        lines += "its commit's outcome is unknown (in doubt): " + describe_error(f.errors[i]);
+        in_doubt = true;
+      } else {
+        lines += "failed at its commit: " + describe_error(f.errors[i]);
+      }
       if (kind == errc{}) kind = error_kind_of(f.errors[i]);
+    } else if (rollback_errors[i] && unknown(rollback_errors[i])) {
+      lines += "committed; its rollback's outcome is unknown (in doubt): " + describe_error(rollback_errors[i]);
+      in_doubt = true;
     } else if (rollback_errors[i]) {
       lines += "committed, and its rollback failed (fenced: dirty, no version): " + describe_error(rollback_errors[i]);
       fenced = true;
@@ -347,10 +361,14 @@ asio::awaitable<void> worker_group::roll_back_committed(detail::fleet_state& f, 
       lines += "committed, rolled back";
     }
   }
+  std::string outcome = "every worker keeps its previous version:";
+  if (in_doubt)
+    outcome = std::string("the workers not ") + (fenced ? "fenced or " : "") +
+              "in doubt keep their previous version; reconcile() brings those in doubt to it once they answer:";
+  else if (fenced)
+    outcome = "the workers not fenced keep their previous version:";
   throw_error(kind, "fleet-atomic update " + std::to_string(version) + ": a commit failed after every worker voted; " +
-                        (fenced ? std::string("the workers not fenced keep their previous version:")
-                                : std::string("every worker keeps its previous version:")) +
-                        lines);
+                        outcome + lines);
 }
 
 asio::awaitable<json> worker_group::reconcile() {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -37,12 +38,15 @@ class refusing_engine final : public backend::engine {
 
 // One in-process worker: a host with its own factory and model.
 struct worker {
-  worker(asio::io_context& io, std::string tamper, bool refuse_init) : model(std::move(tamper)) {
+  worker(asio::io_context& io, std::string tamper, bool refuse_init, std::uint64_t max_stage_bytes)
+      : model(std::move(tamper)) {
     if (refuse_init)
       factory.register_engine<refusing_engine, void>("tcp");
     else
       factory.register_engine<tcp::engine, tcp::sender>("tcp");
-    host = std::make_unique<control::worker_host>(tcp_config(), engine_context{io.get_executor(), {}, {}, &model},
+    weight_transfer_config config = tcp_config();
+    config.max_stage_bytes = max_stage_bytes;
+    host = std::make_unique<control::worker_host>(config, engine_context{io.get_executor(), {}, {}, &model},
                                                   model.as_load_weights(), factory);
     port = host->listen("127.0.0.1", 0);
     spawn(io, host->serve());
@@ -56,19 +60,47 @@ struct worker {
 struct worker_setup {
   std::string tamper;  // a tensor whose bytes this worker alters
   bool refuse_init = false;
+  std::uint64_t max_stage_bytes = 0;  // its stage's bound (0: none)
 };
 
 class worker_group_test : public ::testing::Test {
  protected:
-  void start(std::vector<worker_setup> setups) {
+  void start(std::vector<worker_setup> setups, std::chrono::milliseconds deadline = 5s) {
     std::vector<control::worker_endpoint> endpoints;
     for (auto& s : setups) {
-      workers_.push_back(std::make_unique<worker>(io_, s.tamper, s.refuse_init));
+      workers_.push_back(std::make_unique<worker>(io_, s.tamper, s.refuse_init, s.max_stage_bytes));
       endpoints.push_back({"127.0.0.1", workers_.back()->port});
     }
-    group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", std::move(endpoints));
+    group_ = std::make_unique<control::worker_group>(io_.get_executor(), deadline, "", std::move(endpoints));
     sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
     run_to_completion(io_, group_->connect());
+  }
+  // A new trainer's group over the same workers (the old one closed).
+  void reconnect() {
+    group_->close();
+    run(io_, 200ms);
+    std::vector<control::worker_endpoint> endpoints;
+    for (auto& w : workers_) endpoints.push_back({"127.0.0.1", w->port});
+    group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", std::move(endpoints));
+    run_to_completion(io_, group_->connect());
+  }
+  // Polls worker i's weight_info (through the current group) until `done` holds
+  // or 15 s pass (sanitizer builds are slow).
+  bool wait_for(std::size_t i, const std::function<bool(const json&)>& done) {
+    for (int tries = 0; tries < 150; ++tries) {
+      json info;
+      auto fetch = [&]() -> asio::awaitable<void> { info = co_await group_->at(i).call("weight_info"); };
+      run_to_completion(io_, fetch());
+      if (done(info)) return true;
+      run(io_, 100ms);
+    }
+    return false;
+  }
+  json reconcile() {
+    json report;
+    auto go = [&]() -> asio::awaitable<void> { report = co_await group_->reconcile(); };
+    run_to_completion(io_, go());
+    return report;
   }
   void TearDown() override {
     if (group_) group_->close();
@@ -544,6 +576,109 @@ TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_
   run_to_completion(io_, reconcile());
   EXPECT_EQ(report["version"], 50) << report.dump();
   for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
+}
+
+// A worker whose commit outlasts the trainer's deadline (the call times out; the
+// commit runs on): the trainer rolls the others back and names it in doubt, not
+// at the old version. Once its late commit ends, a new trainer's reconcile()
+// rolls it back too: every worker at the old version, whole.
+TEST_F(worker_group_test, a_commit_past_its_deadline_is_in_doubt_and_reconcile_settles_it) {
+  start({{}, {}, {}}, 2s);
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(80);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 80, result));
+  tensor_set set = model_tensors(81);
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  workers_[2]->model.stall_ms = 3000;
+  workers_[2]->model.stall_load_after = 0;  // its commit's load
+  auto failure = try_update(set, 81, result, atomic);
+  ASSERT_TRUE(failure);
+  EXPECT_EQ(failure->kind(), errc::timeout) << failure->message();
+  const std::string w2 = "worker 2 (127.0.0.1:" + std::to_string(workers_[2]->port) + ")";
+  const std::string& m = failure->message();
+  EXPECT_NE(m.find(w2 + ": its commit's outcome is unknown (in doubt)"), std::string::npos) << m;
+  EXPECT_NE(m.find("reconcile() brings those in doubt"), std::string::npos) << m;
+  EXPECT_EQ(m.find("every worker keeps its previous version"), std::string::npos) << m;
+  reconnect();
+  ASSERT_TRUE(wait_for(2, [](const json& info) { return info.value("holds_undo", false); }))
+      << "its late commit did not end";  // it holds 81, and the undo to 80
+  json report = reconcile();
+  EXPECT_EQ(report["version"], 80) << report.dump();
+  EXPECT_EQ(report["workers"][2]["action"], "rolled back") << report.dump();
+  expect_at(old_set, 80);
+}
+
+// The same for a rollback past the deadline: the worker is named in doubt, not
+// fenced; its rollback ends on its own, and reconcile() finds one version.
+TEST_F(worker_group_test, a_rollback_past_its_deadline_is_in_doubt_and_reconcile_finds_one_version) {
+  start({{}, {}, {}}, 2s);
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(90);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 90, result));
+  tensor_set set = model_tensors(91);
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  workers_[1]->model.fail_next_load = true;  // its commit fails
+  workers_[0]->model.stall_ms = 3000;
+  workers_[0]->model.stall_load_after = 1;  // its commit loads (one batch), its rollback stalls
+  auto failure = try_update(set, 91, result, atomic);
+  ASSERT_TRUE(failure);
+  const std::string w0 = "worker 0 (127.0.0.1:" + std::to_string(workers_[0]->port) + ")";
+  const std::string& m = failure->message();
+  EXPECT_NE(m.find(w0 + ": committed; its rollback's outcome is unknown (in doubt)"), std::string::npos) << m;
+  EXPECT_EQ(m.find("fenced"), std::string::npos) << m;
+  reconnect();
+  ASSERT_TRUE(wait_for(0, [](const json& info) { return info.value("weight_version", json()) == json(90); }))
+      << "its late rollback did not end";
+  json report = reconcile();
+  EXPECT_EQ(report["version"], 90) << report.dump();
+  for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
+  expect_at(old_set, 90);
+}
+
+// A worker whose stage cannot hold the update (host memory bounded by
+// max_stage_bytes) refuses it before a byte moves; every session is aborted and
+// every worker keeps the old version.
+TEST_F(worker_group_test, a_stage_too_small_on_one_worker_leaves_every_worker_at_the_old_version) {
+  start({{}, {"", false, 16 << 10}, {}});  // the update is 72 KiB
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(100);
+  control::update_result result;
+  control::update_options in_place;  // the first update needs no stage
+  in_place.commit = commit_mode::in_place;
+  ASSERT_FALSE(try_update(old_set, 100, result, in_place));
+  tensor_set set = model_tensors(101);
+  control::update_options atomic;
+  atomic.fleet_atomic = true;
+  auto failure = try_update(set, 101, result, atomic);
+  ASSERT_TRUE(failure);
+  EXPECT_EQ(failure->kind(), errc::resource_exhausted) << failure->message();
+  const std::string w1 = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  EXPECT_NE(failure->message().find(w1 + ": failed in update_weights"), std::string::npos) << failure->message();
+  EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
+  expect_at(old_set, 100);
+}
+
+// A trainer lost after every worker voted and before any commit: each prepared
+// session ends with its connection (staged: nothing reached a model), and a new
+// trainer's reconcile() finds one version with nothing to do.
+TEST_F(worker_group_test, a_trainer_lost_after_the_votes_leaves_every_worker_at_the_old_version) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(110);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 110, result));
+  tensor_set new_set = model_tensors(111);
+  run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 111, {}));
+  reconnect();
+  json report = reconcile();
+  EXPECT_EQ(report["version"], 110) << report.dump();
+  for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
+  expect_at(old_set, 110);
+  for (const auto& info : call_all("weight_info")) EXPECT_EQ(info["holds_undo"], false) << info.dump();
 }
 
 TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once) {

@@ -50,6 +50,10 @@ class holding_model final : public model_target {
   std::atomic<bool> fail_next_load{false};
   /// load_weights succeeds this many more times, then throws once (-1: off).
   std::atomic<int> fail_load_after{-1};
+  /// load_weights runs this many more times, then once only after stall_ms (a
+  /// worker past its trainer's deadline; -1: off).
+  std::atomic<int> stall_load_after{-1};
+  std::atomic<int> stall_ms{0};
 
  private:
   struct tensor {
