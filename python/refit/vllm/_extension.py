@@ -26,6 +26,8 @@ __all__ = ["RefitWorkerExtension"]
 class RefitWorkerExtension:
     """Mixed into vLLM's worker (``self`` is the worker): refit's fleet verbs."""
 
+    vllm_config: Any  # the worker's (annotated only: no attribute to clash with it)
+
     def _refit_engine(self) -> Any:
         from ._worker import RefitWeightTransferEngine
 

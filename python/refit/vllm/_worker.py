@@ -411,6 +411,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 self.model, self.model_config, _reload.applies_to(self.model, self._init.layerwise_reload)
             )
             load = reload.wrap(_model_loader(self.model))
+            self._updated = True  # its bytes reach the model
             try:
                 engine.receive(update_info.to_refit(), load)
                 engine.drain()
@@ -425,7 +426,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             session.fleet_atomic = update_info.fleet_atomic
         elif update_info.fleet_atomic != session.fleet_atomic:
             raise ValueError("every chunk of a fleet-atomic update must say so (`fleet_atomic`), and no other's")
-        if update_info.commit == "in_place" or (update_info.commit is None and self._init.commit == "in_place"):
+        commit = update_info.commit or (self._init.commit if self._init is not None else "staged")
+        if commit == "in_place":
             self._updated = True  # in place, the chunk's bytes reach the model now
         engine.update_weights(update_info.to_refit(), session.reload.wrap(_model_loader(self.model)))
         session.chunks += 1
