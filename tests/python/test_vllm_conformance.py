@@ -900,6 +900,11 @@ def test_load_weights_that_raises_leaves_every_layer_whole(commit, on_names):
             changed = name.startswith("a.") and not on_names
             want = new[name] if changed else before[name]
             assert torch.equal(as_bytes(p), want), f"{name}: not the {'new' if changed else 'old'} bytes"
+        # The trainer's send fails as soon as the worker refuses; the worker's own
+        # update_weights call (on the client's thread) ends its session just after.
+        deadline = time.monotonic() + 10
+        while engine.refit_state()["session_active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert engine.refit_state()["session_active"] is False
         model.fail_on = None
         trainer.send_weights()
