@@ -7,7 +7,9 @@ second replica's commit fails half-way through its load. The first replica has
 already committed, so it rolls back; the second loads its previous version back
 itself. Both then answer token for token with the old weights, at the old
 version, and vLLM's own weight checksums equal the ones from before the update.
-The next update then lands on both.
+A trainer lost between the two replicas' commits leaves them mixed until a new
+trainer's ``FleetClient.reconcile()`` rolls the committed one back. The next
+update then lands on both.
 
 Run by tests/vllm_serve/run.sh, after test_serve.py.
 """
@@ -111,6 +113,43 @@ def test_a_commit_that_fails_on_one_replica_leaves_both_at_the_old_version(fleet
         assert now[1] == was[1], f"replica {i}: the served output changed"
         changed = sorted(k for k in was[2] if now[2].get(k) != was[2][k])
         assert not changed, f"replica {i}: weights not back at the old version: {changed[:5]}"
+
+
+class LostAfterOneCommit(FleetClient):
+    """A trainer that dies between its commits: the first replica commits, the
+    second has voted yes and never hears again."""
+
+    def finish_weight_update(self, weight_version=None):
+        self._post(self.urls[0], "finish_weight_update", {"weight_version": weight_version})
+        raise RuntimeError("the trainer died between its commits")
+
+
+def test_reconcile_brings_back_a_fleet_its_lost_trainer_left_between_commits(fleet):
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    before = snapshot(fleet)
+    info = RefitTrainerInitInfo(
+        master_address="127.0.0.1", world_size=3, rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
+        auth_secret_file=fleet["secret"], fleet_atomic=True, worker_options={"timeout_ms": DEADLINE_MS},
+    )
+    urls = [s.url for s in fleet["servers"]]
+    t = WeightTransferTrainerFactory.trainer_init(
+        info, client=LostAfterOneCommit(urls), source=DictSource.make(checkpoint_tensors(fleet["model"], seed=62)))
+    with pytest.raises(RuntimeError, match="died between its commits"):
+        t.send_weights("fleet-lost")
+    t.shutdown()
+    assert fleet["servers"][0].weight_version() == "fleet-lost"  # the fleet is mixed now
+    assert fleet["servers"][1].weight_version() == before[1][0]
+    report = FleetClient(urls).reconcile()
+    assert report[urls[0]]["action"] == "rolled_back", report
+    assert report[urls[1]]["action"] == "aborted", report
+    after = snapshot(fleet)
+    for i, (was, now) in enumerate(zip(before, after)):
+        assert now[0] == was[0], f"replica {i}: /weight_info at {now[0]}"
+        assert now[1] == was[1], f"replica {i}: the served output changed"
+        assert now[2] == was[2], f"replica {i}: weights not back at the old version"
+    # Once at one version, reconcile has nothing to do.
+    assert {r["action"] for r in FleetClient(urls).reconcile().values()} == {"none"}
 
 
 def test_the_next_update_lands_on_both_after_a_failed_one(fleet):

@@ -18,6 +18,9 @@ drives refit's two phases, so that the fleet ends every update at one version:
    every replica with its phase and error. A replica whose rollback failed is
    fenced: its ``/weight_info`` says ``"refit-fenced"``, never a version.
 
+A trainer lost between two replicas' commits leaves them at two versions; a new
+trainer's :meth:`FleetClient.reconcile` brings them back to one.
+
 The extra verbs go through vLLM's dev-mode ``/collective_rpc`` route to refit's
 ``RefitWorkerExtension``: serve each replica with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--worker-extension-cls refit.vllm.RefitWorkerExtension``.
@@ -250,6 +253,55 @@ class FleetClient:
         bad = {u: o for u, o in outcomes.items() if o["phase"] != "rolled_back"}
         if bad:
             raise FleetUpdateError("rollback failed on " + ", ".join(bad), outcomes)
+
+    def reconcile(self) -> dict[str, dict[str, Any]]:
+        """Brings the replicas back to one version after a trainer was lost in the
+        middle of a fleet-atomic update (call it from the new trainer before its
+        first update). The rule:
+
+        1. an update still open on a replica (its trainer is gone: prepared, or not
+           yet) is aborted; staged, so nothing of it reached the model;
+        2. if some replicas committed the lost update (they hold its undo and
+           report another version than the rest) and others did not, the
+           committed ones roll back to the version the others hold, and
+           ``/weight_info`` says it again;
+        3. a replica whose workers are dirty, or whose rollback fails, is fenced.
+
+        Returns {url: {"action": "none" | "aborted" | "rolled_back" | "fenced",
+        "version": ...}}. Raises :class:`FleetUpdateError` when the replicas that
+        did not commit disagree on their version (a full update brings them
+        together)."""
+        states = self._all("refit_weight_state", lambda url: self._rpc(url, "refit_weight_state"))
+        versions = {url: self.weight_version(url) for url in self.urls}
+        report: dict[str, dict[str, Any]] = {}
+        for url, workers in states.items():
+            if any(w.get("update_open") or w.get("session_active") for w in workers):
+                self._rpc(url, "refit_abort_weight_update", "reconcile: the trainer that opened this update is gone")
+                report[url] = {"action": "aborted", "version": versions[url]}
+        committed = [u for u, ws in states.items() if u not in report and ws and all(w.get("holds_undo") for w in ws)]
+        others = [u for u in self.urls if u not in committed]
+        targets = {versions[u] for u in others}
+        if committed and others:
+            if len(targets) != 1:
+                raise FleetUpdateError(
+                    "reconcile: the replicas that did not commit are at different versions (" +
+                    ", ".join(f"{u}: {versions[u]}" for u in others) + "); a full update brings them together",
+                    {u: {"action": "none", "version": versions[u]} for u in self.urls})
+            target = next(iter(targets))
+            for u in committed:
+                if versions[u] == target:
+                    continue  # its undo is an earlier, whole update's
+                self._versions[u] = target
+                outcome = self._roll_back(u)
+                report[u] = {"action": "rolled_back" if outcome["phase"] == "rolled_back" else "fenced",
+                             "version": target if outcome["phase"] == "rolled_back" else FENCED, **outcome}
+        for url, workers in states.items():
+            if url in report:
+                continue
+            dirty = [w.get("dirty_reason") for w in workers if w.get("weights_dirty")]
+            report[url] = self._fence(url, {"action": "fenced", "error": dirty[0]}) if dirty else \
+                {"action": "none", "version": versions[url]}
+        return report
 
     def release_weight_undo(self) -> None:
         self._all("release_weight_undo", lambda url: self._rpc(url, "refit_release_weight_undo"))

@@ -540,10 +540,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def refit_state(self) -> dict[str, Any]:
         """refit's own state of this worker (``refit.Engine.state()``: weight
-        version, dirty and why, the last update's statistics, ...); empty before
-        ``init_transfer_engine``."""
+        version, dirty and why, the last update's statistics, ...) and
+        ``update_open``; empty before ``init_transfer_engine``."""
         engine = getattr(self, "_refit", None)
-        return engine.state() if engine is not None else {}
+        if engine is None:
+            return {}
+        # update_open: vLLM's update session (start .. finish) is open here, with or
+        # without refit's (which starts at its first chunk).
+        return {**engine.state(), "update_open": getattr(self, "_session", None) is not None}
 
     # -- internals -------------------------------------------------------------------
 
