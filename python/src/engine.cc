@@ -183,12 +183,17 @@ class py_engine {
       if (held_) held_->target->abort("finish_weight_update failed");
       throw;
     }
-    if (held_) {
-      if (engine_->weights_dirty())
-        held_->target->abort(engine_->dirty_reason());
-      else
-        held_->target->finish(session_->weight_version());
-    }
+    end_held_update();
+  }
+
+  // The engine's own tensors (tensors=) end their update as the engine left them:
+  // dirty, or whole at the session's version.
+  void end_held_update() {
+    if (!held_) return;
+    if (engine_->weights_dirty())
+      held_->target->abort(engine_->dirty_reason());
+    else
+      held_->target->finish(session_->weight_version());
   }
 
   asio::awaitable<void> abort(std::string why) {
@@ -203,8 +208,7 @@ class py_engine {
 
   asio::awaitable<void> prepare() { co_await session_->prepare_weight_update(); }
 
-  // Back to the version before the last fleet-atomic commit; the engine's own
-  // tensors (tensors=) end their update as the finish does.
+  // Back to the version before the last fleet-atomic commit.
   asio::awaitable<void> rollback() {
     std::exception_ptr failure;
     try {
@@ -212,12 +216,7 @@ class py_engine {
     } catch (...) {
       failure = std::current_exception();
     }
-    if (held_ && held_->target->updating()) {
-      if (engine_->weights_dirty())
-        held_->target->abort(engine_->dirty_reason());
-      else
-        held_->target->finish(session_->weight_version());
-    }
+    if (held_ && held_->target->updating()) end_held_update();
     if (failure) std::rethrow_exception(failure);
   }
 

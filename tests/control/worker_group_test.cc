@@ -75,6 +75,15 @@ class worker_group_test : public ::testing::Test {
     sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
     run_to_completion(io_, group_->connect());
   }
+  // How the group names worker i in its errors.
+  std::string named(std::size_t i) const {
+    return "worker " + std::to_string(i) + " (127.0.0.1:" + std::to_string(workers_[i]->port) + ")";
+  }
+  static control::update_options fleet_atomic() {
+    control::update_options o;
+    o.fleet_atomic = true;
+    return o;
+  }
   // A new trainer's group over the same workers (the old one closed).
   void reconnect() {
     group_->close();
@@ -225,7 +234,7 @@ TEST_F(worker_group_test, a_worker_holding_other_bytes_is_a_fingerprint_mismatch
   auto failure = try_update(set, 5, result);
   ASSERT_TRUE(failure) << "the tampered worker passed the check";
   EXPECT_EQ(failure->kind(), errc::integrity_error) << failure->message();
-  const std::string expected_name = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  const std::string expected_name = named(1);
   EXPECT_NE(failure->message().find(expected_name), std::string::npos) << failure->message();
   EXPECT_NE(failure->message().find("'layer.3' differs"), std::string::npos) << failure->message();
   EXPECT_EQ(failure->message().find("worker 0"), std::string::npos) << failure->message();
@@ -278,8 +287,7 @@ TEST_F(worker_group_test, a_fleet_atomic_update_votes_then_commits_on_every_work
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 10, result));
   tensor_set set = model_tensors(11);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   auto failure = try_update(set, 11, result, atomic);
   ASSERT_FALSE(failure) << failure->message();
   EXPECT_TRUE(result.verified);
@@ -298,8 +306,7 @@ TEST_F(worker_group_test, a_worker_that_cannot_undo_refuses_a_fleet_atomic_updat
   run_to_completion(io_, init());
   tensor_set set = model_tensors(13);
   control::update_result result;
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   auto failure = try_update(set, 13, result, atomic);
   ASSERT_TRUE(failure);
   EXPECT_EQ(failure->kind(), errc::unsupported) << failure->message();
@@ -316,8 +323,7 @@ TEST_F(worker_group_test, fleet_atomic_in_place_is_refused_before_any_worker_is_
   run_to_completion(io_, init());
   tensor_set set = model_tensors(12);
   control::update_result result;
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   atomic.commit = commit_mode::in_place;
   auto failure = try_update(set, 12, result, atomic);
   ASSERT_TRUE(failure);
@@ -350,7 +356,7 @@ TEST_P(worker_group_failure_test, a_worker_refusing_an_update_leaves_every_worke
   auto failure = try_update(new_set, 21, result, options);
   ASSERT_TRUE(failure) << "the refusal was not reported";
   EXPECT_EQ(failure->kind(), errc::invalid_argument) << failure->message();
-  const std::string refused = "worker 2 (127.0.0.1:" + std::to_string(workers_[2]->port) + ")";
+  const std::string refused = named(2);
   EXPECT_NE(failure->message().find(refused), std::string::npos) << failure->message();
   if (atomic) {
     EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
@@ -387,15 +393,11 @@ TEST_F(worker_group_test, a_commit_failing_after_every_vote_rolls_the_fleet_back
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 29, result));
   tensor_set set = model_tensors(30);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   workers_[1]->model.fail_next_load = true;
   auto failure = try_update(set, 30, result, atomic);
   ASSERT_TRUE(failure);
   EXPECT_EQ(failure->kind(), errc::processing_failed) << failure->message();
-  const auto named = [&](std::size_t i) {
-    return "worker " + std::to_string(i) + " (127.0.0.1:" + std::to_string(workers_[i]->port) + ")";
-  };
   const std::string& m = failure->message();
   EXPECT_NE(m.find("every worker keeps its previous version"), std::string::npos) << m;
   EXPECT_NE(m.find(named(1) + ": failed at its commit"), std::string::npos) << m;
@@ -419,13 +421,12 @@ TEST_F(worker_group_test, a_worker_whose_rollback_fails_is_fenced_and_reconcile_
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 60, result));
   tensor_set set = model_tensors(61);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   workers_[1]->model.fail_next_load = true;  // its commit fails
   workers_[0]->model.fail_load_after = 1;    // its commit (one batch) loads, its rollback does not
   auto failure = try_update(set, 61, result, atomic);
   ASSERT_TRUE(failure);
-  const std::string w0 = "worker 0 (127.0.0.1:" + std::to_string(workers_[0]->port) + ")";
+  const std::string w0 = named(0);
   EXPECT_NE(failure->message().find(w0 + ": committed, and its rollback failed (fenced"), std::string::npos)
       << failure->message();
   EXPECT_NE(failure->message().find("the workers not fenced keep their previous version"), std::string::npos)
@@ -437,9 +438,7 @@ TEST_F(worker_group_test, a_worker_whose_rollback_fails_is_fenced_and_reconcile_
     EXPECT_EQ(infos[i]["state"], "clean") << infos[i].dump();
     EXPECT_EQ(infos[i]["weight_version"], 60) << infos[i].dump();
   }
-  json report;
-  auto reconcile = [&]() -> asio::awaitable<void> { report = co_await group_->reconcile(); };
-  run_to_completion(io_, reconcile());
+  json report = reconcile();
   EXPECT_EQ(report["version"], 60) << report.dump();
   EXPECT_EQ(report["workers"][0]["action"], "fenced") << report.dump();
   EXPECT_EQ(report["workers"][1]["action"], "none") << report.dump();
@@ -468,8 +467,7 @@ TEST_F(worker_group_test, a_commit_failing_in_its_second_batch_loads_the_first_b
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 40, result));
   tensor_set set = big(41);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   workers_[0]->model.fail_load_after = 1;
   auto failure = try_update(set, 41, result, atomic);
   ASSERT_TRUE(failure);
@@ -488,14 +486,13 @@ TEST_F(worker_group_test, a_worker_lost_before_its_vote_leaves_the_others_at_the
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 70, result));
   tensor_set set = model_tensors(71);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   atomic.hold_before_finish = 2s;  // the window between the streams and the votes
   asio::steady_timer lose(io_, 500ms);
   lose.async_wait([&](std::error_code) { workers_[2]->host->stop(); });
   auto failure = try_update(set, 71, result, atomic);
   ASSERT_TRUE(failure);
-  const std::string w2 = "worker 2 (127.0.0.1:" + std::to_string(workers_[2]->port) + ")";
+  const std::string w2 = named(2);
   EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
   EXPECT_NE(failure->message().find(w2 + ": failed in prepare_weight_update"), std::string::npos) << failure->message();
   const auto expected = fingerprint_all(old_set.views());
@@ -556,16 +553,8 @@ TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_
   ASSERT_FALSE(try_update(old_set, 50, result));
   tensor_set new_set = model_tensors(51);
   run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 51, {0, 1}));
-  group_->close();  // the trainer is gone
-  run(io_, 200ms);
-
-  std::vector<control::worker_endpoint> endpoints;
-  for (auto& w : workers_) endpoints.push_back({"127.0.0.1", w->port});
-  group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", std::move(endpoints));
-  run_to_completion(io_, group_->connect());
-  json report;
-  auto reconcile = [&]() -> asio::awaitable<void> { report = co_await group_->reconcile(); };
-  run_to_completion(io_, reconcile());
+  reconnect();  // the trainer is gone; a new one connects
+  json report = reconcile();
   EXPECT_EQ(report["version"], 50) << report.dump();
   ASSERT_EQ(report["workers"].size(), 3u) << report.dump();
   EXPECT_EQ(report["workers"][0]["action"], "rolled back") << report.dump();
@@ -573,7 +562,7 @@ TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_
   EXPECT_EQ(report["workers"][2]["action"], "none") << report.dump();
   expect_at(old_set, 50);
   // Once one version, reconcile has nothing to do.
-  run_to_completion(io_, reconcile());
+  report = reconcile();
   EXPECT_EQ(report["version"], 50) << report.dump();
   for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
 }
@@ -589,14 +578,13 @@ TEST_F(worker_group_test, a_commit_past_its_deadline_is_in_doubt_and_reconcile_s
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 80, result));
   tensor_set set = model_tensors(81);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   workers_[2]->model.stall_ms = 3000;
   workers_[2]->model.stall_load_after = 0;  // its commit's load
   auto failure = try_update(set, 81, result, atomic);
   ASSERT_TRUE(failure);
   EXPECT_EQ(failure->kind(), errc::timeout) << failure->message();
-  const std::string w2 = "worker 2 (127.0.0.1:" + std::to_string(workers_[2]->port) + ")";
+  const std::string w2 = named(2);
   const std::string& m = failure->message();
   EXPECT_NE(m.find(w2 + ": its commit's outcome is unknown (in doubt)"), std::string::npos) << m;
   EXPECT_NE(m.find("reconcile() brings those in doubt"), std::string::npos) << m;
@@ -619,14 +607,13 @@ TEST_F(worker_group_test, a_rollback_past_its_deadline_is_in_doubt_and_reconcile
   control::update_result result;
   ASSERT_FALSE(try_update(old_set, 90, result));
   tensor_set set = model_tensors(91);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   workers_[1]->model.fail_next_load = true;  // its commit fails
   workers_[0]->model.stall_ms = 3000;
   workers_[0]->model.stall_load_after = 1;  // its commit loads (one batch), its rollback stalls
   auto failure = try_update(set, 91, result, atomic);
   ASSERT_TRUE(failure);
-  const std::string w0 = "worker 0 (127.0.0.1:" + std::to_string(workers_[0]->port) + ")";
+  const std::string w0 = named(0);
   const std::string& m = failure->message();
   EXPECT_NE(m.find(w0 + ": committed; its rollback's outcome is unknown (in doubt)"), std::string::npos) << m;
   EXPECT_EQ(m.find("fenced"), std::string::npos) << m;
@@ -651,12 +638,11 @@ TEST_F(worker_group_test, a_stage_too_small_on_one_worker_leaves_every_worker_at
   in_place.commit = commit_mode::in_place;
   ASSERT_FALSE(try_update(old_set, 100, result, in_place));
   tensor_set set = model_tensors(101);
-  control::update_options atomic;
-  atomic.fleet_atomic = true;
+  control::update_options atomic = fleet_atomic();
   auto failure = try_update(set, 101, result, atomic);
   ASSERT_TRUE(failure);
   EXPECT_EQ(failure->kind(), errc::resource_exhausted) << failure->message();
-  const std::string w1 = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  const std::string w1 = named(1);
   EXPECT_NE(failure->message().find(w1 + ": failed in update_weights"), std::string::npos) << failure->message();
   EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
   expect_at(old_set, 100);
@@ -692,7 +678,7 @@ TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once
   }
   ASSERT_TRUE(failure) << "init succeeded with a refusing worker";
   EXPECT_EQ(failure->kind(), errc::invalid_state) << failure->message();
-  const std::string expected_name = "worker 1 (127.0.0.1:" + std::to_string(workers_[1]->port) + ")";
+  const std::string expected_name = named(1);
   EXPECT_EQ(failure->message().rfind(expected_name, 0), 0u) << failure->message();
   EXPECT_NE(failure->message().find("refuses every init"), std::string::npos) << failure->message();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s) << "waited for the sender's deadline";
