@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._trainer import InferenceServerError
+from ._trainer import InferenceServerError, error_text
 
 __all__ = ["FENCED", "FleetClient", "FleetUpdateError"]
 
@@ -52,19 +52,6 @@ class FleetUpdateError(InferenceServerError):
         self.outcomes = outcomes
 
 
-def _error_text(response: Any) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:2000]
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        return str(err)
-    return str(body)
-
-
 class FleetClient:
     """vLLM's weight-sync client over ``urls`` (one per ``vllm serve`` replica)."""
 
@@ -78,16 +65,22 @@ class FleetClient:
 
     # -- HTTP --------------------------------------------------------------------
 
-    def _post(self, url: str, route: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(self, method: str, url: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        """One HTTP call to one replica; its JSON answer (None when it has none). An
+        answer other than 200 raises InferenceServerError with the server's message."""
         import requests
 
-        r = requests.post(f"{url}/{route}", json=body if body is not None else {}, timeout=self.timeout)
+        r = requests.request(method, f"{url}/{route}", json=body if method == "POST" else None,
+                             timeout=self.timeout)
         if r.status_code != 200:
-            raise InferenceServerError(f"{url}: {route}: HTTP {r.status_code}: {_error_text(r)}")
+            raise InferenceServerError(f"{url}: {route}: HTTP {r.status_code}: {error_text(r)}")
         try:
             return r.json()
         except ValueError:
             return None
+
+    def _post(self, url: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        return self._request("POST", url, route, body if body is not None else {})
 
     def _rpc(self, url: str, method: str, *args: str) -> list[Any]:
         """``method`` on every worker of one replica (vLLM's ``/collective_rpc``)."""
@@ -95,46 +88,40 @@ class FleetClient:
         return list((out or {}).get("results", []))
 
     def weight_version(self, url: str) -> str | None:
-        import requests
+        return self._request("GET", url, "weight_info").get("weight_version")
 
-        r = requests.get(f"{url}/weight_info", timeout=self.timeout)
-        if r.status_code != 200:
-            raise InferenceServerError(f"{url}: weight_info: HTTP {r.status_code}: {_error_text(r)}")
-        return r.json().get("weight_version")
-
-    def _each(self, fn: Callable[[str], Any]) -> dict[str, BaseException | Any]:
-        """fn(url) for every replica at once; {url: result or the exception}."""
+    def _each(self, fn: Callable[[str], Any]) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """fn(url) for every replica at once: ({url: result}, {url: exception})."""
         with ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="refit-fleet") as pool:
             futures = {url: pool.submit(fn, url) for url in self.urls}
-        out: dict[str, BaseException | Any] = {}
+        results: dict[str, Any] = {}
+        failed: dict[str, BaseException] = {}
         for url, f in futures.items():
             error = f.exception()
-            out[url] = error if error is not None else f.result()
-        return out
+            if error is None:
+                results[url] = f.result()
+            else:
+                failed[url] = error
+        return results, failed
 
     def _all(self, verb: str, fn: Callable[[str], Any]) -> dict[str, Any]:
-        results = self._each(fn)
-        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+        """fn(url) for every replica at once; raises naming each that failed."""
+        results, failed = self._each(fn)
         if failed:
-            outcomes = {u: {"phase": "failed", "at": verb, "error": str(e)} for u, e in failed.items()}
-            raise FleetUpdateError(f"{verb} failed on {len(failed)} of {len(self.urls)} replicas: " +
-                                   "; ".join(f"{u}: {e}" for u, e in failed.items()), outcomes) \
-                from next(iter(failed.values()))
+            self._raise_failed(verb, failed)
         return results
+
+    def _raise_failed(self, verb: str, failed: dict[str, BaseException]) -> None:
+        outcomes = {u: {"phase": "failed", "at": verb, "error": str(e)} for u, e in failed.items()}
+        raise FleetUpdateError(f"{verb} failed on {len(failed)} of {len(self.urls)} replicas: " +
+                               "; ".join(f"{u}: {e}" for u, e in failed.items()), outcomes) \
+            from next(iter(failed.values()))
 
     # -- vLLM's VLLMWeightSyncClient ------------------------------------------------
 
     def world_sizes(self) -> list[int]:
         """Each replica's worker count (TP * PP * DP)."""
-        import requests
-
-        sizes = []
-        for url in self.urls:
-            r = requests.get(f"{url}/get_world_size", timeout=self.timeout)
-            if r.status_code != 200:
-                raise InferenceServerError(f"{url}: get_world_size: HTTP {r.status_code}: {_error_text(r)}")
-            sizes.append(int(r.json()["world_size"]))
-        return sizes
+        return [int(self._request("GET", url, "get_world_size")["world_size"]) for url in self.urls]
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every replica's init, each with its workers' ranks: the trainer's
@@ -170,8 +157,7 @@ class FleetClient:
     def prepare_weight_update(self) -> None:
         """Every worker's vote. A failed vote aborts the update on every replica
         (each keeps its weights) and raises :class:`FleetUpdateError`."""
-        results = self._each(lambda url: self._rpc(url, "refit_prepare_weight_update"))
-        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+        _, failed = self._each(lambda url: self._rpc(url, "refit_prepare_weight_update"))
         if not failed:
             return
         why = "; ".join(f"{u}: {e}" for u, e in failed.items())
@@ -186,31 +172,22 @@ class FleetClient:
         return self._abort_all(why or "the trainer aborted the update")
 
     def _abort_all(self, why: str) -> dict[str, dict[str, Any]]:
-        outcomes: dict[str, dict[str, Any]] = {}
-        for url, r in self._each(lambda url: self._rpc(url, "refit_abort_weight_update", why)).items():
-            outcomes[url] = {"phase": "aborted"} if not isinstance(r, BaseException) else \
-                {"phase": "failed", "at": "abort", "error": str(r)}
-        return outcomes
+        done, failed = self._each(lambda url: self._rpc(url, "refit_abort_weight_update", why))
+        return {url: {"phase": "aborted"} if url in done else
+                {"phase": "failed", "at": "abort", "error": str(failed[url])} for url in self.urls}
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Every replica commits. In a fleet-atomic update, a commit that fails on
         any replica rolls back every replica that committed (see the module)."""
         body = {"weight_version": weight_version} if weight_version is not None else None
-        results = self._each(lambda url: self._post(url, "finish_weight_update", body))
-        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+        _, failed = self._each(lambda url: self._post(url, "finish_weight_update", body))
         if not failed:
             return
-        why = "; ".join(f"{u}: {e}" for u, e in failed.items())
         if not self._fleet_atomic:  # no undo: each replica is left as its commit left it
-            plain = {u: {"phase": "failed", "at": "commit", "error": str(e)} for u, e in failed.items()}
-            raise FleetUpdateError(f"finish_weight_update failed on {len(failed)} of {len(self.urls)} replicas: {why}",
-                                   plain) from next(iter(failed.values()))
-        outcomes: dict[str, dict[str, Any]] = {}
-        for url in self.urls:
-            if url in failed:
-                outcomes[url] = self._settle_failed(url, str(failed[url]))
-            else:
-                outcomes[url] = self._roll_back(url)
+            self._raise_failed("commit", failed)
+        why = "; ".join(f"{u}: {e}" for u, e in failed.items())
+        outcomes = {url: self._settle_failed(url, str(failed[url])) if url in failed else self._roll_back(url)
+                    for url in self.urls}
         raise FleetUpdateError(
             f"the commit failed on {len(failed)} of {len(self.urls)} replicas ({why}); " +
             ", ".join(f"{u}: {o['phase']}" for u, o in outcomes.items()), outcomes) from next(iter(failed.values()))

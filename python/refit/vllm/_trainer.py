@@ -42,6 +42,21 @@ class InferenceServerError(RuntimeError):
     says why: the worker's refit error, its kind and the tensor it names)."""
 
 
+def error_text(response: Any) -> str:
+    """An HTTP error answer's message: vLLM's JSON error body (``{"error":
+    {"message": ...}}`` or FastAPI's ``{"detail": ...}``), else its text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    if not isinstance(body, dict):
+        return str(body)
+    message = body.get("error", body.get("detail", body))
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return str(message)
+
+
 def _call(verb: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, a client call; an HTTP error is raised again with the body
     of the server's answer."""
@@ -51,14 +66,7 @@ def _call(verb: str, fn: Callable[..., Any], *args: Any) -> Any:
         response = getattr(e, "response", None)
         if response is None:
             raise
-        try:
-            body = response.json()
-            message = body.get("error", body) if isinstance(body, dict) else body
-            if isinstance(message, dict):
-                message = message.get("message", message)
-        except ValueError:
-            message = response.text
-        raise InferenceServerError(f"{verb}: HTTP {response.status_code}: {message}") from e
+        raise InferenceServerError(f"{verb}: HTTP {response.status_code}: {error_text(response)}") from e
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
