@@ -48,14 +48,15 @@ def fleet(served):
         assert alive, f"the second vllm serve died during the tests; see {log}"
 
 
-def trainer(fleet, tensors):
+def trainer(fleet, tensors, client_class=FleetClient):
+    """vLLM's trainer path over both replicas, fleet-atomic."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     info = RefitTrainerInitInfo(
         master_address="127.0.0.1", world_size=1 + len(fleet["servers"]), rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
         auth_secret_file=fleet["secret"], fleet_atomic=True, worker_options={"timeout_ms": DEADLINE_MS},
     )
-    client = FleetClient([s.url for s in fleet["servers"]])
+    client = client_class([s.url for s in fleet["servers"]])
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=DictSource.make(tensors))
 
 
@@ -125,16 +126,9 @@ class LostAfterOneCommit(FleetClient):
 
 
 def test_reconcile_brings_back_a_fleet_its_lost_trainer_left_between_commits(fleet):
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
     before = snapshot(fleet)
-    info = RefitTrainerInitInfo(
-        master_address="127.0.0.1", world_size=3, rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
-        auth_secret_file=fleet["secret"], fleet_atomic=True, worker_options={"timeout_ms": DEADLINE_MS},
-    )
     urls = [s.url for s in fleet["servers"]]
-    t = WeightTransferTrainerFactory.trainer_init(
-        info, client=LostAfterOneCommit(urls), source=DictSource.make(checkpoint_tensors(fleet["model"], seed=62)))
+    t = trainer(fleet, checkpoint_tensors(fleet["model"], seed=62), client_class=LostAfterOneCommit)
     with pytest.raises(RuntimeError, match="died between its commits"):
         t.send_weights("fleet-lost")
     t.shutdown()
