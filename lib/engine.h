@@ -265,6 +265,7 @@ class weight_transfer_engine {
   virtual void begin_session() = 0;
   virtual asio::awaitable<void> commit_session(bool keep_undo) = 0;
   virtual std::string undo_refusal(const update_metadata& meta) = 0;
+  virtual asio::awaitable<void> reserve_undo() = 0;
   virtual asio::awaitable<void> rollback_session() = 0;
   virtual void release_undo() noexcept = 0;
   virtual bool holds_undo() const noexcept = 0;

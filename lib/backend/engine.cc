@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <unordered_map>
 
 #include <asio/co_spawn.hpp>
@@ -465,10 +466,12 @@ asio::awaitable<void> engine::receive_staged(const update_info& info, load_weigh
 
 namespace {
 
-// The batches of a staged commit: views of at most 64 MiB (one view may be more).
-std::vector<std::span<const tensor_view>> batches_of(const std::vector<tensor_view>& views) {
+// The batches of a staged commit: views (or the specs they will have) of at most
+// 64 MiB (one tensor may be more).
+template <class T>
+std::vector<std::span<const T>> batches_of(const std::vector<T>& views) {
   constexpr std::uint64_t batch_bytes = 64ull << 20;
-  std::vector<std::span<const tensor_view>> out;
+  std::vector<std::span<const T>> out;
   std::size_t first = 0;
   while (first < views.size()) {
     std::size_t last = first;
@@ -493,8 +496,23 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
   if (keep_undo && !model)
     throw_error(errc::unsupported, std::string(backend()) + ": a commit that keeps its undo needs the model target");
   // With undo: each batch's previous bytes (read back just before it is loaded),
-  // then written into the stage in place of the new ones.
-  std::vector<std::byte> scratch;
+  // then written into the stage in place of the new ones. The scratch is reserved
+  // at the vote (reserve_undo); a commit that was not prepared reserves it here,
+  // before the model is touched.
+  if (model) {
+    std::exception_ptr refused;
+    try {
+      co_await reserve_scratch(chunks);
+    } catch (...) {
+      refused = std::current_exception();
+    }
+    if (refused) {
+      dispose(std::move(chunks));
+      note_failure("the commit of a staged update", refused);
+      std::rethrow_exception(refused);
+    }
+  }
+  std::byte* const scratch = undo_scratch_.get();
   struct loaded_batch {
     staged_chunk* chunk;
     std::size_t first, count;
@@ -513,14 +531,10 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
       for (std::span<const tensor_view> batch : batches_of(views)) {
         const loaded_batch here{c, static_cast<std::size_t>(batch.data() - views.data()), batch.size()};
         if (model) {
-          std::vector<std::byte>* old = &scratch;
-          co_await async::offload(processing_executor(), [model, batch, old] {
-            std::uint64_t total = 0;
-            for (const auto& v : batch) total += v.nbytes();
-            old->resize(total);
+          co_await async::offload(processing_executor(), [model, batch, scratch] {
             std::uint64_t at = 0;
             for (const auto& v : batch) {
-              model->read_back(v.spec(), std::span<std::byte>(old->data() + at, v.nbytes()));
+              model->read_back(v.spec(), std::span<std::byte>(scratch + at, v.nbytes()));
               at += v.nbytes();
             }
           });
@@ -528,11 +542,10 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
         }
         co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
         if (model) {
-          std::vector<std::byte>* old = &scratch;
-          co_await async::offload(processing_executor(), [batch, old] {
+          co_await async::offload(processing_executor(), [batch, scratch] {
             std::uint64_t at = 0;
             for (const auto& v : batch) {
-              if (v.nbytes() != 0) std::memcpy(v.data, old->data() + at, v.nbytes());
+              if (v.nbytes() != 0) std::memcpy(v.data, scratch + at, v.nbytes());
               at += v.nbytes();
             }
           });
@@ -553,7 +566,7 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
         std::uint64_t at = 0;
         const auto& specs = in_flight->chunk->meta.tensors;
         for (std::size_t i = in_flight->first; i < in_flight->first + in_flight->count; ++i) {
-          previous.emplace_back(specs[i], scratch.data() + at);
+          previous.emplace_back(specs[i], scratch + at);
           at += specs[i].nbytes();
         }
         load_weights_fn* load = &in_flight->chunk->load;
@@ -586,6 +599,43 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
     note_failure("the commit of a staged update", failure);
     std::rethrow_exception(failure);
   }
+}
+
+asio::awaitable<void> engine::reserve_undo() { return reserve_scratch(staged_); }
+
+asio::awaitable<void> engine::reserve_scratch(const std::vector<std::unique_ptr<staged_chunk>>& chunks) {
+  std::uint64_t needed = 0;
+  for (const auto& chunk : chunks)
+    for (std::span<const tensor_spec> batch : batches_of(chunk->meta.tensors)) {
+      std::uint64_t bytes = 0;
+      for (const auto& t : batch) bytes += t.nbytes();
+      needed = std::max(needed, bytes);
+    }
+  if (needed <= undo_scratch_bytes_) co_return;
+  const std::string name(backend());
+  const std::uint64_t limit = config_.max_stage_bytes;
+  const std::uint64_t staged = stage_ ? stage_->used() : 0;
+  if (limit != 0 && staged + needed > limit)
+    throw_error(errc::resource_exhausted, name + ": the undo of this update needs a scratch of " +
+                                              std::to_string(needed) + " bytes (its largest batch) beside the " +
+                                              std::to_string(staged) + " staged, more than max_stage_bytes " +
+                                              std::to_string(limit) +
+                                              "; nothing was committed (a larger bound, or no fleet-atomic update)");
+  undo_scratch_.reset();
+  undo_scratch_bytes_ = 0;
+  // Allocated and faulted in off the loop: the commit then cannot run out of it.
+  std::unique_ptr<std::byte[]> scratch = co_await async::offload(processing_executor(), [needed] {
+    std::unique_ptr<std::byte[]> p(new (std::nothrow) std::byte[needed]);
+    if (p) std::memset(p.get(), 0, needed);
+    return p;
+  });
+  if (!scratch)
+    throw_error(errc::resource_exhausted, name + ": the undo of this update needs a scratch of " +
+                                              std::to_string(needed) +
+                                              " bytes (its largest batch) and the allocation failed; nothing was "
+                                              "committed");
+  undo_scratch_ = std::move(scratch);
+  undo_scratch_bytes_ = needed;
 }
 
 std::string engine::undo_refusal(const update_metadata& meta) {
@@ -745,6 +795,8 @@ void engine::shutdown() {
   do_shutdown();
   stage_target_.reset();
   stage_.reset();
+  undo_scratch_.reset();
+  undo_scratch_bytes_ = 0;
 }
 
 }  // namespace refit::backend

@@ -202,7 +202,9 @@ class engine : public weight_transfer_engine {
   ///    current bytes back from the context's model (model_target::read_back)
   ///    just before its batch is loaded and writes them into the stage in place
   ///    of the new bytes, so after the commit the stage holds the previous
-  ///    version at no extra memory (a scratch of one batch, at most 64 MiB).
+  ///    version at no extra memory (a scratch of one batch, at most 64 MiB,
+  ///    reserved at the vote by reserve_undo(), so a worker that cannot hold it
+  ///    votes no instead of failing at its commit).
   ///    rollback_session() loads the stage back through each chunk's own
   ///    load_weights; release_undo() (and the next begin_session) drops it. A
   ///    commit that keeps its undo and fails part-way loads back what it had
@@ -220,6 +222,11 @@ class engine : public weight_transfer_engine {
   /// See begin_session. Refused (invalid_state) while a chunk is being received.
   asio::awaitable<void> commit_session(bool keep_undo) final;
   std::string undo_refusal(const update_metadata& meta) final;
+  /// See begin_session ("Undo"): the commit's scratch for the staged session
+  /// (its largest batch), allocated and faulted in now, kept for later sessions,
+  /// freed by shutdown(); resource_exhausted when it cannot be, or when it and
+  /// the stage together would exceed max_stage_bytes. The vote calls it.
+  asio::awaitable<void> reserve_undo() final;
   /// See begin_session ("Undo"). Refused (invalid_state) without an undo or while
   /// a session is open or being committed.
   asio::awaitable<void> rollback_session() final;
@@ -247,6 +254,8 @@ class engine : public weight_transfer_engine {
   // With keep_undo the stage ends holding the previous bytes, and the chunks are
   // kept in undo_.
   asio::awaitable<void> commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks, bool keep_undo = false);
+  // reserve_undo's work for `chunks` (staged_, or those commit_staged holds).
+  asio::awaitable<void> reserve_scratch(const std::vector<std::unique_ptr<staged_chunk>>& chunks);
   // Drops the staged chunks and empties the stage (its memory is kept).
   void clear_stage() noexcept;
   // Frees staged chunks (their metadata off the loop when large).
@@ -273,6 +282,8 @@ class engine : public weight_transfer_engine {
   std::optional<commit_mode> session_mode_;  // of its first chunk
   std::vector<std::unique_ptr<staged_chunk>> staged_;
   std::vector<std::unique_ptr<staged_chunk>> undo_;  // committed chunks whose stage holds the previous bytes
+  std::unique_ptr<std::byte[]> undo_scratch_;        // reserve_undo: one batch's previous bytes at a commit
+  std::uint64_t undo_scratch_bytes_ = 0;
   std::string dirty_reason_;
 };
 

@@ -25,6 +25,8 @@ class engine_access {
   static std::string undo_refusal(weight_transfer_engine& e, const update_metadata& meta) {
     return e.undo_refusal(meta);
   }
+  /// The commit's undo scratch, reserved at the vote (resource_exhausted: it cannot be).
+  static asio::awaitable<void> reserve_undo(weight_transfer_engine& e) { return e.reserve_undo(); }
   static asio::awaitable<void> rollback_session(weight_transfer_engine& e) { return e.rollback_session(); }
   static void release_undo(weight_transfer_engine& e) noexcept { e.release_undo(); }
   static bool holds_undo(const weight_transfer_engine& e) noexcept { return e.holds_undo(); }

@@ -8,6 +8,13 @@
 #include <map>
 #include <mutex>
 
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/ip/tcp.hpp>
+#include <asio/post.hpp>
+#include <asio/redirect_error.hpp>
+#include <asio/write.hpp>
+
 #include <refit/backend/async/all_of.h>
 #include <refit/control/worker_group.h>
 #include "tests/support/control_fixture.h"
@@ -61,6 +68,68 @@ struct worker_setup {
   std::string tamper;  // a tensor whose bytes this worker alters
   bool refuse_init = false;
   std::uint64_t max_stage_bytes = 0;  // its stage's bound (0: none)
+  bool linked = false;                // the trainer reaches its control port through a control_link
+};
+
+// A TCP link from the trainer's group to one worker's control port that can be cut
+// silently, as a partition or a stopped process would: once frozen, what either
+// side sends is swallowed, nothing is refused and no connection closes.
+class control_link {
+ public:
+  control_link(asio::io_context& io, std::uint16_t to)
+      : io_(io), to_(to), acceptor_(io, {asio::ip::make_address("127.0.0.1"), 0}) {
+    asio::co_spawn(io_, accept(), asio::detached);
+  }
+  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  void freeze() { *frozen_ = true; }
+  void close() {
+    std::error_code ec;
+    acceptor_.close(ec);
+    for (auto& s : sockets_) s->close(ec);
+  }
+
+ private:
+  using socket = asio::ip::tcp::socket;
+  asio::awaitable<void> accept() {
+    for (;;) {
+      std::error_code ec;
+      auto from = std::make_shared<socket>(io_);
+      co_await acceptor_.async_accept(*from, asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) co_return;
+      auto to = std::make_shared<socket>(io_);
+      co_await to->async_connect({asio::ip::make_address("127.0.0.1"), to_},
+                                 asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) {
+        from->close(ec);
+        continue;
+      }
+      sockets_.push_back(from);
+      sockets_.push_back(to);
+      asio::co_spawn(io_, pump(from, to, frozen_), asio::detached);
+      asio::co_spawn(io_, pump(to, from, frozen_), asio::detached);
+    }
+  }
+  static asio::awaitable<void> pump(std::shared_ptr<socket> from, std::shared_ptr<socket> to,
+                                    std::shared_ptr<bool> frozen) {
+    std::vector<char> buf(64 << 10);
+    for (;;) {
+      std::error_code ec;
+      const std::size_t n =
+          co_await from->async_read_some(asio::buffer(buf), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+      if (*frozen) continue;
+      co_await asio::async_write(*to, asio::buffer(buf.data(), n), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+    }
+    std::error_code ec;
+    to->close(ec);
+  }
+
+  asio::io_context& io_;
+  std::uint16_t to_;
+  asio::ip::tcp::acceptor acceptor_;
+  std::vector<std::shared_ptr<socket>> sockets_;
+  std::shared_ptr<bool> frozen_ = std::make_shared<bool>(false);
 };
 
 class worker_group_test : public ::testing::Test {
@@ -69,28 +138,31 @@ class worker_group_test : public ::testing::Test {
     std::vector<control::worker_endpoint> endpoints;
     for (auto& s : setups) {
       workers_.push_back(std::make_unique<worker>(io_, s.tamper, s.refuse_init, s.max_stage_bytes));
-      endpoints.push_back({"127.0.0.1", workers_.back()->port});
+      links_.push_back(s.linked ? std::make_unique<control_link>(io_, workers_.back()->port) : nullptr);
+      endpoints.push_back({"127.0.0.1", s.linked ? links_.back()->port() : workers_.back()->port});
     }
+    endpoints_ = endpoints;
     group_ = std::make_unique<control::worker_group>(io_.get_executor(), deadline, "", std::move(endpoints));
     sender_ = std::make_unique<tcp::sender>(tcp_config(), trainer_context{io_.get_executor(), {}});
     run_to_completion(io_, group_->connect());
   }
   // How the group names worker i in its errors.
   std::string named(std::size_t i) const {
-    return "worker " + std::to_string(i) + " (127.0.0.1:" + std::to_string(workers_[i]->port) + ")";
+    return "worker " + std::to_string(i) + " (127.0.0.1:" + std::to_string(endpoints_[i].port) + ")";
   }
   static control::update_options fleet_atomic() {
     control::update_options o;
     o.fleet_atomic = true;
     return o;
   }
-  // A new trainer's group over the same workers (the old one closed).
+  // A new trainer's group over the same workers (the old one closed), reaching
+  // each directly (no control_link).
   void reconnect() {
     group_->close();
     run(io_, 200ms);
-    std::vector<control::worker_endpoint> endpoints;
-    for (auto& w : workers_) endpoints.push_back({"127.0.0.1", w->port});
-    group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", std::move(endpoints));
+    endpoints_.clear();
+    for (auto& w : workers_) endpoints_.push_back({"127.0.0.1", w->port});
+    group_ = std::make_unique<control::worker_group>(io_.get_executor(), 5s, "", endpoints_);
     run_to_completion(io_, group_->connect());
   }
   // Polls worker i's weight_info (through the current group) until `done` holds
@@ -113,6 +185,8 @@ class worker_group_test : public ::testing::Test {
   }
   void TearDown() override {
     if (group_) group_->close();
+    for (auto& l : links_)
+      if (l) l->close();
     for (auto& w : workers_) w->host->stop();
     if (sender_) sender_->shutdown();
     EXPECT_TRUE(run(io_, 5s)) << "stop() leaves nothing running";
@@ -168,8 +242,37 @@ class worker_group_test : public ::testing::Test {
     return set;
   }
 
+  // Worker i holds exactly `set` at `version`, clean (asked through the group).
+  void expect_worker_at(std::size_t i, tensor_set& set, std::int64_t version) {
+    json fp;
+    auto fetch = [&]() -> asio::awaitable<void> { fp = co_await group_->at(i).call("weight_fingerprint"); };
+    run_to_completion(io_, fetch());
+    EXPECT_EQ(fp["state"], "clean") << "worker " << i << ": " << fp.dump();
+    EXPECT_EQ(fp["weight_version"], version) << "worker " << i << ": " << fp.dump();
+    json list = json::object();
+    list["algorithm"] = fp["algorithm"];
+    list["tensors"] = fp["tensors"];
+    EXPECT_TRUE(compare_fingerprints(fingerprint_all(set.views()), fingerprints_from_json(list)).empty())
+        << "worker " << i;
+  }
+  // reconcile()'s error message ("" if it succeeded).
+  std::string reconcile_error() {
+    std::string refused;
+    auto go = [&]() -> asio::awaitable<void> {
+      try {
+        co_await group_->reconcile();
+      } catch (const error& e) {
+        refused = e.message();
+      }
+    };
+    run_to_completion(io_, go());
+    return refused;
+  }
+
   asio::io_context io_;
   std::vector<std::unique_ptr<worker>> workers_;
+  std::vector<std::unique_ptr<control_link>> links_;  // per worker; null where none
+  std::vector<control::worker_endpoint> endpoints_;   // the current group's
   std::unique_ptr<control::worker_group> group_;
   std::unique_ptr<tcp::sender> sender_;
 };
@@ -495,28 +598,8 @@ TEST_F(worker_group_test, a_worker_lost_before_its_vote_leaves_the_others_at_the
   const std::string w2 = named(2);
   EXPECT_NE(failure->message().find("no worker committed"), std::string::npos) << failure->message();
   EXPECT_NE(failure->message().find(w2 + ": failed in prepare_weight_update"), std::string::npos) << failure->message();
-  const auto expected = fingerprint_all(old_set.views());
-  for (std::size_t i : {0u, 1u}) {
-    json fp;
-    auto fetch = [&]() -> asio::awaitable<void> { fp = co_await group_->at(i).call("weight_fingerprint"); };
-    run_to_completion(io_, fetch());
-    EXPECT_EQ(fp["state"], "clean") << fp.dump();
-    EXPECT_EQ(fp["weight_version"], 70) << fp.dump();
-    json list = json::object();
-    list["algorithm"] = fp["algorithm"];
-    list["tensors"] = fp["tensors"];
-    EXPECT_TRUE(compare_fingerprints(expected, fingerprints_from_json(list)).empty()) << "worker " << i;
-  }
-  std::string refused;
-  auto reconcile = [&]() -> asio::awaitable<void> {
-    try {
-      co_await group_->reconcile();
-    } catch (const error& e) {
-      refused = e.message();
-    }
-  };
-  run_to_completion(io_, reconcile());
-  EXPECT_NE(refused.find(w2), std::string::npos) << refused;
+  for (std::size_t i : {0u, 1u}) expect_worker_at(i, old_set, 70);
+  EXPECT_NE(reconcile_error().find(w2), std::string::npos);
 }
 
 // A trainer lost between its commits: workers 0 and 1 committed update 51, worker
@@ -665,6 +748,110 @@ TEST_F(worker_group_test, a_trainer_lost_after_the_votes_leaves_every_worker_at_
   for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
   expect_at(old_set, 110);
   for (const auto& info : call_all("weight_info")) EXPECT_EQ(info["holds_undo"], false) << info.dump();
+}
+
+// A worker that cannot reserve its undo's scratch (its stage's bound holds the
+// update but not the scratch beside it) votes no: no worker commits, and every
+// worker keeps the old version. Host memory cannot run out at a commit.
+TEST_F(worker_group_test, a_worker_that_cannot_reserve_its_undo_votes_no) {
+  start({{}, {"", false, 100 << 10}, {}});  // a 72 KiB stage and a 72 KiB scratch
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(120);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 120, result));
+  tensor_set set = model_tensors(121);
+  auto failure = try_update(set, 121, result, fleet_atomic());
+  ASSERT_TRUE(failure);
+  EXPECT_EQ(failure->kind(), errc::resource_exhausted) << failure->message();
+  const std::string& m = failure->message();
+  EXPECT_NE(m.find(named(1) + ": failed in prepare_weight_update"), std::string::npos) << m;
+  EXPECT_NE(m.find("needs a scratch of 73728 bytes"), std::string::npos) << m;
+  EXPECT_NE(m.find("no worker committed"), std::string::npos) << m;
+  expect_at(old_set, 120);
+  // Without fleet-atomic the same worker takes it.
+  ASSERT_FALSE(try_update(set, 122, result));
+  expect_at(set, 122);
+}
+
+// A worker cut off from the trainer (its control link goes silent: a partition,
+// a stopped process) once its stream is in: its vote never comes, the call's
+// deadline passes, every other session is aborted and those workers keep the old
+// version. Its own session ends with the trainer's connection (or its idle
+// deadline): the old version, untouched, on every worker.
+TEST_F(worker_group_test, a_worker_unreachable_at_its_vote_leaves_every_worker_at_the_old_version) {
+  start({{}, {}, {"", false, 0, true}}, 2s);
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(130);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 130, result));
+  tensor_set set = model_tensors(131);
+  control::update_options atomic = fleet_atomic();
+  atomic.hold_before_finish = 1s;  // the window between the streams and the votes
+  asio::steady_timer cut(io_, 300ms);
+  cut.async_wait([&](std::error_code) { links_[2]->freeze(); });
+  auto failure = try_update(set, 131, result, atomic);
+  ASSERT_TRUE(failure);
+  const std::string& m = failure->message();
+  EXPECT_EQ(failure->kind(), errc::timeout) << m;
+  EXPECT_NE(m.find(named(2) + ": failed in prepare_weight_update"), std::string::npos) << m;
+  EXPECT_NE(m.find("no worker committed"), std::string::npos) << m;
+  for (std::size_t i : {0u, 1u}) expect_worker_at(i, old_set, 130);
+  links_[2]->close();  // the partition ends the trainer's connection to it
+  reconnect();
+  ASSERT_TRUE(wait_for(2, [](const json& info) { return info["session_active"] == false; }))
+      << "its session did not end";
+  expect_at(old_set, 130);
+  json report = reconcile();
+  for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
+}
+
+// A worker killed inside its commit (its host stops while load_weights runs): the
+// trainer cannot know how far it got and names it in doubt; every worker that
+// committed is rolled back, so those that live are at the old version, whole, and
+// reconcile() names the one it cannot reach.
+TEST_F(worker_group_test, a_worker_killed_in_its_commit_leaves_the_others_at_the_old_version) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(140);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 140, result));
+  tensor_set set = model_tensors(141);
+  workers_[2]->model.stall_ms = 500;
+  workers_[2]->model.stall_load_after = 0;  // its commit's load
+  workers_[2]->model.on_stall = [&] { asio::post(io_, [&] { workers_[2]->host->stop(); }); };
+  auto failure = try_update(set, 141, result, fleet_atomic());
+  ASSERT_TRUE(failure);
+  const std::string w2 = named(2);
+  const std::string& m = failure->message();
+  EXPECT_NE(m.find(w2 + ": its commit's outcome is unknown (in doubt)"), std::string::npos) << m;
+  EXPECT_NE(m.find(named(0) + ": committed, rolled back"), std::string::npos) << m;
+  EXPECT_NE(m.find(named(1) + ": committed, rolled back"), std::string::npos) << m;
+  for (std::size_t i : {0u, 1u}) expect_worker_at(i, old_set, 140);
+  EXPECT_NE(reconcile_error().find(w2), std::string::npos);
+}
+
+// A worker killed inside its rollback (worker 1's commit failed; worker 0's
+// rollback is under way when its host stops): it is named in doubt, not claimed
+// at any version; the other two are at the old version, whole.
+TEST_F(worker_group_test, a_worker_killed_in_its_rollback_is_named_and_the_others_hold_the_old_version) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(150);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 150, result));
+  tensor_set set = model_tensors(151);
+  workers_[1]->model.fail_next_load = true;  // its commit fails
+  workers_[0]->model.stall_ms = 500;
+  workers_[0]->model.stall_load_after = 1;  // its commit loads (one batch), its rollback stalls
+  workers_[0]->model.on_stall = [&] { asio::post(io_, [&] { workers_[0]->host->stop(); }); };
+  auto failure = try_update(set, 151, result, fleet_atomic());
+  ASSERT_TRUE(failure);
+  const std::string w0 = named(0);
+  const std::string& m = failure->message();
+  EXPECT_NE(m.find(w0 + ": committed; its rollback's outcome is unknown (in doubt)"), std::string::npos) << m;
+  EXPECT_NE(m.find(named(1) + ": failed at its commit"), std::string::npos) << m;
+  for (std::size_t i : {1u, 2u}) expect_worker_at(i, old_set, 150);
+  EXPECT_NE(reconcile_error().find(w0), std::string::npos);
 }
 
 TEST_F(worker_group_test, a_worker_refusing_init_is_named_and_init_fails_at_once) {

@@ -16,8 +16,10 @@ weight_transfer_config tcp_config(std::chrono::milliseconds timeout) {
 }
 
 void holding_model::load_weights(std::span<const tensor_view> views) {
-  if (stall_load_after.load() >= 0 && stall_load_after.fetch_sub(1) == 0)
+  if (stall_load_after.load() >= 0 && stall_load_after.fetch_sub(1) == 0) {
+    if (on_stall) on_stall();
     std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms.load()));
+  }
   if (fail_next_load.exchange(false)) throw_error(errc::processing_failed, "holding model: load_weights failed");
   if (fail_load_after.load() >= 0 && fail_load_after.fetch_sub(1) == 0)
     throw_error(errc::processing_failed, "holding model: load_weights failed after a batch");

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,6 +55,9 @@ class holding_model final : public model_target {
   /// worker past its trainer's deadline; -1: off).
   std::atomic<int> stall_load_after{-1};
   std::atomic<int> stall_ms{0};
+  /// Called (on the loading thread) as that stall begins: a test's way to act
+  /// while this worker is inside its commit or rollback. Set before the update.
+  std::function<void()> on_stall;
 
  private:
   struct tensor {
