@@ -279,10 +279,9 @@ options parse_args(int argc, char** argv) {
     o.workers = o.tp;
     if (o.broadcast && o.trainers != 1)
       throw_error(errc::invalid_argument, "--broadcast: one trainer sends the whole model (drop --trainers)");
-    if (!o.connect.empty() || o.one_tensor || !o.advertise.empty() || o.commit == commit_mode::staged)
+    if (!o.connect.empty() || o.one_tensor || !o.advertise.empty())
       throw_error(errc::invalid_argument,
-                  "--trainers/--tp: --connect, --one-tensor, --advertise-port "
-                  "and --commit staged (or --fleet-atomic) are for the one-trainer job");
+                  "--trainers/--tp: --connect, --one-tensor and --advertise-port are for the one-trainer job");
     if (!o.topology.empty() && !o.broadcast)
       throw_error(errc::invalid_argument,
                   "--topology: sharded transfers connect every worker to every rank (use it with --broadcast)");

@@ -147,6 +147,10 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_EQ(parse({"--engine", "ucx", "--tp", "2", "--broadcast"}).engine, "ucx");
   EXPECT_EQ(parse({"--engine", "ucx_sharded", "--tp", "2"}).engine, "ucx_sharded");
   EXPECT_NE(refusal({"--engine", "loopback", "--tp", "2"}).find("runs over tcp or ucx"), std::string::npos);
+  // The sharded job commits staged and fleet-atomic too.
+  EXPECT_TRUE(parse({"--trainers", "2", "--tp", "2", "--fleet-atomic"}).fleet_atomic);
+  EXPECT_EQ(parse({"--tp", "2", "--commit", "staged"}).commit, commit_mode::staged);
+  EXPECT_NE(refusal({"--tp", "2", "--connect", "127.0.0.1:1"}).find("one-trainer job"), std::string::npos);
   EXPECT_NE(refusal({"--ucx-puts"}).find("for --engine ucx"), std::string::npos);
   EXPECT_EQ(parse({"--engine", "ucx", "--ucx-tagged"}).ucx_put_into_model, false);
   EXPECT_TRUE(parse({"--delta"}).delta);  // tcp, two workers: a star by default

@@ -191,6 +191,8 @@ struct sharded_totals {
   double lag_first_ms = 0, lag_update_ms = 0, lag_update_p99_ms = 0;
   // After a failed update: what each worker says it holds ({"state", "weight_version"}).
   json worker_states = json::array();
+  // After the last update: how many workers hold an undo (--fleet-atomic: every one).
+  int workers_holding_undo = 0;
 };
 
 asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& workers, weight_sender& sender,
@@ -261,6 +263,8 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
   }
   for (const auto& s : co_await workers.call_all("worker_stats"))
     t.peak_rss = std::max(t.peak_rss, s["peak_rss_bytes"].get<std::uint64_t>());
+  for (const auto& info : co_await workers.call_all("weight_info"))
+    t.workers_holding_undo += info.value("holds_undo", false) ? 1 : 0;
   try {
     co_await workers.call_all("shutdown");
   } catch (const error&) {
@@ -280,7 +284,9 @@ asio::awaitable<void> sharded_rounds(const options& o, control::worker_group& wo
   if (o.broadcast || o.change_fraction > 0)
     whole.emplace(make_layout(o.model_bytes, o.layers, o.vocab), o.change_fraction);
   control::update_options update;
-  update.verify = false;  // each worker holds its own slice: checked below against the reference slicing
+  update.commit = o.commit;
+  update.fleet_atomic = o.fleet_atomic;  // every worker holds its slices (load_model): each can undo
+  update.verify = false;                 // each worker holds its own slice: checked below against the reference slicing
   if (!o.broadcast) update.update_info["layout"] = layout_spec(o);
   for (int round = o.first_round; round < o.first_round + o.updates; ++round) {
     if (shards) shards->step(round);
@@ -520,6 +526,9 @@ int run_sharded_trainer(const options& o) {
                  {"planned_bytes_per_worker_max", planned_bytes},
                  {"plan_s", t.plan_s},
                  {"checksums", o.checksums},
+                 {"commit", to_string(o.commit)},
+                 {"fleet_atomic", o.fleet_atomic},
+                 {"workers_holding_undo", t.workers_holding_undo},
                  {"buffer_bytes", o.buffer_bytes},
                  {"rounds_verified", t.check.verified ? t.check.rounds_done : 0},
                  {"worker_peak_rss_bytes", t.peak_rss},

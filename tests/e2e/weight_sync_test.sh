@@ -52,6 +52,11 @@ for key in ("bytes_per_worker", "trainer_egress_bytes", "plan_s", "rounds_verifi
     assert key in r, key
 assert r["verified"] is True and r["rounds_verified"] == r["updates"], r
 assert len(r["bytes_per_worker"]) == r["tp"] and len(r["trainer_egress_bytes"]) == r["trainers"], r
+# Fleet-atomic: every worker committed through the vote and holds its undo.
+if "--fleet-atomic" in sys.argv:
+    assert r["fleet_atomic"] is True and r["commit"] == "staged" and r["workers_holding_undo"] == r["tp"], r
+else:
+    assert r["workers_holding_undo"] == 0, r
 if r["mode"] == "sharded":
     # Every byte a worker keeps, once: the planned share, not the whole model.
     assert max(r["bytes_per_worker"]) == r["planned_bytes_per_worker_max"], r
@@ -71,11 +76,23 @@ check_sharded --trainers 2 --tp 2 --model-bytes 24M --layers 2 --updates 2 --che
 check_sharded --trainers 3 --tp 2 --model-bytes 16M --layers 1 --updates 2 --buffer-bytes 64K --no-direct
 check_sharded --trainers 1 --tp 4 --model-bytes 16M --layers 2 --updates 1
 check_sharded --tp 2 --broadcast --model-bytes 16M --layers 1 --updates 2
+# Fleet-atomic over tcp_sharded: every worker stages its own slices, votes, commits
+# and keeps its previous slices as the undo.
+check_sharded --trainers 2 --tp 2 --model-bytes 16M --layers 1 --updates 2 --fleet-atomic --checksums
+# A broadcast worker slices the whole tensors it is sent: its model cannot read them
+# back, so a fleet-atomic update is refused up front, naming the tensor.
+if err=$("$bin" --quiet --tp 2 --broadcast --model-bytes 16M --layers 1 --updates 1 --fleet-atomic 2>&1); then
+  fail "a fleet-atomic broadcast to slicing workers was accepted"
+fi
+grep -q "no worker committed.*" <<<"$err" && grep -q "cannot read back 'model.embed_tokens.weight'" <<<"$err" ||
+  fail "no typed refusal for a fleet-atomic broadcast: $err"
 # Over UCX (ucx_sharded): shared memory, and UCX's tcp on loopback.
 UCX_TLS=sm,self UCX_NET_DEVICES=lo check_sharded --engine ucx --trainers 2 --tp 2 --model-bytes 24M --layers 2 \
   --updates 2 --checksums --auth-secret-file "$secret_dir/secret.ok"
 UCX_TLS=tcp,self UCX_NET_DEVICES=lo check_sharded --engine ucx --trainers 3 --tp 2 --model-bytes 16M --layers 1 \
   --updates 2 --buffer-bytes 64K --no-direct
+UCX_TLS=sm,self UCX_NET_DEVICES=lo check_sharded --engine ucx --trainers 2 --tp 2 --model-bytes 16M --layers 1 \
+  --updates 2 --fleet-atomic
 # The ranks' puts straight into the workers' tensors (cma), with checksums.
 UCX_TLS=sm,self UCX_NET_DEVICES=lo check_sharded --engine ucx --ucx-puts --trainers 2 --tp 2 --model-bytes 24M \
   --layers 2 --updates 2 --checksums

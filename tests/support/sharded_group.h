@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -20,6 +21,7 @@
 #include <refit/backend/sharded.h>
 #include <refit/engine.h>
 #include <refit/error.h>
+#include <refit/session.h>
 #include <refit/trainer.h>
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -120,6 +122,7 @@ class host_model final : public model_target {
     return tensor_view(spec, tensors_.at(spec.name).data());
   }
   void load_weights(std::span<const tensor_view> views) override {
+    if (fail_next_load.exchange(false)) throw_error(errc::processing_failed, "host model: load_weights failed");
     std::lock_guard lock(mutex_);
     for (const auto& v : views) {
       auto& t = tensors_.at(std::string(v.name));
@@ -128,8 +131,20 @@ class host_model final : public model_target {
       ++loaded_;
     }
   }
+  // Its slices read back (the undo of a fleet-atomic commit).
+  bool can_read_back(const tensor_spec& spec) override {
+    std::lock_guard lock(mutex_);
+    auto it = tensors_.find(spec.name);
+    return it != tensors_.end() && it->second.size() == spec.nbytes();
+  }
+  void read_back(const tensor_spec& spec, std::span<std::byte> out) override {
+    std::lock_guard lock(mutex_);
+    const auto& t = tensors_.at(spec.name);
+    std::memcpy(out.data(), t.data(), out.size());
+  }
   std::map<std::string, std::vector<std::byte>> tensors_;
   std::size_t loaded_ = 0;
+  std::atomic<bool> fail_next_load{false};  // the next load_weights throws
   update_metadata announced_;
 
  private:
@@ -205,6 +220,12 @@ struct sharded_group_of {
   static asio::awaitable<void> receive(engine_type& e, std::unique_ptr<update_info> info, model_target* m) {
     co_await e.receive_weights(*info, m->as_load_weights());
   }
+  // Through worker w's update session, when `sessions` holds one per worker.
+  static asio::awaitable<void> receive_in(weight_update_session& s, std::unique_ptr<update_info> info,
+                                          model_target* m) {
+    co_await s.update_weights(*info, m->as_load_weights());
+  }
+  std::vector<std::unique_ptr<weight_update_session>> sessions;
   json update_info(const update_metadata& meta, json layout) const {
     json j = json::object();
     write_update_metadata(meta, j);
@@ -222,7 +243,10 @@ struct sharded_group_of {
     std::vector<std::shared_ptr<outcome>> sent, got;
     for (int w = 0; w < workers; ++w) {
       auto info = engines[w]->parse_update_info(update_info(model.meta, worker_layout.value_or(spec)));
-      got.push_back(spawn(io, receive(*engines[w], std::move(info), models[w].get())));
+      if (sessions.empty())
+        got.push_back(spawn(io, receive(*engines[w], std::move(info), models[w].get())));
+      else
+        got.push_back(spawn(io, receive_in(*sessions[w], std::move(info), models[w].get())));
     }
     for (int r = 0; r < ranks; ++r) shards.push_back(model.shards(source, r));
     locals.clear();
@@ -368,6 +392,69 @@ void staged_commits_land_whole_or_not_at_all() {
       EXPECT_EQ(g.models[w]->tensors_.at(name), bytes) << "worker " << w << " " << name << " changed";
     EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
   }
+}
+
+// Fleet-atomic over a sharded engine (what worker_group drives: each worker's
+// session undoable, a vote, then commits): each worker stages its own slices;
+// worker 1's commit fails and loads its previous slices back itself, worker 0,
+// committed, rolls back: both hold the last version, whole, clean. The next
+// update commits on both, and a rollback returns both to the version before it.
+template <class Engine>
+void fleet_atomic_commits_can_be_undone_on_every_worker() {
+  sharded_group_of<Engine> g(2, 2, true);
+  g.commit = "staged";
+  g.connect();
+  const auto layouts = g.read_layout();
+  std::vector<std::vector<std::vector<std::byte>>> shards;
+  full_model first(checkpoint(), 5);
+  auto [sent, got] = g.update(first, shards);
+  expect_ok(sent, got);
+  for (int w = 0; w < 2; ++w) g.sessions.push_back(std::make_unique<weight_update_session>(*g.engines[w]));
+  auto run = [&](auto make) {
+    std::exception_ptr failure;
+    auto go = [&]() -> asio::awaitable<void> {
+      try {
+        co_await make();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    };
+    run_to_completion(g.io, go());
+    return failure;
+  };
+  auto stage = [&](const full_model& model) {
+    for (auto& s : g.sessions) {
+      s->start_weight_update();
+      s->require_undo();
+    }
+    auto [sent2, got2] = g.update(model, shards);
+    expect_ok(sent2, got2);
+    for (auto& s : g.sessions) EXPECT_FALSE(run([&] { return s->prepare_weight_update(); })) << "a worker voted no";
+  };
+
+  full_model second(checkpoint(), 6);
+  stage(second);
+  g.models[1]->fail_next_load = true;
+  EXPECT_FALSE(run([&] { return g.sessions[0]->finish_weight_update(6); }));
+  const std::exception_ptr failed = run([&] { return g.sessions[1]->finish_weight_update(6); });
+  ASSERT_TRUE(failed) << "worker 1's commit did not fail";
+  EXPECT_NE(describe_error(failed).find("load_weights failed"), std::string::npos) << describe_error(failed);
+  EXPECT_FALSE(run([&] { return g.sessions[0]->rollback_weight_update(); }));
+  expect_holds(g, layouts, first, "after the failed commit and the rollback");
+  for (int w = 0; w < 2; ++w) {
+    EXPECT_FALSE(g.engines[w]->weights_dirty()) << g.engines[w]->dirty_reason();
+    EXPECT_FALSE(g.sessions[w]->holds_undo()) << "worker " << w;
+  }
+
+  full_model third(checkpoint(), 7);
+  stage(third);
+  for (auto& s : g.sessions) EXPECT_FALSE(run([&] { return s->finish_weight_update(7); }));
+  expect_holds(g, layouts, third, "after the commit");
+  for (auto& s : g.sessions) {
+    ASSERT_TRUE(s->holds_undo());
+    EXPECT_FALSE(run([&] { return s->rollback_weight_update(); }));
+  }
+  expect_holds(g, layouts, first, "after rolling the committed update back");
 }
 
 }  // namespace refit::testing

@@ -65,6 +65,9 @@ TEST(tcp_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_with_a_ty
   a_lost_rank_fails_every_side<tcp_engine>();
 }
 TEST(tcp_sharded, staged_commits_land_whole_or_not_at_all) { staged_commits_land_whole_or_not_at_all<tcp_engine>(); }
+TEST(tcp_sharded, fleet_atomic_commits_can_be_undone_on_every_worker) {
+  fleet_atomic_commits_can_be_undone_on_every_worker<tcp_engine>();
+}
 
 TEST(tcp_sharded, update_info_before_init_and_bad_layouts_are_typed_errors) {
   asio::io_context io;

@@ -113,6 +113,9 @@ TEST(ucx_sharded, a_trainer_rank_lost_before_its_send_fails_every_side_within_th
   a_lost_rank_fails_every_side<ucx_engine>();
 }
 TEST(ucx_sharded, staged_commits_land_whole_or_not_at_all) { staged_commits_land_whole_or_not_at_all<ucx_engine>(); }
+TEST(ucx_sharded, fleet_atomic_commits_can_be_undone_on_every_worker) {
+  fleet_atomic_commits_can_be_undone_on_every_worker<ucx_engine>();
+}
 
 TEST(ucx_sharded, unmet_required_transports_refuse_init_on_both_sides) {
   sharded_group g(1, 2, false);
