@@ -170,16 +170,15 @@ int run(const server_options& o) {
   hooks.on_update_started = [](const std::string& owner) {
     std::fprintf(stderr, "[server] update started by %s\n", owner.c_str());
   };
-  hooks.on_update_finished = [&model, &served](std::int64_t version, const json&) {
-    model.finish(version);
+  hooks.on_update_finished = [&served](std::int64_t version, const json&) {
     served = version;
     std::fprintf(stderr, "[server] serving version %lld\n", static_cast<long long>(version));
   };
-  hooks.on_update_failed = [&model](const std::string& reason) {
-    model.abort(reason);
+  hooks.on_update_failed = [](const std::string& reason) {
     std::fprintf(stderr, "[server] update failed: %s\n", reason.c_str());
   };
-  host.set_hooks(std::move(hooks));
+  // The target finishes or aborts as the host's state says, then these run.
+  host.set_hooks(control::tensor_map_hooks(host, model, std::move(hooks)));
 
   serving_stats stats;
   tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address(o.listen), o.serve_port));

@@ -28,10 +28,7 @@ int main() {
   refit::weight_transfer_config config;  // backend "tcp", commit in_place
   refit::control::worker_host host(config, {io.get_executor(), {}, {}, &model}, model.as_load_weights());
   // The model serves an update's bytes once its session finishes (or drops it).
-  refit::control::update_hooks hooks;
-  hooks.on_update_finished = [&model](std::int64_t version, const refit::json&) { model.finish(version); };
-  hooks.on_update_failed = [&model](const std::string& reason) { model.abort(reason); };
-  host.set_hooks(std::move(hooks));
+  host.set_hooks(refit::control::tensor_map_hooks(host, model));
   const std::uint16_t port = host.listen("127.0.0.1", 0);
   asio::co_spawn(io, host.serve(), asio::detached);
 

@@ -82,4 +82,28 @@ void worker_host::stop() {
 
 asio::awaitable<void> worker_host::drain_pending() { co_await state_->engine->drain_pending(); }
 
+update_hooks tensor_map_hooks(const worker_host& host, tensor_map_target& target, update_hooks also) {
+  update_hooks hooks;
+  hooks.on_update_started = std::move(also.on_update_started);
+  hooks.on_update_finished = [&target, then = std::move(also.on_update_finished)](std::int64_t version,
+                                                                                  const json& stats) {
+    target.finish(version);
+    if (then) then(version, stats);
+  };
+  hooks.on_update_failed = [&host, &target, then = std::move(also.on_update_failed)](const std::string& reason) {
+    if (target.updating()) {
+      if (host.engine().weights_dirty()) {
+        target.abort(reason);
+      } else {
+        // The model holds a version whole again (a failed fleet-atomic commit
+        // loaded it back): serve it, labelled as the host labels it.
+        const json v = host.weight_info()["weight_version"];
+        target.finish(v.is_number_integer() ? std::optional<std::int64_t>(v.get<std::int64_t>()) : std::nullopt);
+      }
+    }
+    if (then) then(reason);
+  };
+  return hooks;
+}
+
 }  // namespace refit::control

@@ -25,6 +25,7 @@
 #include <refit/control/limits.h>
 #include <refit/engine.h>
 #include <refit/factory.h>
+#include <refit/model/tensor_map_target.h>
 #include <refit/session.h>
 
 namespace refit::control {
@@ -76,7 +77,8 @@ struct update_hooks {
   /// says whether the weights are dirty (and why). A fleet-atomic commit that
   /// failed loaded the previous version back through load_weights: weight_info()
   /// then says clean at that version, and a tensor_map_target should be told
-  /// finish(that version), not abort() (which would mark its readers dirty).
+  /// finish(that version), not abort() (which would mark its readers dirty):
+  /// tensor_map_hooks() below does so.
   /// rollback_weight_update calls on_update_finished with the version it
   /// returned to (no on_update_started before it).
   std::function<void(const std::string& reason)> on_update_failed;
@@ -145,5 +147,14 @@ class worker_host {
  private:
   std::unique_ptr<internal::worker_state> state_;
 };
+
+/// The hooks that keep a tensor_map_target serving exactly what `host` holds, with
+/// `also`'s hooks (each optional) run after: an update or a rollback that ends
+/// clean at a version finishes the target at it; a failed one aborts the target
+/// (its readers see it dirty, as the weights are) unless the engine is clean
+/// again, as after a fleet-atomic commit that loaded the previous version back,
+/// where the target is finished at that version instead. Pass the result to
+/// host.set_hooks; `host` and `target` must outlive it.
+update_hooks tensor_map_hooks(const worker_host& host, tensor_map_target& target, update_hooks also = {});
 
 }  // namespace refit::control

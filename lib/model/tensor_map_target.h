@@ -8,8 +8,9 @@
 //   model.add({"b", refit::dtype::float32, {4096}}, my_span);         // the application's memory
 //   ctx.model = &model;
 //   refit::control::worker_host host(config, ctx, model.as_load_weights());
-//   // after each session: model.finish(version) / model.abort(reason)
-//   // (the session's finish/abort hooks; see "Updates" below)
+//   host.set_hooks(refit::control::tensor_map_hooks(host, model));
+//   // after each session: model.finish(version) / model.abort(reason), as the
+//   // host's state says (see "Updates" below)
 //   ...
 //   { auto r = model.read();                              // any thread
 //     serve(r.version(), r.view("w")); }                  // bytes of exactly r.version()

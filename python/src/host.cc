@@ -66,29 +66,19 @@ class py_worker_host {
       nb::gil_scoped_acquire gil;
       call_hook("on_update_started", [&] { nb::handle(started.get())(owner); });
     };
-    hooks.on_update_finished = [finished, target](std::int64_t version, const json& stats) {
-      if (target) target->finish(version);
+    hooks.on_update_finished = [finished](std::int64_t version, const json& stats) {
       if (!finished || finished.get().is_none()) return;
       nb::gil_scoped_acquire gil;
       call_hook("on_update_finished", [&] { nb::handle(finished.get())(version, to_python(stats)); });
     };
-    hooks.on_update_failed = [this, failed, target](const std::string& reason) {
-      if (target && target->updating()) {
-        // A failed fleet-atomic commit loads the previous version back: when the
-        // engine is not dirty the tensors hold its version whole again.
-        if (!host_->engine().weights_dirty()) {
-          const json v = host_->weight_info()["weight_version"];
-          target->finish(v.is_number_integer() ? std::optional<std::int64_t>(v.get<std::int64_t>()) : std::nullopt);
-        } else {
-          target->abort(reason);
-        }
-      }
+    hooks.on_update_failed = [failed](const std::string& reason) {
       if (!failed || failed.get().is_none()) return;
       nb::gil_scoped_acquire gil;
       call_hook("on_update_failed", [&] { nb::handle(failed.get())(reason); });
     };
     host_ = std::make_unique<worker_host>(config, ctx, std::move(fn), engine_factory::instance(), limits);
-    host_->set_hooks(std::move(hooks));
+    // Received into tensors: they serve what the host holds, then the Python hooks run.
+    host_->set_hooks(target ? control::tensor_map_hooks(*host_, *target, std::move(hooks)) : std::move(hooks));
     port_ = on_loop([&] { return host_->listen(host, static_cast<std::uint16_t>(port)); });
     asio::co_spawn(runtime::get().executor(), host_->serve(), [](std::exception_ptr) {});
   }

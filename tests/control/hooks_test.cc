@@ -5,6 +5,8 @@
 // "commit" is each update's own.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -285,6 +287,66 @@ asio::awaitable<void> raw_exchange(std::uint16_t port, std::vector<json>* answer
   co_await send_raw(f, ok.dump());
   answers->push_back(co_await f.read(5s, false, "raw"));
   *closed_after = !f.is_open();
+}
+
+// tensor_map_hooks over a reader_lock target: a fleet-atomic commit whose
+// load_weights throws part-way loads the previous version back, so the target is
+// finished at that version (readers see it, not a dirty mix); the application's
+// own hooks run after. A failure that leaves the weights dirty aborts the target.
+TEST_F(hooks_test, tensor_map_hooks_serve_the_version_a_failed_commit_loaded_back) {
+  tensor_set first = small_set(4, 1);
+  tensor_map_target_options options;
+  options.mode = reader_mode::reader_lock;
+  tensor_map_target target(options);
+  for (const auto& t : first.meta.tensors) target.add(t);
+  std::atomic<int> fail_after{-1};  // load_weights calls that succeed before one throws
+  load_weights_fn load = [&target, &fail_after](std::span<const tensor_view> views) {
+    if (fail_after.load() >= 0 && fail_after.fetch_sub(1) == 0)
+      throw_error(errc::processing_failed, "the loader failed");
+    target.as_load_weights()(views);
+  };
+  control::update_hooks also;
+  also.on_update_finished = [this](std::int64_t version, const json&) {
+    events_.push_back("finished " + std::to_string(version));
+  };
+  also.on_update_failed = [this](const std::string&) { events_.push_back("failed"); };
+  weight_transfer_config config = tcp_config();
+  start_host(config, engine_context{io_.get_executor(), {}, {}, &target}, load);
+  host_->set_hooks(control::tensor_map_hooks(*host_, target, std::move(also)));
+  init();
+  full_update(first, 1, "staged");
+  EXPECT_EQ(target.version(), 1);
+
+  tensor_set second = small_set(4, 2);
+  call(trainer_, "start_weight_update", {{"fleet_atomic", true}});
+  chunk(second, "staged");
+  call(trainer_, "prepare_weight_update");
+  fail_after = 0;  // the commit's (one batch) load throws; its restore loads
+  call_error(trainer_, "finish_weight_update", {{"weight_version", 2}}, errc::processing_failed);
+  EXPECT_EQ(events_, (std::vector<std::string>{"finished 1", "failed"}));
+  EXPECT_FALSE(target.dirty()) << target.dirty_reason();
+  EXPECT_FALSE(target.updating());
+  EXPECT_EQ(target.version(), 1);
+  {
+    auto r = target.read();
+    for (const auto& v : first.views())
+      EXPECT_EQ(std::memcmp(r.view(v.name).data, v.data, v.nbytes()), 0) << v.name << " is not update 1's";
+  }
+
+  // in_place, failing after its first chunk reached the target: dirty, aborted.
+  events_.clear();
+  call(trainer_, "start_weight_update");
+  chunk(second, "in_place");
+  tensor_set bad;
+  bad.add("forbidden", dtype::float32, {100});
+  auto views = bad.views();
+  auto sent = spawn(io_, trainer_send_weights(*sender_, bad.meta, views));
+  call_error(trainer_, "update_weights", update_body(bad), errc::invalid_argument);
+  ASSERT_TRUE(run_until(
+      io_, [&] { return sent->done; }, 10s));
+  EXPECT_EQ(events_, std::vector<std::string>{"failed"});
+  EXPECT_TRUE(target.dirty());
+  EXPECT_EQ(target.version(), std::nullopt);
 }
 
 TEST_F(hooks_test, a_frame_that_is_not_json_is_answered_and_the_connection_serves_on) {
