@@ -12,6 +12,10 @@ void model_target::read_back(const tensor_spec& spec, std::span<std::byte>) {
   throw_error(errc::unsupported, "this model target cannot read back '" + spec.name + "'");
 }
 
+void model_target::exchange(std::span<const tensor_view>) {
+  throw_error(errc::unsupported, "this model target cannot exchange its bytes with a stage");
+}
+
 json engine_capabilities::to_json() const {
   return {{"direct_receive", direct_receive},
           {"staged_commit", staged_commit},

@@ -86,10 +86,24 @@ class model_target {
   /// commit that keeps its undo, just before that tensor's load_weights. Default:
   /// throws unsupported.
   virtual void read_back(const tensor_spec& spec, std::span<std::byte> out);
+  /// Undo at the cost of one pass (fleet-atomic commits of host models): whether
+  /// exchange() can take staged batches. Asked only for chunks whose load_weights
+  /// is this target's own (as_load_weights()), so no application loader is
+  /// bypassed. Default: false.
+  virtual bool can_exchange() const { return false; }
+  /// What load_weights(staged) does, except that each view is left holding the
+  /// bytes the model held before (swapped, not copied): a staged commit then keeps
+  /// its undo in the stage with no read back and no scratch. Throws only before
+  /// anything changed. Called on the processing executor. Default: throws
+  /// unsupported.
+  virtual void exchange(std::span<const tensor_view> staged);
+  /// as_load_weights()'s function: engines recognise a target's own loader by it.
+  struct own_loader {
+    model_target* model;
+    void operator()(std::span<const tensor_view> w) const { model->load_weights(w); }
+  };
   /// A load_weights_fn that forwards to this target.
-  load_weights_fn as_load_weights() {
-    return [this](std::span<const tensor_view> w) { load_weights(w); };
-  }
+  load_weights_fn as_load_weights() { return own_loader{this}; }
 };
 
 /// What an engine is created with, besides its config.

@@ -115,6 +115,33 @@ class worker_model final : public model_target {
     std::memcpy(out.data(), it->second.bytes.data(), out.size());
   }
 
+  // A fleet-atomic commit through its own loader swaps the staged bytes in (one
+  // pass; the stage keeps the previous ones as the undo), then post-processes.
+  bool can_exchange() const override { return slice_tp_ == 0; }
+  void exchange(std::span<const tensor_view> staged) override {
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& v : staged) {
+        auto it = tensors_.find(std::string(v.name));
+        if (it == tensors_.end() || it->second.bytes.size() != v.nbytes())
+          throw_error(errc::invalid_argument, "worker model: exchange of '" + std::string(v.name) + "'");
+      }
+      constexpr std::size_t block = 64 << 10;
+      std::byte tmp[block];
+      for (const auto& v : staged) {
+        std::byte* model = tensors_[std::string(v.name)].bytes.data();
+        auto* stage = static_cast<std::byte*>(v.data);
+        for (std::uint64_t off = 0; off < v.nbytes(); off += block) {
+          const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(block, v.nbytes() - off));
+          std::memcpy(tmp, model + off, k);
+          std::memcpy(model + off, stage + off, k);
+          std::memcpy(stage + off, tmp, k);
+        }
+      }
+    }
+    for (const auto& v : staged) burn(v.nbytes(), process_cost_);
+  }
+
   // A server has its model resident before any update: allocate and touch it.
   void allocate(const update_metadata& meta) {
     std::lock_guard lock(mutex_);

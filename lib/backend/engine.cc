@@ -484,6 +484,13 @@ std::vector<std::span<const T>> batches_of(const std::vector<T>& views) {
   return out;
 }
 
+// A chunk whose load_weights is `model`'s own, which can exchange: its commit
+// swaps model and stage bytes instead of reading back, loading and copying.
+bool exchanges(const load_weights_fn& load, model_target* model) {
+  const auto* own = load.target<model_target::own_loader>();
+  return model && own && own->model == model && model->can_exchange();
+}
+
 }  // namespace
 
 asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks, bool keep_undo) {
@@ -528,8 +535,16 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
           co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
       touched_ = true;
       load_weights_fn* load = &c->load;
+      const bool swap = exchanges(c->load, model);
       for (std::span<const tensor_view> batch : batches_of(views)) {
         const loaded_batch here{c, static_cast<std::size_t>(batch.data() - views.data()), batch.size()};
+        if (swap) {
+          // One pass: the model takes the batch, the stage the previous bytes (an
+          // exchange that throws changed nothing).
+          co_await async::offload(processing_executor(), [model, batch] { model->exchange(batch); });
+          loaded.push_back(here);
+          continue;
+        }
         if (model) {
           co_await async::offload(processing_executor(), [model, batch, scratch] {
             std::uint64_t at = 0;
@@ -605,12 +620,14 @@ asio::awaitable<void> engine::reserve_undo() { return reserve_scratch(staged_); 
 
 asio::awaitable<void> engine::reserve_scratch(const std::vector<std::unique_ptr<staged_chunk>>& chunks) {
   std::uint64_t needed = 0;
-  for (const auto& chunk : chunks)
+  for (const auto& chunk : chunks) {
+    if (exchanges(chunk->load, context_.model)) continue;  // no scratch: swapped in place
     for (std::span<const tensor_spec> batch : batches_of(chunk->meta.tensors)) {
       std::uint64_t bytes = 0;
       for (const auto& t : batch) bytes += t.nbytes();
       needed = std::max(needed, bytes);
     }
+  }
   if (needed <= undo_scratch_bytes_) co_return;
   const std::string name(backend());
   const std::uint64_t limit = config_.max_stage_bytes;

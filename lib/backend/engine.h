@@ -204,7 +204,10 @@ class engine : public weight_transfer_engine {
   ///    of the new bytes, so after the commit the stage holds the previous
   ///    version at no extra memory (a scratch of one batch, at most 64 MiB,
   ///    reserved at the vote by reserve_undo(), so a worker that cannot hold it
-  ///    votes no instead of failing at its commit).
+  ///    votes no instead of failing at its commit). A chunk whose load_weights is
+  ///    the model's own (model_target::as_load_weights) and whose model can
+  ///    exchange (model_target::can_exchange) is committed by exchange() instead:
+  ///    one pass swapping model and stage bytes, no read back, no scratch.
   ///    rollback_session() loads the stage back through each chunk's own
   ///    load_weights; release_undo() (and the next begin_session) drops it. A
   ///    commit that keeps its undo and fails part-way loads back what it had

@@ -425,6 +425,55 @@ void tensor_map_target::direct_write_begins() {
 }
 
 void tensor_map_target::load_weights(std::span<const tensor_view> weights) {
+  const std::vector<std::size_t> at = checked_batch(weights);
+  std::vector<std::byte*> into = begin_writing(at);
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    const std::uint64_t n = tensors_[at[i]].nbytes;
+    // Received directly: already in place.
+    if (n == 0 || into[i] == weights[i].data) continue;
+    try {
+      memory_->copy_in(into[i], weights[i]);
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      --loads_;
+      throw;
+    }
+  }
+  std::lock_guard lock(mutex_);
+  --loads_;
+}
+
+bool tensor_map_target::can_exchange() const { return options_.mode == reader_mode::reader_lock && device_.is_cpu(); }
+
+void tensor_map_target::exchange(std::span<const tensor_view> staged) {
+  if (!can_exchange())
+    throw_error(errc::unsupported, std::string(who) + ": exchange needs reader_lock mode and host memory");
+  const std::vector<std::size_t> at = checked_batch(staged);
+  for (const auto& v : staged)
+    if (!v.device.is_cpu())
+      throw_error(errc::unsupported, std::string(who) + ": exchange got tensor '" + std::string(v.name) + "' on " +
+                                         to_string(v.device) + "; nothing of the batch was written");
+  std::vector<std::byte*> into = begin_writing(at);
+  // Through a small buffer that stays in cache: one pass over each side.
+  constexpr std::size_t block = 64 << 10;
+  std::vector<std::byte> tmp(block);
+  for (std::size_t i = 0; i < staged.size(); ++i) {
+    auto* model = into[i];
+    auto* stage = static_cast<std::byte*>(staged[i].data);
+    const std::uint64_t n = tensors_[at[i]].nbytes;
+    if (n == 0 || model == stage) continue;
+    for (std::uint64_t off = 0; off < n; off += block) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(block, n - off));
+      std::memcpy(tmp.data(), model + off, k);
+      std::memcpy(model + off, stage + off, k);
+      std::memcpy(stage + off, tmp.data(), k);
+    }
+  }
+  std::lock_guard lock(mutex_);
+  --loads_;
+}
+
+std::vector<std::size_t> tensor_map_target::checked_batch(std::span<const tensor_view> weights) {
   {
     std::lock_guard lock(mutex_);
     seal_locked();
@@ -453,30 +502,19 @@ void tensor_map_target::load_weights(std::span<const tensor_view> weights) {
                   std::string(who) + ": load_weights got tensor '" + e.spec.name + "' without data");
     at[i] = it->second;
   }
-  std::vector<std::byte*> into(weights.size());
-  {
-    std::unique_lock lock(mutex_);
-    ++loads_;  // counted while it waits too: finish/abort now would release what it is about to write
-    acquire_write(lock);
-    for (std::size_t i = 0; i < weights.size(); ++i) {
-      into[i] = write_buffer_locked(tensors_[at[i]]);
-      written_[at[i]] = 1;
-    }
+  return at;
+}
+
+std::vector<std::byte*> tensor_map_target::begin_writing(const std::vector<std::size_t>& at) {
+  std::vector<std::byte*> into(at.size());
+  std::unique_lock lock(mutex_);
+  ++loads_;  // counted while it waits too: finish/abort now would release what it is about to write
+  acquire_write(lock);
+  for (std::size_t i = 0; i < at.size(); ++i) {
+    into[i] = write_buffer_locked(tensors_[at[i]]);
+    written_[at[i]] = 1;
   }
-  for (std::size_t i = 0; i < weights.size(); ++i) {
-    const std::uint64_t n = tensors_[at[i]].nbytes;
-    // Received directly: already in place.
-    if (n == 0 || into[i] == weights[i].data) continue;
-    try {
-      memory_->copy_in(into[i], weights[i]);
-    } catch (...) {
-      std::lock_guard lock(mutex_);
-      --loads_;
-      throw;
-    }
-  }
-  std::lock_guard lock(mutex_);
-  --loads_;
+  return into;
 }
 
 fingerprint_list tensor_map_target::fingerprint(const std::vector<std::string>& names) {

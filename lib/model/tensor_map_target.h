@@ -333,8 +333,18 @@ class tensor_map_target final : public model_target {
   /// memory()->copy_out. Undo of a staged commit (lib/engine.h).
   bool can_read_back(const tensor_spec& spec) override;
   void read_back(const tensor_spec& spec, std::span<std::byte> out) override;
+  /// In reader_lock mode on the host: load_weights that swaps (lib/engine.h), so
+  /// a fleet-atomic commit keeps its undo in one pass with no scratch.
+  bool can_exchange() const override;
+  void exchange(std::span<const tensor_view> staged) override;
 
  private:
+  // load_weights' checks of a whole batch (before anything is written): each
+  // view's tensor index.
+  std::vector<std::size_t> checked_batch(std::span<const tensor_view> weights);
+  // Takes the write side for the tensors at `at` (counted in loads_: the caller
+  // decrements it); where to write each.
+  std::vector<std::byte*> begin_writing(const std::vector<std::size_t>& at);
   struct memory_deleter {
     tensor_memory* memory;  // no default member initializer: the deleter must be default-constructible here
     void operator()(std::byte* p) const noexcept;

@@ -750,6 +750,29 @@ TEST_F(worker_group_test, a_trainer_lost_after_the_votes_leaves_every_worker_at_
   for (const auto& info : call_all("weight_info")) EXPECT_EQ(info["holds_undo"], false) << info.dump();
 }
 
+// Models that exchange (their own loader swaps model and stage bytes): the same
+// outcomes as read back and load. A commit failing on worker 1 leaves every
+// worker at the old version; the next commits exchange, and a rollback returns.
+TEST_F(worker_group_test, models_that_exchange_commit_and_roll_back_the_same) {
+  start({{}, {}, {}});
+  for (auto& w : workers_) w->model.exchanges = true;
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(160);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 160, result));
+  tensor_set set = model_tensors(161);
+  workers_[1]->model.fail_next_load = true;
+  auto failure = try_update(set, 161, result, fleet_atomic());
+  ASSERT_TRUE(failure);
+  EXPECT_NE(failure->message().find(named(1) + ": failed at its commit"), std::string::npos) << failure->message();
+  expect_at(old_set, 160);
+  ASSERT_FALSE(try_update(set, 162, result, fleet_atomic()));
+  expect_at(set, 162);
+  for (auto& w : workers_) EXPECT_GE(w->model.exchanged.load(), 1) << "the commit did not exchange";
+  for (const auto& a : call_all("rollback_weight_update")) EXPECT_EQ(a["weight_version"], 160) << a.dump();
+  expect_at(old_set, 160);
+}
+
 // A worker that cannot reserve its undo's scratch (its stage's bound holds the
 // update but not the scratch beside it) votes no: no worker commits, and every
 // worker keeps the old version. Host memory cannot run out at a commit.

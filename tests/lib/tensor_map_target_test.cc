@@ -24,6 +24,7 @@
 #include <refit/engines/loopback/loopback.h>
 #include <refit/integrity/fingerprint.h>
 #include <refit/model/tensor_memory.h>
+#include <refit/session.h>
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 #include "tests/support/tensors.h"
@@ -337,6 +338,74 @@ TEST(tensor_map_target, full_and_partial_updates_through_the_loopback_engine) {
       expect_version(target->read(), 7);
     }
   }
+}
+
+// A fleet-atomic session (undoable, staged) over a reader_lock target: a chunk
+// whose load_weights is the target's own is committed by exchange (the stage then
+// holds the previous bytes), another chunk's (an application loader) by read back
+// and load. When that loader throws, both chunks' tensors are back at the
+// previous version; the next commit exchanges every chunk, and its rollback
+// returns every byte.
+asio::awaitable<void> receive_in(weight_update_session& s, std::unique_ptr<update_info> info, load_weights_fn load) {
+  co_await s.update_weights(*info, std::move(load));
+}
+
+TEST(tensor_map_target, fleet_atomic_commits_exchange_with_the_stage_and_roll_back) {
+  auto target = make_target(reader_mode::reader_lock, 0);
+  ASSERT_TRUE(target->can_exchange());
+  loopback_pair pair(target.get());
+  trainer_copy copy(model_layout());
+  copy.set_version(5);
+  pair.update(copy, target->as_load_weights(), commit_mode::staged);
+  target->finish(5);
+  weight_update_session session(*pair.engine);
+  auto run = [&](auto make) {
+    auto done = spawn(pair.io, make());
+    EXPECT_TRUE(testing::run_until(pair.io, [&] { return done->done; })) << "hung";
+    return done->error;
+  };
+  // One chunk per tensor; tensor 2's through `other`.
+  auto stage = [&](std::int64_t version, load_weights_fn other) {
+    session.start_weight_update();
+    session.require_undo();
+    copy.set_version(version);
+    auto views = copy.views();
+    for (std::size_t t = 0; t < views.size(); ++t) {
+      update_metadata one;
+      one.tensors.push_back(copy.meta.tensors[t]);
+      load_weights_fn load = t == 2 && other ? other : target->as_load_weights();
+      auto got = spawn(pair.io, receive_in(session, pair.info_for(one, commit_mode::staged), std::move(load)));
+      auto sent = spawn(pair.io, testing::send_views(*pair.sender, one, {views[t]}));
+      ASSERT_TRUE(testing::run_until(pair.io, [&] { return got->done && sent->done; }));
+      ASSERT_FALSE(got->error) << got->message();
+    }
+    ASSERT_FALSE(run([&] { return session.prepare_weight_update(); }));
+  };
+
+  bool fail = true;
+  stage(6, [&](std::span<const tensor_view> w) {
+    if (std::exchange(fail, false)) throw_error(errc::processing_failed, "the loader failed");
+    target->load_weights(w);
+  });
+  auto failed = run([&] { return session.finish_weight_update(6); });
+  ASSERT_TRUE(failed);
+  EXPECT_THAT(describe_error(failed), HasSubstr("the loader failed"));
+  EXPECT_FALSE(pair.engine->weights_dirty()) << pair.engine->dirty_reason();
+  target->finish(5);  // what control::tensor_map_hooks does: the engine is clean
+  expect_version(target->read(), 5);
+
+  stage(7, nullptr);
+  ASSERT_FALSE(run([&] { return session.finish_weight_update(7); }));
+  target->finish(7);
+  expect_version(target->read(), 7);
+  ASSERT_TRUE(session.holds_undo());
+  ASSERT_FALSE(run([&] { return session.rollback_weight_update(); }));
+  target->finish(5);
+  expect_version(target->read(), 5);
+  EXPECT_FALSE(pair.engine->weights_dirty());
+
+  // double_buffered loads its back copies: no exchange, read back instead.
+  EXPECT_FALSE(make_target(reader_mode::double_buffered)->can_exchange());
 }
 
 // ---------------------------------------------------------------- readers

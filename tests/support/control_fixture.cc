@@ -1,5 +1,6 @@
 #include "tests/support/control_fixture.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -31,6 +32,20 @@ void holding_model::load_weights(std::span<const tensor_view> views) {
     slot.bytes.assign(bytes.begin(), bytes.end());
     if (slot.spec.name == tamper_ && !slot.bytes.empty()) slot.bytes[0] ^= std::byte{1};
   }
+}
+
+void holding_model::exchange(std::span<const tensor_view> staged) {
+  if (fail_next_load.exchange(false)) throw_error(errc::processing_failed, "holding model: exchange failed");
+  std::lock_guard lock(mutex_);
+  for (const auto& v : staged)
+    if (tensors_[std::string(v.name)].bytes.size() != v.nbytes())
+      throw_error(errc::invalid_argument, "holding model: exchange of '" + std::string(v.name) + "': another size");
+  for (const auto& v : staged) {
+    auto& slot = tensors_[std::string(v.name)];
+    auto* stage = static_cast<std::byte*>(v.data);
+    std::swap_ranges(slot.bytes.begin(), slot.bytes.end(), stage);
+  }
+  ++exchanged;
 }
 
 void holding_model::begin_update(const update_metadata& meta) {

@@ -44,6 +44,11 @@ class holding_model final : public model_target {
   /// Tensors it holds read back (undo of a fleet-atomic commit).
   bool can_read_back(const tensor_spec& spec) override;
   void read_back(const tensor_spec& spec, std::span<std::byte> out) override;
+  /// With `exchanges` set: commits of its own loader swap (counted in `exchanged`).
+  bool can_exchange() const override { return exchanges; }
+  void exchange(std::span<const tensor_view> staged) override;
+  bool exchanges = false;
+  std::atomic<int> exchanged{0};
 
   /// Faults of the next update only: begin_update refuses it (before any byte
   /// moves), or load_weights throws (in a staged session: at its commit).
