@@ -379,7 +379,8 @@ def fleet_atomic() -> list[str]:
     run = Run("fleet_atomic.json")
     c = run.col
     gib = [x / 2**30 for x in c("staged_peak_rss")], [x / 2**30 for x in c("fleet_atomic_peak_rss")]
-    added = [(a - b) / 2**20 for a, b in zip(c("fleet_atomic_peak_rss"), c("staged_peak_rss"))]
+    # Whole MiB: a peak that differs by a few pages is not memory the undo added.
+    added = [round((a - b) / 2**20) for a, b in zip(c("fleet_atomic_peak_rss"), c("staged_peak_rss"))]
     ratio = ratios(c("fleet_atomic_s"), c("staged_s"))
     rows = [["staged (`--commit staged`)", f"{spread(c('staged_s'), 3)} s", "", f"{spread(gib[0])} GiB"],
             ["fleet-atomic (`--fleet-atomic`)", f"{spread(c('fleet_atomic_s'), 3)} s",
