@@ -650,6 +650,30 @@ TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_
   for (const auto& w : report["workers"]) EXPECT_EQ(w["action"], "none") << report.dump();
 }
 
+// reconcile()'s own rollback failing (worker 0's load_weights throws): it fails
+// naming that worker, which is fenced (dirty, no version); worker 1 was rolled
+// back and worker 2 never committed, both at the old version. Called again,
+// reconcile() reports the fenced worker and nothing else to do.
+TEST_F(worker_group_test, reconcile_fences_a_worker_whose_rollback_fails) {
+  start({{}, {}, {}});
+  run_to_completion(io_, init());
+  tensor_set old_set = model_tensors(170);
+  control::update_result result;
+  ASSERT_FALSE(try_update(old_set, 170, result));
+  tensor_set new_set = model_tensors(171);
+  run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 171, {0, 1}));
+  reconnect();
+  workers_[0]->model.fail_next_load = true;  // its rollback's load
+  const std::string refused = reconcile_error();
+  EXPECT_NE(refused.find(named(0)), std::string::npos) << refused;
+  for (std::size_t i : {1u, 2u}) expect_worker_at(i, old_set, 170);
+  json report = reconcile();
+  EXPECT_EQ(report["version"], 170) << report.dump();
+  EXPECT_EQ(report["workers"][0]["action"], "fenced") << report.dump();
+  EXPECT_EQ(report["workers"][0]["weight_version"], nullptr) << report.dump();
+  for (std::size_t i : {1u, 2u}) EXPECT_EQ(report["workers"][i]["action"], "none") << report.dump();
+}
+
 // A worker whose commit outlasts the trainer's deadline (the call times out; the
 // commit runs on): the trainer rolls the others back and names it in doubt, not
 // at the old version. Once its late commit ends, a new trainer's reconcile()
@@ -819,6 +843,10 @@ TEST_F(worker_group_test, a_worker_unreachable_at_its_vote_leaves_every_worker_a
   EXPECT_NE(m.find(named(2) + ": failed in prepare_weight_update"), std::string::npos) << m;
   EXPECT_NE(m.find("no worker committed"), std::string::npos) << m;
   for (std::size_t i : {0u, 1u}) expect_worker_at(i, old_set, 130);
+  // reconcile() through the silent link: its deadline, naming the worker.
+  const std::string refused = reconcile_error();
+  EXPECT_NE(refused.find(named(2)), std::string::npos) << refused;
+  EXPECT_NE(refused.find("no progress within"), std::string::npos) << refused;
   links_[2]->close();  // the partition ends the trainer's connection to it
   reconnect();
   ASSERT_TRUE(wait_for(2, [](const json& info) { return info["session_active"] == false; }))
