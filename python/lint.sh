@@ -3,7 +3,7 @@
 #
 # The Python checks CI runs (and a contributor before a commit):
 #   1. ruff (config: ruff.toml at the repository root) on python/, tests/python,
-#      tests/vllm_serve, tests/bench/*.py and examples/python;
+#      tests/vllm_serve, tests/verl, tests/bench/*.py and examples/python;
 #   2. the wheel as a type checker sees it: WHEEL (default: the newest non-CUDA
 #      dist/refit-*.whl for the lint venv's CPython; `./refit wheel` builds one
 #      when there is none) installed into the lint venv must hold refit/_refit.pyi
@@ -59,7 +59,7 @@ fi
 
 status=0
 note "ruff check"
-"$venv/bin/ruff" check --no-cache python tests/python tests/vllm_serve tests/bench/*.py examples/python || status=1
+"$venv/bin/ruff" check --no-cache python tests/python tests/vllm_serve tests/verl tests/bench/*.py examples/python || status=1
 
 if [ "$mypy_check" = 1 ]; then
   if [ -z "$wheel" ]; then

@@ -1,0 +1,183 @@
+"""verl's checkpoint-engine flow over real processes, as its CheckpointEngineManager
+drives it: one process per actor and rollout rank, each holding the engine object
+``CheckpointEngineRegistry.new("refit", ...)`` made once (``is_master`` on actor
+ranks only), and a driver that calls prepare, build_topology, init_process_group,
+send_weights / receive_weights and finalize on them every step, concurrently where
+verl does (its ``ray.get`` over every rank).
+
+Each rank answers commands over a pipe; a rollout's receive returns a SHA-256 of
+every tensor it was yielded (copied as yielded: the views are refit's buffers), so
+the driver checks every step byte for byte against the actor's tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from typing import Any
+
+BUCKET = 1 << 20  # verl's bucket_size: a 3 MiB tensor is larger than a chunk
+
+
+def model(step: int) -> list[tuple[str, Any]]:
+    """The actor's full tensors at ``step``: bf16 and fp32, one over a bucket."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    shapes = [("embed", (3 << 20) // 2 // 512, 512, torch.bfloat16)]
+    shapes += [(f"layers.{i}.w", 256, 384, torch.bfloat16) for i in range(6)]
+    shapes += [(f"layers.{i}.b", 384, 1, torch.float32) for i in range(6)]
+    return [(n, torch.randn(r, c, generator=g).to(d).squeeze(-1)) for n, r, c, d in shapes]
+
+
+def digests(tensors: list[tuple[str, Any]]) -> dict[str, str]:
+    return {n: hashlib.sha256(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
+            for n, t in tensors}
+
+
+def _serve(conn: Any, role: str, kwargs: dict) -> None:
+    import asyncio
+    import time
+
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    import_external_libs("refit.verl")  # what verl does with checkpoint_engine.custom_backend_module
+    extra = {} if role == "rollout" else {"is_master": role == "master"}
+    loop = asyncio.new_event_loop()
+    try:
+        engine = CheckpointEngineRegistry.new("refit", bucket_size=BUCKET, **extra, **kwargs)
+    except Exception as e:
+        conn.send(("error", type(e).__name__, str(e)))
+        return
+    conn.send(("ok", None))
+
+    async def generate(step: int, delay_s: float):
+        for name, t in model(step):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            yield name, t
+
+    async def receive(step: int) -> dict:
+        got = []
+        async for name, t in engine.receive_weights(global_steps=step):
+            got.append((name, t.clone()))
+        return {"digests": digests(got), "order": [n for n, _ in got], "version": engine.weight_version}
+
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "call":
+                result = getattr(engine, args["method"])(**args.get("kwargs", {}))
+            elif cmd == "attr":
+                result = getattr(engine, args["name"])
+            elif cmd == "send":
+                t0 = time.monotonic()
+                result = loop.run_until_complete(
+                    engine.send_weights(generate(args["step"], args.get("delay_s", 0)), global_steps=args["step"]))
+                result = {"stats": result, "seconds": time.monotonic() - t0}
+            elif cmd == "receive":
+                result = loop.run_until_complete(receive(args["step"]))
+            elif cmd == "exit":
+                engine.close()
+                conn.send(("ok", None))
+                return
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", result))
+        except Exception as e:
+            conn.send(("error", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+
+
+class Rank:
+    """One rank's process and its engine object."""
+
+    def __init__(self, role: str, **kwargs: Any) -> None:
+        self.role = role
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, role, kwargs), daemon=True)
+        self.proc.start()
+        self._made: tuple | None = None  # its answer to the engine's construction (ranks start at once)
+
+    @property
+    def made(self) -> tuple:
+        if self._made is None:
+            self._made = self.wait(180)
+        return self._made
+
+    def post(self, cmd: str, **args: Any) -> None:
+        assert self.made[0] == "ok", self.made
+        self.conn.send((cmd, args))
+
+    def wait(self, timeout_s: float = 60) -> tuple:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.role} rank {self.proc.pid}: no answer within {timeout_s} s")
+        return self.conn.recv()
+
+    def call(self, method: str, timeout_s: float = 60, **kwargs: Any) -> Any:
+        self.post("call", method=method, kwargs=kwargs)
+        answer = self.wait(timeout_s)
+        if answer[0] != "ok":
+            raise RuntimeError(f"{self.role}.{method}: {answer[1]}: {answer[2]}")
+        return answer[1]
+
+    def attr(self, name: str) -> Any:
+        self.post("attr", name=name)
+        return self.wait()[1]
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.post("exit")
+                self.wait(20)
+            except Exception:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+def step(actors: list[Rank], rollouts: list[Rank], number: int, *, delay_s: float = 0,
+         during: Any = None, timeout_s: float = 120) -> dict:
+    """One step of CheckpointEngineManager.update_weights: prepare everywhere,
+    build_topology, init_process_group everywhere (at once), send on every actor
+    while every rollout receives, finalize everywhere. ``during()`` runs once the
+    transfer was posted (a fault). Returns each rank's answer to the transfer."""
+    from refit.verl import RefitCheckpointEngine
+
+    ranks = actors + rollouts
+    metadata = [r.call("prepare") for r in ranks]
+    actor_kwargs, rollout_kwargs = RefitCheckpointEngine.build_topology(len(actors), len(rollouts), metadata)
+    for i, r in enumerate(actors):
+        r.post("call", method="init_process_group", kwargs={k: v[i] for k, v in actor_kwargs.items()})
+    for i, r in enumerate(rollouts):
+        r.post("call", method="init_process_group", kwargs={k: v[i] for k, v in rollout_kwargs.items()})
+    for r in ranks:
+        answer = r.wait(timeout_s)
+        if answer[0] != "ok":
+            raise RuntimeError(f"{r.role}.init_process_group: {answer[1]}: {answer[2]}")
+    for r in actors:
+        r.post("send", step=number, delay_s=delay_s)
+    for r in rollouts:
+        r.post("receive", step=number)
+    if during:
+        during()
+    out = {"actors": [], "rollouts": []}
+    for kind, group in (("actors", actors), ("rollouts", rollouts)):
+        for r in group:
+            try:
+                out[kind].append(r.wait(timeout_s))
+            except (EOFError, ConnectionResetError):
+                out[kind].append(("dead",))
+    for r in ranks:
+        if r.proc.is_alive():
+            r.call("finalize")
+    return out

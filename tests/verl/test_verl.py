@@ -1,0 +1,106 @@
+"""refit as verl's checkpoint engine, through verl's own registry and flow
+(ranks.py: separate processes, driven as CheckpointEngineManager does). Every step
+is checked byte for byte against the actor's tensors on every rollout rank."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+if os.environ.get("REFIT_REQUIRE_VERL"):  # tests/verl/run.sh: a missing verl fails, never skips
+    import verl.checkpoint_engine.base  # noqa: F401
+else:
+    pytest.importorskip("verl.checkpoint_engine.base", reason="verl is not installed (tests/verl/run.sh: its venv)")
+
+from ranks import Rank, digests, model, step  # noqa: E402
+
+OPTS = {"address": "127.0.0.1", "buffer_bytes": 256 << 10, "timeout_ms": 5000}
+
+
+@pytest.fixture
+def ranks():
+    made: list[Rank] = []
+
+    def make(role: str, **kwargs):
+        r = Rank(role, **{**OPTS, **kwargs})  # its process starts now; its first command waits for it
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def expect_step(out: dict, number: int) -> None:
+    want = digests(model(number))
+    for a in out["actors"]:
+        assert a[0] == "ok", a
+    for i, r in enumerate(out["rollouts"]):
+        assert r[0] == "ok", f"rollout {i}: {r}"
+        got = r[1]
+        assert got["digests"] == want, f"rollout {i}: step {number} differs"
+        assert got["order"] == [n for n, _ in model(number)], "tensors are yielded in the actor's order"
+        assert got["version"] == number
+
+
+def test_the_registry_makes_refit_and_refuses_bad_options():
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    import refit.verl  # noqa: F401
+
+    assert CheckpointEngineRegistry.get("refit").__name__ == "RefitCheckpointEngine"
+    for bad, says in (({"engine": "nope"}, "engine"), ({"commit": "later"}, "commit"),
+                      ({"timeout_ms": 0}, "timeout_ms"), ({"topology": "ring"}, "topology"),
+                      ({"num_buffers": "2"}, "num_buffers"), ({"auth_secret_file": "/no/such"}, "auth_secret_file")):
+        with pytest.raises(refit.InvalidArgumentError, match=says):
+            CheckpointEngineRegistry.new("refit", bucket_size=1 << 20, **bad)
+    with pytest.raises(refit.InvalidArgumentError, match="bucket_size"):
+        CheckpointEngineRegistry.new("refit", bucket_size=0)
+
+
+def test_one_actor_to_two_rollouts_three_steps_on_the_same_engines(ranks):
+    actors = [ranks("master")]
+    rollouts = [ranks("rollout"), ranks("rollout")]
+    for number in (1, 2, 3):
+        expect_step(step(actors, rollouts, number), number)
+    # The topology was built once: the same connections served every step.
+    assert actors[0].attr("connects") == 1
+
+
+def test_two_actors_to_two_rollouts_with_checksums_staged(ranks):
+    actors = [ranks("master", checksums=True), ranks("actor", checksums=True)]
+    rollouts = [ranks("rollout", checksums=True, commit="staged"), ranks("rollout", checksums=True, commit="staged")]
+    for number in (4, 5):
+        out = step(actors, rollouts, number)
+        expect_step(out, number)
+        assert out["actors"][1][1]["stats"] == {}, "only the master sends"
+
+
+def test_a_killed_sender_fails_every_receive_in_time_and_a_restarted_one_takes_the_next_step(ranks):
+    actors = [ranks("master")]
+    rollouts = [ranks("rollout"), ranks("rollout")]
+    expect_step(step(actors, rollouts, 1), 1)
+    t0 = time.monotonic()
+    out = step(actors, rollouts, 2, delay_s=0.05, during=lambda: (time.sleep(0.3), actors[0].kill()))
+    took = time.monotonic() - t0
+    assert out["actors"][0] == ("dead",)
+    for i, r in enumerate(out["rollouts"]):
+        assert r[0] == "error" and r[1] in ("PeerLostError", "CancelledError", "TimeoutError"), f"rollout {i}: {r}"
+    assert took < 15, f"the rollouts took {took:.1f} s to fail (deadline 5 s)"
+    actors[0] = ranks("master")  # verl restarts the actor process
+    expect_step(step(actors, rollouts, 3), 3)
+
+
+def test_a_killed_rollout_fails_the_send_naming_it_and_the_others_take_the_next_step(ranks):
+    actors = [ranks("master")]
+    rollouts = [ranks("rollout"), ranks("rollout")]
+    expect_step(step(actors, rollouts, 1), 1)
+    out = step(actors, rollouts, 2, delay_s=0.05, during=lambda: (time.sleep(0.3), rollouts[1].kill()))
+    sent = out["actors"][0]
+    assert sent[0] == "error" and "worker 1" in sent[2], sent
+    assert out["rollouts"][0][0] == "error", "the live rollout's step was aborted"
+    # verl removes the replica; the next step rebuilds the topology.
+    expect_step(step(actors, rollouts[:1], 3), 3)
+    assert actors[0].attr("connects") == 2
