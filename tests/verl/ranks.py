@@ -38,7 +38,7 @@ def digests(tensors: list[tuple[str, Any]]) -> dict[str, str]:
             for n, t in tensors}
 
 
-def _serve(conn: Any, role: str, kwargs: dict) -> None:
+def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int) -> None:
     import asyncio
     import time
 
@@ -49,7 +49,7 @@ def _serve(conn: Any, role: str, kwargs: dict) -> None:
     extra = {} if role == "rollout" else {"is_master": role == "master"}
     loop = asyncio.new_event_loop()
     try:
-        engine = CheckpointEngineRegistry.new("refit", bucket_size=BUCKET, **extra, **kwargs)
+        engine = CheckpointEngineRegistry.new("refit", bucket_size=bucket_size, **extra, **kwargs)
     except Exception as e:
         conn.send(("error", type(e).__name__, str(e)))
         return
@@ -60,6 +60,19 @@ def _serve(conn: Any, role: str, kwargs: dict) -> None:
             if delay_s:
                 await asyncio.sleep(delay_s)
             yield name, t
+
+    kept: list[tuple[str, Any]] = []  # the benchmark's model (bench_model), made once
+    plain: dict[str, Any] = {}  # the benchmark's baseline: refit's own host / group and sender
+
+    async def generate_kept():
+        for name, t in kept:
+            yield name, t
+
+    async def receive_only(step: int) -> dict:
+        n = 0
+        async for _, t in engine.receive_weights(global_steps=step):
+            n += t.numel() * t.element_size()
+        return {"bytes": n}
 
     async def receive(step: int) -> dict:
         got = []
@@ -81,7 +94,43 @@ def _serve(conn: Any, role: str, kwargs: dict) -> None:
                 result = {"stats": result, "seconds": time.monotonic() - t0}
             elif cmd == "receive":
                 result = loop.run_until_complete(receive(args["step"]))
+            # ---- the benchmark (tests/bench/verl_bench.py)
+            elif cmd == "bench_model":
+                import torch
+
+                n, size = args["tensors"], args["bytes"] // args["tensors"] // 2
+                kept[:] = [(f"layers.{i}.w", torch.full((size,), float(i % 7), dtype=torch.bfloat16)) for i in range(n)]
+                result = sum(t.numel() * 2 for _, t in kept)
+            elif cmd == "send_kept":
+                t0 = time.monotonic()
+                loop.run_until_complete(engine.send_weights(generate_kept(), global_steps=args["step"]))
+                result = time.monotonic() - t0
+            elif cmd == "receive_only":
+                result = loop.run_until_complete(receive_only(args["step"]))
+            elif cmd == "plain_host":  # rollout: refit's own WorkerHost, load_weights a no-op
+                import refit
+
+                plain["host"] = refit.WorkerHost(host="127.0.0.1", port=0, load_weights=lambda batch: None,
+                                                 timeout_ms=args.get("timeout_ms", 60000))
+                result = plain["host"].port
+            elif cmd == "plain_update":  # master: refit's own WorkerGroup + Sender, the same tensors
+                import refit
+
+                if "group" not in plain:
+                    plain["group"] = refit.WorkerGroup([f"127.0.0.1:{p}" for p in args["ports"]])
+                    plain["sender"] = refit.Sender()
+                    plain["group"].connect()
+                    plain["group"].init(plain["sender"], {"master_address": "127.0.0.1", "master_port": 0,
+                                                          **args.get("trainer_args", {})})
+                t0 = time.monotonic()
+                plain["group"].update(plain["sender"], kept, args["step"], verify=False)
+                result = time.monotonic() - t0
             elif cmd == "exit":
+                for k in ("group", "host"):
+                    if k in plain:
+                        plain[k].close() if k == "group" else plain[k].stop()
+                if "sender" in plain:
+                    plain["sender"].shutdown()
                 engine.close()
                 conn.send(("ok", None))
                 return
@@ -95,11 +144,11 @@ def _serve(conn: Any, role: str, kwargs: dict) -> None:
 class Rank:
     """One rank's process and its engine object."""
 
-    def __init__(self, role: str, **kwargs: Any) -> None:
+    def __init__(self, role: str, bucket_size: int = BUCKET, **kwargs: Any) -> None:
         self.role = role
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, role, kwargs), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, role, kwargs, bucket_size), daemon=True)
         self.proc.start()
         self._made: tuple | None = None  # its answer to the engine's construction (ranks start at once)
 

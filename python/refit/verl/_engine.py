@@ -220,16 +220,29 @@ class RefitCheckpointEngine(CheckpointEngine):
         version = 0 if global_steps is None else int(global_steps)
         sent = chunks = 0
         await group.call_all_async("start_weight_update")
+        produced = _chunks(weights, self.bucket_size).__aiter__()
+        upcoming: asyncio.Future | None = None
         try:
-            async for chunk in _chunks(weights, self.bucket_size):
+            # The next chunk is produced (verl's generator gathers each tensor)
+            # while this one moves: at most two chunks are held.
+            upcoming = asyncio.ensure_future(produced.__anext__())
+            while True:
+                try:
+                    chunk = await upcoming
+                except StopAsyncIteration:
+                    break
+                upcoming = asyncio.ensure_future(produced.__anext__())
                 info = dict(refit.describe(chunk), commit=self.commit)
                 await asyncio.gather(
                     group.call_all_async("update_weights", {"update_info": info}), sender.send_weights_async(chunk)
                 )
                 sent += sum(t.numel() * t.element_size() for _, t in chunk)
                 chunks += 1
+            upcoming = None
             await group.call_all_async("finish_weight_update", {"weight_version": version})
         except BaseException as e:
+            if upcoming is not None:
+                upcoming.cancel()
             # Every rollout's session ends now, not at its deadline; the error that
             # ended the step is the one raised.
             try:
