@@ -390,6 +390,22 @@ def fleet_atomic() -> list[str]:
             ""] + table(["commit", "update", "fleet-atomic / staged", "largest worker peak RSS"], rows)
 
 
+def verl() -> list[str]:
+    run = Run("verl_bench.json")
+    c = run.col
+    ratio = ratios(c("plain_s"), c("verl_s"))
+    share = [100 * x for x in ratios(c("overhead_s"), c("verl_s"))]
+    rows = [["through verl's flow (`send_weights` / `receive_weights`)", f"{spread(c('verl_s'), 3)} s", "", ""],
+            ["refit alone (`WorkerGroup.update` to a `WorkerHost`)", f"{spread(c('plain_s'), 3)} s",
+             f"{spread(ratio)}x, target {target(ratio, '≥', 0.9)}", ""],
+            ["a step's prepare + topology + init + finalize", f"{spread([1000 * x for x in c('overhead_s')], 1)} ms",
+             "", f"{spread(share)}%, target {target(share, '≤', 5)}"]]
+    return [run.caption(f"{gb(run['model_bytes'])} of bf16 in {run['tensors']} tensors from 1 actor to "
+                        f"{run['rollouts']} rollout processes on this 2-core machine's loopback, verl's default "
+                        "bucket (2048 MiB)"), ""] + table(
+        ["what", "transfer", "refit alone / through verl", "of the transfer"], rows)
+
+
 def readme() -> list[str]:
     lo, ns, ux = Run("loopback.json"), Run("netns_scale.json"), Run("ucx_bench_5.json")
     sh, vl = Run("sharded_ucx_sm.json"), Run("vllm_serve_bench.json")
@@ -441,6 +457,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "vllm_serve": vllm_serve,
     "vllm_families": vllm_families,
     "fleet_atomic": fleet_atomic,
+    "verl": verl,
 }
 
 # Where a figure written by hand would hide: these files (a section of one) outside the blocks.
