@@ -24,6 +24,9 @@ class WorkerHost(_Scoped):
     for ``session_timeout_ms`` (default: ``timeout_ms``): a frozen trainer does not
     keep the worker, and when it resumes its finish is refused. Staged sessions are
     all or nothing (see :class:`Engine`); ``max_stage_bytes`` bounds their stage.
+    ``keep_base=True`` (with ``load_weights``) receives into a host copy of every
+    tensor, as :class:`Engine`'s does, so a trainer's delta updates decode against
+    it (memory: the model's bytes, on the host).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class WorkerHost(_Scoped):
         on_update_failed: Callable[[str], None] | None = None,
         session_timeout_ms: int | None = None,
         max_stage_bytes: int = 0,
+        keep_base: bool = False,
     ) -> None:
         self._impl = _refit._WorkerHost(
             backend=backend,
@@ -61,6 +65,7 @@ class WorkerHost(_Scoped):
             on_update_failed=on_update_failed,
             session_timeout_ms=None if session_timeout_ms is None else int(session_timeout_ms),
             max_stage_bytes=int(max_stage_bytes),
+            keep_base=bool(keep_base),
         )
         self._tensors = tensors
 

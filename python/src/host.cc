@@ -9,6 +9,7 @@
 #include <refit/control/worker_host.h>
 #include <refit/error.h>
 #include <refit/factory.h>
+#include <refit/model/host_copy_target.h>
 
 #include "bindings.h"
 
@@ -34,7 +35,7 @@ class py_worker_host {
                  nb::object load_weights, std::int64_t timeout_ms, const std::string& commit,
                  const std::optional<std::string>& secret_file, std::size_t processing_threads, const std::string& fw,
                  nb::object on_started, nb::object on_finished, nb::object on_failed,
-                 std::optional<std::int64_t> session_timeout_ms, std::uint64_t max_stage_bytes) {
+                 std::optional<std::int64_t> session_timeout_ms, std::uint64_t max_stage_bytes, bool keep_base) {
     if (port < 0 || port > 65535) throw_error(errc::invalid_argument, "port: expected 0..65535");
     auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, 0, max_stage_bytes);
     control::host_limits limits;
@@ -47,6 +48,9 @@ class py_worker_host {
     engine_context ctx;
     ctx.executor = runtime::get().executor();
     load_weights_fn fn;
+    if (!tensors.is_none() && keep_base)
+      throw_error(errc::invalid_argument,
+                  "WorkerHost: keep_base= with tensors=: the tensors already hold the bytes deltas decode against");
     if (!tensors.is_none()) {
       held_ = held_target::make(tensors, "WorkerHost(tensors=...)", ctx.device);
       ctx.model = held_->target.get();
@@ -55,6 +59,13 @@ class py_worker_host {
         throw_error(errc::invalid_argument, "WorkerHost: give tensors= or load_weights=, not both");
     } else if (!load_weights.is_none()) {
       fn = python_loader(std::move(load_weights), parse_framework(fw), nullptr);
+      if (keep_base) {
+        // Received into a host copy load_weights gets views of: deltas decode
+        // against it, and a fleet-atomic commit's undo reads it back.
+        copy_ = std::make_shared<host_copy_target>();
+        ctx.model = copy_.get();
+        fn = copy_->loading_through(std::move(fn));
+      }
     } else {
       throw_error(errc::invalid_argument, "WorkerHost: give tensors= (received into) or load_weights=");
     }
@@ -82,9 +93,9 @@ class py_worker_host {
     port_ = on_loop([&] { return host_->listen(host, static_cast<std::uint16_t>(port)); });
     asio::co_spawn(runtime::get().executor(), host_->serve(), [](std::exception_ptr) {});
   }
-  ~py_worker_host() { teardown(destroy(std::move(host_), std::move(held_), stopped_)); }
+  ~py_worker_host() { teardown(destroy(std::move(host_), std::move(held_), std::move(copy_), stopped_)); }
   static asio::awaitable<void> destroy(std::unique_ptr<worker_host> host, std::unique_ptr<held_target> held,
-                                       bool stopped) {
+                                       std::shared_ptr<host_copy_target> copy, bool stopped) {
     if (host && !stopped) host->stop();
     // Let the connections' coroutines see the stop before the host goes.
     asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::milliseconds(1));
@@ -97,6 +108,7 @@ class py_worker_host {
     }
     host.reset();
     held.reset();  // after the host: its hooks and engine write into it
+    copy.reset();
   }
 
   int port() const { return port_; }
@@ -138,6 +150,7 @@ class py_worker_host {
 
  private:
   std::unique_ptr<held_target> held_;
+  std::shared_ptr<host_copy_target> copy_;  // keep_base=: what deltas decode against
   std::unique_ptr<worker_host> host_;
   int port_ = 0;
   bool stopped_ = false;
@@ -149,12 +162,12 @@ void bind_worker_host(nb::module_& m) {
   nb::class_<py_worker_host>(m, "_WorkerHost")
       .def(nb::init<const std::string&, const std::string&, int, nb::handle, nb::object, std::int64_t,
                     const std::string&, const std::optional<std::string>&, std::size_t, const std::string&, nb::object,
-                    nb::object, nb::object, std::optional<std::int64_t>, std::uint64_t>(),
+                    nb::object, nb::object, std::optional<std::int64_t>, std::uint64_t, bool>(),
            nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("tensors").none(),
            nb::arg("load_weights").none(), nb::arg("timeout_ms"), nb::arg("commit"), nb::arg("auth_secret_file").none(),
            nb::arg("processing_threads"), nb::arg("framework"), nb::arg("on_update_started").none(),
            nb::arg("on_update_finished").none(), nb::arg("on_update_failed").none(),
-           nb::arg("session_timeout_ms").none(), nb::arg("max_stage_bytes"))
+           nb::arg("session_timeout_ms").none(), nb::arg("max_stage_bytes"), nb::arg("keep_base") = false)
       .def_prop_ro("port", &py_worker_host::port)
       .def("stop", &py_worker_host::stop)
       .def("weight_info", &py_worker_host::weight_info)

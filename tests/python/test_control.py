@@ -102,6 +102,39 @@ def test_a_worker_that_cannot_undo_refuses_a_fleet_atomic_update_before_a_byte_m
     host.stop()
 
 
+def test_a_load_weights_host_with_keep_base_takes_deltas_and_fleet_atomic_updates():
+    """WorkerHost(load_weights=..., keep_base=True) receives into a host copy: the
+    trainer's deltas decode against it, and a fleet-atomic update's undo reads it
+    back (its rollback reloads the previous version through load_weights)."""
+    rng = np.random.default_rng(9)
+    src = {"w": rng.standard_normal((256, 64)).astype(np.float16)}
+    nbytes = src["w"].nbytes
+    got = {}
+    host = refit.WorkerHost("tcp", load_weights=lambda batch: got.update({k: v.copy() for k, v in batch}),
+                            framework="numpy", timeout_ms=10000, keep_base=True)
+    with pytest.raises(refit.InvalidArgumentError, match="keep_base= with tensors="):
+        refit.WorkerHost("tcp", tensors={"w": np.zeros(4, np.float16)}, keep_base=True)
+    with refit.Sender("tcp", timeout_ms=10000) as sender, \
+            refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0, "delta": True})
+        wire = []
+        for version in (1, 2):
+            bits = src["w"].reshape(-1).view(np.uint16)
+            bits[rng.choice(bits.size, size=bits.size // 100, replace=False)] += 1
+            result = group.update(sender, src, version, verify=False)
+            wire.append(result["workers"][0]["stats"]["wire_bytes"] / nbytes)
+            assert got["w"].tobytes() == src["w"].tobytes()
+        assert wire[0] >= 1.0 and wire[1] < 0.1, wire
+        previous = src["w"].copy()
+        src["w"] += 1
+        group.update(sender, src, 3, verify=False, fleet_atomic=True)
+        assert got["w"].tobytes() == src["w"].tobytes()
+        assert group.call_all("rollback_weight_update")[0]["weight_version"] == 2
+        assert got["w"].tobytes() == previous.tobytes()
+    host.stop()
+
+
 def test_a_worker_that_holds_other_weights_is_named():
     dest = {k: np.zeros_like(v) for k, v in model(0).items()}
     host = refit.WorkerHost("tcp", tensors=dest, timeout_ms=10000)

@@ -33,6 +33,22 @@ def model(step: int) -> list[tuple[str, Any]]:
     return [(n, torch.randn(r, c, generator=g).to(d).squeeze(-1)) for n, r, c, d in shapes]
 
 
+def trajectory(step: int) -> list[tuple[str, Any]]:
+    """model(0) with a few elements of every tensor changed per step (what deltas carry)."""
+    out = []
+    for name, t in model(0):
+        t = t.clone()
+        flat = t.view(-1)
+        for k in range(1, step + 1):
+            flat[(k * 7919) % flat.numel() :: max(1, flat.numel() // 8)] += k
+        out.append((name, t))
+    return out
+
+
+def tensors_of(step: int, kind: str = "model") -> list[tuple[str, Any]]:
+    return trajectory(step) if kind == "trajectory" else model(step)
+
+
 def digests(tensors: list[tuple[str, Any]]) -> dict[str, str]:
     return {n: hashlib.sha256(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
             for n, t in tensors}
@@ -55,8 +71,8 @@ def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int) -> None:
         return
     conn.send(("ok", None))
 
-    async def generate(step: int, delay_s: float):
-        for name, t in model(step):
+    async def generate(step: int, delay_s: float, kind: str):
+        for name, t in tensors_of(step, kind):
             if delay_s:
                 await asyncio.sleep(delay_s)
             yield name, t
@@ -90,7 +106,8 @@ def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int) -> None:
             elif cmd == "send":
                 t0 = time.monotonic()
                 result = loop.run_until_complete(
-                    engine.send_weights(generate(args["step"], args.get("delay_s", 0)), global_steps=args["step"]))
+                    engine.send_weights(generate(args["step"], args.get("delay_s", 0), args.get("kind", "model")),
+                                        global_steps=args["step"]))
                 result = {"stats": result, "seconds": time.monotonic() - t0}
             elif cmd == "receive":
                 result = loop.run_until_complete(receive(args["step"]))
@@ -195,7 +212,7 @@ class Rank:
 
 
 def step(actors: list[Rank], rollouts: list[Rank], number: int, *, delay_s: float = 0,
-         during: Any = None, timeout_s: float = 120) -> dict:
+         during: Any = None, timeout_s: float = 120, kind: str = "model") -> dict:
     """One step of CheckpointEngineManager.update_weights: prepare everywhere,
     build_topology, init_process_group everywhere (at once), send on every actor
     while every rollout receives, finalize everywhere. ``during()`` runs once the
@@ -214,7 +231,7 @@ def step(actors: list[Rank], rollouts: list[Rank], number: int, *, delay_s: floa
         if answer[0] != "ok":
             raise RuntimeError(f"{r.role}.init_process_group: {answer[1]}: {answer[2]}")
     for r in actors:
-        r.post("send", step=number, delay_s=delay_s)
+        r.post("send", step=number, delay_s=delay_s, kind=kind)
     for r in rollouts:
         r.post("receive", step=number)
     if during:

@@ -14,7 +14,7 @@ if os.environ.get("REFIT_REQUIRE_VERL"):  # tests/verl/run.sh: a missing verl fa
 else:
     pytest.importorskip("verl.checkpoint_engine.base", reason="verl is not installed (tests/verl/run.sh: its venv)")
 
-from ranks import Rank, digests, model, step  # noqa: E402
+from ranks import Rank, digests, model, step, tensors_of  # noqa: E402
 
 OPTS = {"address": "127.0.0.1", "buffer_bytes": 256 << 10, "timeout_ms": 5000}
 
@@ -33,8 +33,8 @@ def ranks():
         r.close()
 
 
-def expect_step(out: dict, number: int) -> None:
-    want = digests(model(number))
+def expect_step(out: dict, number: int, kind: str = "model") -> None:
+    want = digests(tensors_of(number, kind))
     for a in out["actors"]:
         assert a[0] == "ok", a
     for i, r in enumerate(out["rollouts"]):
@@ -53,7 +53,8 @@ def test_the_registry_makes_refit_and_refuses_bad_options():
     assert CheckpointEngineRegistry.get("refit").__name__ == "RefitCheckpointEngine"
     for bad, says in (({"engine": "nope"}, "engine"), ({"commit": "later"}, "commit"),
                       ({"timeout_ms": 0}, "timeout_ms"), ({"topology": "ring"}, "topology"),
-                      ({"num_buffers": "2"}, "num_buffers"), ({"auth_secret_file": "/no/such"}, "auth_secret_file")):
+                      ({"num_buffers": "2"}, "num_buffers"), ({"auth_secret_file": "/no/such"}, "auth_secret_file"),
+                      ({"delta": True, "commit": "staged"}, "delta")):
         with pytest.raises(refit.InvalidArgumentError, match=says):
             CheckpointEngineRegistry.new("refit", bucket_size=1 << 20, **bad)
     with pytest.raises(refit.InvalidArgumentError, match="bucket_size"):
@@ -76,6 +77,18 @@ def test_two_actors_to_two_rollouts_with_checksums_staged(ranks):
         out = step(actors, rollouts, number)
         expect_step(out, number)
         assert out["actors"][1][1]["stats"] == {}, "only the master sends"
+
+
+def test_deltas_carry_each_step_after_the_first(ranks):
+    actors = [ranks("master", delta=True)]
+    rollouts = [ranks("rollout", delta=True), ranks("rollout", delta=True)]
+    for number in (1, 2, 3):
+        out = step(actors, rollouts, number, kind="trajectory")
+        expect_step(out, number, "trajectory")
+        stats = out["actors"][0][1]["stats"]
+        assert stats["refit/full_fallbacks"] == 0 and stats["refit/chunks"] == 1, stats
+        if number > 1:  # the first step is the base: sent full
+            assert 0 < stats["refit/delta_bytes"] < stats["refit/bytes"] / 4, stats
 
 
 def test_a_killed_sender_fails_every_receive_in_time_and_a_restarted_one_takes_the_next_step(ranks):

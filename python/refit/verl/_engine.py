@@ -88,7 +88,12 @@ class RefitCheckpointEngine(CheckpointEngine):
       ``"tree:K"``; default: refit's, a chain from 3 ranks on);
     * ``auth_secret_file``: every connection authenticated (mode 0600);
     * ``address``: the address this rank listens on and is reached at (default:
-      this host's address; ``127.0.0.1`` on one machine).
+      this host's address; ``127.0.0.1`` on one machine);
+    * ``delta``: tcp, in place: each step goes as a delta against the last one each
+      rollout holds (docs/delta.md); a rollout keeps a host copy of the model to
+      decode against (memory: the model's bytes), and the master sends a step as one
+      chunk (deltas are against the previous send of the same tensors), holding the
+      step's tensors and the sender's snapshot (twice the model's bytes).
 
     A bad value raises :class:`refit.InvalidArgumentError` here, at construction.
     """
@@ -107,6 +112,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         topology: str | None = None,
         auth_secret_file: str | None = None,
         address: str | None = None,
+        delta: bool = False,
     ) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise _bad(f"bucket_size: expected a positive number of bytes, got {bucket_size!r}")
@@ -118,8 +124,11 @@ class RefitCheckpointEngine(CheckpointEngine):
                                    ("num_buffers", num_buffers, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise _bad(f"{name}: expected an integer of at least {least}, got {value!r}")
-        if not isinstance(checksums, bool):
-            raise _bad(f"checksums: expected true or false, got {checksums!r}")
+        for name, flag in (("checksums", checksums), ("delta", delta)):
+            if not isinstance(flag, bool):
+                raise _bad(f"{name}: expected true or false, got {flag!r}")
+        if delta and (engine != "tcp" or commit != "in_place"):
+            raise _bad(f"delta: deltas go over the tcp engine, in place (got engine {engine!r}, commit {commit!r})")
         if topology is not None and not (topology in ("star", "chain") or re.fullmatch(r"tree:[1-9][0-9]*", topology)):
             raise _bad(f"topology: expected star, chain or tree:K, got {topology!r}")
         if auth_secret_file is not None and not os.path.isfile(auth_secret_file):
@@ -129,7 +138,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         self.role = "rollout" if is_master is None else ("master" if is_master else "actor")
         self.engine, self.checksums, self.commit = engine, checksums, commit
         self.timeout_ms, self.buffer_bytes, self.num_buffers = timeout_ms, buffer_bytes, num_buffers
-        self.topology, self.auth_secret_file = topology, auth_secret_file
+        self.topology, self.auth_secret_file, self.delta = topology, auth_secret_file, delta
         self.address = address or _host_address()
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         # master
@@ -153,6 +162,7 @@ class RefitCheckpointEngine(CheckpointEngine):
                 timeout_ms=self.timeout_ms,
                 commit=self.commit,
                 auth_secret_file=self.auth_secret_file,
+                keep_base=self.delta,  # what deltas decode against
                 on_update_started=lambda owner: self._events.put(("started", owner)),
                 on_update_finished=lambda version, stats: self._events.put(("finished", version)),
                 on_update_failed=lambda reason: self._events.put(("failed", reason)),
@@ -196,6 +206,8 @@ class RefitCheckpointEngine(CheckpointEngine):
                                     "checksums": self.checksums, "timeout_ms": self.timeout_ms}
             if self.topology:
                 args["topology"] = self.topology
+            if self.delta:
+                args["delta"] = True
             group.init(sender, args)
         except BaseException:
             group.close()
@@ -218,9 +230,11 @@ class RefitCheckpointEngine(CheckpointEngine):
             raise refit.InvalidStateError("refit.verl: send_weights before init_process_group")
         group, sender = self._group, self._sender
         version = 0 if global_steps is None else int(global_steps)
-        sent = chunks = 0
+        sent = chunks = wire = fallbacks = 0
         await group.call_all_async("start_weight_update")
-        produced = _chunks(weights, self.bucket_size).__aiter__()
+        # Deltas are taken against the previous send of the same tensors: with
+        # them on, a step is one chunk (the master holds the step's tensors).
+        produced = _chunks(weights, 1 << 62 if self.delta else self.bucket_size).__aiter__()
         upcoming: asyncio.Future | None = None
         try:
             # The next chunk is produced (verl's generator gathers each tensor)
@@ -238,6 +252,10 @@ class RefitCheckpointEngine(CheckpointEngine):
                 )
                 sent += sum(t.numel() * t.element_size() for _, t in chunk)
                 chunks += 1
+                info_of_send = sender.last_send_info
+                if info_of_send and "delta" in info_of_send:
+                    wire += int(info_of_send["delta"].get("delta_bytes", 0))
+                    fallbacks += int(info_of_send["delta"].get("full_fallbacks", 0))
             upcoming = None
             await group.call_all_async("finish_weight_update", {"weight_version": version})
         except BaseException as e:
@@ -250,7 +268,10 @@ class RefitCheckpointEngine(CheckpointEngine):
             except Exception:
                 pass
             raise
-        return {"refit/bytes": sent, "refit/chunks": chunks}
+        out = {"refit/bytes": sent, "refit/chunks": chunks}
+        if self.delta:
+            out.update({"refit/delta_bytes": wire, "refit/full_fallbacks": fallbacks})
+        return out
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
         if self._host is None:
