@@ -16,6 +16,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -195,6 +196,9 @@ class Rank:
         self.post("attr", name=name)
         return self.wait()[1]
 
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
@@ -234,16 +238,23 @@ def step(actors: list[Rank], rollouts: list[Rank], number: int, *, delay_s: floa
         r.post("send", step=number, delay_s=delay_s, kind=kind)
     for r in rollouts:
         r.post("receive", step=number)
+    posted = time.monotonic()
     if during:
         during()
-    out = {"actors": [], "rollouts": []}
-    for kind, group in (("actors", actors), ("rollouts", rollouts)):
+    out: dict[str, Any] = {"actors": [], "rollouts": []}
+    silent = set()
+    for kind, group in (("rollouts", rollouts), ("actors", actors)):
         for r in group:
             try:
                 out[kind].append(r.wait(timeout_s))
             except (EOFError, ConnectionResetError):
                 out[kind].append(("dead",))
+            except TimeoutError:  # a stopped process: it answers nothing
+                out[kind].append(("no answer",))
+                silent.add(id(r))
+        if kind == "rollouts":
+            out["rollouts_s"] = time.monotonic() - posted  # when the last rollout answered
     for r in ranks:
-        if r.proc.is_alive():
+        if r.proc.is_alive() and id(r) not in silent:
             r.call("finalize")
     return out

@@ -5,6 +5,7 @@ is checked byte for byte against the actor's tensors on every rollout rank."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -104,6 +105,31 @@ def test_a_killed_sender_fails_every_receive_in_time_and_a_restarted_one_takes_t
     assert took < 15, f"the rollouts took {took:.1f} s to fail (deadline 5 s)"
     actors[0] = ranks("master")  # verl restarts the actor process
     expect_step(step(actors, rollouts, 3), 3)
+
+
+def test_a_frozen_sender_fails_every_receive_at_the_deadline(ranks):
+    actors = [ranks("master")]
+    rollouts = [ranks("rollout"), ranks("rollout")]
+    expect_step(step(actors, rollouts, 1), 1)
+    out = step(actors, rollouts, 2, delay_s=0.05, timeout_s=10,
+               during=lambda: (time.sleep(0.3), actors[0].signal(signal.SIGSTOP)))
+    assert out["actors"][0] == ("no answer",)
+    actors[0].kill()
+    for i, r in enumerate(out["rollouts"]):
+        assert r[0] == "error" and r[1] in ("CancelledError", "TimeoutError", "PeerLostError"), f"rollout {i}: {r}"
+        assert "sent nothing" in r[2] or "timeout" in r[2] or "within" in r[2], r[2]
+    assert out["rollouts_s"] < 12, f"the rollouts failed after {out['rollouts_s']:.1f} s (deadline 5 s)"
+    actors[0] = ranks("master")
+    expect_step(step(actors, rollouts, 3), 3)
+
+
+def test_over_ucx(ranks):
+    opts = {"engine": "ucx"}
+    actors = [ranks("master", **opts)]
+    rollouts = [ranks("rollout", **opts), ranks("rollout", **opts)]
+    for number in (1, 2):
+        expect_step(step(actors, rollouts, number), number)
+    assert actors[0].attr("connects") == 1
 
 
 def test_a_killed_rollout_fails_the_send_naming_it_and_the_others_take_the_next_step(ranks):

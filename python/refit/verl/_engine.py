@@ -247,9 +247,8 @@ class RefitCheckpointEngine(CheckpointEngine):
                     break
                 upcoming = asyncio.ensure_future(produced.__anext__())
                 info = dict(refit.describe(chunk), commit=self.commit)
-                await asyncio.gather(
-                    group.call_all_async("update_weights", {"update_info": info}), sender.send_weights_async(chunk)
-                )
+                await _both(group.call_all_async("update_weights", {"update_info": info}),
+                            sender.send_weights_async(chunk))
                 sent += sum(t.numel() * t.element_size() for _, t in chunk)
                 chunks += 1
                 info_of_send = sender.last_send_info
@@ -338,6 +337,30 @@ class RefitCheckpointEngine(CheckpointEngine):
         if self._host is not None:
             self._host.stop()
             self._host = None
+
+
+async def _both(control: Any, data: Any) -> None:
+    """A chunk's control call and its send. When one fails the other is given a
+    moment to say why too (a lost rollout fails both: the control plane names its
+    endpoint, the data path its rank), and the error raised says both."""
+    tasks = [asyncio.ensure_future(control), asyncio.ensure_future(data)]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if not any(t.exception() for t in done):
+            return
+        if pending:
+            await asyncio.wait(pending, timeout=2)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+    first = errors[0]
+    if len(errors) == 1:
+        raise first
+    kind = getattr(first, "kind", None)
+    message = "; ".join(getattr(e, "message", str(e)) for e in errors)
+    raise (refit.error_class(kind) if kind else refit.Error)(message) from first
 
 
 async def _chunks(weights: Iterable[tuple[str, Any]], limit: int) -> AsyncIterator[list[tuple[str, Any]]]:
