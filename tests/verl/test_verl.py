@@ -52,7 +52,8 @@ def test_the_registry_makes_refit_and_refuses_bad_options():
     import refit.verl  # noqa: F401
 
     assert CheckpointEngineRegistry.get("refit").__name__ == "RefitCheckpointEngine"
-    for bad, says in (({"engine": "nope"}, "engine"), ({"commit": "later"}, "commit"),
+    for bad, says in (({"engine": "nope"}, "engine"), ({"engine": "nccl"}, "GPU engines"),
+                      ({"commit": "later"}, "commit"),
                       ({"timeout_ms": 0}, "timeout_ms"), ({"topology": "ring"}, "topology"),
                       ({"num_buffers": "2"}, "num_buffers"), ({"auth_secret_file": "/no/such"}, "auth_secret_file"),
                       ({"delta": True, "commit": "staged"}, "delta")):

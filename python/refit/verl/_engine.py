@@ -48,6 +48,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 import refit
 
 _COMMITS = ("in_place", "staged")
+_HOST_ENGINES = ("tcp", "ucx")
 _KINDS = re.compile(
     r"\b(invalid_argument|invalid_state|timeout|peer_lost|io_error|protocol_error|integrity_error|auth_error|"
     r"processing_failed|resource_exhausted|unsupported|cancelled)\b"
@@ -76,7 +77,8 @@ class RefitCheckpointEngine(CheckpointEngine):
     on actor ranks (True on rank 0, the one that sends); absent on rollout ranks.
     The options (``checkpoint_engine.engine_kwargs.refit``):
 
-    * ``engine``: refit's backend, ``"tcp"`` (default) or ``"ucx"`` where built;
+    * ``engine``: refit's backend, ``"tcp"`` (default) or ``"ucx"`` where built
+      (host tensors; the GPU engines are not offered through it yet);
     * ``checksums``: every bucket's checksum verified on every rollout rank;
     * ``commit``: ``"in_place"`` (default: tensors are yielded as they land) or
       ``"staged"`` (nothing is yielded until every byte of the step arrived: a
@@ -116,6 +118,9 @@ class RefitCheckpointEngine(CheckpointEngine):
     ) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise _bad(f"bucket_size: expected a positive number of bytes, got {bucket_size!r}")
+        if engine not in _HOST_ENGINES:
+            raise _bad(f"engine: {engine!r}: refit.verl moves host tensors over {_HOST_ENGINES} (the GPU engines, "
+                       "nccl and cuda_ipc, are not offered through it yet)")
         if engine not in refit.backends():
             raise _bad(f"engine: {engine!r} is not one of this build's engines {sorted(refit.backends())}")
         if commit not in _COMMITS:
