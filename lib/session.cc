@@ -193,38 +193,28 @@ asio::awaitable<void> weight_update_session::prepare_weight_update() {
                                          "staged session (commit \"staged\") can be prepared");
   preparing_ = true;
   std::exception_ptr failure;
+  std::string fails_session;  // what the failure makes of the session ("": it stays as it was)
   try {
+    fails_session = "its processing failed: ";
     co_await engine_.drain_pending();
+    fails_session.clear();
+    if (internal::engine_access::staged_chunks(engine_) != chunks_)
+      throw_error(errc::invalid_state, "prepare_weight_update: the engine holds " +
+                                           std::to_string(internal::engine_access::staged_chunks(engine_)) +
+                                           " staged chunk(s) of the session's " + std::to_string(chunks_) +
+                                           "; this session cannot be committed whole: abort it");
+    // The commit's undo needs its scratch: reserved now, so a worker that cannot
+    // hold it votes no rather than failing at its commit.
+    fails_session = "its undo could not be reserved: ";
+    if (undoable_) co_await internal::engine_access::reserve_undo(engine_);
   } catch (...) {
     failure = std::current_exception();
   }
+  preparing_ = false;
   if (failure) {
-    preparing_ = false;
-    failure_ = "its processing failed: " + describe_error(failure);
+    if (!fails_session.empty()) failure_ = fails_session + describe_error(failure);
     std::rethrow_exception(failure);
   }
-  if (internal::engine_access::staged_chunks(engine_) != chunks_) {
-    preparing_ = false;
-    throw_error(errc::invalid_state, "prepare_weight_update: the engine holds " +
-                                         std::to_string(internal::engine_access::staged_chunks(engine_)) +
-                                         " staged chunk(s) of the session's " + std::to_string(chunks_) +
-                                         "; this session cannot be committed whole: abort it");
-  }
-  // The commit's undo needs its scratch: reserved now, so a worker that cannot
-  // hold it votes no rather than failing at its commit.
-  if (undoable_) {
-    try {
-      co_await internal::engine_access::reserve_undo(engine_);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    if (failure) {
-      preparing_ = false;
-      failure_ = "its undo could not be reserved: " + describe_error(failure);
-      std::rethrow_exception(failure);
-    }
-  }
-  preparing_ = false;
   prepared_ = true;
 }
 

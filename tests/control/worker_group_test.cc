@@ -242,6 +242,15 @@ class worker_group_test : public ::testing::Test {
     return set;
   }
 
+  // init, then a first (staged) update of model_tensors(version) to every worker.
+  tensor_set initialised_at(std::int64_t version) {
+    run_to_completion(io_, init());
+    tensor_set set = model_tensors(version);
+    control::update_result result;
+    const auto failure = try_update(set, version, result);
+    EXPECT_FALSE(failure) << failure->message();
+    return set;
+  }
   // Worker i holds exactly `set` at `version`, clean (asked through the group).
   void expect_worker_at(std::size_t i, tensor_set& set, std::int64_t version) {
     json fp;
@@ -385,10 +394,8 @@ TEST_F(worker_group_test, the_check_also_wants_the_version) {
 // session open.
 TEST_F(worker_group_test, a_fleet_atomic_update_votes_then_commits_on_every_worker) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(10);
+  tensor_set old_set = initialised_at(10);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 10, result));
   tensor_set set = model_tensors(11);
   control::update_options atomic = fleet_atomic();
   auto failure = try_update(set, 11, result, atomic);
@@ -491,10 +498,8 @@ INSTANTIATE_TEST_SUITE_P(fleet_atomic, worker_group_failure_test, ::testing::Boo
 // error names each worker's outcome. The next update lands on all.
 TEST_F(worker_group_test, a_commit_failing_after_every_vote_rolls_the_fleet_back) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(29);
+  tensor_set old_set = initialised_at(29);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 29, result));
   tensor_set set = model_tensors(30);
   control::update_options atomic = fleet_atomic();
   workers_[1]->model.fail_next_load = true;
@@ -519,10 +524,8 @@ TEST_F(worker_group_test, a_commit_failing_after_every_vote_rolls_the_fleet_back
 // a full update makes every worker whole again.
 TEST_F(worker_group_test, a_worker_whose_rollback_fails_is_fenced_and_reconcile_says_so) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(60);
+  tensor_set old_set = initialised_at(60);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 60, result));
   tensor_set set = model_tensors(61);
   control::update_options atomic = fleet_atomic();
   workers_[1]->model.fail_next_load = true;  // its commit fails
@@ -584,10 +587,8 @@ TEST_F(worker_group_test, a_commit_failing_in_its_second_batch_loads_the_first_b
 // the worker it cannot reach.
 TEST_F(worker_group_test, a_worker_lost_before_its_vote_leaves_the_others_at_the_old_version) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(70);
+  tensor_set old_set = initialised_at(70);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 70, result));
   tensor_set set = model_tensors(71);
   control::update_options atomic = fleet_atomic();
   atomic.hold_before_finish = 2s;  // the window between the streams and the votes
@@ -630,10 +631,8 @@ asio::awaitable<void> commit_on_some(control::worker_group& group, tcp::sender& 
 
 TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_some_workers) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(50);
+  tensor_set old_set = initialised_at(50);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 50, result));
   tensor_set new_set = model_tensors(51);
   run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 51, {0, 1}));
   reconnect();  // the trainer is gone; a new one connects
@@ -656,10 +655,8 @@ TEST_F(worker_group_test, reconcile_rolls_back_what_a_lost_trainer_committed_on_
 // reconcile() reports the fenced worker and nothing else to do.
 TEST_F(worker_group_test, reconcile_fences_a_worker_whose_rollback_fails) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(170);
+  tensor_set old_set = initialised_at(170);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 170, result));
   tensor_set new_set = model_tensors(171);
   run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 171, {0, 1}));
   reconnect();
@@ -680,10 +677,8 @@ TEST_F(worker_group_test, reconcile_fences_a_worker_whose_rollback_fails) {
 // rolls it back too: every worker at the old version, whole.
 TEST_F(worker_group_test, a_commit_past_its_deadline_is_in_doubt_and_reconcile_settles_it) {
   start({{}, {}, {}}, 2s);
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(80);
+  tensor_set old_set = initialised_at(80);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 80, result));
   tensor_set set = model_tensors(81);
   control::update_options atomic = fleet_atomic();
   workers_[2]->model.stall_ms = 3000;
@@ -709,10 +704,8 @@ TEST_F(worker_group_test, a_commit_past_its_deadline_is_in_doubt_and_reconcile_s
 // fenced; its rollback ends on its own, and reconcile() finds one version.
 TEST_F(worker_group_test, a_rollback_past_its_deadline_is_in_doubt_and_reconcile_finds_one_version) {
   start({{}, {}, {}}, 2s);
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(90);
+  tensor_set old_set = initialised_at(90);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 90, result));
   tensor_set set = model_tensors(91);
   control::update_options atomic = fleet_atomic();
   workers_[1]->model.fail_next_load = true;  // its commit fails
@@ -760,10 +753,8 @@ TEST_F(worker_group_test, a_stage_too_small_on_one_worker_leaves_every_worker_at
 // trainer's reconcile() finds one version with nothing to do.
 TEST_F(worker_group_test, a_trainer_lost_after_the_votes_leaves_every_worker_at_the_old_version) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(110);
+  tensor_set old_set = initialised_at(110);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 110, result));
   tensor_set new_set = model_tensors(111);
   run_to_completion(io_, commit_on_some(*group_, *sender_, new_set, 111, {}));
   reconnect();
@@ -780,10 +771,8 @@ TEST_F(worker_group_test, a_trainer_lost_after_the_votes_leaves_every_worker_at_
 TEST_F(worker_group_test, models_that_exchange_commit_and_roll_back_the_same) {
   start({{}, {}, {}});
   for (auto& w : workers_) w->model.exchanges = true;
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(160);
+  tensor_set old_set = initialised_at(160);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 160, result));
   tensor_set set = model_tensors(161);
   workers_[1]->model.fail_next_load = true;
   auto failure = try_update(set, 161, result, fleet_atomic());
@@ -802,10 +791,8 @@ TEST_F(worker_group_test, models_that_exchange_commit_and_roll_back_the_same) {
 // worker keeps the old version. Host memory cannot run out at a commit.
 TEST_F(worker_group_test, a_worker_that_cannot_reserve_its_undo_votes_no) {
   start({{}, {"", false, 100 << 10}, {}});  // a 72 KiB stage and a 72 KiB scratch
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(120);
+  tensor_set old_set = initialised_at(120);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 120, result));
   tensor_set set = model_tensors(121);
   auto failure = try_update(set, 121, result, fleet_atomic());
   ASSERT_TRUE(failure);
@@ -827,10 +814,8 @@ TEST_F(worker_group_test, a_worker_that_cannot_reserve_its_undo_votes_no) {
 // deadline): the old version, untouched, on every worker.
 TEST_F(worker_group_test, a_worker_unreachable_at_its_vote_leaves_every_worker_at_the_old_version) {
   start({{}, {}, {"", false, 0, true}}, 2s);
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(130);
+  tensor_set old_set = initialised_at(130);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 130, result));
   tensor_set set = model_tensors(131);
   control::update_options atomic = fleet_atomic();
   atomic.hold_before_finish = 1s;  // the window between the streams and the votes
@@ -862,10 +847,8 @@ TEST_F(worker_group_test, a_worker_unreachable_at_its_vote_leaves_every_worker_a
 // reconcile() names the one it cannot reach.
 TEST_F(worker_group_test, a_worker_killed_in_its_commit_leaves_the_others_at_the_old_version) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(140);
+  tensor_set old_set = initialised_at(140);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 140, result));
   tensor_set set = model_tensors(141);
   workers_[2]->model.stall_ms = 500;
   workers_[2]->model.stall_load_after = 0;  // its commit's load
@@ -886,10 +869,8 @@ TEST_F(worker_group_test, a_worker_killed_in_its_commit_leaves_the_others_at_the
 // at any version; the other two are at the old version, whole.
 TEST_F(worker_group_test, a_worker_killed_in_its_rollback_is_named_and_the_others_hold_the_old_version) {
   start({{}, {}, {}});
-  run_to_completion(io_, init());
-  tensor_set old_set = model_tensors(150);
+  tensor_set old_set = initialised_at(150);
   control::update_result result;
-  ASSERT_FALSE(try_update(old_set, 150, result));
   tensor_set set = model_tensors(151);
   workers_[1]->model.fail_next_load = true;  // its commit fails
   workers_[0]->model.stall_ms = 500;
