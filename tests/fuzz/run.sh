@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang 14 (--config=fuzz, in an output base of
-# their own) and fuzzes each one for a bounded time from a copy of its seed corpus
-# (the repository is not modified). Prints one summary line; exits non-zero if the
+# Builds the libFuzzer targets with clang 14 (--config=fuzz, which is --config=asan:
+# in the output base ./refit check's ASan run uses, they are already built) and
+# fuzzes each one for a bounded time from a copy of its seed corpus (the
+# repository is not modified). Prints one summary line; exits non-zero if the
 # build fails or any target crashes, leaving the reproducer and log in the work dir.
 #
 #   tests/fuzz/run.sh                      20000 runs per target, at most 60 s each

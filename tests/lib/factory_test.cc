@@ -24,6 +24,12 @@
 #include "tests/lib/expect.h"
 #include "tests/support/run.h"
 
+// libtest_plugin.so is linked as an out-of-tree plugin is: with its own copy of the
+// core library, so both copies register the same globals (backend::engine's vtable)
+// with ASan, which clang's ASan reports as an ODR violation before main. The plugin
+// only ever uses its own copy (RTLD_LOCAL).
+extern "C" const char* __asan_default_options() { return "detect_odr_violation=0"; }
+
 namespace refit {
 namespace {
 
@@ -414,7 +420,11 @@ TEST_F(factory_test, plugin_of_another_build_is_load_failed_naming_both_builds) 
   EXPECT_THAT(e.message(), HasSubstr("the plugin was built as [no build stamp]"));
   // The stamp names what it must: refit's plugin ABI, the compiler, the library.
   const std::string stamp = refit_build_stamp();
+#if defined(__clang__)
+  EXPECT_THAT(stamp, HasSubstr("refit plugin ABI " REFIT_PLUGIN_STR(REFIT_PLUGIN_ABI_VERSION) "; clang "));
+#else
   EXPECT_THAT(stamp, HasSubstr("refit plugin ABI " REFIT_PLUGIN_STR(REFIT_PLUGIN_ABI_VERSION) "; gcc "));
+#endif
   EXPECT_THAT(stamp, HasSubstr("; libstdc++ 12 cxx11-abi 1; C++ 202002"));
 }
 
