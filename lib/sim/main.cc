@@ -1,0 +1,184 @@
+// simulate: one update predicted on SimGrid (./refit simulate; docs/scale.md).
+//
+//   simulate --metadata FILE [--workers N] [--engine tcp|ucx] [--topology star|chain|tree:K]
+//            [--rate 1gbit] [--cores N] [--latency-us U] [--buffer-bytes 8M] [--num-buffers 2]
+//            [--checksums] [--staged] [--no-direct] [--delta F] [--costs FILE] [--json]
+//
+// --metadata: the update's tensors as vLLM's metadata JSON (names, dtype_names,
+// shapes; the main job prints its model's with --print-layout). --costs: a JSON
+// object of costs.h's members (tcp_efficiency, ucx_efficiency, pack_gbps,
+// checksum_gbps, commit_gbps, stack_gbps, delta: [{fraction, encode_gbps, decode_gbps,
+// wire_fraction}], sources: [...]); tests/bench/sim_calibrate.py writes the
+// calibrated one. Prints a table, or with --json one JSON object.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <simgrid/s4u.hpp>
+
+#include <refit/error.h>
+#include <refit/json_reader.h>
+
+#include <refit/sim/stream.h>
+
+namespace {
+
+using namespace refit;
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr, "simulate: %s (see the comment at the top of lib/sim/main.cc)\n", why.c_str());
+  std::exit(2);
+}
+
+json read_json_file(const std::string& path, const std::string& flag) {
+  std::ifstream in(path);
+  if (!in) usage(flag + ": cannot read " + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return json::parse(text.str());
+  } catch (const std::exception& e) {
+    usage(flag + ": " + path + " is not JSON: " + e.what());
+  }
+}
+
+// "1gbit", "400gbit", "100mbit" or bits per second.
+double parse_rate(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  const std::string unit = end ? end : "";
+  if (v <= 0) usage("--rate: '" + text + "'");
+  if (unit.empty() || unit == "bit") return v;
+  if (unit == "kbit") return v * 1e3;
+  if (unit == "mbit") return v * 1e6;
+  if (unit == "gbit") return v * 1e9;
+  usage("--rate: unit of '" + text + "' (bit, kbit, mbit, gbit)");
+}
+
+std::uint64_t parse_bytes(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  const std::string unit = end ? end : "";
+  double scale = 1;
+  if (unit == "K" || unit == "KiB")
+    scale = 1024.0;
+  else if (unit == "M" || unit == "MiB")
+    scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB")
+    scale = 1024.0 * 1024 * 1024;
+  else if (!unit.empty())
+    usage("bytes: unit of '" + text + "' (K, M, G)");
+  if (v <= 0) usage("bytes: '" + text + "'");
+  return static_cast<std::uint64_t>(v * scale);
+}
+
+sim::costs read_costs(const json& j) {
+  sim::costs c;
+  json_reader r(j, "--costs");
+  auto gbps = [&](const char* key, double& into) {
+    if (j.contains(key)) into = j.at(key).get<double>() * 1e9;
+  };
+  if (j.contains("tcp_efficiency")) c.tcp_efficiency = j.at("tcp_efficiency").get<double>();
+  if (j.contains("ucx_efficiency")) c.ucx_efficiency = j.at("ucx_efficiency").get<double>();
+  gbps("pack_gbps", c.pack_bytes_per_s);
+  gbps("checksum_gbps", c.checksum_bytes_per_s);
+  gbps("commit_gbps", c.commit_bytes_per_s);
+  gbps("stack_gbps", c.stack_bytes_per_s);
+  if (j.contains("delta"))
+    for (const json& d : j.at("delta"))
+      c.delta.push_back({d.at("fraction").get<double>(), d.at("encode_gbps").get<double>() * 1e9,
+                         d.at("decode_gbps").get<double>() * 1e9, d.at("wire_fraction").get<double>()});
+  if (j.contains("sources"))
+    for (const json& s : j.at("sources")) c.sources.push_back(s.get<std::string>());
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string metadata_path, costs_path;
+  int workers = 1;
+  sim::stream_options options;
+  options.topology = links::topology::parse("star", "--topology");
+  sim::switch_platform platform;
+  bool as_json = false;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> const std::string& {
+      if (i + 1 >= args.size()) usage(a + " needs a value");
+      return args[++i];
+    };
+    try {
+      if (a == "--metadata")
+        metadata_path = value();
+      else if (a == "--costs")
+        costs_path = value();
+      else if (a == "--workers")
+        workers = std::stoi(value());
+      else if (a == "--engine")
+        options.engine = value();
+      else if (a == "--topology")
+        options.topology = links::topology::parse(value(), "--topology");
+      else if (a == "--rate")
+        platform.nic_bits_per_s = parse_rate(value());
+      else if (a == "--cores")
+        platform.cores = std::stoi(value());
+      else if (a == "--latency-us")
+        platform.latency_s = std::stod(value()) * 1e-6;
+      else if (a == "--buffer-bytes")
+        options.wire.buffer_bytes = parse_bytes(value());
+      else if (a == "--num-buffers")
+        options.wire.num_buffers = static_cast<std::uint32_t>(std::stoul(value()));
+      else if (a == "--checksums")
+        options.wire.checksums = true;
+      else if (a == "--staged")
+        options.staged = true;
+      else if (a == "--no-direct")
+        options.direct_receive = false;
+      else if (a == "--delta")
+        options.delta_fraction = std::stod(value());
+      else if (a == "--json")
+        as_json = true;
+      else
+        usage("unknown argument '" + a + "'");
+    } catch (const refit::error& e) {
+      usage(e.what());
+    } catch (const std::logic_error&) {
+      usage(a + ": not a number");
+    }
+  }
+  if (metadata_path.empty()) usage("--metadata FILE is required");
+  try {
+    const json meta_json = read_json_file(metadata_path, "--metadata");
+    json_reader reader(meta_json, "--metadata " + metadata_path);
+    const update_metadata meta = read_update_metadata(reader);
+    const sim::costs costs = costs_path.empty() ? sim::costs{} : read_costs(read_json_file(costs_path, "--costs"));
+    // SimGrid's engine, quiet: its log goes to stderr only for errors.
+    int sg_argc = 2;
+    char arg0[] = "simulate";
+    char arg1[] = "--log=root.thres:critical";
+    char* sg_argv[] = {arg0, arg1, nullptr};
+    simgrid::s4u::Engine engine(&sg_argc, sg_argv);
+    const sim::prediction p = sim::simulate_stream(meta, workers, options, platform, costs);
+    if (as_json) {
+      json out = p.to_json();
+      out["workers"] = workers;
+      out["engine"] = options.engine;
+      out["topology"] = options.topology.to_string();
+      out["sources"] = costs.sources;
+      std::cout << out.dump() << "\n";
+    } else {
+      std::cout << p.table();
+      for (const std::string& s : costs.sources) std::cout << "  cost: " << s << "\n";
+    }
+  } catch (const refit::error& e) {
+    std::fprintf(stderr, "simulate: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
