@@ -70,6 +70,7 @@ section_consumer() { bash tests/consumer/run.sh; }
 
 # The relay on an emulated network (network namespaces: needs root and iproute2):
 # star vs chain, 1 and 4 workers, tcp and ucx. 77: cannot run here (said why).
+# Then the simulation's calibration on the same rows (tests/bench/sim_calibrate.py).
 section_netns() {
   if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
     env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null 2>&1 || true
@@ -81,8 +82,11 @@ section_netns() {
   [ "$rc" -eq 0 ] && { bash tests/bench/netns_scale.sh --quick --engine ucx --buffer-bytes 1M || rc=$?; }
   if [ "$rc" -eq 77 ]; then
     echo "netns scale: NOT RUN on this machine (the reason is above)"
-    return 0
+    rc=0
   fi
+  # The simulation (lib/sim) against the committed emulated-network rows of the
+  # quick set: refit's planner or the simulator changing breaks the calibration here.
+  python3 tests/bench/sim_calibrate.py --quick --bin "$(bazel info bazel-bin 2>/dev/null)" || rc=1
   return $rc
 }
 

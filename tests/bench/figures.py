@@ -406,6 +406,22 @@ def verl() -> list[str]:
         ["what", "transfer", "refit alone / through verl", "of the transfer"], rows)
 
 
+def sim_calibration() -> list[str]:
+    run = Run("sim_calibration.json")
+    rows = []
+    for r in run["rows"]:
+        err = f"{100 * r['error']:+.1f}%" + (" (calibrated on)" if r["calibrated"] else "")
+        rows.append([r["row"], f"{r['measured_s']:.4f} s", f"{r['predicted_s']:.4f} s", err,
+                     f"{r['limit_s']:.4f} s", f"`docs/bench/{r['source']}`"])
+    checked = [abs(r["error"]) for r in run["rows"] if not r["calibrated"]]
+    return [f"Predicted by `lib/sim` against the measured medians of the emulated network (1 Gbit/s NICs, one "
+            f"switch, 9 processes on this 2-core machine): {len(checked)} rows checked, the worst within "
+            f"{100 * max(checked):.1f}% (tolerance {100 * run['tolerance']:.0f}%). Computed by {run.record()}.", ""] + table(
+        ["row", "measured", "predicted", "error", "physical limit", "measured in"], rows) + [
+        "", "What the simulation charges besides the network (`docs/bench/sim_costs.json`):", ""] + [
+        f"- {s}" for s in run["costs"]["sources"]]
+
+
 def readme() -> list[str]:
     lo, ns, ux = Run("loopback.json"), Run("netns_scale.json"), Run("ucx_bench_5.json")
     sh, vl = Run("sharded_ucx_sm.json"), Run("vllm_serve_bench.json")
@@ -458,6 +474,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "vllm_families": vllm_families,
     "fleet_atomic": fleet_atomic,
     "verl": verl,
+    "sim_calibration": sim_calibration,
 }
 
 # Where a figure written by hand would hide: these files (a section of one) outside the blocks.
