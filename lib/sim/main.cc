@@ -1,15 +1,19 @@
 // simulate: one update predicted on SimGrid (./refit simulate; docs/scale.md).
 //
-//   simulate --metadata FILE [--workers N] [--engine tcp|ucx] [--topology star|chain|tree:K]
+//   simulate (--metadata FILE | --hf-config FILE [--weights bf16|fp8] [--print-model])
+//            [--workers N] [--engine tcp|ucx] [--topology star|chain|tree:K]
 //            [--rate 1gbit] [--cores N] [--latency-us U] [--buffer-bytes 8M] [--num-buffers 2]
 //            [--checksums] [--staged] [--no-direct] [--delta F] [--costs FILE] [--json]
 //
 // --metadata: the update's tensors as vLLM's metadata JSON (names, dtype_names,
-// shapes; the main job prints its model's with --print-layout). --costs: a JSON
-// object of costs.h's members (tcp_efficiency, ucx_efficiency, pack_gbps,
-// checksum_gbps, commit_gbps, stack_gbps, delta: [{fraction, encode_gbps, decode_gbps,
-// wire_fraction}], sources: [...]); tests/bench/sim_calibrate.py writes the
-// calibrated one. Prints a table, or with --json one JSON object.
+// shapes; the main job prints its model's with --print-layout). --hf-config: a
+// Hugging Face config.json (lib/sim/models/ has docs/scale.md's), its checkpoint's
+// tensors in bf16 or fp8 (hf_model.h); --print-model prints their count and bytes.
+// --costs: a JSON object of costs.h's members (tcp_efficiency, ucx_efficiency,
+// pack_gbps, checksum_gbps, commit_gbps, stack_gbps, delta: [{fraction,
+// encode_gbps, decode_gbps, wire_fraction}], sources: [...]);
+// tests/bench/sim_calibrate.py writes the calibrated one, docs/bench/sim_costs.json.
+// Prints a table, or with --json one JSON object.
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -23,6 +27,7 @@
 #include <refit/error.h>
 #include <refit/json_reader.h>
 
+#include <refit/sim/hf_model.h>
 #include <refit/sim/stream.h>
 
 namespace {
@@ -100,7 +105,9 @@ sim::costs read_costs(const json& j) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string metadata_path, costs_path;
+  std::string metadata_path, costs_path, hf_config_path;
+  dtype weights = dtype::bfloat16;
+  bool print_model = false;
   int workers = 1;
   sim::stream_options options;
   options.topology = links::topology::parse("star", "--topology");
@@ -118,6 +125,14 @@ int main(int argc, char** argv) {
         metadata_path = value();
       else if (a == "--costs")
         costs_path = value();
+      else if (a == "--hf-config")
+        hf_config_path = value();
+      else if (a == "--weights") {
+        const std::string w = value();
+        if (w != "bf16" && w != "fp8") usage("--weights: bf16 or fp8, not '" + w + "'");
+        weights = w == "fp8" ? dtype::float8_e4m3fn : dtype::bfloat16;
+      } else if (a == "--print-model")
+        print_model = true;
       else if (a == "--workers")
         workers = std::stoi(value());
       else if (a == "--engine")
@@ -152,11 +167,22 @@ int main(int argc, char** argv) {
       usage(a + ": not a number");
     }
   }
-  if (metadata_path.empty()) usage("--metadata FILE is required");
+  if (metadata_path.empty() == hf_config_path.empty()) usage("one of --metadata FILE and --hf-config FILE");
   try {
-    const json meta_json = read_json_file(metadata_path, "--metadata");
-    json_reader reader(meta_json, "--metadata " + metadata_path);
-    const update_metadata meta = read_update_metadata(reader);
+    update_metadata meta;
+    if (!hf_config_path.empty()) {
+      const sim::hf_model m = sim::read_hf_model(read_json_file(hf_config_path, "--hf-config"), weights);
+      meta = m.meta;
+      if (print_model) {
+        std::printf("%s: %zu tensors, %.4g parameters, %.4g GB\n", m.architecture.c_str(), meta.tensors.size(),
+                    m.parameters, static_cast<double>(meta.total_bytes()) / 1e9);
+        return 0;
+      }
+    } else {
+      const json meta_json = read_json_file(metadata_path, "--metadata");
+      json_reader reader(meta_json, "--metadata " + metadata_path);
+      meta = read_update_metadata(reader);
+    }
     const sim::costs costs = costs_path.empty() ? sim::costs{} : read_costs(read_json_file(costs_path, "--costs"));
     // SimGrid's engine, quiet: its log goes to stderr only for errors.
     int sg_argc = 2;
