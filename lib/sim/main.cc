@@ -4,6 +4,10 @@
 //            [--workers N] [--engine tcp|ucx] [--topology star|chain|tree:K]
 //            [--rate 1gbit] [--cores N] [--latency-us U] [--buffer-bytes 8M] [--num-buffers 2]
 //            [--checksums] [--staged] [--no-direct] [--delta F] [--costs FILE] [--json]
+//   sharded (M trainer ranks to N workers on a cluster of GPUs, one NIC each):
+//            (--fsdp M | --hsdp R,S) [--replicas R] [--tp T] [--rate 400gbit]
+//            [--device-copy-gbps 1000] [--engine ucx|tcp] [--buffer-bytes 64M]
+//            [--delta F [--codec-cores C]]
 //
 // --metadata: the update's tensors as vLLM's metadata JSON (names, dtype_names,
 // shapes; the main job prints its model's with --print-layout). --hf-config: a
@@ -28,6 +32,7 @@
 #include <refit/json_reader.h>
 
 #include <refit/sim/hf_model.h>
+#include <refit/sim/sharded.h>
 #include <refit/sim/stream.h>
 
 namespace {
@@ -113,6 +118,11 @@ int main(int argc, char** argv) {
   options.topology = links::topology::parse("star", "--topology");
   sim::switch_platform platform;
   bool as_json = false;
+  bool sharded = false;
+  sim::trainer_layout trainer;
+  sim::worker_layout inference;
+  sim::cluster_platform cluster;
+  int codec_cores = 1;
   std::vector<std::string> args(argv + 1, argv + argc);
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -159,6 +169,28 @@ int main(int argc, char** argv) {
         options.delta_fraction = std::stod(value());
       else if (a == "--json")
         as_json = true;
+      else if (a == "--fsdp") {
+        sharded = true;
+        trainer.mesh = {std::stol(value())};
+        trainer.placements = {placement::shard(0)};
+      } else if (a == "--hsdp") {
+        // R,S: R replicas of S-way FSDP.
+        sharded = true;
+        const std::string v = value();
+        const auto comma = v.find(',');
+        if (comma == std::string::npos) usage("--hsdp R,S");
+        trainer.mesh = {std::stol(v.substr(0, comma)), std::stol(v.substr(comma + 1))};
+        trainer.placements = {placement::replicate(), placement::shard(0)};
+      } else if (a == "--replicas") {
+        sharded = true;
+        inference.replicas = std::stoi(value());
+      } else if (a == "--tp") {
+        sharded = true;
+        inference.tp = std::stoi(value());
+      } else if (a == "--codec-cores")
+        codec_cores = std::stoi(value());
+      else if (a == "--device-copy-gbps")
+        cluster.device_copy_bytes_per_s = std::stod(value()) * 1e9;
       else
         usage("unknown argument '" + a + "'");
     } catch (const refit::error& e) {
@@ -190,7 +222,19 @@ int main(int argc, char** argv) {
     char arg1[] = "--log=root.thres:critical";
     char* sg_argv[] = {arg0, arg1, nullptr};
     simgrid::s4u::Engine engine(&sg_argc, sg_argv);
-    const sim::prediction p = sim::simulate_stream(meta, workers, options, platform, costs);
+    sim::prediction p;
+    if (sharded) {
+      cluster.nic_bits_per_s = platform.nic_bits_per_s;
+      if (platform.latency_s > 0) cluster.latency_s = platform.latency_s;
+      sim::sharded_options so;
+      so.wire = options.wire;
+      so.engine = options.engine == "tcp" || options.engine == "tcp_sharded" ? "tcp_sharded" : "ucx_sharded";
+      so.delta_fraction = options.delta_fraction;
+      so.codec_cores = codec_cores;
+      p = sim::simulate_sharded(meta, trainer, inference, so, cluster, costs);
+    } else {
+      p = sim::simulate_stream(meta, workers, options, platform, costs);
+    }
     if (as_json) {
       json out = p.to_json();
       out["workers"] = workers;

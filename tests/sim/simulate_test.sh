@@ -38,6 +38,49 @@ for k in bad:
 sys.exit(1 if bad else 0)
 PY
 
+# Sharded (M trainer ranks to N workers) from a Hugging Face config: a tiny Llama
+# and a tiny DeepSeek-V3-style MoE.
+cat >"$tmp/llama.json" <<'JSON'
+{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
+JSON
+cat >"$tmp/moe.json" <<'JSON'
+{"model_type": "deepseek_v3", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+ "n_routed_experts": 8, "n_shared_experts": 1, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+ "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
+ "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 1024}
+JSON
+"$simulate" --hf-config "$tmp/moe.json" --print-model | grep -q "^deepseek_v3: " || fail "--print-model"
+shard() { "$simulate" --hf-config "$tmp/$1.json" --rate 400gbit --buffer-bytes 64K --json "${@:2}"; }
+one=$(shard llama --fsdp 2 --tp 2)
+two=$(shard llama --fsdp 2 --tp 2 --replicas 2)
+fp8=$(shard llama --fsdp 2 --tp 2 --weights fp8)
+moe=$(shard moe --hsdp 2,2 --tp 4)
+delta=$(shard llama --fsdp 2 --tp 2 --delta 0.05)
+python3 - "$one" "$two" "$fp8" "$moe" "$delta" <<'PY' || fail "a sharded invariant does not hold (above)"
+import json, sys
+one, two, fp8, moe, delta = (json.loads(a) for a in sys.argv[1:])
+def tx(p): return sum(n["tx_bytes"] for n in p["nics"])
+def rx(p): return sum(n["rx_bytes"] for n in p["nics"])
+checks = {
+    "every byte sent is received": all(abs(tx(p) - rx(p)) < 1 for p in (one, two, fp8, moe, delta)),
+    "two replicas take twice the bytes": abs(tx(two) - 2 * tx(one)) < 1,
+    "fp8 weights move fewer bytes": tx(fp8) < 0.7 * tx(one),
+    "a delta moves fewer bytes": tx(delta) < 0.5 * tx(one),
+    "no run beats the busiest NIC at line rate": all(p["seconds"] >= p["limit_seconds"] for p in (one, two, fp8, moe)),
+    "the MoE's experts arrive (bytes to every worker)": all(n["rx_bytes"] > 0 for n in moe["nics"] if n["host"].startswith("worker")),
+}
+bad = [k for k, ok in checks.items() if not ok]
+for k in bad:
+    print("FAILED:", k)
+print("sharded: one", one["seconds"], "two replicas", two["seconds"], "fp8", fp8["seconds"], "moe", moe["seconds"],
+      "delta", delta["seconds"])
+sys.exit(1 if bad else 0)
+PY
+echo '{"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "vocab_size": 8, "num_attention_heads": 1}' >"$tmp/gpt2.json"
+if out=$("$simulate" --hf-config "$tmp/gpt2.json" --print-model 2>&1); then fail "model_type gpt2 accepted"; fi
+grep -q "model_type 'gpt2'" <<<"$out" || fail "gpt2: '$out'"
+
 # Bad input: a clear error and status 2 (usage) or 1, never a crash.
 if out=$("$simulate" --metadata "$tmp/meta.json" --topology ring 2>&1); then fail "--topology ring accepted"; fi
 grep -q "topology" <<<"$out" || fail "--topology ring: '$out' does not name the topology"

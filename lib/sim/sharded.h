@@ -1,0 +1,68 @@
+// A sharded update (tcp_sharded, ucx_sharded: M trainer ranks to N workers) played
+// on SimGrid: refit's own planner (plan_transfer over the trainer's DTensor layout
+// and each worker's tensor- and expert-parallel layout) says which bytes go from
+// which rank to which worker; SimGrid moves them on a cluster of GPUs with one NIC
+// each.
+//
+// The model: every trainer rank streams each of its pairs' bytes to that worker
+// in buckets of buffer_bytes, packing the next round's buckets (a device copy)
+// while the current round moves; every worker unpacks each round's buckets (a
+// device copy) as they land. A round is one bucket of every pair that still has
+// bytes, so ranks and workers proceed in step per round: at most two rounds are
+// in flight, as two staging slots allow.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <refit/backend/bucket_plan.h>
+#include <refit/layout/layout.h>
+#include <refit/metadata.h>
+#include <refit/sim/costs.h>
+#include <refit/sim/report.h>
+
+namespace refit::sim {
+
+/// GPUs with one NIC each (`nic_bits_per_s` each way) on a non-blocking fabric
+/// (a fat tree with full bisection: each NIC is its own limit); trainer and
+/// inference GPUs on different nodes, so every byte crosses two NICs.
+struct cluster_platform {
+  double nic_bits_per_s = 400e9;
+  double latency_s = 5e-6;
+  /// A device copy (packing a bucket from shards, unpacking it into the model).
+  double device_copy_bytes_per_s = 1e12;
+};
+
+/// The trainer's DTensor placements over its mesh: FSDP is {M} with {shard(0)},
+/// HSDP {R, S} with {replicate, shard(0)}.
+struct trainer_layout {
+  std::vector<std::int64_t> mesh{1};
+  std::vector<placement> placements{placement::shard(0)};
+};
+
+/// The inference side: `replicas` copies of the model, each over `tp` workers
+/// (vLLM's tensor parallelism for dense weights; routed experts split whole over
+/// the same `tp` ranks, expert-parallel, expert e on rank e % tp).
+struct worker_layout {
+  int replicas = 1;
+  int tp = 1;
+};
+
+struct sharded_options {
+  std::string engine = "ucx_sharded";  ///< or tcp_sharded (the efficiency differs)
+  wire_params wire;
+  /// > 0: a delta update changing this fraction of the elements: each rank
+  /// encodes what it sends (costs.h's codec at this fraction, on `codec_cores`
+  /// cores of its own), each worker decodes and hashes what it gets.
+  double delta_fraction = 0;
+  int codec_cores = 1;
+};
+
+/// Each worker's layout for `global` (see worker_layout).
+std::vector<dest_layout> worker_layouts(const update_metadata& global, const worker_layout& workers);
+
+prediction simulate_sharded(const update_metadata& global, const trainer_layout& trainer, const worker_layout& workers,
+                            const sharded_options& options, const cluster_platform& platform, const costs& costs);
+
+}  // namespace refit::sim
