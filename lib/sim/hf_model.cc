@@ -67,7 +67,7 @@ void mlp(builder& b, const std::string& at, std::int64_t hidden, std::int64_t in
 hf_model read_hf_model(const json& config, dtype weights) {
   if (!config.is_object()) throw_error(errc::invalid_argument, "config.json: not a JSON object");
   if (weights != dtype::bfloat16 && weights != dtype::float8_e4m3fn)
-    throw_error(errc::invalid_argument, "simulate: weights are bfloat16 or float8_e4m3fn");
+    throw_error(errc::invalid_argument, "weights are bfloat16 or float8_e4m3fn");
   const std::string type = config.contains("model_type") && config.at("model_type").is_string()
                                ? config.at("model_type").get<std::string>()
                                : "";

@@ -45,7 +45,7 @@ void run_for(double seconds) {
 }  // namespace
 
 std::vector<dest_layout> worker_layouts(const update_metadata& global, const worker_layout& w) {
-  if (w.replicas < 1 || w.tp < 1) throw_error(errc::invalid_argument, "simulate: replicas and tp must be at least 1");
+  if (w.replicas < 1 || w.tp < 1) throw_error(errc::invalid_argument, "replicas and tp must be at least 1");
   update_metadata dense;
   std::vector<std::size_t> experts;
   for (std::size_t t = 0; t < global.tensors.size(); ++t) {
@@ -75,7 +75,7 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
                             const sharded_options& o, const cluster_platform& platform, const costs& c) {
   o.wire.validate();
   if (o.engine != "ucx_sharded" && o.engine != "tcp_sharded")
-    throw_error(errc::invalid_argument, "simulate: sharded engine '" + o.engine + "' (ucx_sharded or tcp_sharded)");
+    throw_error(errc::invalid_argument, "sharded engine '" + o.engine + "' (ucx_sharded or tcp_sharded)");
   device_mesh mesh;
   mesh.shape = trainer.mesh;
   const source_layout source = source_layout::uniform(global, mesh, trainer.placements);
@@ -86,7 +86,7 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
   const double line = platform.nic_bits_per_s / 8;
   const double bucket = static_cast<double>(o.wire.buffer_bytes);
   if (o.delta_fraction < 0 || o.delta_fraction > 1 || o.codec_cores < 1)
-    throw_error(errc::invalid_argument, "simulate: delta fraction in [0, 1] and codec cores at least 1");
+    throw_error(errc::invalid_argument, "delta fraction in [0, 1] and codec cores at least 1");
   const bool delta = o.delta_fraction > 0;
   const delta_rates codec = delta ? c.delta_at(o.delta_fraction) : delta_rates{};
   const double wire_fraction = delta ? codec.wire_fraction : 1.0;
@@ -101,16 +101,31 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
   sg4::Engine& e = *sg4::Engine::get_instance();
   e.set_config("network/model:CM02");
   e.set_config("network/crosstraffic:0");
-  auto* zone = sg4::create_star_zone("fabric");
   std::vector<sg4::Host*> hosts;
-  for (int h = 0; h < ranks + n; ++h) {
-    const std::string name = h < ranks ? "trainer" + std::to_string(h) : "worker" + std::to_string(h - ranks);
-    auto* host = zone->create_host(name, core_flops);
-    auto* nic = zone->create_split_duplex_link(name + ".nic", line * efficiency)->set_latency(platform.latency_s);
-    zone->add_route(host->get_netpoint(), nullptr, nullptr, nullptr, {{nic, sg4::LinkInRoute::Direction::UP}}, true);
-    hosts.push_back(host);
+  auto name_of = [&](int h) {
+    return h < ranks ? "trainer" + std::to_string(h) : "worker" + std::to_string(h - ranks);
+  };
+  if (!platform.file.empty()) {
+    e.load_platform(platform.file);
+    for (int h = 0; h < ranks + n; ++h) {
+      sg4::Host* host = sg4::Host::by_name_or_null(name_of(h));
+      if (!host)
+        throw_error(errc::invalid_argument, "platform " + platform.file + " has no host '" + name_of(h) +
+                                                "' (it needs trainer0 .. trainer" + std::to_string(ranks - 1) +
+                                                " and worker0 .. worker" + std::to_string(n - 1) + ")");
+      hosts.push_back(host);
+    }
+  } else {
+    auto* zone = sg4::create_star_zone("fabric");
+    for (int h = 0; h < ranks + n; ++h) {
+      auto* host = zone->create_host(name_of(h), core_flops);
+      auto* nic =
+          zone->create_split_duplex_link(name_of(h) + ".nic", line * efficiency)->set_latency(platform.latency_s);
+      zone->add_route(host->get_netpoint(), nullptr, nullptr, nullptr, {{nic, sg4::LinkInRoute::Direction::UP}}, true);
+      hosts.push_back(host);
+    }
+    zone->seal();
   }
-  zone->seal();
 
   // Per pair: its buckets' sizes, by round.
   auto buckets_of = [&](double bytes) {

@@ -32,6 +32,10 @@ struct cluster_platform {
   double latency_s = 5e-6;
   /// A device copy (packing a bucket from shards, unpacking it into the model).
   double device_copy_bytes_per_s = 1e12;
+  /// A SimGrid platform file (XML, or a .so SimGrid loads) in place of the fabric
+  /// above: it must have hosts trainer0 .. trainer<M-1> and worker0 ..
+  /// worker<N-1>; nic_bits_per_s is then only what the limit is computed with.
+  std::string file;
 };
 
 /// The trainer's DTensor placements over its mesh: FSDP is {M} with {shard(0)},

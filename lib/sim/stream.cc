@@ -72,11 +72,11 @@ void run_for(double seconds) {
 
 prediction simulate_stream(const update_metadata& meta, int workers, const stream_options& o,
                            const switch_platform& platform, const costs& c) {
-  if (workers < 1) throw_error(errc::invalid_argument, "simulate: workers must be at least 1");
+  if (workers < 1) throw_error(errc::invalid_argument, "workers must be at least 1");
   if (o.engine != "tcp" && o.engine != "ucx")
-    throw_error(errc::invalid_argument, "simulate: stream engine '" + o.engine + "' (tcp or ucx)");
+    throw_error(errc::invalid_argument, "stream engine '" + o.engine + "' (tcp or ucx)");
   if (o.delta_fraction < 0 || o.delta_fraction > 1)
-    throw_error(errc::invalid_argument, "simulate: delta fraction must be in [0, 1]");
+    throw_error(errc::invalid_argument, "delta fraction must be in [0, 1]");
   o.wire.validate();
   const bucket_plan plan = plan_buckets(meta, o.wire);
   const bool delta = o.delta_fraction > 0;

@@ -414,12 +414,33 @@ def sim_calibration() -> list[str]:
         rows.append([r["row"], f"{r['measured_s']:.4f} s", f"{r['predicted_s']:.4f} s", err,
                      f"{r['limit_s']:.4f} s", f"`docs/bench/{r['source']}`"])
     checked = [abs(r["error"]) for r in run["rows"] if not r["calibrated"]]
-    return [f"Predicted by `lib/sim` against the measured medians of the emulated network (1 Gbit/s NICs, one "
-            f"switch, 9 processes on this 2-core machine): {len(checked)} rows checked, the worst within "
-            f"{100 * max(checked):.1f}% (tolerance {100 * run['tolerance']:.0f}%). Computed by {run.record()}.", ""] + table(
-        ["row", "measured", "predicted", "error", "physical limit", "measured in"], rows) + [
-        "", "What the simulation charges besides the network (`docs/bench/sim_costs.json`):", ""] + [
-        f"- {s}" for s in run["costs"]["sources"]]
+    caption = (f"Predicted by `lib/sim` against the measured medians of the emulated network (1 Gbit/s NICs, one "
+               f"switch, 9 processes on this 2-core machine): {len(checked)} rows checked, the worst within "
+               f"{100 * max(checked):.1f}% (tolerance {100 * run['tolerance']:.0f}%). Computed by {run.record()}.")
+    head = ["row", "measured", "predicted", "error", "physical limit", "measured in"]
+    return ([caption, ""] + table(head, rows) +
+            ["", "What the simulation charges besides the network (`docs/bench/sim_costs.json`):", ""] +
+            [f"- {s}" for s in run["costs"]["sources"]])
+
+
+def sim_scale() -> list[str]:
+    run = Run("sim_scale.json")
+    rows = []
+    for r in run["rows"]:
+        if "error" in r:
+            rows.append([r["case"], r["variant"], "refused", "", "", r["error"].replace("|", "/"), r["published"]])
+            continue
+        limit_what = f"{r['limit_seconds']:.3f} s ({r['busiest_nic']}: {r['busiest_bytes'] / 1e9:.1f} GB)"
+        phases = {p["name"]: p["seconds"] for p in r["phases"]}
+        packing = phases.get("trainer packing", 0)
+        limits = "the codec (trainer packing)" if packing > 0.5 * r["seconds"] else "the busiest NIC"
+        rows.append([r["case"], r["variant"], f"{r['seconds']:.3f} s", limit_what, f"{100 * r['busiest_share']:.0f}%",
+                     f"{limits}; packing {packing:.3f} s", r["published"]])
+    return [f"Predicted by {run.record()}: ucx_sharded on GPUs with one {run['nic'].replace('gbit', ' Gbit/s')} NIC "
+            f"each on a non-blocking fat tree, {run['buffer_bytes']} buckets, device copies at "
+            f"{run['device_copy_gbps']} GB/s (an assumption), the calibrated costs of `docs/bench/sim_costs.json`. "
+            "One simulation per row (it is deterministic).", ""] + table(
+        ["case", "bytes", "predicted", "physical limit (busiest NIC)", "NIC busy", "what limits it", "published"], rows)
 
 
 def readme() -> list[str]:
@@ -475,6 +496,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "fleet_atomic": fleet_atomic,
     "verl": verl,
     "sim_calibration": sim_calibration,
+    "sim_scale": sim_scale,
 }
 
 # Where a figure written by hand would hide: these files (a section of one) outside the blocks.

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# tests/sim/BUILD: simulate_test. Arguments: the simulate binary, the main job.
+# tests/sim/BUILD: simulate_test. Arguments: the simulate binary, the main job, a
+# platform file.
 set -euo pipefail
 simulate=$1
 job=$2
+platform=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "simulate_test: $*" >&2; exit 1; }
@@ -77,6 +79,13 @@ print("sharded: one", one["seconds"], "two replicas", two["seconds"], "fp8", fp8
       "delta", delta["seconds"])
 sys.exit(1 if bad else 0)
 PY
+# A platform file of one's own: the same transfer, a spine shared by both pairs'
+# routes; one without the hosts the layout needs is refused naming the host.
+own=$(shard llama --fsdp 2 --tp 2 --platform "$platform")
+python3 -c "import json,sys; p=json.loads(sys.argv[1]); assert p['seconds'] > 0 and p['busiest_nic'], p" "$own" ||
+  fail "--platform $platform: $own"
+if out=$(shard llama --fsdp 4 --tp 2 --platform "$platform" 2>&1); then fail "a platform without trainer2 accepted"; fi
+grep -q "no host 'trainer2'" <<<"$out" || fail "--platform without trainer2: '$out'"
 echo '{"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "vocab_size": 8, "num_attention_heads": 1}' >"$tmp/gpt2.json"
 if out=$("$simulate" --hf-config "$tmp/gpt2.json" --print-model 2>&1); then fail "model_type gpt2 accepted"; fi
 grep -q "model_type 'gpt2'" <<<"$out" || fail "gpt2: '$out'"
