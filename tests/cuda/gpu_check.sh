@@ -166,10 +166,18 @@ run_step() {
 
 say "mode=$mode${dry_reason:+ ($dry_reason)} budget=${budget}s python=$py ($PYTAG) nccl=${nccl_lib:-none}"
 run_step preflight preflight - 60 "bash '$here/gpu_preflight.sh'"
+# Surrounding blanks off (not xargs: it reads quotes, and the steps file's comments
+# have apostrophes).
+trim() {
+  local s=$1
+  s="${s#"${s%%[![:space:]]*}"}"
+  printf '%s' "${s%"${s##*[![:space:]]}"}"
+}
 while IFS='|' read -r name kind backends limit cmd; do
-  name=$(echo "$name" | xargs); kind=$(echo "$kind" | xargs); limit=$(echo "$limit" | xargs)
-  backends=$(echo "$backends" | tr -d ' ')
+  name=$(trim "$name")
   case "$name" in ''|'#'*) continue ;; esac
+  kind=$(trim "$kind"); limit=$(trim "$limit")
+  backends=$(echo "$backends" | tr -d ' ')
   cmd=$(echo "$cmd" | sed 's/^ *//')
   run_step "$name" "$kind" "${backends:--}" "$limit" "$cmd"
 done <"$steps_file"
