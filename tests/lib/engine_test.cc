@@ -80,7 +80,7 @@ class probe_engine final : public backend::typed_engine<probe_init, probe_update
  public:
   probe_engine(const weight_transfer_config& config, const engine_context& context, bool defers)
       : typed_engine(config, context, {.direct_receive = true, .staged_commit = true, .defers_processing = defers}),
-        transport_gate(context.executor), process_gate(context.executor), defers_(defers) {
+        transport_gate(context.executor), process_gate(context.executor) {
     process_gate.set();
   }
   std::string_view backend() const noexcept override { return "probe"; }
@@ -132,9 +132,6 @@ class probe_engine final : public backend::typed_engine<probe_init, probe_update
   void do_refuse_update(errc kind, const std::string& reason) noexcept override {
     refusals.push_back(std::string(errc_name(kind)) + ": " + reason);
   }
-
- private:
-  bool defers_;
 };
 
 json update_json(bool block = false, bool fail = false) {

@@ -999,10 +999,11 @@ TEST(for_each_run, property_runs_are_the_boxes_bytes_in_order_and_maximal) {
     for (std::size_t k = 0; k < runs.size(); ++k) {
       ASSERT_GT(runs[k].second, 0u);
       ASSERT_EQ(runs[k].second % element, 0u);
-      if (k > 0)
+      if (k > 0) {
         ASSERT_GT(runs[k].first, runs[k - 1].first + runs[k - 1].second)
             << "runs must be maximal (not adjacent) and increasing: " << rb.b.to_string() << " of "
             << shape_to_string(rb.shape);
+      }
       for (std::uint64_t o = 0; o < runs[k].second; ++o) bytes.push_back(runs[k].first + o);
     }
     ASSERT_EQ(bytes, naive_byte_offsets(rb.shape, rb.b, element))

@@ -384,7 +384,9 @@ TEST(ucx, inits_updates_and_failures_leave_no_descriptors_behind) {
     }
     EXPECT_TRUE(run_until(io, [&] { return sent->done && received->done; })) << "a hang";
     // (A trainer shut down mid-update may still have delivered it all: no error then.)
-    if (i % 3 != 1) EXPECT_FALSE(received->error) << received->message();
+    if (i % 3 != 1) {
+      EXPECT_FALSE(received->error) << received->message();
+    }
   };
   round(0);  // first use: UCX loads its modules, once per process
   const int fds = open_descriptors();
@@ -737,7 +739,7 @@ TEST(ucx_delta, a_relay_without_the_base_forwards_full_buckets_to_children_that_
   // A chain 1 -> 2 -> 3: rank 2 has no model memory to decode against. The stream
   // goes full; rank 3 took the offer and reads each bucket's form (0, its own
   // bytes) from rank 2. Then rank 3 alone lacks the base: rank 2 answers for it.
-  for (const std::vector<bool> mask : {std::vector<bool>{true, false, true}, std::vector<bool>{true, true, false}}) {
+  for (const std::vector<bool>& mask : {std::vector<bool>{true, false, true}, std::vector<bool>{true, true, false}}) {
     ucx_group g(3, "chain", false, small_wire(), /*delta=*/true, 0, mask);
     g.connect();
     tensor_set set = mixed(7);
