@@ -1,12 +1,14 @@
 """The ``vllm serve`` the tests of this folder share (``served``): started once
 per session (a minute or more here), served with refit's backend and with
 fault_extension's worker extension (refit's fleet verbs, plus a switch that makes
-the next load fail), stopped at the end, and checked to have stayed up."""
+the next load fail), stopped at the end, and checked to have stayed up; and
+test_fleet.py's second replica, started beside test_serve.py's tests."""
 
 from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,8 +27,13 @@ def server_env(secret: str) -> dict[str, str]:
     return {"REFIT_AUTH_SECRET_FILE": secret, "UCX_NET_DEVICES": "lo", "PYTHONPATH": path}
 
 
+def fleet_replica(model: str, log: str, secret: str) -> Server:
+    """test_fleet.py's second replica: the shared server's model, secret and extension."""
+    return Server(model, log + ".fleet", env=server_env(secret), extra_args=EXTENSION)
+
+
 @pytest.fixture(scope="session")
-def served(tmp_path_factory):
+def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_serve")
     model = make_model(os.environ.get("REFIT_VLLM_SERVE_MODEL") or str(root / "model"))
     secret = root / "secret"
@@ -38,9 +45,22 @@ def served(tmp_path_factory):
     log = os.environ.get("REFIT_VLLM_SERVE_LOG") or str(root / "vllm_serve.log")
     server = Server(model, log, env=server_env(str(secret)), extra_args=EXTENSION)
     server.start()
+    # test_fleet.py's second replica starts now, beside test_serve.py's tests: a
+    # start is a minute of imports on one core, and those tests leave a core idle.
+    ahead = None
+    if any(item.module.__name__.endswith("test_fleet") for item in request.session.items):
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-serve-fleet")
+        ahead = pool.submit(fleet_replica(model, log, str(secret)).start)
+        pool.shutdown(wait=False)
     try:
-        yield {"server": server, "model": model, "secret": str(secret), "wrong_secret": str(wrong), "log": log}
+        yield {"server": server, "model": model, "secret": str(secret), "wrong_secret": str(wrong), "log": log,
+               "fleet_replica": ahead}
     finally:
         alive = server.alive()
         server.stop()
+        if ahead is not None:  # not taken (test_fleet.py did not run): stop it
+            try:
+                ahead.result().stop()
+            except Exception:  # noqa: BLE001 - it failed to start: test_fleet.py reported it
+                pass
         assert alive, f"vllm serve died during the tests; see {log}"

