@@ -426,7 +426,12 @@ def sim_calibration() -> list[str]:
 def sim_scale() -> list[str]:
     run = Run("sim_scale.json")
     rows = []
+    shown = set()
     for r in run["rows"]:
+        # Each published figure once, on its case's first row.
+        published = "" if r["published"] in shown else r["published"]
+        shown.add(r["published"])
+        r = dict(r, published=published)
         if "error" in r:
             rows.append([r["case"], r["variant"], "refused", "", "", r["error"].replace("|", "/"), r["published"]])
             continue
