@@ -232,6 +232,7 @@ int main(int argc, char** argv) {
       so.wire = options.wire;
       so.engine = options.engine == "tcp" || options.engine == "tcp_sharded" ? "tcp_sharded" : "ucx_sharded";
       so.delta_fraction = options.delta_fraction;
+      so.staged = options.staged;
       so.codec_cores = codec_cores;
       p = sim::simulate_sharded(meta, trainer, inference, so, cluster, costs);
     } else {

@@ -92,11 +92,12 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
   const double wire_fraction = delta ? codec.wire_fraction : 1.0;
   // Per model byte a rank packs (a device copy; a delta is encoded on the CPU) and
   // a worker unpacks (decoded and hashed, for a delta).
-  const double pack_s_per_byte =
-      1 / platform.device_copy_bytes_per_s + (delta ? 1 / (codec.encode_bytes_per_s * o.codec_cores) : 0);
+  const double hash_s_per_byte = o.wire.checksums ? wire_fraction / (c.checksum_bytes_per_s * o.codec_cores) : 0;
+  const double pack_s_per_byte = 1 / platform.device_copy_bytes_per_s +
+                                 (delta ? 1 / (codec.encode_bytes_per_s * o.codec_cores) : 0) + hash_s_per_byte;
   const double unpack_s_per_byte =
       1 / platform.device_copy_bytes_per_s +
-      (delta ? (1 / codec.decode_bytes_per_s + 1 / c.checksum_bytes_per_s) / o.codec_cores : 0);
+      (delta ? (1 / codec.decode_bytes_per_s + 1 / c.checksum_bytes_per_s) / o.codec_cores : 0) + hash_s_per_byte;
 
   sg4::Engine& e = *sg4::Engine::get_instance();
   e.set_config("network/model:CM02");
@@ -141,7 +142,7 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
       rounds = std::max(rounds, pairs[r][w].size());
     }
   auto mailbox = [&](int r, int w) { return sg4::Mailbox::by_name(std::to_string(r) + ">" + std::to_string(w)); };
-  double pack_busy = 0, unpack_busy = 0, last_byte = 0, done = 0;
+  double pack_busy = 0, unpack_busy = 0, last_byte = 0, unpacked = 0, done = 0;
   static int token = 0;
 
   for (int r = 0; r < ranks; ++r) {
@@ -186,6 +187,8 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
         unpack_total += cost;
       }
       unpack_busy = std::max(unpack_busy, unpack_total);
+      unpacked = std::max(unpacked, sg4::Engine::get_clock());
+      if (o.staged) run_for(static_cast<double>(plan.ingress[w]) / platform.device_copy_bytes_per_s);
       done = std::max(done, sg4::Engine::get_clock());
     });
   }
@@ -210,7 +213,8 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
       {"trainer packing", pack_busy,
        "the busiest rank's device copies into its staging buckets (and delta encoding), all rounds"},
       {"wire", last_byte, "from the start until the last worker has its last bucket"},
-      {"unpacking tail", done - last_byte, "after the last bucket: its device copy into the model"},
+      {"unpacking tail", unpacked - last_byte, "after the last bucket: its device copy into the model"},
+      {"commit", done - unpacked, "a staged update's copy into the model"},
       {"unpacking", unpack_busy, "the busiest worker's device copies (and delta decoding), all rounds"},
   };
   return out;

@@ -7,7 +7,9 @@
 // The model: every trainer rank streams each of its pairs' bytes to that worker
 // in buckets of buffer_bytes, packing the next round's buckets (a device copy)
 // while the current round moves; every worker unpacks each round's buckets (a
-// device copy) as they land. A round is one bucket of every pair that still has
+// device copy) as they land; with checksums every bucket is hashed on both sides
+// (XXH3 on the codec's cores), and a staged update is committed at the end. A
+// round is one bucket of every pair that still has
 // bytes, so ranks and workers proceed in step per round: at most two rounds are
 // in flight, as two staging slots allow.
 #pragma once
@@ -61,6 +63,9 @@ struct sharded_options {
   /// cores of its own), each worker decodes and hashes what it gets.
   double delta_fraction = 0;
   int codec_cores = 1;
+  /// commit=staged: each worker's stage is copied into its model at the end (a
+  /// device copy of everything it received).
+  bool staged = false;
 };
 
 /// Each worker's layout for `global` (see worker_layout).

@@ -59,9 +59,11 @@ two=$(shard llama --fsdp 2 --tp 2 --replicas 2)
 fp8=$(shard llama --fsdp 2 --tp 2 --weights fp8)
 moe=$(shard moe --hsdp 2,2 --tp 4)
 delta=$(shard llama --fsdp 2 --tp 2 --delta 0.05)
-python3 - "$one" "$two" "$fp8" "$moe" "$delta" <<'PY' || fail "a sharded invariant does not hold (above)"
+staged=$(shard llama --fsdp 2 --tp 2 --staged)
+sums=$(shard llama --fsdp 2 --tp 2 --checksums)
+python3 - "$one" "$two" "$fp8" "$moe" "$delta" "$staged" "$sums" <<'PY' || fail "a sharded invariant does not hold (above)"
 import json, sys
-one, two, fp8, moe, delta = (json.loads(a) for a in sys.argv[1:])
+one, two, fp8, moe, delta, staged, sums = (json.loads(a) for a in sys.argv[1:])
 def tx(p): return sum(n["tx_bytes"] for n in p["nics"])
 def rx(p): return sum(n["rx_bytes"] for n in p["nics"])
 checks = {
@@ -70,6 +72,9 @@ checks = {
     "fp8 weights move fewer bytes": tx(fp8) < 0.7 * tx(one),
     "a delta moves fewer bytes": tx(delta) < 0.5 * tx(one),
     "no run beats the busiest NIC at line rate": all(p["seconds"] >= p["limit_seconds"] for p in (one, two, fp8, moe)),
+    "a staged commit costs time, in its own phase": staged["seconds"] > one["seconds"] and
+        [p for p in staged["phases"] if p["name"] == "commit"][0]["seconds"] > 0,
+    "checksums cost time and move the same bytes": sums["seconds"] > one["seconds"] and tx(sums) == tx(one),
     "the MoE's experts arrive (bytes to every worker)": all(n["rx_bytes"] > 0 for n in moe["nics"] if n["host"].startswith("worker")),
 }
 bad = [k for k, ok in checks.items() if not ok]
