@@ -7,7 +7,8 @@
 //   sharded (M trainer ranks to N workers on a cluster of GPUs, one NIC each):
 //            (--fsdp M | --hsdp R,S) [--replicas R] [--tp T] [--rate 400gbit]
 //            [--device-copy-gbps 1000] [--engine ucx|tcp] [--buffer-bytes 64M]
-//            [--delta F [--codec-cores C]] [--platform SIMGRID_PLATFORM_FILE]
+//            [--delta F [--codec-cores C]] [--gpus-per-node 8] [--oversubscription X]
+//            [--platform SIMGRID_PLATFORM_FILE]
 //
 // --metadata: the update's tensors as vLLM's metadata JSON (names, dtype_names,
 // shapes; the main job prints its model's with --print-layout). --hf-config: a
@@ -187,7 +188,11 @@ int main(int argc, char** argv) {
       } else if (a == "--tp") {
         sharded = true;
         inference.tp = std::stoi(value());
-      } else if (a == "--platform")
+      } else if (a == "--gpus-per-node")
+        cluster.gpus_per_node = std::stoi(value());
+      else if (a == "--oversubscription")
+        cluster.oversubscription = std::stod(value());
+      else if (a == "--platform")
         cluster.file = value();
       else if (a == "--codec-cores")
         codec_cores = std::stoi(value());

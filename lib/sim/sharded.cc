@@ -117,12 +117,27 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
       hosts.push_back(host);
     }
   } else {
+    if (platform.gpus_per_node < 1 || platform.oversubscription < 1)
+      throw_error(errc::invalid_argument, "gpus per node must be at least 1 and oversubscription at least 1");
     auto* zone = sg4::create_star_zone("fabric");
+    // An oversubscribed tree: each node's uplink (trainer nodes, then worker nodes).
+    std::vector<sg4::SplitDuplexLink*> uplinks;
+    const int trainer_nodes = (ranks + platform.gpus_per_node - 1) / platform.gpus_per_node;
+    auto uplink_of = [&](int h) {
+      const int node = h < ranks ? h / platform.gpus_per_node : trainer_nodes + (h - ranks) / platform.gpus_per_node;
+      while (static_cast<int>(uplinks.size()) <= node) {
+        const double rate = platform.gpus_per_node * line * efficiency / platform.oversubscription;
+        uplinks.push_back(zone->create_split_duplex_link("node" + std::to_string(uplinks.size()) + ".uplink", rate));
+      }
+      return uplinks[node];
+    };
     for (int h = 0; h < ranks + n; ++h) {
       auto* host = zone->create_host(name_of(h), core_flops);
       auto* nic =
           zone->create_split_duplex_link(name_of(h) + ".nic", line * efficiency)->set_latency(platform.latency_s);
-      zone->add_route(host->get_netpoint(), nullptr, nullptr, nullptr, {{nic, sg4::LinkInRoute::Direction::UP}}, true);
+      std::vector<sg4::LinkInRoute> route{{nic, sg4::LinkInRoute::Direction::UP}};
+      if (platform.oversubscription > 1) route.emplace_back(uplink_of(h), sg4::LinkInRoute::Direction::UP);
+      zone->add_route(host->get_netpoint(), nullptr, nullptr, nullptr, route, true);
       hosts.push_back(host);
     }
     zone->seal();
@@ -208,6 +223,26 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
     }
   }
   out.limit_seconds = out.busiest_bytes / line;
+  // Oversubscribed: a node's uplink carries all its GPUs' bytes at a fraction of
+  // their NICs' sum, and may be the limit instead.
+  if (platform.file.empty() && platform.oversubscription > 1) {
+    const int per = platform.gpus_per_node;
+    const double uplink = per * line / platform.oversubscription;
+    std::vector<double> node_bytes;
+    for (int h = 0; h < ranks + n; ++h) {
+      const int trainer_nodes = (ranks + per - 1) / per;
+      const std::size_t node = h < ranks ? h / per : trainer_nodes + (h - ranks) / per;
+      if (node_bytes.size() <= node) node_bytes.resize(node + 1, 0);
+      node_bytes[node] += std::max(out.nics[h].tx_bytes, out.nics[h].rx_bytes);
+    }
+    for (std::size_t node = 0; node < node_bytes.size(); ++node)
+      if (node_bytes[node] / uplink > out.limit_seconds) {
+        out.limit_seconds = node_bytes[node] / uplink;
+        out.busiest_nic = "node" + std::to_string(node) + ".uplink";
+        out.busiest_bytes = node_bytes[node];
+        out.nic_bytes_per_s = uplink;
+      }
+  }
   out.busiest_share = out.seconds > 0 ? out.limit_seconds / out.seconds : 0;
   out.phases = {
       {"trainer packing", pack_busy,

@@ -26,14 +26,19 @@
 
 namespace refit::sim {
 
-/// GPUs with one NIC each (`nic_bits_per_s` each way) on a non-blocking fabric
-/// (a fat tree with full bisection: each NIC is its own limit); trainer and
-/// inference GPUs on different nodes, so every byte crosses two NICs.
+/// GPUs with one NIC each (`nic_bits_per_s` each way) on a fat tree, non-blocking
+/// by default (each NIC is its own limit); trainer and inference GPUs on different
+/// nodes, so every byte crosses two NICs (and, oversubscribed, two node uplinks).
 struct cluster_platform {
   double nic_bits_per_s = 400e9;
   double latency_s = 5e-6;
   /// A device copy (packing a bucket from shards, unpacking it into the model).
   double device_copy_bytes_per_s = 1e12;
+  /// Nodes of `gpus_per_node` GPUs (trainer ranks and workers each numbered into
+  /// nodes in order); with `oversubscription` > 1 each node's traffic also crosses
+  /// its uplink to the fat tree, of gpus_per_node * NIC / oversubscription.
+  int gpus_per_node = 8;
+  double oversubscription = 1;
   /// A SimGrid platform file (XML, or a .so SimGrid loads) in place of the fabric
   /// above: it must have hosts trainer0 .. trainer<M-1> and worker0 ..
   /// worker<N-1>; nic_bits_per_s is then only what the limit is computed with.

@@ -84,6 +84,26 @@ print("sharded: one", one["seconds"], "two replicas", two["seconds"], "fp8", fp8
       "delta", delta["seconds"])
 sys.exit(1 if bad else 0)
 PY
+# An oversubscribed fat tree: 2 GPUs a node, uplinks at half their NICs' sum (a
+# model of about 1 GB, so that bandwidth, not latency, sets the time).
+cat >"$tmp/mid.json" <<'JSON'
+{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
+ "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000}
+JSON
+mid() { "$simulate" --hf-config "$tmp/mid.json" --rate 400gbit --buffer-bytes 64M --json --fsdp 2 --tp 2 "$@"; }
+plain=$(mid)
+over=$(mid --gpus-per-node 2 --oversubscription 2)
+python3 - "$plain" "$over" <<'PY' || fail "oversubscription: an invariant does not hold (above)"
+import json, sys
+one, over = (json.loads(a) for a in sys.argv[1:])
+ratio = over["seconds"] / one["seconds"]
+print("oversubscribed 2x: %.2fx the time, limit at %s" % (ratio, over["busiest_nic"]))
+sys.exit(0 if 1.8 <= ratio <= 2.2 and over["busiest_nic"].endswith(".uplink") and
+         over["seconds"] >= over["limit_seconds"] else 1)
+PY
+if out=$(shard llama --fsdp 2 --tp 2 --oversubscription 0.5 2>&1); then fail "--oversubscription 0.5 accepted"; fi
+grep -q "oversubscription" <<<"$out" || fail "--oversubscription 0.5: '$out'"
+
 # A platform file of one's own: the same transfer, a spine shared by both pairs'
 # routes; one without the hosts the layout needs is refused naming the host.
 own=$(shard llama --fsdp 2 --tp 2 --platform "$platform")
