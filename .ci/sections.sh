@@ -123,11 +123,8 @@ section_readme() {
 # 3.12, the GPU machine's: the GPU check's bundle (the next section) carries this
 # same wheel, so it is compiled once; imported in vllm_serve's venv (3.12, torch).
 section_cuda_wheel() {
-  local python venv cuda_wheel unpacked
-  python=$(pyenv prefix "$(pyenv versions --bare | grep -E '^3\.12(\.[0-9]+)?$' | tail -n 1)" 2>/dev/null)/bin/python3
-  [ -x "$python" ] || { echo "cuda_wheel: no CPython 3.12 (pyenv install 3.12)"; return 1; }
-  venv=$(REFIT_PYTHON=$python bash python/venv.sh --requirements tests/vllm_serve/requirements.txt \
-    --check tests/vllm_serve/venv_check.py --post tests/vllm_serve/venv_post.sh | tail -n 1) &&
+  local venv cuda_wheel unpacked
+  venv=$(bash tests/vllm_serve/venv.sh) &&
     cuda_wheel=$(./refit wheel --cuda --python 3.12 | tail -n 1) &&
     unpacked=$(mktemp -d) && "$venv/bin/python" -m zipfile -e "$cuda_wheel" "$unpacked" &&
     PYTHONPATH="$unpacked" "$venv/bin/python" -c '

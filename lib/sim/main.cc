@@ -33,8 +33,10 @@
 #include <refit/json_reader.h>
 
 #include <refit/sim/hf_model.h>
+
 #include <refit/sim/sharded.h>
 #include <refit/sim/stream.h>
+#include "examples/weight_sync/model.h"
 
 namespace {
 
@@ -70,26 +72,8 @@ double parse_rate(const std::string& text) {
   usage("--rate: unit of '" + text + "' (bit, kbit, mbit, gbit)");
 }
 
-std::uint64_t parse_bytes(const std::string& text) {
-  char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
-  const std::string unit = end ? end : "";
-  double scale = 1;
-  if (unit == "K" || unit == "KiB")
-    scale = 1024.0;
-  else if (unit == "M" || unit == "MiB")
-    scale = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GiB")
-    scale = 1024.0 * 1024 * 1024;
-  else if (!unit.empty())
-    usage("bytes: unit of '" + text + "' (K, M, G)");
-  if (v <= 0) usage("bytes: '" + text + "'");
-  return static_cast<std::uint64_t>(v * scale);
-}
-
 sim::costs read_costs(const json& j) {
   sim::costs c;
-  json_reader r(j, "--costs");
   auto gbps = [&](const char* key, double& into) {
     if (j.contains(key)) into = j.at(key).get<double>() * 1e9;
   };
@@ -157,7 +141,7 @@ int main(int argc, char** argv) {
       else if (a == "--latency-us")
         platform.latency_s = std::stod(value()) * 1e-6;
       else if (a == "--buffer-bytes")
-        options.wire.buffer_bytes = parse_bytes(value());
+        options.wire.buffer_bytes = example::parse_bytes(value(), "--buffer-bytes");
       else if (a == "--num-buffers")
         options.wire.num_buffers = static_cast<std::uint32_t>(std::stoul(value()));
       else if (a == "--checksums")

@@ -16,10 +16,7 @@ log=${REFIT_VLLM_SERVE_LOG:-/tmp/refit-vllm-serve.log}
 : >"$log"
 rm -f "$log".*
 # CPython 3.12 (what most GPU machines run; refit's other Pythons: tests/python/versions.sh).
-python=${REFIT_VLLM_SERVE_PYTHON:-$(pyenv prefix "$(pyenv versions --bare | grep -E '^3\.12(\.[0-9]+)?$' | tail -n 1)" 2>/dev/null)/bin/python3}
-[ -x "$python" ] || { echo "vllm_serve: no CPython 3.12 (pyenv install 3.12, or set REFIT_VLLM_SERVE_PYTHON)" >&2; exit 1; }
-venv=$(REFIT_PYTHON=$python bash python/venv.sh --requirements "$here/requirements.txt" --check "$here/venv_check.py" \
-  --post "$here/venv_post.sh" | tail -n 1)
+venv=$(bash "$here/venv.sh")
 pyver=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 wheel=$(./refit wheel --python "$pyver" | tail -n 1)
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
