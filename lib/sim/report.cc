@@ -4,6 +4,15 @@
 
 namespace refit::sim {
 
+void prediction::consider(const std::string& what, double bytes, double bytes_per_s) {
+  if (bytes_per_s <= 0 || bytes / bytes_per_s <= limit_seconds) return;
+  limit_seconds = bytes / bytes_per_s;
+  busiest_nic = what;
+  busiest_bytes = bytes;
+  nic_bytes_per_s = bytes_per_s;
+  busiest_share = seconds > 0 ? limit_seconds / seconds : 0;
+}
+
 json prediction::to_json() const {
   json j;
   j["seconds"] = seconds;

@@ -33,6 +33,11 @@ struct prediction {
   double busiest_share = 0;
   std::vector<phase> phases;
 
+  /// Counts `what` (`bytes` one way at `bytes_per_s`) toward the physical limit:
+  /// the one that takes longest sets limit_seconds, busiest_* and busiest_share
+  /// (against `seconds`, so set that first).
+  void consider(const std::string& what, double bytes, double bytes_per_s);
+
   json to_json() const;
   /// A plain table of the figures and phases.
   std::string table() const;

@@ -9,12 +9,11 @@
 
 #include <refit/error.h>
 #include <refit/layout/transfer_plan.h>
+#include <refit/sim/simgrid.h>
 
 namespace refit::sim {
 namespace {
 namespace sg4 = simgrid::s4u;
-
-constexpr double core_flops = 1e9;  // a cost of s seconds is s * core_flops
 
 // The routed expert a checkpoint name belongs to ("...mlp.experts.17.up_proj..."),
 // or -1.
@@ -36,10 +35,6 @@ tp_layout_options dense_rules() {
       {R"((embed_tokens|lm_head)\.weight$)", parallel_style::vocab},
   };
   return o;
-}
-
-void run_for(double seconds) {
-  if (seconds > 0) sg4::this_actor::execute(seconds * core_flops);
 }
 
 }  // namespace
@@ -100,9 +95,15 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
       (delta ? (1 / codec.decode_bytes_per_s + 1 / c.checksum_bytes_per_s) / o.codec_cores : 0) + hash_s_per_byte;
 
   sg4::Engine& e = *sg4::Engine::get_instance();
-  e.set_config("network/model:CM02");
-  e.set_config("network/crosstraffic:0");
   std::vector<sg4::Host*> hosts;
+  // Trainer ranks, then workers, numbered into nodes of gpus_per_node in order.
+  const int per_node = platform.gpus_per_node;
+  if (per_node < 1 || platform.oversubscription < 1)
+    throw_error(errc::invalid_argument, "gpus per node must be at least 1 and oversubscription at least 1");
+  const int trainer_nodes = (ranks + per_node - 1) / per_node;
+  auto node_of = [&](int h) { return h < ranks ? h / per_node : trainer_nodes + (h - ranks) / per_node; };
+  const bool oversubscribed = platform.file.empty() && platform.oversubscription > 1;
+  const double uplink = per_node * line / platform.oversubscription;
   auto name_of = [&](int h) {
     return h < ranks ? "trainer" + std::to_string(h) : "worker" + std::to_string(h - ranks);
   };
@@ -117,28 +118,19 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
       hosts.push_back(host);
     }
   } else {
-    if (platform.gpus_per_node < 1 || platform.oversubscription < 1)
-      throw_error(errc::invalid_argument, "gpus per node must be at least 1 and oversubscription at least 1");
-    auto* zone = sg4::create_star_zone("fabric");
-    // An oversubscribed tree: each node's uplink (trainer nodes, then worker nodes).
+    auto* zone = grid::switch_zone("fabric");
+    // An oversubscribed tree: each node's uplink.
     std::vector<sg4::SplitDuplexLink*> uplinks;
-    const int trainer_nodes = (ranks + platform.gpus_per_node - 1) / platform.gpus_per_node;
     auto uplink_of = [&](int h) {
-      const int node = h < ranks ? h / platform.gpus_per_node : trainer_nodes + (h - ranks) / platform.gpus_per_node;
-      while (static_cast<int>(uplinks.size()) <= node) {
-        const double rate = platform.gpus_per_node * line * efficiency / platform.oversubscription;
-        uplinks.push_back(zone->create_split_duplex_link("node" + std::to_string(uplinks.size()) + ".uplink", rate));
-      }
-      return uplinks[node];
+      while (static_cast<int>(uplinks.size()) <= node_of(h))
+        uplinks.push_back(
+            zone->create_split_duplex_link("node" + std::to_string(uplinks.size()) + ".uplink", uplink * efficiency));
+      return uplinks[node_of(h)];
     };
     for (int h = 0; h < ranks + n; ++h) {
-      auto* host = zone->create_host(name_of(h), core_flops);
-      auto* nic =
-          zone->create_split_duplex_link(name_of(h) + ".nic", line * efficiency)->set_latency(platform.latency_s);
-      std::vector<sg4::LinkInRoute> route{{nic, sg4::LinkInRoute::Direction::UP}};
-      if (platform.oversubscription > 1) route.emplace_back(uplink_of(h), sg4::LinkInRoute::Direction::UP);
-      zone->add_route(host->get_netpoint(), nullptr, nullptr, nullptr, route, true);
-      hosts.push_back(host);
+      std::vector<sg4::LinkInRoute> also;
+      if (oversubscribed) also.emplace_back(uplink_of(h), sg4::LinkInRoute::Direction::UP);
+      hosts.push_back(grid::add_host(zone, name_of(h), line * efficiency, platform.latency_s, also));
     }
     zone->seal();
   }
@@ -168,7 +160,7 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
         for (int w = 0; w < n; ++w)
           if (k < pairs[r][w].size()) bytes += pairs[r][w][k];
         const double cost = bytes * pack_s_per_byte;
-        run_for(cost);
+        grid::run_for(cost);
         packed += cost;
         pack_busy = std::max(pack_busy, packed);
       };
@@ -198,12 +190,12 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
         for (auto& comm : now) comm->wait();
         last_byte = std::max(last_byte, sg4::Engine::get_clock());
         const double cost = bytes * unpack_s_per_byte;
-        run_for(cost);
+        grid::run_for(cost);
         unpack_total += cost;
       }
       unpack_busy = std::max(unpack_busy, unpack_total);
       unpacked = std::max(unpacked, sg4::Engine::get_clock());
-      if (o.staged) run_for(static_cast<double>(plan.ingress[w]) / platform.device_copy_bytes_per_s);
+      if (o.staged) grid::run_for(static_cast<double>(plan.ingress[w]) / platform.device_copy_bytes_per_s);
       done = std::max(done, sg4::Engine::get_clock());
     });
   }
@@ -212,38 +204,19 @@ prediction simulate_sharded(const update_metadata& global, const trainer_layout&
   prediction out;
   out.seconds = done;
   out.payload_bytes = static_cast<double>(plan.total_bytes()) * wire_fraction;
-  out.nic_bytes_per_s = line;
+  std::vector<double> node_bytes(node_of(ranks + n - 1) + 1, 0);
   for (int h = 0; h < ranks + n; ++h) {
     const double tx = h < ranks ? static_cast<double>(plan.egress[h]) * wire_fraction : 0;
     const double rx = h < ranks ? 0 : static_cast<double>(plan.ingress[h - ranks]) * wire_fraction;
     out.nics.push_back({hosts[h]->get_name(), tx, rx});
-    if (std::max(tx, rx) > out.busiest_bytes) {
-      out.busiest_bytes = std::max(tx, rx);
-      out.busiest_nic = hosts[h]->get_name();
-    }
+    out.consider(hosts[h]->get_name(), std::max(tx, rx), line);
+    node_bytes[node_of(h)] += std::max(tx, rx);
   }
-  out.limit_seconds = out.busiest_bytes / line;
   // Oversubscribed: a node's uplink carries all its GPUs' bytes at a fraction of
   // their NICs' sum, and may be the limit instead.
-  if (platform.file.empty() && platform.oversubscription > 1) {
-    const int per = platform.gpus_per_node;
-    const double uplink = per * line / platform.oversubscription;
-    std::vector<double> node_bytes;
-    for (int h = 0; h < ranks + n; ++h) {
-      const int trainer_nodes = (ranks + per - 1) / per;
-      const std::size_t node = h < ranks ? h / per : trainer_nodes + (h - ranks) / per;
-      if (node_bytes.size() <= node) node_bytes.resize(node + 1, 0);
-      node_bytes[node] += std::max(out.nics[h].tx_bytes, out.nics[h].rx_bytes);
-    }
+  if (oversubscribed)
     for (std::size_t node = 0; node < node_bytes.size(); ++node)
-      if (node_bytes[node] / uplink > out.limit_seconds) {
-        out.limit_seconds = node_bytes[node] / uplink;
-        out.busiest_nic = "node" + std::to_string(node) + ".uplink";
-        out.busiest_bytes = node_bytes[node];
-        out.nic_bytes_per_s = uplink;
-      }
-  }
-  out.busiest_share = out.seconds > 0 ? out.limit_seconds / out.seconds : 0;
+      out.consider("node" + std::to_string(node) + ".uplink", node_bytes[node], uplink);
   out.phases = {
       {"trainer packing", pack_busy,
        "the busiest rank's device copies into its staging buckets (and delta encoding), all rounds"},

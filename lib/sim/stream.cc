@@ -10,13 +10,11 @@
 
 #include <refit/backend/net.h>
 #include <refit/error.h>
+#include <refit/sim/simgrid.h>
 
 namespace refit::sim {
 namespace {
 namespace sg4 = simgrid::s4u;
-
-// A core's speed: a cost of s seconds is an execution of s * core_flops.
-constexpr double core_flops = 1e9;
 
 // A value actors wait on (SimGrid's own mutex and condition variable: actors are
 // not threads).
@@ -64,10 +62,6 @@ stream_pieces cut(const bucket_plan& plan, double wire_fraction, std::uint64_t p
   return s;
 }
 
-void run_for(double seconds) {
-  if (seconds > 0) sg4::this_actor::execute(seconds * core_flops);
-}
-
 }  // namespace
 
 prediction simulate_stream(const update_metadata& meta, int workers, const stream_options& o,
@@ -91,28 +85,20 @@ prediction simulate_stream(const update_metadata& meta, int workers, const strea
   const double line = platform.nic_bits_per_s / 8;
 
   sg4::Engine& e = *sg4::Engine::get_instance();
-  // Max-min sharing of each link; a stream's efficiency (TCP's headers and ACKs,
-  // the engine's framing) is calibrated rather than modelled: SimGrid's cross
-  // traffic (ACKs as reverse flows) would make a relay's forwarding slow its own
-  // receive, which TCP's ACKs, a few percent of a link, do not.
-  e.set_config("network/model:CM02");
-  e.set_config("network/crosstraffic:0");
-  auto* zone = sg4::create_star_zone("switch");
+  auto* zone = grid::switch_zone("switch");
   std::vector<sg4::Host*> hosts;
   for (int h = 0; h <= workers; ++h) {
     const std::string name = h == 0 ? "trainer" : "worker" + std::to_string(h);
-    auto* host = zone->create_host(name, core_flops)->set_core_count(platform.cores > 0 ? 1 : 64);
-    auto* nic = zone->create_split_duplex_link(name + ".nic", line * efficiency)->set_latency(platform.latency_s);
-    zone->add_route(host->get_netpoint(), nullptr, nullptr, nullptr, {{nic, sg4::LinkInRoute::Direction::UP}}, true);
-    hosts.push_back(host);
+    hosts.push_back(
+        grid::add_host(zone, name, line * efficiency, platform.latency_s)->set_core_count(platform.cores > 0 ? 1 : 64));
   }
   // Processes that share one machine's cores compute there.
   sg4::Host* shared_cpu =
-      platform.cores > 0 ? zone->create_host("cpu", core_flops)->set_core_count(platform.cores) : nullptr;
+      platform.cores > 0 ? zone->create_host("cpu", grid::core_flops)->set_core_count(platform.cores) : nullptr;
   // And a staged commit (the model's and the stage's bytes swapped) is bound by
   // the memory system, not a core: the calibrated rate is one commit alone on the
   // machine, so commits at once share it.
-  sg4::Host* shared_memory = platform.cores > 0 ? zone->create_host("memory", core_flops) : nullptr;
+  sg4::Host* shared_memory = platform.cores > 0 ? zone->create_host("memory", grid::core_flops) : nullptr;
   zone->seal();
   auto cpu_of = [&](int h) { return shared_cpu ? shared_cpu : hosts[h]; };
 
@@ -138,7 +124,7 @@ prediction simulate_stream(const update_metadata& meta, int workers, const strea
       double cost = model / c.pack_bytes_per_s;
       if (o.wire.checksums) cost += s.bucket_wire[b] / c.checksum_bytes_per_s;
       if (delta) cost += model / codec.encode_bytes_per_s;
-      run_for(cost);
+      grid::run_for(cost);
       pack_busy += cost;
       for (std::uint64_t p = b ? s.bucket_end[b - 1] : 0; p < s.bucket_end[b]; ++p) have[0]->add();
     }
@@ -184,7 +170,7 @@ prediction simulate_stream(const update_metadata& meta, int workers, const strea
       for (std::uint64_t b = 0; b < buckets; ++b) {
         for (; p < s.bucket_end[b]; ++p) {
           arrived->wait_for(p + 1);
-          run_for(s.bytes[p] * (forwards ? 2 : 1) / c.stack_bytes_per_s);
+          grid::run_for(s.bytes[p] * (forwards ? 2 : 1) / c.stack_bytes_per_s);
           have[child]->add();
         }
         received[child]->add();
@@ -202,13 +188,13 @@ prediction simulate_stream(const update_metadata& meta, int workers, const strea
         // A worker that takes deltas decodes, and hashes what it holds then (the
         // fingerprint of its version).
         if (delta) cost += s.bucket_model[b] / codec.decode_bytes_per_s + s.bucket_model[b] / c.checksum_bytes_per_s;
-        run_for(cost);
+        grid::run_for(cost);
         processed[child]->add();
       }
       processing_done = std::max(processing_done, sg4::Engine::get_clock());
       if (o.staged) {
         if (shared_memory) sg4::this_actor::set_host(shared_memory);
-        run_for(static_cast<double>(plan.payload_bytes) / c.commit_bytes_per_s);
+        grid::run_for(static_cast<double>(plan.payload_bytes) / c.commit_bytes_per_s);
       }
       commit_done = std::max(commit_done, sg4::Engine::get_clock());
     });
@@ -220,17 +206,10 @@ prediction simulate_stream(const update_metadata& meta, int workers, const strea
   double wire_total = 0;
   for (double w : s.bucket_wire) wire_total += w;
   out.payload_bytes = wire_total;
-  out.nic_bytes_per_s = line;
   for (int h = 0; h <= workers; ++h) {
     out.nics.push_back({hosts[h]->get_name(), tx[h], rx[h]});
-    const double most = std::max(tx[h], rx[h]);
-    if (most > out.busiest_bytes) {
-      out.busiest_bytes = most;
-      out.busiest_nic = hosts[h]->get_name();
-    }
+    out.consider(hosts[h]->get_name(), std::max(tx[h], rx[h]), line);
   }
-  out.limit_seconds = out.busiest_bytes / line;
-  out.busiest_share = out.seconds > 0 ? out.limit_seconds / out.seconds : 0;
   out.phases = {
       {"trainer packing", pack_busy, "CPU the trainer spends packing, hashing and encoding buckets"},
       {"wire", last_byte, "from the start until the last worker has its last byte"},
