@@ -27,6 +27,10 @@ class WorkerHost(_Scoped):
     ``keep_base=True`` (with ``load_weights``) receives into a host copy of every
     tensor, as :class:`Engine`'s does, so a trainer's delta updates decode against
     it (memory: the model's bytes, on the host).
+
+    ``device`` is the engine's device, as :class:`Engine`'s: ``"cuda:N"`` for the
+    GPU engines (nccl, cuda_ipc in a CUDA build), whose buckets land in device
+    memory and reach ``load_weights`` as CUDA tensors.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class WorkerHost(_Scoped):
         session_timeout_ms: int | None = None,
         max_stage_bytes: int = 0,
         keep_base: bool = False,
+        device: Any = "cpu",
     ) -> None:
         self._impl = _refit._WorkerHost(
             backend=backend,
@@ -66,6 +71,7 @@ class WorkerHost(_Scoped):
             session_timeout_ms=None if session_timeout_ms is None else int(session_timeout_ms),
             max_stage_bytes=int(max_stage_bytes),
             keep_base=bool(keep_base),
+            device=str(device),
         )
         self._tensors = tensors
 

@@ -40,7 +40,10 @@ bins=(tests/cuda/raii_test tests/cuda/await_gpu_test tests/cuda/unpack_test test
       tests/cuda/ucx_device_gpu_test)
 scripts=(tests/cuda/gpu_check.sh tests/cuda/gpu_preflight.sh tests/cuda/gpu_report.py tests/cuda/gpu_report_schema.json
          tests/cuda/gpu_steps.txt tests/cuda/torch_ipc_check.py tests/cuda/python_gpu_check.py
-         tests/bench/torch_ipc_bench.py examples/torch_ipc/refit_ipc.py)
+         tests/bench/torch_ipc_bench.py examples/torch_ipc/refit_ipc.py tests/verl/gpu_check.py tests/verl/ranks.py)
+# refit.verl's GPU check imports verl's names from this stand-in there (its README).
+mapfile -t standin < <(find tests/verl/standin -type f -name '*.py' | sort)
+scripts+=("${standin[@]}")
 labels=()
 for b in "${bins[@]}"; do labels+=("//${b%/*}:${b##*/}"); done
 bazel build --config=cuda "${labels[@]}"

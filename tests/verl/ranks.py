@@ -51,11 +51,11 @@ def tensors_of(step: int, kind: str = "model") -> list[tuple[str, Any]]:
 
 
 def digests(tensors: list[tuple[str, Any]]) -> dict[str, str]:
-    return {n: hashlib.sha256(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
-            for n, t in tensors}
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+            .hexdigest() for n, t in tensors}
 
 
-def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int) -> None:
+def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int, tensor_device: str | None) -> None:
     import asyncio
     import time
 
@@ -76,7 +76,7 @@ def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int) -> None:
         for name, t in tensors_of(step, kind):
             if delay_s:
                 await asyncio.sleep(delay_s)
-            yield name, t
+            yield name, (t if tensor_device is None else t.to(tensor_device))  # verl's generator: the actor's device
 
     kept: list[tuple[str, Any]] = []  # the benchmark's model (bench_model), made once
     plain: dict[str, Any] = {}  # the benchmark's baseline: refit's own host / group and sender
@@ -92,10 +92,12 @@ def _serve(conn: Any, role: str, kwargs: dict, bucket_size: int) -> None:
         return {"bytes": n}
 
     async def receive(step: int) -> dict:
-        got = []
+        got, devices = [], set()
         async for name, t in engine.receive_weights(global_steps=step):
             got.append((name, t.clone()))
-        return {"digests": digests(got), "order": [n for n, _ in got], "version": engine.weight_version}
+            devices.add(str(t.device))
+        return {"digests": digests(got), "order": [n for n, _ in got], "version": engine.weight_version,
+                "devices": sorted(devices)}
 
     while True:
         cmd, args = conn.recv()
@@ -168,6 +170,8 @@ def _context() -> Any:
     time on 2 cores. Each rank is still a process of its own, made before any engine
     exists, as verl's Ray actors are."""
     global _CONTEXT
+    if _CONTEXT is None and os.environ.get("REFIT_VERL_START") == "spawn":  # tests/verl/gpu_check.py: CUDA
+        _CONTEXT = mp.get_context("spawn")
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(["torch", "verl.checkpoint_engine.base", "verl.utils.import_utils", "refit",
@@ -178,11 +182,13 @@ def _context() -> Any:
 class Rank:
     """One rank's process and its engine object."""
 
-    def __init__(self, role: str, bucket_size: int = BUCKET, **kwargs: Any) -> None:
+    def __init__(self, role: str, bucket_size: int = BUCKET, tensor_device: str | None = None, **kwargs: Any) -> None:
+        """``tensor_device``: where the actor's generator yields its tensors (verl's
+        are on the actor's GPU); the host by default. ``kwargs``: the engine's."""
         self.role = role
         ctx = _context()
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, role, kwargs, bucket_size), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, role, kwargs, bucket_size, tensor_device), daemon=True)
         self.proc.start()
         self._made: tuple | None = None  # its answer to the engine's construction (ranks start at once)
 

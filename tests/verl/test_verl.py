@@ -52,7 +52,9 @@ def test_the_registry_makes_refit_and_refuses_bad_options():
     import refit.verl  # noqa: F401
 
     assert CheckpointEngineRegistry.get("refit").__name__ == "RefitCheckpointEngine"
-    for bad, says in (({"engine": "nope"}, "engine"), ({"engine": "nccl"}, "GPU engines"),
+    gpu = "nccl" in refit.backends()  # a CUDA build: tests/verl/gpu_check.py covers its refusals
+    for bad, says in (({"engine": "nope"}, "engine"), *(() if gpu else (({"engine": "nccl"}, "CUDA build"),)),
+                      ({"device": "cuda:0"}, "device"), ({"engine": "cuda_ipc", "device": "gpu0"}, "device"),
                       ({"commit": "later"}, "commit"),
                       ({"timeout_ms": 0}, "timeout_ms"), ({"topology": "ring"}, "topology"),
                       ({"num_buffers": "2"}, "num_buffers"), ({"auth_secret_file": "/no/such"}, "auth_secret_file"),
@@ -144,3 +146,14 @@ def test_a_killed_rollout_fails_the_send_naming_it_and_the_others_take_the_next_
     # verl removes the replica; the next step rebuilds the topology.
     expect_step(step(actors, rollouts[:1], 3), 3)
     assert actors[0].attr("connects") == 2
+
+
+def test_gpu_engines_through_verl():
+    """nccl and cuda_ipc through refit.verl (tests/verl/gpu_check.py, the GPU
+    check's verl_gpu step): runs where there is a GPU and refit's CUDA build."""
+    import gpu_check
+
+    out = gpu_check.run()
+    if out.get("skipped"):
+        pytest.skip(out["reason"])
+    assert out["passed"], out

@@ -49,6 +49,7 @@ import refit
 
 _COMMITS = ("in_place", "staged")
 _HOST_ENGINES = ("tcp", "ucx")
+_GPU_ENGINES = ("nccl", "cuda_ipc")  # CUDA builds: buckets land in the rollout's device memory
 _KINDS = re.compile(
     r"\b(invalid_argument|invalid_state|timeout|peer_lost|io_error|protocol_error|integrity_error|auth_error|"
     r"processing_failed|resource_exhausted|unsupported|cancelled)\b"
@@ -77,8 +78,13 @@ class RefitCheckpointEngine(CheckpointEngine):
     on actor ranks (True on rank 0, the one that sends); absent on rollout ranks.
     The options (``checkpoint_engine.engine_kwargs.refit``):
 
-    * ``engine``: refit's backend, ``"tcp"`` (default) or ``"ucx"`` where built
-      (host tensors; the GPU engines are not offered through it yet);
+    * ``engine``: refit's backend: ``"tcp"`` (default) or ``"ucx"`` where built
+      (host tensors), or a GPU engine of a CUDA build, ``"nccl"`` (one GPU per
+      rank: the master's and every rollout's) or ``"cuda_ipc"`` (the master and
+      the rollouts on one node), which move device tensors: the master's stay on
+      its GPU, and a rollout yields views of its device buffers;
+    * ``device``: the GPU engines' device (default ``"cuda:N"``, N torch's
+      current device when the rank first needs it; verl pins each rank to its GPU);
     * ``checksums``: every bucket's checksum verified on every rollout rank;
     * ``commit``: ``"in_place"`` (default: tensors are yielded as they land) or
       ``"staged"`` (nothing is yielded until every byte of the step arrived: a
@@ -115,14 +121,20 @@ class RefitCheckpointEngine(CheckpointEngine):
         auth_secret_file: str | None = None,
         address: str | None = None,
         delta: bool = False,
+        device: str | None = None,
     ) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise _bad(f"bucket_size: expected a positive number of bytes, got {bucket_size!r}")
-        if engine not in _HOST_ENGINES:
-            raise _bad(f"engine: {engine!r}: refit.verl moves host tensors over {_HOST_ENGINES} (the GPU engines, "
-                       "nccl and cuda_ipc, are not offered through it yet)")
+        if device is not None and (not isinstance(device, str) or not re.fullmatch(r"cuda(:[0-9]+)?", device)):
+            raise _bad(f"device: expected \"cuda\" or \"cuda:N\", got {device!r}")
+        if engine not in _HOST_ENGINES + _GPU_ENGINES:
+            raise _bad(f"engine: expected one of {_HOST_ENGINES + _GPU_ENGINES}, got {engine!r}")
         if engine not in refit.backends():
-            raise _bad(f"engine: {engine!r} is not one of this build's engines {sorted(refit.backends())}")
+            where = " (the GPU engines are in refit's CUDA build)" if engine in _GPU_ENGINES else ""
+            raise _bad(f"engine: {engine!r} is not one of this build's engines {sorted(refit.backends())}{where}")
+        gpu = engine in _GPU_ENGINES
+        if device is not None and not gpu:
+            raise _bad(f"device: {engine!r} moves host tensors; device= is for the GPU engines {_GPU_ENGINES}")
         if commit not in _COMMITS:
             raise _bad(f"commit: expected one of {_COMMITS}, got {commit!r}")
         for name, value, least in (("timeout_ms", timeout_ms, 1), ("buffer_bytes", buffer_bytes, 4096),
@@ -132,6 +144,16 @@ class RefitCheckpointEngine(CheckpointEngine):
         for name, flag in (("checksums", checksums), ("delta", delta)):
             if not isinstance(flag, bool):
                 raise _bad(f"{name}: expected true or false, got {flag!r}")
+        if gpu:
+            # What these engines cannot do, refused here rather than at the first step.
+            for name, value, why in (
+                ("checksums", checksums, "their bytes cross no byte stream to checksum"),
+                ("commit", commit == "staged", "a staged update is held in host memory; they land in device memory"),
+                ("topology", topology is not None, "the trainer reaches every rollout itself (no relay)"),
+                ("delta", delta, "deltas go over the tcp engine"),
+            ):
+                if value:
+                    raise _bad(f"{name}: {engine!r} does not support it ({why})")
         if delta and (engine != "tcp" or commit != "in_place"):
             raise _bad(f"delta: deltas go over the tcp engine, in place (got engine {engine!r}, commit {commit!r})")
         if topology is not None and not (topology in ("star", "chain") or re.fullmatch(r"tree:[1-9][0-9]*", topology)):
@@ -144,6 +166,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         self.engine, self.checksums, self.commit = engine, checksums, commit
         self.timeout_ms, self.buffer_bytes, self.num_buffers = timeout_ms, buffer_bytes, num_buffers
         self.topology, self.auth_secret_file, self.delta = topology, auth_secret_file, delta
+        self._device = device if gpu else "cpu"
         self.address = address or _host_address()
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         # master
@@ -168,6 +191,7 @@ class RefitCheckpointEngine(CheckpointEngine):
                 commit=self.commit,
                 auth_secret_file=self.auth_secret_file,
                 keep_base=self.delta,  # what deltas decode against
+                device=self.device,
                 on_update_started=lambda owner: self._events.put(("started", owner)),
                 on_update_finished=lambda version, stats: self._events.put(("finished", version)),
                 on_update_failed=lambda reason: self._events.put(("failed", reason)),
@@ -203,7 +227,8 @@ class RefitCheckpointEngine(CheckpointEngine):
         group = refit.WorkerGroup(
             [f"{a}:{p}" for a, p in endpoints or []], timeout_ms=self.timeout_ms, auth_secret_file=self.auth_secret_file
         )
-        sender = refit.Sender(self.engine, timeout_ms=self.timeout_ms, auth_secret_file=self.auth_secret_file)
+        sender = refit.Sender(self.engine, device=self.device, timeout_ms=self.timeout_ms,
+                              auth_secret_file=self.auth_secret_file)
         try:
             group.connect()
             args: dict[str, Any] = {"master_address": self.address, "master_port": 0,
@@ -239,7 +264,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         await group.call_all_async("start_weight_update")
         # Deltas are taken against the previous send of the same tensors: with
         # them on, a step is one chunk (the master holds the step's tensors).
-        produced = _chunks(weights, 1 << 62 if self.delta else self.bucket_size).__aiter__()
+        produced = _chunks(weights, 1 << 62 if self.delta else self.bucket_size, self.device).__aiter__()
         upcoming: asyncio.Future | None = None
         try:
             # The next chunk is produced (verl's generator gathers each tensor)
@@ -312,6 +337,16 @@ class RefitCheckpointEngine(CheckpointEngine):
                 raise _error_of(payload)
 
     @property
+    def device(self) -> str:
+        """Where this rank's tensors move from or land: ``"cpu"`` for the host
+        engines, the GPU engines' ``"cuda:N"``."""
+        if self._device == "cuda" or self._device is None:
+            import torch
+
+            self._device = f"cuda:{torch.cuda.current_device()}"
+        return self._device
+
+    @property
     def weight_version(self) -> int | None:
         """The version this rollout rank holds (the last step's ``global_steps``)."""
         return None if self._host is None else self._host.weight_info().get("weight_version")
@@ -368,15 +403,16 @@ async def _both(control: Any, data: Any) -> None:
     raise (refit.error_class(kind) if kind else refit.Error)(message) from first
 
 
-async def _chunks(weights: Iterable[tuple[str, Any]], limit: int) -> AsyncIterator[list[tuple[str, Any]]]:
-    """The generator's tensors (on the host, contiguous) in lists of at most
-    ``limit`` bytes; a larger tensor alone."""
+async def _chunks(weights: Iterable[tuple[str, Any]], limit: int,
+                  device: str = "cpu") -> AsyncIterator[list[tuple[str, Any]]]:
+    """The generator's tensors (contiguous, on ``device``: the host, or a GPU
+    engine's device) in lists of at most ``limit`` bytes; a larger tensor alone."""
     chunk: list[tuple[str, Any]] = []
     size = 0
     async for name, tensor in ensure_async_iterator(weights):
         t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
+        if str(t.device) != device:
+            t = t.to(device)
         t = t.contiguous()
         n = t.numel() * t.element_size()
         if chunk and size + n > limit:
