@@ -80,6 +80,8 @@ section_netns() {
   # The ucx engine's relay over UCX's tcp: per-bucket store and forward, so small
   # buckets (docs/benchmarks.md).
   [ "$rc" -eq 0 ] && { bash tests/bench/netns_scale.sh --quick --engine ucx --buffer-bytes 1M || rc=$?; }
+  # The sharded job, each trainer rank and worker on a host of its own (--spawn-via).
+  [ "$rc" -eq 0 ] && { bash tests/bench/netns_scale.sh --quick --topologies sharded:2 --workers "1 2" || rc=$?; }
   if [ "$rc" -eq 77 ]; then
     echo "netns scale: NOT RUN on this machine (the reason is above)"
     rc=0

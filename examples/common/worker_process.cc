@@ -33,13 +33,22 @@ void kill_and_reap(pid_t pid) {
 }  // namespace
 
 worker_process start_worker_process(const std::vector<std::string>& args, std::chrono::milliseconds timeout,
-                                    const std::string& who) {
+                                    const std::string& who, const std::vector<std::string>& launcher) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) throw_error(errc::io_error, std::string("pipe: ") + std::strerror(errno));
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
   std::vector<std::string> strings = args;
+  if (!launcher.empty()) {
+    // The launcher runs this binary by its path: /proc/self/exe would be its own.
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) throw_error(errc::io_error, std::string("readlink /proc/self/exe: ") + std::strerror(errno));
+    strings = launcher;
+    strings.emplace_back(self, static_cast<std::size_t>(n));
+    strings.insert(strings.end(), args.begin() + (args.empty() ? 0 : 1), args.end());
+  }
   std::vector<char*> argv;
   for (auto& a : strings) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -53,7 +62,9 @@ worker_process start_worker_process(const std::vector<std::string>& args, std::c
   env.push_back(mine.data());
   env.push_back(nullptr);
   worker_process w;
-  const int rc = posix_spawn(&w.pid, "/proc/self/exe", &actions, nullptr, argv.data(), env.data());
+  const int rc = launcher.empty()
+                     ? posix_spawn(&w.pid, "/proc/self/exe", &actions, nullptr, argv.data(), env.data())
+                     : posix_spawnp(&w.pid, launcher[0].c_str(), &actions, nullptr, argv.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   close(fds[1]);
   if (rc != 0) {

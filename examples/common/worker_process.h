@@ -28,9 +28,12 @@ struct worker_process {
 /// peer_lost, one that is too slow timeout, one that prints something else
 /// protocol_error; in each case it is killed and reaped, and the error names
 /// `who`. The child finds this process's pid in REFIT_TRAINER_PID (see
-/// die_with_trainer).
+/// die_with_trainer). A `launcher` (e.g. {"ip", "netns", "exec", "ns1"}, or a
+/// script that enters a host's network namespace and execs the rest) runs the
+/// child as `launcher... <this binary> args[1:]`; it must exec it in its own
+/// process, so that the child is this process's, as without one.
 worker_process start_worker_process(const std::vector<std::string>& args, std::chrono::milliseconds timeout,
-                                    const std::string& who);
+                                    const std::string& who, const std::vector<std::string>& launcher = {});
 
 /// Waits for a worker to exit, at most `timeout`; then kills it. Returns its wait
 /// status (-1 when it had to be killed).

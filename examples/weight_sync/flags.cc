@@ -199,6 +199,29 @@ const flag table[] = {
      "worker: which tp rank, with --slice-tp (set by the\n"
      "trainer)",
      [](options& o, flag_reader& r) { o.tp_rank = small(r, 0, 63); }},
+    {"--spawn-hosts", "ADDRESS,...",
+     "sharded job: where the processes it starts listen:\n"
+     "workers 0..N-1, then trainer ranks 1..M-1 (default:\n"
+     "all on --listen)",
+     [](options& o, flag_reader& r) {
+       o.spawn_hosts.clear();
+       const std::string v = r.value();
+       for (std::size_t at = 0;;) {
+         const auto comma = v.find(',', at);
+         o.spawn_hosts.push_back(v.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+         if (o.spawn_hosts.back().empty())
+           throw_error(errc::invalid_argument,
+                       r.name() + ": expected addresses like 10.0.0.2,10.0.0.3, got '" + v + "'");
+         if (comma == std::string::npos) break;
+         at = comma + 1;
+       }
+     }},
+    {"--spawn-via", "COMMAND",
+     "start each process the job starts as COMMAND ADDRESS\n"
+     "BINARY ARGS... (COMMAND: words split on spaces; e.g. a\n"
+     "script entering ADDRESS's network namespace that execs\n"
+     "the rest)",
+     [](options& o, flag_reader& r) { o.spawn_via = r.value(); }},
     {"--help", "", "print this text and exit (also -h)", [](options& o, flag_reader&) { o.help = true; }},
 };
 
@@ -294,6 +317,11 @@ options parse_args(int argc, char** argv) {
                       o.engine + "'");
     o.engine = o.broadcast ? (over_ucx ? "ucx" : "tcp") : (over_ucx ? "ucx_sharded" : "tcp_sharded");
   }
+  if (!o.spawn_hosts.empty() &&
+      (!o.sharded_job() || o.broadcast || o.spawn_hosts.size() != static_cast<std::size_t>(o.tp + o.trainers - 1)))
+    throw_error(errc::invalid_argument,
+                "--spawn-hosts: the sharded job's (--trainers M --tp N, not --broadcast) N + M - 1 addresses: "
+                "workers 0..N-1, then trainer ranks 1..M-1");
   if (!o.replay.empty() && (o.sharded_job() || o.one_tensor || o.change_fraction > 0))
     throw_error(errc::invalid_argument,
                 "--replay: the trajectory is the model and its changes (drop --trainers/--tp, --one-tensor and "

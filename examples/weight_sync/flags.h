@@ -61,6 +61,8 @@ struct options {
   std::vector<std::uint16_t> trainer_ports;  // trainer-rank: (unused ports of the others are 0)
   int slice_tp = 0, tp_rank = 0;             // worker: slice a broadcast to tp rank tp_rank of slice_tp
   std::string stats_file;                    // trainer-rank: where its JSON stats go
+  std::vector<std::string> spawn_hosts;      // sharded job: its workers' then ranks 1..'s addresses (empty: listen)
+  std::string spawn_via;                     // a launcher command the job's processes start under (with the address)
 
   bool sharded_job() const { return trainers > 1 || tp > 1; }
   std::string secret_file;  // shared secret for every connection

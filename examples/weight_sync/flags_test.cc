@@ -69,12 +69,20 @@ TEST(WeightSyncFlags, ParserAcceptsEveryFlag) {
   unsetenv("REFIT_AUTH_SECRET_FILE");
   // A valid value for each kind of value the usage shows.
   const std::map<std::string, std::string> sample = {
-      {"N", "1"},           {"M", "1"},
-      {"SIZE", "1M"},       {"MS", "1000"},
-      {"NAME", "tcp"},      {"ADDRESS", "127.0.0.1"},
-      {"PATH", path},       {"SECONDS_PER_GB", "0.5"},
-      {"N[,N...]", "4001"}, {"[HOST:]PORT,...", "127.0.0.1:4001"},
-      {"F", "0.5"},         {"DIR", "/tmp"},
+      {"N", "1"},
+      {"M", "1"},
+      {"SIZE", "1M"},
+      {"MS", "1000"},
+      {"NAME", "tcp"},
+      {"ADDRESS", "127.0.0.1"},
+      {"PATH", path},
+      {"SECONDS_PER_GB", "0.5"},
+      {"N[,N...]", "4001"},
+      {"[HOST:]PORT,...", "127.0.0.1:4001"},
+      {"F", "0.5"},
+      {"DIR", "/tmp"},
+      {"ADDRESS,...", "10.0.0.2,10.0.0.3"},
+      {"COMMAND", "ip netns exec"},
   };
   for (const auto& f : flags()) {
     std::vector<std::vector<std::string>> forms;
@@ -94,6 +102,8 @@ TEST(WeightSyncFlags, ParserAcceptsEveryFlag) {
     // Flags that are for one engine only come with it.
     if (std::string_view(f.name).starts_with("--ucx-"))
       for (auto& form : forms) form.insert(form.end(), {"--engine", "ucx"});
+    if (std::string_view(f.name) == "--spawn-hosts")  // the sharded job's: workers 0 and 1
+      for (auto& form : forms) form.insert(form.end(), {"--tp", "2"});
     for (const auto& args : forms) {
       try {
         parse(args);
@@ -151,6 +161,13 @@ TEST(WeightSyncFlags, DeltaOnlyOverTcpStar) {
   EXPECT_TRUE(parse({"--trainers", "2", "--tp", "2", "--fleet-atomic"}).fleet_atomic);
   EXPECT_EQ(parse({"--tp", "2", "--commit", "staged"}).commit, commit_mode::staged);
   EXPECT_NE(refusal({"--tp", "2", "--connect", "127.0.0.1:1"}).find("one-trainer job"), std::string::npos);
+  // Where the sharded job's processes listen: one address per worker, then per rank > 0.
+  EXPECT_EQ(parse({"--trainers", "2", "--tp", "2", "--spawn-hosts", "10.0.0.2,10.0.0.3,10.0.0.4"}).spawn_hosts.size(),
+            3u);
+  EXPECT_NE(refusal({"--trainers", "2", "--tp", "2", "--spawn-hosts", "10.0.0.2,10.0.0.3"}).find("N + M - 1"),
+            std::string::npos);
+  EXPECT_NE(refusal({"--workers", "2", "--spawn-hosts", "10.0.0.2,10.0.0.3"}).find("sharded job"), std::string::npos);
+  EXPECT_NE(refusal({"--tp", "2", "--spawn-hosts", "10.0.0.2,,"}).find("expected addresses"), std::string::npos);
   EXPECT_NE(refusal({"--ucx-puts"}).find("for --engine ucx"), std::string::npos);
   EXPECT_EQ(parse({"--engine", "ucx", "--ucx-tagged"}).ucx_put_into_model, false);
   EXPECT_TRUE(parse({"--delta"}).delta);  // tcp, two workers: a star by default

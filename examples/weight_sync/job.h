@@ -32,6 +32,12 @@ int run_trainer_rank(const options& o);
 /// Starts this binary as worker `index` of the job and reads its control port.
 worker_process start_worker(const options& o, int index);
 
+/// The address the job's started process `child` listens on (workers 0..N-1, then
+/// trainer ranks 1..M-1): --spawn-hosts' entry, or --listen.
+std::string host_of(const options& o, std::size_t child);
+/// What it starts under: --spawn-via's words, then its address (empty: nothing).
+std::vector<std::string> launcher_of(const options& o, std::size_t child);
+
 /// Bytes [offset, offset + out.size()) of tensor `index`'s weights in round `round`:
 /// 64-bit words x + k * C (k the word's index in the whole tensor), so a rank that
 /// holds a shard of a tensor makes exactly the bytes the whole tensor has there.

@@ -204,7 +204,7 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
   auto ex = co_await asio::this_coro::executor;
   const auto timeout = std::chrono::milliseconds(o.timeout_ms);
   std::vector<control::worker_endpoint> endpoints;
-  for (const auto& w : procs) endpoints.push_back({o.listen, w.port});
+  for (std::size_t i = 0; i < procs.size(); ++i) endpoints.push_back({host_of(o, i), procs[i].port});
   control::worker_group workers(ex, timeout, o.secret, std::move(endpoints), [](std::size_t i) {
     return "worker " + std::to_string(i) + " (tp rank " + std::to_string(i) + ")";
   });
@@ -219,7 +219,8 @@ asio::awaitable<void> sharded_main(const options& o, const std::vector<worker_pr
   } else {
     json trainers = json::array();
     trainers.push_back({{"address", o.listen}, {"port", o.master_port}});
-    for (const auto& r : ranks) trainers.push_back({{"address", o.listen}, {"port", r.port}});
+    for (std::size_t r = 0; r < ranks.size(); ++r)
+      trainers.push_back({{"address", host_of(o, procs.size() + r)}, {"port", ranks[r].port}});
     trainer_args = sharded_trainer_args(o, trainers, 0);
   }
   control::init_options init;
@@ -447,7 +448,7 @@ int run_sharded_trainer(const options& o) {
                                        "--timeout-ms",
                                        std::to_string(o.timeout_ms),
                                        "--listen",
-                                       o.listen,
+                                       host_of(o, static_cast<std::size_t>(o.tp + r - 1)),
                                        "--stats-file",
                                        stats_files.back()};
       if (o.checksums) args.push_back("--checksums");
@@ -462,8 +463,9 @@ int run_sharded_trainer(const options& o) {
         args.push_back("--auth-secret-file");
         args.push_back(o.secret_file);
       }
-      ranks.push_back(
-          start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "trainer rank " + std::to_string(r)));
+      ranks.push_back(start_worker_process(args, std::chrono::milliseconds(o.timeout_ms),
+                                           "trainer rank " + std::to_string(r),
+                                           launcher_of(o, static_cast<std::size_t>(o.tp + r - 1))));
       std::fprintf(stderr, "[refit] pid of trainer rank %d: %d\n", r, static_cast<int>(ranks.back().pid));
     }
     asio::io_context io;

@@ -28,6 +28,23 @@
 
 namespace refit::example::weight_sync {
 
+std::string host_of(const options& o, std::size_t child) {
+  return child < o.spawn_hosts.size() ? o.spawn_hosts[child] : o.listen;
+}
+
+std::vector<std::string> launcher_of(const options& o, std::size_t child) {
+  std::vector<std::string> words;
+  std::size_t at = 0;
+  while (at < o.spawn_via.size()) {
+    const auto space = o.spawn_via.find(' ', at);
+    const auto end = space == std::string::npos ? o.spawn_via.size() : space;
+    if (end > at) words.push_back(o.spawn_via.substr(at, end - at));
+    at = end + 1;
+  }
+  if (!words.empty()) words.push_back(host_of(o, child));
+  return words;
+}
+
 // Starts this binary as a worker and reads the control port it prints.
 worker_process start_worker(const options& o, int index) {
   std::vector<std::string> args = {"weight_sync",
@@ -42,7 +59,7 @@ worker_process start_worker(const options& o, int index) {
                                    "--commit",
                                    std::string(to_string(o.commit)),
                                    "--listen",
-                                   o.listen};
+                                   host_of(o, static_cast<std::size_t>(index))};
   if (o.no_direct) args.push_back("--no-direct");
   if (o.sharded_job() && o.broadcast) {  // today's tensor parallelism: the whole stream, sliced on arrival
     args.push_back("--slice-tp");
@@ -54,7 +71,8 @@ worker_process start_worker(const options& o, int index) {
     args.push_back("--auth-secret-file");
     args.push_back(o.secret_file);
   }
-  return start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "worker " + std::to_string(index));
+  return start_worker_process(args, std::chrono::milliseconds(o.timeout_ms), "worker " + std::to_string(index),
+                              launcher_of(o, static_cast<std::size_t>(index)));
 }
 
 namespace {

@@ -20,6 +20,9 @@
 #   (UCX_TLS=tcp,self UCX_NET_DEVICES=eth0: its shared-memory transports would
 #   bypass the emulated network, the namespaces sharing one kernel).
 #   --quick: the CI version (--workers "1 4" --rounds 1 --model-bytes 32M --topologies "star chain")
+#   "sharded:M" (a topology of its own): the sharded job, M trainer ranks (FSDP
+#   Shard(0)) to N tensor-parallel workers (tcp_sharded; --engine ucx:
+#   ucx_sharded), each rank and worker on a host of its own: N from --workers.
 #   A topology may carry options: "chain+checksums" (per-bucket checksums),
 #   "chain+staged" (staged commits), "star+delta" (--delta, each update
 #   after the first changing --change-fraction of the elements); each is compared
@@ -99,12 +102,24 @@ if [ -z "$bin" ]; then
   bazel build -c opt //examples/weight_sync >&2
   bin="$(bazel info -c opt bazel-bin 2>/dev/null)/examples/weight_sync/weight_sync"
 fi
-[ -x "$bin" ] || bin="$bin/examples/weight_sync/weight_sync"
+[ -f "$bin" ] || bin="$bin/examples/weight_sync/weight_sync"
 [ -x "$bin" ] || { echo "netns_scale: no weight_sync binary at '$bin'" >&2; exit 2; }
 
 p="rf$$"             # every name this run makes starts with it
 max_workers=0
 for n in $workers_list; do [ "$n" -gt "$max_workers" ] && max_workers=$n; done
+# The sharded job's trainer ranks after rank 0 take hosts of their own too.
+max_hosts=$max_workers
+for topo in $topologies; do
+  case "$topo" in
+    sharded:*)
+      m=${topo%%+*}
+      m=${m#sharded:}
+      case "$m" in '' | *[!0-9]* | 0) echo "netns_scale: '$topo': expected sharded:M, M trainer ranks" >&2; exit 2 ;; esac
+      [ $((max_workers + m - 1)) -gt "$max_hosts" ] && max_hosts=$((max_workers + m - 1))
+      ;;
+  esac
+done
 out=$(mktemp -d)
 worker_pids=()
 
@@ -144,7 +159,7 @@ net ip netns add "${p}sw"
 net ip -n "${p}sw" link add name bridge0 type bridge
 net ip -n "${p}sw" link set bridge0 up
 net ip -n "${p}sw" link set lo up
-for h in $(seq 0 "$max_workers"); do
+for h in $(seq 0 "$max_hosts"); do
   ns="${p}h$h"
   net ip netns add "$ns"
   net ip link add name eth0 netns "$ns" type veth peer name "s$h" netns "${p}sw"
@@ -161,7 +176,16 @@ if [ -n "$replay" ]; then
   model_args=(--replay "$(readlink -f "$replay")")
   model_bytes="replay:$replay"
 fi
-echo "[netns] engine $engine; $((max_workers + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes" \
+# The sharded job starts its workers and ranks itself, each through this: the
+# host's namespace by its address (10.77.0.(h+1)), then the binary.
+cat >"$out/enter.sh" <<EOF
+#!/bin/sh
+address=\$1
+shift
+exec ip netns exec "${p}h\$((\${address##*.} - 1))" "\$@"
+EOF
+chmod +x "$out/enter.sh"
+echo "[netns] engine $engine; $((max_hosts + 1)) hosts on one switch, $rate each way per host (tbf), model $model_bytes" \
   "in $buffer_bytes buckets," \
   "$updates updates per run, $rounds rounds" >&2
 
@@ -169,7 +193,7 @@ echo "[netns] engine $engine; $((max_workers + 1)) hosts on one switch, $rate ea
 # run N TOPOLOGY ROUND: fresh workers in hosts 1..N, the trainer in host 0;
 # appends the trainer's JSON (plus n, topology, round) to $out/runs.jsonl.
 run() {
-  local n=$1 topo=$2 round=$3 connect="" h port opt
+  local n=$1 topo=$2 round=$3 connect="" h port opt rc=0
   local base=${topo%%+*} extra=()
   if [ "$base" != "$topo" ]; then
     for opt in $(echo "${topo#*+}" | tr '+' ' '); do
@@ -183,6 +207,15 @@ run() {
         *) echo "netns_scale: unknown topology option '$opt' in '$topo'" >&2; return 2 ;;
       esac
     done
+  fi
+  if [ "${base#sharded:}" != "$base" ]; then
+    local m=${base#sharded:} hosts=""
+    for h in $(seq 1 $((n + m - 1))); do hosts="${hosts:+$hosts,}10.77.0.$((h + 1))"; done
+    ip netns exec "${p}h0" "$bin" --engine "$engine" --listen 10.77.0.1 --trainers "$m" --tp "$n" \
+      --spawn-hosts "$hosts" --spawn-via "$out/enter.sh" "${model_args[@]}" --buffer-bytes "$buffer_bytes" \
+      --updates "$updates" "${extra[@]}" --timeout-ms 60000 --quiet >"$out/t.out" 2>"$out/t.err" || rc=$?
+    record "$n" "$topo" "$round" "$rc"
+    return
   fi
   for h in $(seq 1 "$n"); do
     ip netns exec "${p}h$h" "$bin" --role worker --engine "$engine" --listen "10.77.0.$((h + 1))" --timeout-ms 60000 \
@@ -199,11 +232,16 @@ run() {
     [ -n "$port" ] || { echo "netns_scale: worker $h printed no port: $(cat "$out/w$h.err")" >&2; return 1; }
     connect="${connect:+$connect,}10.77.0.$((h + 1)):$port"
   done
-  local rc=0
   ip netns exec "${p}h0" "$bin" --engine "$engine" --listen 10.77.0.1 --connect "$connect" --load-model "${model_args[@]}" \
     --buffer-bytes "$buffer_bytes" \
     --updates "$updates" --topology "$base" "${extra[@]}" --timeout-ms 60000 --quiet >"$out/t.out" 2>"$out/t.err" || rc=$?
   stop_workers
+  record "$n" "$topo" "$round" "$rc"
+}
+
+# record N TOPOLOGY ROUND RC: the trainer's last line ($out/t.out) as a run.
+record() {
+  local n=$1 topo=$2 round=$3 rc=$4
   if [ "$rc" -ne 0 ] || ! tail -n 1 "$out/t.out" | python3 -c 'import json,sys; sys.exit(0 if json.load(sys.stdin)["verified"] else 1)'; then
     echo "netns_scale: $topo with $n workers failed (exit $rc): $(tail -n 3 "$out/t.err") $(tail -n 1 "$out/t.out")" >&2
     return 1

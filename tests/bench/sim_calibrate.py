@@ -12,6 +12,9 @@ topology, and the prediction is compared with the measured median:
   docs/bench/netns_ucx.json     ucx over UCX's tcp: star, chain; 1 MiB buckets
   docs/bench/netns_delta_0.1.json  tcp star, deltas changing 10% of the elements
                                 (the updates after the first)
+  docs/bench/netns_sharded.json the sharded job (tcp_sharded): 2 trainer ranks
+                                (FSDP Shard(0)) to 1 and 2 tensor-parallel
+                                workers, each on a host of its own
 Three numbers are calibrated, each on one row, and then checked on all the others:
 the tcp and ucx streams' goodput per line rate (star, one worker) and a staged
 commit's rate (chain with staged commits minus chain, one worker). The rest comes
@@ -19,7 +22,7 @@ from other measurements of this project (costs.json's sources). Writes the costs
 it calibrated (--costs-out, default docs/bench/sim_costs.json) and the table
 (--json). Exit 0 when every checked row is within the tolerance, 1 otherwise.
 --quick: the rows CI's emulated-network section measures (1 and 4 workers, star
-and chain), for CI.
+and chain; the sharded rows), for CI.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def metadata(bin_dir: str, model_bytes: str, out_dir: str) -> str:
 def simulate(bin_dir: str, meta: str, costs: str, **opts) -> dict:
     cmd = [os.path.join(bin_dir, "lib/sim/simulate"), "--metadata", meta, "--costs", costs, "--json",
            "--rate", opts.get("rate", "1gbit"), "--cores", "2"]
-    for key in ("workers", "engine", "topology", "buffer_bytes", "num_buffers", "delta"):
+    for key in ("workers", "engine", "topology", "buffer_bytes", "num_buffers", "delta", "fsdp", "replicas", "tp",
+                "device_copy_gbps"):
         if opts.get(key) is not None:
             cmd += ["--" + key.replace("_", "-"), str(opts[key])]
     for flag in ("checksums", "staged"):
@@ -100,6 +104,13 @@ def measured_rows() -> list[dict]:
                      "measured": statistics.median(seconds),
                      "opts": {"engine": "tcp", "topology": "star", "workers": n, "buffer_bytes": "8M", "delta": 0.1},
                      "model": delta["model"], "encode_gbps": statistics.median(encode[n])})
+    sharded = load("netns_sharded.json")
+    for key, seconds in sharded["median_s_per_update"].items():
+        topo, n = key.split("@")
+        rows.append({"source": "netns_sharded.json", "row": f"tcp {key}", "measured": seconds,
+                     "opts": {"engine": "tcp", "fsdp": int(topo.split(":")[1]), "replicas": 1, "tp": int(n),
+                              "buffer_bytes": "8M"},
+                     "model": sharded["model"]})
     return rows
 
 
@@ -152,7 +163,10 @@ def main() -> int:
                 own = dict(costs, delta=[dict(d, encode_gbps=row["encode_gbps"]) for d in costs["delta"]])
                 with open(path, "w") as f:
                     json.dump(own, f)
-            return simulate(args.bin, metadata(args.bin, row["model"], tmp), path, **row["opts"])
+            opts = dict(row["opts"])
+            if "fsdp" in opts:  # the sharded job packs with host copies here, not a GPU's
+                opts["device_copy_gbps"] = costs["pack_gbps"]
+            return simulate(args.bin, metadata(args.bin, row["model"], tmp), path, **opts)
 
         def row(name):
             return next(r for r in rows if r["row"] == name)
@@ -194,8 +208,9 @@ def main() -> int:
         table = []
         for r in rows:
             o = r["opts"]
-            if args.quick and not (o["workers"] in (1, 4) and o["topology"] in ("star", "chain") and
-                                   not o.get("checksums") and not o.get("staged") and not o.get("delta")):
+            if args.quick and "fsdp" not in o and not (
+                    o["workers"] in (1, 4) and o["topology"] in ("star", "chain") and
+                    not o.get("checksums") and not o.get("staged") and not o.get("delta")):
                 continue
             p = predict(r)
             err = p["seconds"] / r["measured"] - 1
