@@ -15,6 +15,8 @@ topology, and the prediction is compared with the measured median:
   docs/bench/netns_sharded.json the sharded job (tcp_sharded): 2 trainer ranks
                                 (FSDP Shard(0)) to 1 and 2 tensor-parallel
                                 workers, each on a host of its own
+  docs/bench/netns_ucx_sharded.json  the same over UCX's tcp (ucx_sharded), 1 MiB
+                                buckets
 Three numbers are calibrated, each on one row, and then checked on all the others:
 the tcp and ucx streams' goodput per line rate (star, one worker) and a staged
 commit's rate (chain with staged commits minus chain, one worker). The rest comes
@@ -104,13 +106,14 @@ def measured_rows() -> list[dict]:
                      "measured": statistics.median(seconds),
                      "opts": {"engine": "tcp", "topology": "star", "workers": n, "buffer_bytes": "8M", "delta": 0.1},
                      "model": delta["model"], "encode_gbps": statistics.median(encode[n])})
-    sharded = load("netns_sharded.json")
-    for key, seconds in sharded["median_s_per_update"].items():
-        topo, n = key.split("@")
-        rows.append({"source": "netns_sharded.json", "row": f"tcp {key}", "measured": seconds,
-                     "opts": {"engine": "tcp", "fsdp": int(topo.split(":")[1]), "replicas": 1, "tp": int(n),
-                              "buffer_bytes": "8M"},
-                     "model": sharded["model"]})
+    for source, engine, bucket in (("netns_sharded.json", "tcp", "8M"), ("netns_ucx_sharded.json", "ucx", "1M")):
+        sharded = load(source)
+        for key, seconds in sharded["median_s_per_update"].items():
+            topo, n = key.split("@")
+            rows.append({"source": source, "row": f"{engine} {key}", "measured": seconds,
+                         "opts": {"engine": engine, "fsdp": int(topo.split(":")[1]), "replicas": 1, "tp": int(n),
+                                  "buffer_bytes": bucket},
+                         "model": sharded["model"]})
     return rows
 
 
