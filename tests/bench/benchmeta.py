@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -56,6 +57,11 @@ def command(argv: list[str]) -> str:
 def record(rounds: int, argv: list[str] | None = None) -> dict:
     return {"command": command(sys.argv if argv is None else argv), "commit": commit(),
             "date": datetime.date.today().isoformat(), "rounds": rounds}
+
+
+def spread(xs: list[float], digits: int = 3) -> str:
+    """'median [min-max]', the form every benchmark prints its rounds in."""
+    return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
 
 
 def main() -> int:

@@ -38,8 +38,7 @@ def size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def spread(xs: list[float], digits: int = 3) -> str:
-    return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
+spread = benchmeta.spread
 
 
 def verl_step(actor: Rank, rollouts: list[Rank], number: int) -> tuple[float, float]:

@@ -1,9 +1,10 @@
 """Runs examples/weight_sync for a benchmark and formats its figures (shared by
 sharded_bench.py, loop_lag_bench.py and sharded_delta_bench.py)."""
 import json
-import statistics
 import subprocess
 import sys
+
+import benchmeta
 
 
 def run(tool, binary, args, timeout=900):
@@ -20,6 +21,4 @@ def run(tool, binary, args, timeout=900):
     return r
 
 
-def spread(xs, digits=3):
-    """'median [min-max]'."""
-    return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
+spread = benchmeta.spread
