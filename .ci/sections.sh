@@ -156,3 +156,7 @@ section_gpu_dry_run() {
 
 # ASan+UBSan and TSan test runs, bounded libFuzzer runs.
 section_sanitizers() { ./refit check all; }
+
+# refit inside a real SGLang server (python -m sglang.launch_server on CPUs, sglang
+# from PyPI) through refit.sglang.Client; the venv is made once and reused.
+section_sglang() { bash tests/sglang/run.sh; }

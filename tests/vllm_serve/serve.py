@@ -80,11 +80,15 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self._log = None
 
-    def start(self) -> Server:
+    def command(self) -> list[str]:
+        """The server's command line (tests/sglang's server overrides it)."""
         vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
-        cmd = [vllm, "serve", self.model, "--port", str(self.port), "--host", "127.0.0.1",
-               "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-               "--weight-transfer-config", json.dumps({"backend": "refit"}), *self.extra_args]
+        return [vllm, "serve", self.model, "--port", str(self.port), "--host", "127.0.0.1",
+                "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
+                "--weight-transfer-config", json.dumps({"backend": "refit"}), *self.extra_args]
+
+    def start(self) -> Server:
+        cmd = self.command()
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
@@ -93,7 +97,7 @@ class Server:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with status {self.proc.returncode} while starting; "
+                raise RuntimeError(f"{cmd[0]} exited with status {self.proc.returncode} while starting; "
                                    f"see {self.log_path}:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
@@ -102,7 +106,7 @@ class Server:
                 pass
             time.sleep(1)
         self.stop()
-        raise RuntimeError(f"vllm serve did not come up within {self.start_timeout_s:.0f} s; see {self.log_path}:\n"
+        raise RuntimeError(f"{cmd[0]} did not come up within {self.start_timeout_s:.0f} s; see {self.log_path}:\n"
                            f"{self.log_tail()}")
 
     def alive(self) -> bool:
