@@ -18,6 +18,8 @@ import torch
 import refit
 import refit.sglang
 
+# UCX's tcp transport on loopback only, here and in the server (read when UCX starts).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from server import SGLangServer, checkpoint, make_model  # noqa: E402
@@ -28,7 +30,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang")
     model = make_model(os.environ.get("REFIT_SGLANG_MODEL") or str(root / "model"))
     log = os.environ.get("REFIT_SGLANG_LOG") or str(root / "sglang.log")
-    server = SGLangServer(model, log, start_timeout_s=300).start()
+    server = SGLangServer(model, log, start_timeout_s=300, env={"UCX_NET_DEVICES": "lo"}).start()
     try:
         yield {"server": server, "model": model, "log": log, "original": checkpoint(model),
                "first": server.generate()}
@@ -101,4 +103,16 @@ def test_a_trainer_killed_with_generation_paused_before_the_apply_leaves_the_old
         client.update(negated(original), 32)
         assert s.generate().weight_version == "32"
         client.update(original, 33)
+    assert s.generate().tokens == served["first"].tokens
+
+
+def test_over_ucx(served):
+    if "ucx" not in refit.backends():
+        pytest.skip(f"this build of refit has no ucx engine ({refit.backends()})")
+    s, original = served["server"], served["original"]
+    with refit.sglang.Client(s.url, engine="ucx", timeout_ms=30000) as client:
+        client.update(negated(original), 40)
+        changed = s.generate()
+        assert changed.weight_version == "40" and changed.tokens != served["first"].tokens
+        client.update(original, 41)
     assert s.generate().tokens == served["first"].tokens

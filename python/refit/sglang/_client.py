@@ -50,7 +50,9 @@ class Client:
     ``"retract"``: running requests go back to the queue and resume on the new
     weights, so the cache the old ones made is flushed); None applies between two
     forward passes without pausing (SGLang then refuses to flush the cache while
-    requests run, and the update fails and is rolled back).
+    requests run, and the update fails and is rolled back). ``device``: where the
+    sender reads the tensors (``"cuda:N"`` for the GPU engines, nccl and cuda_ipc,
+    whose buckets land in each rank's GPU memory; written, not yet run on a GPU).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class Client:
         trainer_args: Mapping[str, Any] | None = None,
         load_format: str = LOAD_FORMAT,
         pause: str | None = "retract",
+        device: str = "cpu",
     ) -> None:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -80,6 +83,7 @@ class Client:
             raise refit.InvalidArgumentError(f"refit.sglang.Client: pause: expected None, 'retract', 'in_place' or "
                                              f"'abort' (SGLang's /pause_generation modes), got {pause!r}")
         self.pause = pause
+        self.device = device
         self.url = url.rstrip("/")
         self.engine, self.timeout_ms, self.load_format = engine, timeout_ms, load_format
         server_host = parsed.hostname
@@ -202,7 +206,8 @@ class Client:
         endpoints = [ranks[r] for r in range(self.tp_size)]
         group = refit.WorkerGroup([f"{a}:{p}" for a, p in endpoints], timeout_ms=self.timeout_ms,
                                   auth_secret_file=self.auth_secret_file)
-        sender = refit.Sender(self.engine, timeout_ms=self.timeout_ms, auth_secret_file=self.auth_secret_file)
+        sender = refit.Sender(self.engine, device=self.device, timeout_ms=self.timeout_ms,
+                              auth_secret_file=self.auth_secret_file)
         try:
             group.connect()
             group.init(sender, {"master_address": self.address, "master_port": 0, **self.trainer_args})
@@ -220,7 +225,7 @@ class Client:
             self.connect()
         assert self._group is not None and self._sender is not None
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-        items = [(n, t.detach().to("cpu").contiguous()) for n, t in items]
+        items = [(n, t.detach().to(self.device).contiguous()) for n, t in items]
         t0 = time.monotonic()
         tid = self._ticket("check", update_info=refit.describe(items))
         problems = [f"tp rank {o['tp_rank']}: {o.get('error')}" for o in self._outcomes(tid, "check") if not o["ok"]]

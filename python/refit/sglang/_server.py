@@ -44,6 +44,7 @@ import refit
 logger = logging.getLogger("refit.sglang")
 
 TICKET = "refit:"
+GPU_ENGINES = ("nccl", "cuda_ipc")
 _MISSING = object()
 
 
@@ -111,6 +112,9 @@ class _Rank:
     def _connect(self, model: torch.nn.Module, t: dict) -> dict:
         rank, size = _tp()
         key = (t.get("engine", "tcp"), t.get("address"), t.get("timeout_ms"), t.get("auth_secret_file"))
+        # The GPU engines land buckets in this rank's GPU memory; what is received
+        # is still kept on the host until the apply (_received).
+        device = f"cuda:{torch.cuda.current_device()}" if key[0] in GPU_ENGINES else "cpu"
         if self.host is None or key != self.host_key:
             if self.host is not None:
                 self.host.stop()
@@ -120,6 +124,7 @@ class _Rank:
                 on_update_started=lambda owner: self._started(),
                 on_update_finished=lambda version, stats: self._finished(version),
                 on_update_failed=lambda reason: self._failed(),
+                device=device,
             )
             self.host.add_method("refit_sglang_outcome", self._outcome)
             self.host.add_method("refit_sglang_guard", self._guard)
@@ -174,7 +179,8 @@ class _Rank:
             self.receiving = []
 
     def _received(self, batch: list[tuple[str, Any]]) -> None:
-        copies = [(name, tensor.clone()) for name, tensor in batch]  # the views are refit's buffers
+        # The views are refit's buffers (host or device): copied to the host.
+        copies = [(name, tensor.to("cpu", copy=True)) for name, tensor in batch]
         with self.lock:
             self.receiving.extend(copies)
 
