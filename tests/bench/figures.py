@@ -406,6 +406,23 @@ def verl() -> list[str]:
         ["what", "transfer", "refit alone / through verl", "of the transfer"], rows)
 
 
+def sglang() -> list[str]:
+    run = Run("sglang_bench.json")
+    c = run.col
+    share = [100 * x for x in ratios(c("transfer_s"), c("refit_s"))]
+    rows = [["through the server (`refit.sglang.Client.update`: check, transfer, apply)",
+             f"{spread(c('refit_s'), 3)} s", ""],
+            ["refit's transfer alone (that update's transfer phase)", f"{spread(c('transfer_s'), 3)} s",
+             f"{spread(share, 0)}% of the update"],
+            ["SGLang's own `/update_weights_from_tensor` (shared-memory files, one host)",
+             f"{spread(c('sglang_s'), 3)} s",
+             f"refit / SGLang's own: {spread(ratios(c('refit_s'), c('sglang_s')))}x"]]
+    return [run.caption(f"{gb(run['model_bytes'])} of bf16 in {run['tensors']} tensors (a Llama, hidden "
+                        f"{run['hidden']}, {run['layers']} layers) into a real SGLang server on this 2-core "
+                        "machine's CPUs, the trainer a process beside it"), ""] + table(
+        ["update", "seconds", "ratio"], rows)
+
+
 def sim_calibration() -> list[str]:
     run = Run("sim_calibration.json")
     rows = []
@@ -500,6 +517,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "vllm_families": vllm_families,
     "fleet_atomic": fleet_atomic,
     "verl": verl,
+    "sglang": sglang,
     "sim_calibration": sim_calibration,
     "sim_scale": sim_scale,
 }
