@@ -134,7 +134,8 @@ def test_an_update_that_did_not_arrive_whole_is_never_applied_and_nothing_raises
     (odd,) = tickets(m, {"op": "nope"})
     assert not odd["ok"] and "unknown op" in odd["error"]
     refit.sglang.load_weights(m, [("refit:{not json", torch.empty(0))])
-    refit.sglang.load_weights(m, [("model.embed", torch.ones(1))])  # not a ticket: noted, not loaded
+    refit.sglang.load_weights(m, [("embed", torch.ones(6, 4))])  # not a ticket: logged, not loaded
+    assert m.embed.abs().sum() == 0
 
 
 def test_the_client_refuses_bad_arguments_before_any_call():

@@ -51,10 +51,14 @@ _MISSING = object()
 def load_weights(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     """SGLang's custom weight loader (``--custom-weight-loader
     refit.sglang.load_weights``): runs refit's tickets. Never raises."""
+    others = [name for name, _ in named_tensors if not name.startswith(TICKET)]
+    if others:
+        # Weights sent through SGLang's own path to refit's loader: not loaded
+        # (a load here could raise into the scheduler); said, naming them.
+        logger.error("refit.sglang: %d tensors that are not refit tickets were not loaded (send weights with "
+                     "refit.sglang.Client, or without load_format): %s", len(others), others[:8])
     for name, _ in named_tensors:
         if not name.startswith(TICKET):
-            # Bytes sent through SGLang's own path: loaded as SGLang would.
-            _RANK.note_foreign(name)
             continue
         try:
             ticket = json.loads(name[len(TICKET):])
@@ -88,7 +92,6 @@ class _Rank:
         self.pending: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> received whole
         self.undo: dict[str, torch.Tensor] | None = None  # parameter -> its bytes before the last apply
         self.touches: dict[str, list[str]] = {}  # update name -> the parameters the check saw it load
-        self.foreign: list[str] = []
         self.guard: threading.Timer | None = None  # resumes generation a lost client left paused
 
     # ---------------------------------------------------------------- tickets
@@ -211,9 +214,6 @@ class _Rank:
                 self.guard.daemon = True
                 self.guard.start()
         return {"armed": bool(args.get("arm"))}
-
-    def note_foreign(self, name: str) -> None:
-        self.foreign.append(name)
 
 
 _OPS = ("connect", "check", "apply", "rollback")
