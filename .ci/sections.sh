@@ -38,7 +38,7 @@ section_vllm_serve() { bash tests/vllm_serve/run.sh; }
 section_verl() { bash tests/verl/run.sh; }
 
 # The codebase's own signals: header kinds and one-way dependencies (installed =
-# public API), clang-format, every path a comment or doc names, the README's and
+# public API), clang-format, ./refit CMD --help for every command, every path a comment or doc names, the README's and
 # docs' figures against their JSON, the plots against their JSON.
 section_codebase() {
   local status=0 inst inst_backend plot_venv
@@ -47,6 +47,7 @@ section_codebase() {
     python3 tests/codebase/check_headers.py --installed "$inst" --backend-installed "$inst_backend" || status=1
   rm -rf "$inst" "$inst_backend"
   bash tests/codebase/check_format.sh || status=1
+  bash tests/codebase/check_refit_help.sh || status=1
   python3 tests/codebase/check_paths.py || status=1
   if [ -f tests/bench/figures.py ]; then python3 tests/bench/figures.py --check || status=1; fi
   plot_venv=$(bash python/venv.sh --requirements tests/bench/requirements-plot.txt --check tests/bench/plot_venv_check.py |
