@@ -38,8 +38,9 @@ section_vllm_serve() { bash tests/vllm_serve/run.sh; }
 section_verl() { bash tests/verl/run.sh; }
 
 # The codebase's own signals: header kinds and one-way dependencies (installed =
-# public API), clang-format, ./refit CMD --help for every command, every path a comment or doc names, the README's and
-# docs' figures against their JSON, the plots against their JSON.
+# public API), clang-format, ./refit CMD --help for every command, every path a
+# comment or doc names, the README's and docs' figures against their JSON, the
+# plots against their JSON.
 section_codebase() {
   local status=0 inst inst_backend plot_venv
   inst=$(mktemp -d) && inst_backend=$(mktemp -d) &&
