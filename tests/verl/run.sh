@@ -14,5 +14,9 @@ pyver=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])
 wheel=$(./refit wheel --python "$pyver" | tail -n 1)
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 echo "verl: $("$venv/bin/python" -c 'import importlib.metadata as m; print("verl", m.version("verl"), "torch", m.version("torch"))'), refit $wheel"
+# Bytecode under the venv, not the checkout, even where PYTHONDONTWRITEBYTECODE
+# is set: each rank process imports verl, ray and torch again otherwise.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$venv/.pycache"
 REFIT_REQUIRE_VERL=1 timeout --kill-after=30 "${REFIT_VERL_TIMEOUT_S:-900}" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA tests/verl/test_verl.py "$@"

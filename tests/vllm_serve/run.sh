@@ -23,6 +23,11 @@ wheel=$(./refit wheel --python "$pyver" | tail -n 1)
 model=${REFIT_VLLM_SERVE_MODEL:-$HOME/.cache/refit/vllm_serve-model}
 "$venv/bin/python" -c "import sys; sys.path.insert(0, '$here'); import serve; serve.make_model('$model')"
 echo "vllm_serve: $("$venv/bin/python" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))'), refit $wheel, model $model, log $log"
+# Bytecode is written, under the venv (not the checkout), even where
+# PYTHONDONTWRITEBYTECODE is set (CI's machines): without it every server start
+# compiles vLLM's and torch's modules again, about 2 minutes each in a cold CI run.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$venv/.pycache"
 status=0
 REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log REFIT_REQUIRE_PYTHON=1 \
   timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-2400} \
