@@ -491,7 +491,56 @@ bool exchanges(const load_weights_fn& load, model_target* model) {
   return model && own && own->model == model && model->can_exchange();
 }
 
+// The steps of a staged commit on one batch, each on `pool` (the processing
+// executor).
+asio::awaitable<void> load_batch(asio::any_io_executor pool, load_weights_fn* load,
+                                 std::span<const tensor_view> batch) {
+  co_await async::offload(pool, [load, batch] { (*load)(batch); });
+}
+
+// One pass: the model takes the batch, the stage the previous bytes (an exchange
+// that throws changed nothing).
+asio::awaitable<void> exchange_batch(asio::any_io_executor pool, model_target* model,
+                                     std::span<const tensor_view> batch) {
+  co_await async::offload(pool, [model, batch] { model->exchange(batch); });
+}
+
+// The model's current bytes of the batch's tensors, one after the other.
+asio::awaitable<void> read_back_batch(asio::any_io_executor pool, model_target* model,
+                                      std::span<const tensor_view> batch, std::byte* scratch) {
+  co_await async::offload(pool, [model, batch, scratch] {
+    std::uint64_t at = 0;
+    for (const auto& v : batch) {
+      model->read_back(v.spec(), std::span<std::byte>(scratch + at, v.nbytes()));
+      at += v.nbytes();
+    }
+  });
+}
+
+// Once the batch is loaded, its place in the stage holds the previous bytes.
+asio::awaitable<void> keep_previous_in_stage(asio::any_io_executor pool, std::span<const tensor_view> batch,
+                                             std::byte* scratch) {
+  co_await async::offload(pool, [batch, scratch] {
+    std::uint64_t at = 0;
+    for (const auto& v : batch) {
+      if (v.nbytes() != 0) std::memcpy(v.data, scratch + at, v.nbytes());
+      at += v.nbytes();
+    }
+  });
+}
+
 }  // namespace
+
+// What a commit that keeps its undo changed so far: what restore_previous loads
+// back after a failure.
+struct engine::commit_progress {
+  struct batch {
+    staged_chunk* chunk;
+    std::size_t first, count;  // its tensors in the chunk
+  };
+  std::vector<batch> loaded;       // fully loaded, their stage holding the previous bytes
+  std::optional<batch> in_flight;  // read back into the scratch, being loaded
+};
 
 asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks, bool keep_undo) {
   // Everything arrived and was verified; each chunk's load_weights now sees its
@@ -519,88 +568,14 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
       std::rethrow_exception(refused);
     }
   }
-  std::byte* const scratch = undo_scratch_.get();
-  struct loaded_batch {
-    staged_chunk* chunk;
-    std::size_t first, count;
-  };
-  std::vector<loaded_batch> loaded;       // fully loaded, their stage holding the previous bytes
-  std::optional<loaded_batch> in_flight;  // read back, being loaded
+  commit_progress progress;
   std::exception_ptr failure;
   try {
-    for (auto& chunk : chunks) {
-      staged_chunk* c = chunk.get();
-      std::byte* base = stage_->base();
-      std::vector<tensor_view> views =
-          co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
-      touched_ = true;
-      load_weights_fn* load = &c->load;
-      const bool swap = exchanges(c->load, model);
-      for (std::span<const tensor_view> batch : batches_of(views)) {
-        const loaded_batch here{c, static_cast<std::size_t>(batch.data() - views.data()), batch.size()};
-        if (swap) {
-          // One pass: the model takes the batch, the stage the previous bytes (an
-          // exchange that throws changed nothing).
-          co_await async::offload(processing_executor(), [model, batch] { model->exchange(batch); });
-          loaded.push_back(here);
-          continue;
-        }
-        if (model) {
-          co_await async::offload(processing_executor(), [model, batch, scratch] {
-            std::uint64_t at = 0;
-            for (const auto& v : batch) {
-              model->read_back(v.spec(), std::span<std::byte>(scratch + at, v.nbytes()));
-              at += v.nbytes();
-            }
-          });
-          in_flight = here;
-        }
-        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
-        if (model) {
-          co_await async::offload(processing_executor(), [batch, scratch] {
-            std::uint64_t at = 0;
-            for (const auto& v : batch) {
-              if (v.nbytes() != 0) std::memcpy(v.data, scratch + at, v.nbytes());
-              at += v.nbytes();
-            }
-          });
-          in_flight.reset();
-          loaded.push_back(here);
-        }
-      }
-    }
+    for (auto& chunk : chunks) co_await commit_chunk(*chunk, model, progress);
   } catch (...) {
     failure = std::current_exception();
   }
-  if (failure && model && touched_) {
-    // Back to the previous version: the batch that failed from its scratch, then
-    // every loaded batch from the stage, each through its chunk's load_weights.
-    try {
-      if (in_flight) {
-        std::vector<tensor_view> previous;
-        std::uint64_t at = 0;
-        const auto& specs = in_flight->chunk->meta.tensors;
-        for (std::size_t i = in_flight->first; i < in_flight->first + in_flight->count; ++i) {
-          previous.emplace_back(specs[i], scratch + at);
-          at += specs[i].nbytes();
-        }
-        load_weights_fn* load = &in_flight->chunk->load;
-        std::span<const tensor_view> batch(previous);
-        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
-      }
-      for (auto it = loaded.rbegin(); it != loaded.rend(); ++it) {
-        std::vector<tensor_view> views = it->chunk->views(stage_->base());
-        std::span<const tensor_view> batch(views.data() + it->first, it->count);
-        load_weights_fn* load = &it->chunk->load;
-        co_await async::offload(processing_executor(), [load, batch] { (*load)(batch); });
-      }
-      touched_ = false;  // the model holds the previous version again
-    } catch (...) {
-      mark_weights_dirty(
-          "the commit of a staged update failed (" + describe_error(failure) +
-          ") and loading the previous version back failed too: " + describe_error(std::current_exception()));
-    }
-  }
+  if (failure && model && touched_) co_await restore_previous(progress, failure);
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   stats_.process_s += took;
   stats_.wall_s += took;
@@ -613,6 +588,60 @@ asio::awaitable<void> engine::commit_staged(std::vector<std::unique_ptr<staged_c
   if (failure) {
     note_failure("the commit of a staged update", failure);
     std::rethrow_exception(failure);
+  }
+}
+
+asio::awaitable<void> engine::commit_chunk(staged_chunk& chunk, model_target* model, commit_progress& progress) {
+  staged_chunk* c = &chunk;
+  std::byte* base = stage_->base();
+  std::vector<tensor_view> views = co_await async::offload(processing_executor(), [c, base] { return c->views(base); });
+  touched_ = true;
+  load_weights_fn* load = &c->load;
+  std::byte* const scratch = undo_scratch_.get();
+  const bool swap = exchanges(c->load, model);
+  for (std::span<const tensor_view> batch : batches_of(views)) {
+    const commit_progress::batch here{c, static_cast<std::size_t>(batch.data() - views.data()), batch.size()};
+    if (!model) {
+      co_await load_batch(processing_executor(), load, batch);
+    } else if (swap) {
+      co_await exchange_batch(processing_executor(), model, batch);
+      progress.loaded.push_back(here);
+    } else {
+      co_await read_back_batch(processing_executor(), model, batch, scratch);
+      progress.in_flight = here;
+      co_await load_batch(processing_executor(), load, batch);
+      co_await keep_previous_in_stage(processing_executor(), batch, scratch);
+      progress.in_flight.reset();
+      progress.loaded.push_back(here);
+    }
+  }
+}
+
+asio::awaitable<void> engine::restore_previous(const commit_progress& progress, std::exception_ptr failure) {
+  // Back to the previous version: the batch that failed from its scratch, then
+  // every loaded batch from the stage, each through its chunk's load_weights.
+  try {
+    if (progress.in_flight) {
+      const commit_progress::batch& failed = *progress.in_flight;
+      std::vector<tensor_view> previous;
+      std::uint64_t at = 0;
+      const auto& specs = failed.chunk->meta.tensors;
+      for (std::size_t i = failed.first; i < failed.first + failed.count; ++i) {
+        previous.emplace_back(specs[i], undo_scratch_.get() + at);
+        at += specs[i].nbytes();
+      }
+      co_await load_batch(processing_executor(), &failed.chunk->load, previous);
+    }
+    for (auto it = progress.loaded.rbegin(); it != progress.loaded.rend(); ++it) {
+      std::vector<tensor_view> views = it->chunk->views(stage_->base());
+      co_await load_batch(processing_executor(), &it->chunk->load,
+                          std::span<const tensor_view>(views.data() + it->first, it->count));
+    }
+    touched_ = false;  // the model holds the previous version again
+  } catch (...) {
+    mark_weights_dirty(
+        "the commit of a staged update failed (" + describe_error(failure) +
+        ") and loading the previous version back failed too: " + describe_error(std::current_exception()));
   }
 }
 

@@ -257,6 +257,13 @@ class engine : public weight_transfer_engine {
   // With keep_undo the stage ends holding the previous bytes, and the chunks are
   // kept in undo_.
   asio::awaitable<void> commit_staged(std::vector<std::unique_ptr<staged_chunk>> chunks, bool keep_undo = false);
+  // commit_staged's steps: one chunk's batches into the model (with `model`, the
+  // undo's, each batch's previous bytes kept in the stage and recorded in
+  // `progress`), and after a failure part-way, the previous version loaded back
+  // from what `progress` recorded (the weights marked dirty when that fails).
+  struct commit_progress;
+  asio::awaitable<void> commit_chunk(staged_chunk& chunk, model_target* model, commit_progress& progress);
+  asio::awaitable<void> restore_previous(const commit_progress& progress, std::exception_ptr failure);
   // reserve_undo's work for `chunks` (staged_, or those commit_staged holds).
   asio::awaitable<void> reserve_scratch(const std::vector<std::unique_ptr<staged_chunk>>& chunks);
   // Drops the staged chunks and empties the stage (its memory is kept).
