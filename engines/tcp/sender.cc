@@ -16,10 +16,8 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/deadline.h>
 #include <refit/backend/async/offload.h>
-#include <refit/backend/checksum.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/net.h>
-#include <refit/backend/send_cursor.h>
 
 namespace refit::tcp {
 
@@ -119,9 +117,9 @@ void sender::fail_all() {
 namespace {
 
 // The checksums of an update's buckets, computed in bucket order on a thread of
-// their own while the streams send earlier buckets: each stream receives them, in
-// order, from its own channel (bucket k's header needs k's checksum; with deltas,
-// its encoding, made here too).
+// their own (backend::hash_buckets) while the streams send earlier buckets: each
+// stream receives them, in order, from its own channel (bucket k's header needs k's
+// checksum; with deltas, its encoding, made there too).
 class checksum_feed {
  public:
   using channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
@@ -134,18 +132,13 @@ class checksum_feed {
   }
   std::shared_ptr<channel> for_stream(std::size_t i) const { return channels_.at(i); }
 
-  // Hashes (and with `delta`, encodes) every bucket on the calling thread; stops
-  // early once stop() was called. Returns whether it did every bucket.
-  bool run(const std::vector<std::vector<asio::const_buffer>>& payloads, backend::bucket_delta_work* delta) {
-    for (std::size_t k = 0; k < payloads.size(); ++k) {
-      if (stopped_) return false;
-      const std::uint64_t h = checksum(payloads[k]);
-      if (delta) delta->encode_bucket(k, h, payloads[k]);
-      for (auto& c : channels_) c->try_send(std::error_code{}, h);
-    }
-    return true;
+  // The next bucket's checksum, to every stream.
+  void deliver(std::uint64_t h) {
+    for (auto& c : channels_) c->try_send(std::error_code{}, h);
   }
+  // Once stop() was called, the hashing stops before its next bucket.
   void stop() noexcept { stopped_ = true; }
+  const std::atomic<bool>* stopped() const noexcept { return &stopped_; }
   // The feed failed (an allocation, an encoding): the streams waiting for their next
   // bucket's turn stop at once instead of at their deadline.
   void fail() noexcept {
@@ -170,140 +163,103 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   const auto start = clock_type::now();
   stats_ = {};
   const bucket_plan plan = plan_buckets(declared, wire_);
-  const std::uint64_t seq = ++seq_;
-  for (auto& p : peers_) {
-    p->confirmed = false;
-    p->took_delta = false;
-    p->fell_back = false;
-  }
-  delta_stats_ = {};
-
-  std::exception_ptr failure;
-  std::shared_ptr<backend::bucket_delta_work> work;  // deltas on
-  try {
-    // Walk (and check) every tensor the source yields before any byte leaves: a
-    // divergent or extra tensor fails the update while workers have nothing of it.
-    stream s;
-    s.update = links::update_header(seq, declared, plan);
-    s.seq = seq;
-    s.payloads.resize(plan.buckets.size());
-    send_cursor cursor(declared, plan, source);
-    for (const bucket& b : plan.buckets) {
-      const auto& payload = cursor.gather(b);
-      s.payloads[b.index].assign(payload.begin(), payload.end());
-    }
-    cursor.finish();
-
-    // Deltas on: number this version, offer deltas against the base when the
-    // snapshot holds the last update's bytes of these same tensors, and prepare
-    // the work that encodes each bucket and refreshes the snapshot. An update
-    // larger than the bound goes plain, and the snapshot is let go.
-    std::optional<backend::delta_offer> offer;
-    if (delta_) {
-      offer =
-          backend::start_delta_send(base_, version_, delta_max_, declared, plan, allow_base, s.update, delta_stats_);
-      if (offer) {
-        s.delta = offer->header;
-        s.offers_base = offer->has_base;
-        s.encoded.resize(plan.buckets.size());
-        s.encoded_left = std::make_unique<std::atomic<std::size_t>[]>(plan.buckets.size());
-        for (std::size_t k = 0; k < plan.buckets.size(); ++k) s.encoded_left[k] = peers_.size();
-      }
-    }
-    const bool deltas = offer.has_value();
-    if (deltas) {
-      work = std::make_shared<backend::bucket_delta_work>();
-      std::vector<const std::byte*> next(declared.tensors.size());
-      for (std::size_t i = 0; i < declared.tensors.size(); ++i) next[i] = cursor.view(i).data;
-      work->prepare(plan, declared, std::move(next), s.offers_base, &s.encoded);
-    }
-
-    // Each worker's stream runs on its own strand of the I/O pool, at its own pace:
-    // with several workers the kernel copies run on several cores, and a slow
-    // worker does not stall the others bucket by bucket. Checksums are computed
-    // on a thread of their own, bucket k+1's while bucket k is on the wire.
-    std::vector<asio::any_io_executor> executors;
-    for (auto& p : peers_) executors.emplace_back(p->strand);
-    std::shared_ptr<checksum_feed> feed;
-    if (wire_.checksums || work) feed = std::make_shared<checksum_feed>(executors, plan.buckets.size());
-    std::vector<asio::awaitable<void>> streams;
-    for (std::size_t i = 0; i < peers_.size(); ++i)
-      streams.push_back(asio::co_spawn(peers_[i]->strand, stream_to(peers_[i], s, feed ? feed->for_stream(i) : nullptr),
-                                       asio::use_awaitable));
-    if (feed) {
-      if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
-      const auto* payloads = &s.payloads;
-      backend::delta_snapshot* base = work ? &base_ : nullptr;
-      streams.push_back(async::offload(hash_pool_->get_executor(), [feed, payloads, work, base] {
-        struct on_failure {
-          checksum_feed& feed;
-          bool armed = true;
-          ~on_failure() {
-            if (armed) feed.fail();
-          }
-        } guard{*feed};
-        if (base) {
-          // The snapshot grows here, off the event loop.
-          work->snapshot = base->reserve(base->payload_bytes);
-        }
-        if (feed->run(*payloads, work.get()) && base) base->fingerprint = delta_fingerprint(base->digest, work->hashes);
-        guard.armed = false;
-      }));
-      // A stream that fails stops the hashing (it would only feed dead streams).
-      auto streams_then_stop = [](std::vector<asio::awaitable<void>> all,
-                                  std::shared_ptr<checksum_feed> feed) -> asio::awaitable<void> {
-        std::exception_ptr e;
-        try {
-          co_await async::all_of(std::move(all));
-        } catch (...) {
-          e = std::current_exception();
-        }
-        feed->stop();
-        if (e) std::rethrow_exception(e);
-      };
-      std::vector<asio::awaitable<void>> hashed_streams;
-      auto hashing = std::move(streams.back());
-      streams.pop_back();
-      hashed_streams.push_back(streams_then_stop(std::move(streams), feed));
-      hashed_streams.push_back(std::move(hashing));
-      co_await async::all_of(std::move(hashed_streams));
-    } else {
-      co_await async::all_of(std::move(streams));
-    }
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
-    // Which workers do not hold this update: every direct peer that did not
-    // confirm, with the workers it relays to.
-    const std::string missing = unconfirmed_ranks();
-    fail_all();
-    try {
-      std::rethrow_exception(failure);
-    } catch (const error& e) {
-      if (missing.empty()) throw;
-      throw_error(e.kind(),
-                  e.message() + " (update " + std::to_string(seq) + " not completed by worker " + missing + ")");
-    }
-  }
-  if (work) {
-    // Every bucket was encoded and copied into the snapshot, and every worker
-    // confirmed: the snapshot is this version's bytes, the next update's base.
-    backend::finish_delta_send(base_, *work, delta_stats_);
-    // A stream reaches its worker's subtree (relays): each worker there took the
-    // deltas, or got the update full.
-    for (const auto& p : peers_) {
-      const std::size_t reached = topology_.subtree(p->rank, world_size_ - 1).size();
-      delta_stats_.delta_workers += p->took_delta ? reached : 0;
-      delta_stats_.full_fallbacks += p->fell_back ? reached : 0;
-    }
-  }
+  backend::bucket_update u(declared, plan, ++seq_);
+  co_await backend::send_buckets(*this, u, source, {delta_, delta_max_, allow_base, version_, base_, delta_stats_});
   stats_.bytes = plan.tensor_bytes;
   stats_.buckets = plan.buckets.size();
   stats_.tensors = declared.tensors.size();
   stats_.wall_s = std::chrono::duration<double>(clock_type::now() - start).count();
   stats_.receive_s = stats_.wall_s;
   stats_.finalize();
+}
+
+void sender::reset_peers() {
+  for (auto& p : peers_) {
+    p->confirmed = false;
+    p->took_delta = false;
+    p->fell_back = false;
+  }
+}
+
+asio::awaitable<void> sender::transmit(backend::bucket_update& u) {
+  stream s;
+  s.update = &u;
+  if (u.offer) {
+    s.encoded_left = std::make_unique<std::atomic<std::size_t>[]>(u.plan.buckets.size());
+    for (std::size_t k = 0; k < u.plan.buckets.size(); ++k) s.encoded_left[k] = peers_.size();
+  }
+  // Each worker's stream runs on its own strand of the I/O pool, at its own pace:
+  // with several workers the kernel copies run on several cores, and a slow
+  // worker does not stall the others bucket by bucket. Checksums are computed
+  // on a thread of their own, bucket k+1's while bucket k is on the wire.
+  std::vector<asio::any_io_executor> executors;
+  for (auto& p : peers_) executors.emplace_back(p->strand);
+  std::shared_ptr<checksum_feed> feed;
+  if (wire_.checksums || u.work) feed = std::make_shared<checksum_feed>(executors, u.plan.buckets.size());
+  std::vector<asio::awaitable<void>> streams;
+  for (std::size_t i = 0; i < peers_.size(); ++i)
+    streams.push_back(asio::co_spawn(peers_[i]->strand, stream_to(peers_[i], s, feed ? feed->for_stream(i) : nullptr),
+                                     asio::use_awaitable));
+  if (!feed) {
+    co_await async::all_of(std::move(streams));
+    co_return;
+  }
+  if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
+  backend::bucket_update* update = &u;
+  backend::delta_snapshot* base = &base_;
+  auto hashing = async::offload(hash_pool_->get_executor(), [feed, update, base] {
+    struct on_failure {
+      checksum_feed& feed;
+      bool armed = true;
+      ~on_failure() {
+        if (armed) feed.fail();
+      }
+    } guard{*feed};
+    checksum_feed* to = feed.get();
+    backend::hash_buckets(
+        *update, *base, [to](std::size_t, std::uint64_t h) { to->deliver(h); }, feed->stopped());
+    guard.armed = false;
+  });
+  // A stream that fails stops the hashing (it would only feed dead streams).
+  auto streams_then_stop = [](std::vector<asio::awaitable<void>> all,
+                              std::shared_ptr<checksum_feed> feed) -> asio::awaitable<void> {
+    std::exception_ptr e;
+    try {
+      co_await async::all_of(std::move(all));
+    } catch (...) {
+      e = std::current_exception();
+    }
+    feed->stop();
+    if (e) std::rethrow_exception(e);
+  };
+  std::vector<asio::awaitable<void>> hashed_streams;
+  hashed_streams.push_back(streams_then_stop(std::move(streams), feed));
+  hashed_streams.push_back(std::move(hashing));
+  co_await async::all_of(std::move(hashed_streams));
+}
+
+std::vector<backend::peer_delta_outcome> sender::delta_outcomes() const {
+  // A stream reaches its worker's subtree (relays): each worker there took the
+  // deltas, or got the update full.
+  std::vector<backend::peer_delta_outcome> out;
+  for (const auto& p : peers_)
+    out.push_back({topology_.subtree(p->rank, world_size_ - 1).size(), p->took_delta, p->fell_back});
+  return out;
+}
+
+void sender::failed(const backend::bucket_update& u, std::exception_ptr failure) {
+  // Which workers do not hold this update: every direct peer that did not
+  // confirm, with the workers it relays to.
+  const std::string missing = unconfirmed_ranks();
+  fail_all();
+  if (missing.empty()) return;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const error& e) {
+    throw_error(e.kind(),
+                e.message() + " (update " + std::to_string(u.seq) + " not completed by worker " + missing + ")");
+  } catch (...) {
+  }
 }
 
 asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream& s,
@@ -324,20 +280,21 @@ asio::awaitable<void> sender::stream_to(std::shared_ptr<peer> keep, const stream
 
 asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_ptr<checksum_channel> turns,
                                           const std::string& who) {
+  backend::bucket_update& u = *s.update;
   bool deltas = false;
-  if (!s.delta) {
-    co_await links::announce_update(p.socket, s.update, timeout_, who);
+  if (!u.offer) {
+    co_await links::announce_update(p.socket, u.header, timeout_, who);
   } else {
     // The update header and its delta header, then the worker's answers: it
     // accepts the update, then (when offered deltas) says whether it holds the base.
-    const std::uint64_t seq = s.seq;
-    std::vector<asio::const_buffer> headers{asio::buffer(s.update), asio::buffer(*s.delta)};
+    const std::uint64_t seq = u.seq;
+    std::vector<asio::const_buffer> headers{asio::buffer(u.header), asio::buffer(u.offer->header)};
     co_await net::write_all(p.socket, headers, timeout_, who + ": update header");
     links::throw_if_failed(
         co_await links::read_status(p.socket, timeout_,
                                     who + ": waiting for the worker to accept update " + std::to_string(seq)),
         who + " refused the update");
-    if (s.offers_base) {
+    if (u.offer->has_base) {
       const auto answer =
           co_await links::read_status(p.socket, timeout_, who + ": waiting for its answer to the delta offer");
       if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
@@ -350,11 +307,11 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
     }
   }
   std::vector<asio::const_buffer> buffers;
-  for (std::size_t i = 0; i < s.payloads.size(); ++i) {
+  for (std::size_t i = 0; i < u.payloads.size(); ++i) {
     const std::string what = who + ": bucket " + std::to_string(i);
     wire::bucket_header h;
     h.index = i;
-    h.payload_bytes = asio::buffer_size(s.payloads[i]);
+    h.payload_bytes = asio::buffer_size(u.payloads[i]);
     if (turns) {
       // The bucket's checksum (and with deltas, its encoding) is ready.
       auto [ec, sum] =
@@ -366,23 +323,23 @@ asio::awaitable<void> sender::stream_body(peer& p, const stream& s, std::shared_
         h.checksum = sum;
       }
     }
-    const bool encoded = deltas && !s.encoded[i].empty();
+    const bool encoded = deltas && !u.encoded[i].empty();
     if (encoded) {
       h.flags |= wire::flag_delta;
-      h.payload_bytes = s.encoded[i].size();
+      h.payload_bytes = u.encoded[i].size();
     }
     const auto header = wire::encode(h);
     buffers.assign(1, asio::buffer(header));
     if (encoded)
-      buffers.push_back(asio::buffer(s.encoded[i]));
+      buffers.push_back(asio::buffer(u.encoded[i]));
     else
-      buffers.insert(buffers.end(), s.payloads[i].begin(), s.payloads[i].end());
+      buffers.insert(buffers.end(), u.payloads[i].begin(), u.payloads[i].end());
     co_await net::write_all(p.socket, buffers, timeout_, what);
     // The last stream past a bucket frees its delta (the streams run on several
     // threads, so the count is atomic; the bytes are not touched after it).
-    if (s.encoded_left && --s.encoded_left[i] == 0) std::vector<std::byte>().swap(s.encoded[i]);
+    if (s.encoded_left && --s.encoded_left[i] == 0) std::vector<std::byte>().swap(u.encoded[i]);
   }
-  co_await links::await_confirmation(p.socket, s.seq, timeout_, who);
+  co_await links::await_confirmation(p.socket, u.seq, timeout_, who);
 }
 
 void sender::set_next_send(const send_options& options) {

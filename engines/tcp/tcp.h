@@ -20,6 +20,7 @@
 #include <asio/thread_pool.hpp>
 
 #include <refit/backend/bucket_plan.h>
+#include <refit/backend/bucket_send.h>
 #include <refit/backend/delta_stream.h>
 #include <refit/backend/engine.h>
 #include <refit/backend/links/links.h>
@@ -85,7 +86,7 @@ class engine final : public backend::typed_init<init_info, links::stream_engine>
 /// version, dirty weights, no model memory to decode into) carries that update
 /// full, counted in last_delta_stats().full_fallbacks. docs/delta.md has the
 /// protocol.
-class sender final : public weight_sender {
+class sender final : public weight_sender, private backend::bucket_send_transport {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
   ~sender() override;
@@ -119,19 +120,21 @@ class sender final : public weight_sender {
     bool took_delta = false;  // it holds the base: its buckets went as deltas
     bool fell_back = false;   // it was offered deltas and did not hold the base
   };
-  // One update's bytes, laid out once and streamed to every worker.
+  // One update's bytes, laid out once and streamed to every worker. With deltas
+  // offered, each bucket's delta records (update->encoded; empty: sent full) are
+  // written before the bucket's turn is signalled and freed once every stream has
+  // written that bucket (encoded_left: streams to go).
   struct stream {
-    std::array<std::byte, 48> update;
-    std::uint64_t seq = 0;
-    std::vector<std::vector<asio::const_buffer>> payloads;  // per bucket, into the trainer's tensors
-    // Deltas on: the delta header that follows `update`, and per bucket its delta
-    // records (empty: sent full), written before the bucket's turn is signalled and
-    // freed once every stream has written that bucket (encoded_left: streams to go).
-    std::optional<std::array<std::byte, 32>> delta;
-    bool offers_base = false;
-    mutable std::vector<std::vector<std::byte>> encoded;
+    backend::bucket_update* update = nullptr;
     std::unique_ptr<std::atomic<std::size_t>[]> encoded_left;
   };
+  // send_weights' transport parts (backend::send_buckets): a stream to each direct
+  // peer on its strand, the checksums (and deltas) on a thread of their own, bucket
+  // k+1's while bucket k is on the wire.
+  void reset_peers() override;
+  asio::awaitable<void> transmit(backend::bucket_update& u) override;
+  std::vector<backend::peer_delta_outcome> delta_outcomes() const override;
+  void failed(const backend::bucket_update& u, std::exception_ptr failure) override;
   using checksum_channel = asio::experimental::concurrent_channel<void(std::error_code, std::uint64_t)>;
   asio::awaitable<void> stream_to(std::shared_ptr<peer> keep, const stream& s,
                                   std::shared_ptr<checksum_channel> checksums);

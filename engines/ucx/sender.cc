@@ -104,109 +104,81 @@ asio::awaitable<void> sender::send_weights(const update_metadata& declared, tens
   const bool allow_base = std::exchange(next_delta_, std::nullopt).value_or(true);
   const auto start = std::chrono::steady_clock::now();
   const auto [plan, seq] = begin_update(declared);
+  backend::bucket_update u(declared, plan, seq);
+  co_await backend::send_buckets(*this, u, source, {delta_, delta_max_, allow_base, version_, base_, delta_stats_});
+  end_update(declared, plan, start);
+}
+
+void sender::reset_peers() {
   for (auto& p : peers_by_rank_) {
     p->took_delta = p->fell_back = false;
     p->forget_update_regions();  // each update's grants bring the keys of the regions made for it
   }
-  delta_stats_ = {};
-  try {
-    worker::engaged progressing(worker_);
-    // Every tensor the source yields is walked (and checked) before a byte leaves.
-    std::vector<std::vector<asio::const_buffer>> payloads(plan.buckets.size());
-    send_cursor cursor(declared, plan, source);
-    for (const bucket& b : plan.buckets) {
-      const auto& g = cursor.gather(b);
-      payloads[b.index].assign(g.begin(), g.end());
-    }
-    cursor.finish();
-    // Deltas on: number this version and offer deltas against the snapshot when
-    // it holds the last update's bytes of these same tensors (docs/delta.md).
-    auto header = links::update_header(seq, declared, plan);
-    std::shared_ptr<backend::bucket_delta_work> work;
-    std::vector<std::vector<std::byte>> encoded;
-    std::optional<backend::delta_offer> offer;
-    if (delta_) {
-      // Beyond the bound the update goes plain, and the snapshot is let go.
-      offer = backend::start_delta_send(base_, version_, delta_max_, declared, plan, allow_base, header, delta_stats_);
-    }
-    if (offer) {
-      encoded.resize(plan.buckets.size());
-      work = std::make_shared<backend::bucket_delta_work>();
-      std::vector<const std::byte*> next(declared.tensors.size());
-      for (std::size_t i = 0; i < declared.tensors.size(); ++i) next[i] = cursor.view(i).data;
-      work->prepare(plan, declared, std::move(next), offer->has_base, &encoded);
-    }
-    // Checksums (and deltas): one pass over the whole update, off the event loop,
-    // before the first byte is sent (each "done" carries its bucket's checksum).
-    std::vector<std::uint64_t> checksums;
-    if (args_.wire.checksums || work) {
-      if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
-      const auto* all = &payloads;
-      auto* base = work ? &base_ : nullptr;
-      // (Raw pointers: GCC 12 may destroy an owning capture of a lambda written
-      // inside co_await twice, async/offload.h.)
-      auto* work_ptr = work.get();
-      checksums = co_await async::offload(hash_pool_->get_executor(), [all, work = work_ptr, base] {
-        if (work) work->snapshot = base->reserve(base->payload_bytes);
-        std::vector<std::uint64_t> out;
-        out.reserve(all->size());
-        for (std::size_t k = 0; k < all->size(); ++k) {
-          out.push_back(checksum((*all)[k]));
-          if (work) work->encode_bucket(k, out.back(), (*all)[k]);
-        }
-        if (work) base->fingerprint = backend::delta_fingerprint(base->digest, work->hashes);
-        return out;
-      });
-    }
-    if (!offer) {
-      co_await announce_all(peers_, header);
-    } else {
-      // Each worker accepts the update, then (offered a base) says whether it holds it.
-      std::vector<asio::awaitable<void>> offers;
-      for (auto& p : peers_by_rank_)
-        offers.push_back([](std::shared_ptr<downstream> p, std::array<std::byte, 48> header,
-                            std::array<std::byte, 32> dh, bool offered, std::uint64_t seq,
-                            std::chrono::milliseconds timeout) -> asio::awaitable<void> {
-          std::vector<asio::const_buffer> headers{asio::buffer(header), asio::buffer(dh)};
-          co_await net::write_all(*p->socket, headers, timeout, p->name + ": update header");
-          links::throw_if_failed(
-              co_await links::read_status(*p->socket, timeout,
-                                          p->name + ": waiting for the worker to accept update " + std::to_string(seq)),
-              p->name + " refused the update");
-          if (!offered) co_return;
-          const auto answer =
-              co_await links::read_status(*p->socket, timeout, p->name + ": waiting for its answer to the delta offer");
-          if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
-            p->fell_back = true;  // it does not hold the base: this update goes to it full
-          } else {
-            links::throw_if_failed(answer, p->name + " refused the delta offer");
-            p->took_delta = true;
-          }
-        }(p, header, offer->header, offer->has_base, seq, args_.timeout));
-      co_await async::all_of(std::move(offers));
-    }
-    std::vector<asio::awaitable<void>> streams;
-    for (auto& p : peers_by_rank_)
-      streams.push_back(
-          with_peer_reason(stream_to(p, worker_, payloads, checksums, plan, seq, work ? &encoded : nullptr), p));
-    co_await async::all_of(std::move(streams));
-    co_await confirm_all(peers_, seq);
-    if (work) {
-      // Every worker confirmed: the snapshot is this version's bytes, the next base.
-      backend::finish_delta_send(base_, *work, delta_stats_);
-      // A stream reaches its worker's subtree (relays): each worker there took the
-      // deltas, or got the update full.
-      for (const auto& p : peers_by_rank_) {
-        const std::size_t reached = topology_.subtree(p->rank, args_.world_size - 1).size();
-        delta_stats_.delta_workers += p->took_delta ? reached : 0;
-        delta_stats_.full_fallbacks += p->fell_back ? reached : 0;
-      }
-    }
-  } catch (...) {
-    close();
-    throw;
-  }
-  end_update(declared, plan, start);
 }
+
+asio::awaitable<void> sender::transmit(backend::bucket_update& u) {
+  worker::engaged progressing(worker_);
+  // Checksums (and deltas): one pass over the whole update, off the event loop,
+  // before the first byte is sent (each "done" carries its bucket's checksum).
+  std::vector<std::uint64_t> checksums;
+  if (args_.wire.checksums || u.work) {
+    if (!hash_pool_) hash_pool_ = std::make_unique<asio::thread_pool>(1);
+    // (Raw pointers: GCC 12 may destroy an owning capture of a lambda written
+    // inside co_await twice, async/offload.h.)
+    backend::bucket_update* update = &u;
+    backend::delta_snapshot* base = &base_;
+    checksums = co_await async::offload(hash_pool_->get_executor(), [update, base] {
+      std::vector<std::uint64_t> out;
+      out.reserve(update->payloads.size());
+      backend::hash_buckets(*update, *base, [&out](std::size_t, std::uint64_t h) { out.push_back(h); });
+      return out;
+    });
+  }
+  if (!u.offer)
+    co_await announce_all(peers_, u.header);
+  else
+    co_await offer_to_all(u);
+  std::vector<asio::awaitable<void>> streams;
+  for (auto& p : peers_by_rank_)
+    streams.push_back(with_peer_reason(
+        stream_to(p, worker_, u.payloads, checksums, u.plan, u.seq, u.work ? &u.encoded : nullptr), p));
+  co_await async::all_of(std::move(streams));
+  co_await confirm_all(peers_, u.seq);
+}
+
+asio::awaitable<void> sender::offer_to_all(const backend::bucket_update& u) {
+  std::vector<asio::awaitable<void>> offers;
+  for (auto& p : peers_by_rank_)
+    offers.push_back([](std::shared_ptr<downstream> p, std::array<std::byte, 48> header, std::array<std::byte, 32> dh,
+                        bool offered, std::uint64_t seq, std::chrono::milliseconds timeout) -> asio::awaitable<void> {
+      std::vector<asio::const_buffer> headers{asio::buffer(header), asio::buffer(dh)};
+      co_await net::write_all(*p->socket, headers, timeout, p->name + ": update header");
+      links::throw_if_failed(
+          co_await links::read_status(*p->socket, timeout,
+                                      p->name + ": waiting for the worker to accept update " + std::to_string(seq)),
+          p->name + " refused the update");
+      if (!offered) co_return;
+      const auto answer =
+          co_await links::read_status(*p->socket, timeout, p->name + ": waiting for its answer to the delta offer");
+      if (answer.code == static_cast<std::uint32_t>(errc::invalid_state)) {
+        p->fell_back = true;  // it does not hold the base: this update goes to it full
+      } else {
+        links::throw_if_failed(answer, p->name + " refused the delta offer");
+        p->took_delta = true;
+      }
+    }(p, u.header, u.offer->header, u.offer->has_base, u.seq, args_.timeout));
+  co_await async::all_of(std::move(offers));
+}
+
+std::vector<backend::peer_delta_outcome> sender::delta_outcomes() const {
+  // A stream reaches its worker's subtree (relays): each worker there took the
+  // deltas, or got the update full.
+  std::vector<backend::peer_delta_outcome> out;
+  for (const auto& p : peers_by_rank_)
+    out.push_back({topology_.subtree(p->rank, args_.world_size - 1).size(), p->took_delta, p->fell_back});
+  return out;
+}
+
+void sender::failed(const backend::bucket_update&, std::exception_ptr) { close(); }
 
 }  // namespace refit::ucx

@@ -49,6 +49,7 @@
 
 #include <asio/thread_pool.hpp>
 
+#include <refit/backend/bucket_send.h>
 #include <refit/backend/delta_stream.h>
 #include <refit/backend/engine.h>
 #include <refit/backend/links/engine_base.h>
@@ -190,7 +191,7 @@ class engine final : public backend::typed_init<init_info, links::stream_engine>
 /// (relays pass the form and the encoded bytes on). With checksums (or deltas), every bucket's checksum (and delta) is
 /// computed in one pass over the update (on a thread of the sender's) before its
 /// first byte is sent.
-class sender final : public links::sender_base {
+class sender final : public links::sender_base, private backend::bucket_send_transport {
  public:
   sender(const weight_transfer_config& config, const trainer_context& context);
   ~sender() override;
@@ -223,6 +224,15 @@ class sender final : public links::sender_base {
                                   const std::vector<std::vector<asio::const_buffer>>& payloads,
                                   const std::vector<std::uint64_t>& checksums, const bucket_plan& plan,
                                   std::uint64_t seq, const std::vector<std::vector<std::byte>>* encoded);
+  // send_weights' transport parts (backend::send_buckets): every bucket's checksum
+  // (and delta) in one pass before the first byte is sent, then the header (and
+  // the offers' answers) to every peer, the buckets, the confirmations.
+  void reset_peers() override;
+  asio::awaitable<void> transmit(backend::bucket_update& u) override;
+  std::vector<backend::peer_delta_outcome> delta_outcomes() const override;
+  void failed(const backend::bucket_update& u, std::exception_ptr failure) override;
+  // Each peer accepts the update, then (offered a base) says whether it holds it.
+  asio::awaitable<void> offer_to_all(const backend::bucket_update& u);
 
   std::shared_ptr<ucx::context> ucp_;
   std::shared_ptr<worker> worker_;
