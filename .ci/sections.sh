@@ -88,7 +88,7 @@ section_netns() {
     echo "netns scale: NOT RUN on this machine (the reason is above)"
     rc=0
   fi
-  # The simulation (lib/sim) against the committed emulated-network rows of the
+  # The simulation (tools/simulate) against the committed emulated-network rows of the
   # quick set: refit's planner or the simulator changing breaks the calibration here.
   python3 tests/bench/sim_calibrate.py --quick --bin "$(bazel info bazel-bin 2>/dev/null)" || rc=1
   return $rc

@@ -431,8 +431,8 @@ def sim_calibration() -> list[str]:
         rows.append([r["row"], f"{r['measured_s']:.4f} s", f"{r['predicted_s']:.4f} s", err,
                      f"{r['limit_s']:.4f} s", f"`docs/bench/{r['source']}`"])
     checked = [abs(r["error"]) for r in run["rows"] if not r["calibrated"]]
-    caption = (f"Predicted by `lib/sim` against the measured medians of the emulated network (1 Gbit/s NICs, one "
-               f"switch, 9 processes on this 2-core machine): {len(checked)} rows checked, the worst within "
+    caption = (f"Predicted by `tools/simulate` against the measured medians of the emulated network (1 Gbit/s NICs, "
+               f"one switch, 9 processes on this 2-core machine): {len(checked)} rows checked, the worst within "
                f"{100 * max(checked):.1f}% (tolerance {100 * run['tolerance']:.0f}%). Computed by {run.record()}.")
     head = ["row", "measured", "predicted", "error", "physical limit", "measured in"]
     return ([caption, ""] + table(head, rows) +

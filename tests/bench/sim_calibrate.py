@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The simulation (lib/sim, ./refit simulate) against the emulated-network runs.
+"""The simulation (tools/simulate, ./refit simulate) against the emulated-network runs.
 
     python3 tests/bench/sim_calibrate.py [--bin DIR] [--json OUT] [--tolerance 0.15] [--quick]
 
@@ -60,7 +60,7 @@ def metadata(bin_dir: str, model_bytes: str, out_dir: str) -> str:
 
 
 def simulate(bin_dir: str, meta: str, costs: str, **opts) -> dict:
-    cmd = [os.path.join(bin_dir, "lib/sim/simulate"), "--metadata", meta, "--costs", costs, "--json",
+    cmd = [os.path.join(bin_dir, "tools/simulate/simulate"), "--metadata", meta, "--costs", costs, "--json",
            "--rate", opts.get("rate", "1gbit"), "--cores", "2"]
     for key in ("workers", "engine", "topology", "buffer_bytes", "num_buffers", "delta", "fsdp", "replicas", "tp",
                 "device_copy_gbps"):

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""docs/scale.md's cases, predicted by the simulation (lib/sim, ./refit simulate).
+"""docs/scale.md's cases, predicted by the simulation (tools/simulate, ./refit simulate).
 
     python3 tests/bench/sim_scale.py [--bin DIR] [--json docs/bench/sim_scale.json] [--only NAME]
 
-Each case is a model (lib/sim/models/*.json), the trainer's layout, the inference
+Each case is a model (tools/simulate/models/*.json), the trainer's layout, the inference
 layout and a platform of GPUs with one 400 Gbit/s NIC each on a non-blocking fat
 tree, moved by ucx_sharded with the calibrated costs (docs/bench/sim_costs.json):
 full bf16, fp8-sized bytes, and deltas at the change fractions docs/delta.md
@@ -26,7 +26,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 sys.path.insert(0, os.path.join(ROOT, "tests", "bench"))
 import benchmeta  # noqa: E402
 
-MODELS = os.path.join(ROOT, "lib", "sim", "models")
+MODELS = os.path.join(ROOT, "tools", "simulate", "models")
 VARIANTS = [
     ("bf16", ["--weights", "bf16"]),
     ("fp8", ["--weights", "fp8"]),
@@ -62,8 +62,8 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         for variant, extra in variants:
-            cmd = [os.path.join(args.bin, "lib/sim/simulate"), "--hf-config", os.path.join(MODELS, model), *trainer,
-                   *inference, "--rate", "400gbit", "--buffer-bytes", "64M", "--costs",
+            cmd = [os.path.join(args.bin, "tools/simulate/simulate"), "--hf-config", os.path.join(MODELS, model),
+                   *trainer, *inference, "--rate", "400gbit", "--buffer-bytes", "64M", "--costs",
                    os.path.join(ROOT, "docs/bench/sim_costs.json"), "--json", *extra]
             started = time.monotonic()
             run = subprocess.run(cmd, capture_output=True, text=True)

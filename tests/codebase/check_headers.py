@@ -8,7 +8,7 @@ The tree says which kind a header of lib/ is:
              lib/adapters/
   backend    lib/backend/
   internal   lib/internal/, lib/control/internal/
-  (lib/cuda/, lib/torch/ and lib/sim/ are optional layers on top; examples/, tests/ and
+  (lib/cuda/ and lib/torch/ are optional layers on top; examples/, tools/, tests/ and
   python/ are users.)
 
 Dependencies point one way: public core <- backend API <- engines, with the
@@ -45,7 +45,7 @@ def kind(rel):
         return "internal"
     if parts[0] == "backend":
         return "backend"
-    if parts[0] in ("cuda", "torch", "sim"):
+    if parts[0] in ("cuda", "torch"):
         return "layer"
     if len(parts) == 1 or parts[0] in ("model", "integrity", "layout", "control", "adapters"):
         return "public"
@@ -54,13 +54,13 @@ def kind(rel):
 
 def source_kind(rel):
     """Which layer lib/-relative source `rel` belongs to: core, backend, control or a
-    layer (cuda, torch, sim, adapters: users of the core)."""
+    layer (cuda, torch, adapters: users of the core)."""
     parts = rel.split("/")
     if parts[0] == "backend":
         return "backend"
     if parts[0] == "control":
         return "control"
-    if parts[0] in ("cuda", "torch", "adapters", "sim"):
+    if parts[0] in ("cuda", "torch", "adapters"):
         return "layer"
     return "core"
 

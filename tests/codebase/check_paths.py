@@ -9,7 +9,7 @@ files, and the whole text of the Markdown files (CHANGELOG.md aside: it tells
 history, and its paths may be old). In that text it finds
 
   * repository paths: a token that starts with a top-level folder (lib/, engines/,
-    examples/, tests/, third_party/, python/, docs/, .ci/), e.g.
+    examples/, tools/, tests/, third_party/, python/, docs/, .ci/), e.g.
     `engines/tcp/tcp.h`, `tests/fuzz/corpus/*/`, `tests/cuda/...`;
   * Bazel labels: //lib:core, @refit//:refit, //tests/cuda:raii_test, //engines/tcp;
     the package must have a BUILD file that declares the target;
@@ -44,7 +44,7 @@ import sys
 import tokenize
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-TOP_DIRS = ("lib", "engines", "examples", "tests", "third_party", "python", "docs", ".ci")
+TOP_DIRS = ("lib", "engines", "examples", "tools", "tests", "third_party", "python", "docs", ".ci")
 
 # Paths that do not exist in a checkout on purpose. Keep this short; each entry
 # says why it is not a stale reference. An entry covers what lies under it.

@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import check_paths  # noqa: E402  (its ALLOWED list of paths made at run time)
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-TOP = ("lib/", "engines/", "examples/", "tests/", "python/", "docs/", "third_party/", ".ci/")
-PATH = re.compile(r"(?:`|\]\()((?:\./)?(?:lib|engines|examples|tests|python|docs|third_party|\.ci)/[A-Za-z0-9_./*-]*)")
+TOP = ("lib/", "engines/", "examples/", "tools/", "tests/", "python/", "docs/", "third_party/", ".ci/")
+PATH = re.compile(r"(?:`|\]\()((?:\./)?(?:lib|engines|examples|tools|tests|python|docs|third_party|\.ci)/"
+                  r"[A-Za-z0-9_./*-]*)")
 LINK = re.compile(r"\]\(([A-Za-z0-9_./-]+)(?:#[^)]*)?\)")
 LABEL = re.compile(r"(?<![@\w:])//([A-Za-z0-9_/.-]*):([A-Za-z0-9_.+-]+)")
 REFIT_CMD = re.compile(r"\./refit ([a-z]+)")

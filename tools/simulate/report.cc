@@ -1,4 +1,4 @@
-#include <refit/sim/report.h>
+#include "tools/simulate/report.h"
 
 #include <cstdio>
 

@@ -12,7 +12,7 @@
 //
 // --metadata: the update's tensors as vLLM's metadata JSON (names, dtype_names,
 // shapes; the main job prints its model's with --print-layout). --hf-config: a
-// Hugging Face config.json (lib/sim/models/ has docs/scale.md's), its checkpoint's
+// Hugging Face config.json (tools/simulate/models/ has docs/scale.md's), its checkpoint's
 // tensors in bf16 or fp8 (hf_model.h); --print-model prints their count and bytes.
 // --costs: a JSON object of costs.h's members (tcp_efficiency, ucx_efficiency,
 // pack_gbps, checksum_gbps, commit_gbps, stack_gbps, delta: [{fraction,
@@ -32,18 +32,17 @@
 #include <refit/error.h>
 #include <refit/json_reader.h>
 
-#include <refit/sim/hf_model.h>
-
-#include <refit/sim/sharded.h>
-#include <refit/sim/stream.h>
 #include "examples/weight_sync/model.h"
+#include "tools/simulate/hf_model.h"
+#include "tools/simulate/sharded.h"
+#include "tools/simulate/stream.h"
 
 namespace {
 
 using namespace refit;
 
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr, "simulate: %s (see the comment at the top of lib/sim/main.cc)\n", why.c_str());
+  std::fprintf(stderr, "simulate: %s (see the comment at the top of tools/simulate/main.cc)\n", why.c_str());
   std::exit(2);
 }
 

@@ -1,4 +1,4 @@
-#include <refit/sim/hf_model.h>
+#include "tools/simulate/hf_model.h"
 
 #include <cstdint>
 #include <string>

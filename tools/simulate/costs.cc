@@ -1,4 +1,4 @@
-#include <refit/sim/costs.h>
+#include "tools/simulate/costs.h"
 
 #include <algorithm>
 

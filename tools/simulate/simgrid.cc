@@ -1,4 +1,4 @@
-#include <refit/sim/simgrid.h>
+#include "tools/simulate/simgrid.h"
 
 namespace refit::sim::grid {
 namespace sg4 = simgrid::s4u;

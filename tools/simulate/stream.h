@@ -25,8 +25,8 @@
 #include <refit/backend/links/relay.h>
 #include <refit/metadata.h>
 
-#include <refit/sim/costs.h>
-#include <refit/sim/report.h>
+#include "tools/simulate/costs.h"
+#include "tools/simulate/report.h"
 
 namespace refit::sim {
 

@@ -2,7 +2,7 @@
 // its checkpoint names them: dense Llama-style models (llama, qwen2, qwen3,
 // mistral), Qwen3-MoE, and DeepSeek-V3-style MoE (deepseek_v3, kimi_k2: MLA
 // attention, routed and shared experts). The simulation needs sizes, not weights;
-// lib/sim/models/ ships the configs of docs/scale.md's cases.
+// tools/simulate/models/ ships the configs of docs/scale.md's cases.
 #pragma once
 
 #include <string>

@@ -1,4 +1,4 @@
-#include <refit/sim/stream.h>
+#include "tools/simulate/stream.h"
 
 #include <simgrid/s4u.hpp>
 
@@ -10,7 +10,7 @@
 
 #include <refit/backend/net.h>
 #include <refit/error.h>
-#include <refit/sim/simgrid.h>
+#include "tools/simulate/simgrid.h"
 
 namespace refit::sim {
 namespace {

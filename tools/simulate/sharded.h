@@ -21,8 +21,8 @@
 #include <refit/backend/bucket_plan.h>
 #include <refit/layout/layout.h>
 #include <refit/metadata.h>
-#include <refit/sim/costs.h>
-#include <refit/sim/report.h>
+#include "tools/simulate/costs.h"
+#include "tools/simulate/report.h"
 
 namespace refit::sim {
 

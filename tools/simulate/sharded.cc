@@ -1,4 +1,4 @@
-#include <refit/sim/sharded.h>
+#include "tools/simulate/sharded.h"
 
 #include <simgrid/s4u.hpp>
 
@@ -9,7 +9,7 @@
 
 #include <refit/error.h>
 #include <refit/layout/transfer_plan.h>
-#include <refit/sim/simgrid.h>
+#include "tools/simulate/simgrid.h"
 
 namespace refit::sim {
 namespace {
