@@ -115,6 +115,19 @@ echo '{"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "vocab_si
 if out=$("$simulate" --hf-config "$tmp/gpt2.json" --print-model 2>&1); then fail "model_type gpt2 accepted"; fi
 grep -q "model_type 'gpt2'" <<<"$out" || fail "gpt2: '$out'"
 
+# --help and -h: the usage on stdout, status 0; an unknown flag: stderr, status 2.
+for h in --help -h; do
+  out=$("$simulate" "$h" 2>"$tmp/err") || fail "$h: status $?"
+  grep -q "^usage: simulate" <<<"$out" || fail "$h: no usage on stdout: '$out'"
+  grep -q -- "--hf-config" <<<"$out" || fail "$h: the usage names no --hf-config"
+  [ ! -s "$tmp/err" ] || fail "$h wrote to stderr: $(cat "$tmp/err")"
+done
+rc=0
+"$simulate" --no-such-flag >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] || fail "--no-such-flag: status $rc, not 2"
+[ ! -s "$tmp/out" ] && grep -q "unknown argument '--no-such-flag'" "$tmp/err" ||
+  fail "--no-such-flag: stdout '$(cat "$tmp/out")', stderr '$(cat "$tmp/err")'"
+
 # Bad input: a clear error and status 2 (usage) or 1, never a crash.
 if out=$("$simulate" --metadata "$tmp/meta.json" --topology ring 2>&1); then fail "--topology ring accepted"; fi
 grep -q "topology" <<<"$out" || fail "--topology ring: '$out' does not name the topology"

@@ -1,24 +1,6 @@
-// simulate: one update predicted on SimGrid (./refit simulate; docs/scale.md).
-//
-//   simulate (--metadata FILE | --hf-config FILE [--weights bf16|fp8] [--print-model])
-//            [--workers N] [--engine tcp|ucx] [--topology star|chain|tree:K]
-//            [--rate 1gbit] [--cores N] [--latency-us U] [--buffer-bytes 8M] [--num-buffers 2]
-//            [--checksums] [--staged] [--no-direct] [--delta F] [--costs FILE] [--json]
-//   sharded (M trainer ranks to N workers on a cluster of GPUs, one NIC each):
-//            (--fsdp M | --hsdp R,S) [--replicas R] [--tp T] [--rate 400gbit]
-//            [--device-copy-gbps 1000] [--engine ucx|tcp] [--buffer-bytes 64M]
-//            [--delta F [--codec-cores C]] [--gpus-per-node 8] [--oversubscription X]
-//            [--platform SIMGRID_PLATFORM_FILE]
-//
-// --metadata: the update's tensors as vLLM's metadata JSON (names, dtype_names,
-// shapes; the main job prints its model's with --print-layout). --hf-config: a
-// Hugging Face config.json (tools/simulate/models/ has docs/scale.md's), its checkpoint's
-// tensors in bf16 or fp8 (hf_model.h); --print-model prints their count and bytes.
-// --costs: a JSON object of costs.h's members (tcp_efficiency, ucx_efficiency,
-// pack_gbps, checksum_gbps, commit_gbps, stack_gbps, delta: [{fraction,
-// encode_gbps, decode_gbps, wire_fraction}], sources: [...]);
-// tests/bench/sim_calibrate.py writes the calibrated one, docs/bench/sim_costs.json.
-// Prints a table, or with --json one JSON object.
+// simulate: one update predicted on SimGrid (./refit simulate; docs/scale.md). Its
+// flags are kUsage below (simulate --help prints it); errors go to stderr with exit
+// status 2. Prints a table, or with --json one JSON object.
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -41,8 +23,36 @@ namespace {
 
 using namespace refit;
 
+constexpr char kUsage[] =
+    R"(usage: simulate (--metadata FILE | --hf-config FILE [--weights bf16|fp8] [--print-model])
+                [--workers N] [--engine tcp|ucx] [--topology star|chain|tree:K]
+                [--rate 1gbit] [--cores N] [--latency-us U] [--buffer-bytes 8M] [--num-buffers 2]
+                [--checksums] [--staged] [--no-direct] [--delta F] [--costs FILE] [--json]
+       sharded (M trainer ranks to N workers on a cluster of GPUs, one NIC each):
+                (--fsdp M | --hsdp R,S) [--replicas R] [--tp T] [--rate 400gbit]
+                [--device-copy-gbps 1000] [--engine ucx|tcp] [--buffer-bytes 64M]
+                [--delta F [--codec-cores C]] [--gpus-per-node 8] [--oversubscription X]
+                [--platform SIMGRID_PLATFORM_FILE]
+
+One update predicted on SimGrid from refit's own bucket plans, relay topologies and
+sharded transfer plans (docs/scale.md).
+
+  --metadata FILE    the update's tensors as vLLM's metadata JSON (names, dtype_names,
+                     shapes; the main job prints its model's with --print-layout)
+  --hf-config FILE   a Hugging Face config.json (tools/simulate/models/ has
+                     docs/scale.md's); its checkpoint's tensors in --weights bf16 or fp8;
+                     --print-model prints their count and bytes
+  --costs FILE       a JSON object of costs.h's members (tcp_efficiency, ucx_efficiency,
+                     pack_gbps, checksum_gbps, commit_gbps, stack_gbps, delta:
+                     [{fraction, encode_gbps, decode_gbps, wire_fraction}], sources:
+                     [...]); tests/bench/sim_calibrate.py writes the calibrated one,
+                     docs/bench/sim_costs.json
+  --json             one JSON object instead of a table
+  -h, --help         this text
+)";
+
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr, "simulate: %s (see the comment at the top of tools/simulate/main.cc)\n", why.c_str());
+  std::fprintf(stderr, "simulate: %s (simulate --help lists the flags)\n", why.c_str());
   std::exit(2);
 }
 
@@ -110,6 +120,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
     auto value = [&]() -> const std::string& {
       if (i + 1 >= args.size()) usage(a + " needs a value");
       return args[++i];
