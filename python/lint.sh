@@ -3,7 +3,8 @@
 #
 # The Python checks CI runs (and a contributor before a commit):
 #   1. ruff (config: ruff.toml at the repository root) on python/, tests/python,
-#      tests/vllm_serve, tests/verl, tests/bench/*.py and examples/python;
+#      tests/vllm_serve, tests/verl, tests/sglang, tests/bench/*.py, examples/python
+#      and examples/torch_server;
 #   2. the wheel as a type checker sees it: WHEEL (default: the newest non-CUDA
 #      dist/refit-*.whl for the lint venv's CPython; `./refit wheel` builds one
 #      when there is none) installed into the lint venv must hold refit/_refit.pyi
@@ -59,7 +60,7 @@ fi
 
 status=0
 note "ruff check"
-"$venv/bin/ruff" check --no-cache python tests/python tests/vllm_serve tests/verl tests/bench/*.py examples/python || status=1
+"$venv/bin/ruff" check --no-cache python tests/python tests/vllm_serve tests/verl tests/sglang tests/bench/*.py examples/python examples/torch_server || status=1
 
 if [ "$mypy_check" = 1 ]; then
   if [ -z "$wheel" ]; then
@@ -85,7 +86,7 @@ if missing:
     sys.exit(f"lint.sh: the installed wheel lacks refit/{' and refit/'.join(missing)} (in {where})")
 print(f"lint.sh: the wheel installs refit/_refit.pyi and refit/py.typed ({where})", file=sys.stderr)
 PY
-  "$venv/bin/mypy" --config-file python/pyproject.toml --no-incremental examples/python tests/python/typing_smoke.py ||
+  "$venv/bin/mypy" --config-file python/pyproject.toml --no-incremental examples/python examples/torch_server tests/python/typing_smoke.py ||
     status=1
   # The package itself as the wheel ships it (its annotations against the
   # extension's generated stubs), from a copy: mypy checks no site-packages.

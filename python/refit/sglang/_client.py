@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import refit
+from refit.integration import Options, TrainerLink, route_address
 
 LOAD_FORMAT = "refit.sglang.load_weights"
 
@@ -53,6 +54,10 @@ class Client:
     requests run, and the update fails and is rolled back). ``device``: where the
     sender reads the tensors (``"cuda:N"`` for the GPU engines, nccl and cuda_ipc,
     whose buckets land in each rank's GPU memory; written, not yet run on a GPU).
+    ``options``: a :class:`refit.integration.Options` in place of ``engine``,
+    ``timeout_ms``, ``auth_secret_file`` and ``device``, with refit's wire options
+    (``buffer_bytes``, ``checksums``, ...). Bad values raise
+    :class:`refit.InvalidArgumentError` here.
     """
 
     def __init__(
@@ -69,31 +74,27 @@ class Client:
         load_format: str = LOAD_FORMAT,
         pause: str | None = "retract",
         device: str = "cpu",
+        options: Options | None = None,
     ) -> None:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise refit.InvalidArgumentError(f"refit.sglang.Client: url: expected http://HOST:PORT, got {url!r}")
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
-            raise refit.InvalidArgumentError(f"refit.sglang.Client: timeout_ms: expected a positive integer, "
-                                             f"got {timeout_ms!r}")
-        if engine not in refit.backends():
-            raise refit.InvalidArgumentError(f"refit.sglang.Client: engine: {engine!r} is not one of this build's "
-                                             f"engines {sorted(refit.backends())}")
         if pause not in (None, "retract", "in_place", "abort"):
             raise refit.InvalidArgumentError(f"refit.sglang.Client: pause: expected None, 'retract', 'in_place' or "
                                              f"'abort' (SGLang's /pause_generation modes), got {pause!r}")
+        self.options = options or Options(engine=engine, timeout_ms=timeout_ms, auth_secret_file=auth_secret_file,
+                                          device=None if device == "cpu" else device, owner="refit.sglang.Client")
         self.pause = pause
-        self.device = device
+        self.device = self.options.resolved_device()
         self.url = url.rstrip("/")
-        self.engine, self.timeout_ms, self.load_format = engine, timeout_ms, load_format
+        self.engine, self.timeout_ms, self.load_format = self.options.engine, self.options.timeout_ms, load_format
         server_host = parsed.hostname
         self.listen_address = listen_address or ("127.0.0.1" if server_host in ("localhost", "::1") else server_host)
-        self.address = address or _route_to(self.listen_address)
-        self.auth_secret_file, self.api_key = auth_secret_file, api_key
+        self.address = address or route_address(self.listen_address)
+        self.auth_secret_file, self.api_key = self.options.auth_secret_file, api_key
         self.trainer_args = dict(trainer_args or {})
         self.tp_size = 0
-        self._group: refit.WorkerGroup | None = None
-        self._sender: refit.Sender | None = None
+        self._link = TrainerLink(self.options, address=self.address)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -162,7 +163,6 @@ class Client:
         return tid
 
     def _outcomes(self, tid: str, what: str) -> list[dict]:
-        assert self._group is not None
         answers = self._group.call_all("refit_sglang_outcome", {"ticket": tid})
         outcomes = []
         for rank, a in enumerate(answers):
@@ -204,26 +204,14 @@ class Client:
                     me = json.loads(conn.makefile().readline())
                 ranks[int(me["tp_rank"])] = (me["address"], int(me["port"]))
         endpoints = [ranks[r] for r in range(self.tp_size)]
-        group = refit.WorkerGroup([f"{a}:{p}" for a, p in endpoints], timeout_ms=self.timeout_ms,
-                                  auth_secret_file=self.auth_secret_file)
-        sender = refit.Sender(self.engine, device=self.device, timeout_ms=self.timeout_ms,
-                              auth_secret_file=self.auth_secret_file)
-        try:
-            group.connect()
-            group.init(sender, {"master_address": self.address, "master_port": 0, **self.trainer_args})
-        except BaseException:
-            group.close()
-            sender.shutdown()
-            raise
-        self._group, self._sender = group, sender
+        self._link.open(endpoints, **self.trainer_args)
         return endpoints
 
     def update(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> dict:
         """One update of the server to ``version`` (module docstring: the steps).
         Returns {"version", "seconds", "check_s", "transfer_s", "apply_s"}."""
-        if self._group is None or self._sender is None:
+        if not self._link.is_open:
             self.connect()
-        assert self._group is not None and self._sender is not None
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         items = [(n, t.detach().to(self.device).contiguous()) for n, t in items]
         t0 = time.monotonic()
@@ -267,11 +255,17 @@ class Client:
 
     def close(self) -> None:
         """Closes refit's connections (the ranks' hosts stay for the next client)."""
-        if self._group is not None:
-            self._group.close()
-        if self._sender is not None:
-            self._sender.shutdown()
-        self._group = self._sender = None
+        self._link.close()
+
+    @property
+    def _group(self) -> refit.WorkerGroup:
+        assert self._link.group is not None, "refit.sglang.Client: not connected"
+        return self._link.group
+
+    @property
+    def _sender(self) -> refit.Sender:
+        assert self._link.sender is not None, "refit.sglang.Client: not connected"
+        return self._link.sender
 
     def __enter__(self) -> Client:
         return self
@@ -279,12 +273,3 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _route_to(host: str) -> str:
-    """This machine's address on the route to ``host``."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 1))  # no packet is sent
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"

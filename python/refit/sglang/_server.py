@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 import refit
+from refit.integration.model import MetaUpdate, Undo, unloaded
 
 logger = logging.getLogger("refit.sglang")
 
@@ -90,7 +91,7 @@ class _Rank:
         self.outcomes: dict[str, dict] = {}  # ticket id -> outcome (the last few)
         self.receiving: list[tuple[str, torch.Tensor]] = []  # the update being received
         self.pending: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> received whole
-        self.undo: dict[str, torch.Tensor] | None = None  # parameter -> its bytes before the last apply
+        self.undo: Undo | None = None  # the parameters the last apply wrote, as they were before
         self.touches: dict[str, list[str]] = {}  # update name -> the parameters the check saw it load
         self.guard: threading.Timer | None = None  # resumes generation a lost client left paused
 
@@ -157,23 +158,21 @@ class _Rank:
         if tensors is None:
             return {"error": f"this rank holds no whole update at version {version} (none arrived, or it failed)"}
         params = dict(model.named_parameters())
-        touched = sorted({p for name, _ in tensors for p in self.touches.get(name, ())} & params.keys())
-        undo = {p: params[p].detach().to("cpu", copy=True) for p in touched}
+        undo = Undo.capture(params, (p for name, _ in tensors for p in self.touches.get(name, ())))
         try:
             model.load_weights(tensors)
         except Exception as e:
-            _restore(params, undo)
+            undo.restore(params)
             return {"error": f"the model's load_weights raised {type(e).__name__}: {e}; every parameter it touched "
                              "was restored"}
         self.undo = undo
-        return {"version": version, "tensors": len(tensors), "parameters": len(touched)}
+        return {"version": version, "tensors": len(tensors), "parameters": len(undo)}
 
     def _rollback(self, model: torch.nn.Module, t: dict) -> dict:
         if self.undo is None:
             return {"restored": 0}  # this rank applied nothing: nothing to undo
-        _restore(dict(model.named_parameters()), self.undo)
-        n, self.undo = len(self.undo), None
-        return {"restored": n}
+        undo, self.undo = self.undo, None
+        return {"restored": undo.restore(dict(model.named_parameters()))}
 
     # ------------------------------------------------- refit's host (its threads)
 
@@ -234,36 +233,27 @@ def _resume(url: str, api_key: str | None) -> None:
         logger.error("refit.sglang: the client that paused generation was lost, and resuming failed: %s", e)
 
 
-def _restore(params: dict[str, torch.Tensor], undo: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, saved in undo.items():
-            params[name].data.copy_(saved)
-
-
 def loader_problems(model: torch.nn.Module, names: list[str], dtype_names: list[str],
                     shapes: list[list[int]]) -> tuple[list[str], dict[str, list[str]]]:
     """The model's own ``load_weights`` on meta tensors of the update: returns the
     problems (empty: SGLang would load every tensor) and, per name, the parameters
     its loaders wrote. Every ``weight_loader`` runs on a meta copy of its parameter
     (shape checks included, no data); nothing of the model is written."""
+    update = MetaUpdate(names, dtype_names, shapes)
+    if update.problems:
+        return update.problems, {}
     params = dict(model.named_parameters())
-    state = set(model.state_dict(keep_vars=True))  # tied aliases (lm_head.weight) included
-    current: list[str | None] = [None]
     touches: dict[str, list[str]] = {}
     problems: list[str] = []
     saved: dict[str, Any] = {}
 
     def recorder(pname: str, param: torch.Tensor, original: Any) -> Any:
         def record(_param: Any, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            name = current[0] or "?"
+            name = update.current or "?"
             touches.setdefault(name, []).append(pname)
-            meta = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
-            for k, v in vars(param).items():
-                if k != "weight_loader":
-                    setattr(meta, k, v)
             try:
                 load = original if original is not _MISSING else _default_loader()
-                load(meta, loaded, *args, **kwargs)
+                load(_meta_twin(param), loaded, *args, **kwargs)
             except Exception as e:
                 problems.append(f"{name}: shape {list(loaded.shape)} does not fit parameter {pname!r} "
                                 f"{list(param.shape)} ({type(e).__name__}: {str(e)[:200]})")
@@ -273,27 +263,31 @@ def loader_problems(model: torch.nn.Module, names: list[str], dtype_names: list[
         saved[pname] = p.__dict__.get("weight_loader", _MISSING)
         p.weight_loader = recorder(pname, p, saved[pname])
     try:
-        def meta_tensors():
-            for name, dtype, shape in zip(names, dtype_names, shapes):
-                current[0] = name
-                yield name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-            current[0] = None
-
-        try:
-            model.load_weights(meta_tensors())
-        except Exception as e:
-            problems.append(f"{current[0]}: the model's load_weights raised {type(e).__name__}: {str(e)[:300]}")
+        refusal = update.run(model.load_weights)
     finally:
         for pname, p in params.items():
             if saved[pname] is _MISSING:
                 del p.weight_loader
             else:
                 p.weight_loader = saved[pname]
-    for name in names:
-        if name not in touches and name not in state and not any(p.startswith(name) for p in problems):
-            problems.append(f"{name}: the model's loader takes it into no parameter (not a weight of the served "
-                            "model)")
+    if refusal is not None:
+        problems.append(f"{update.current}: the model's load_weights raised {type(refusal).__name__}: "
+                        f"{str(refusal)[:300]}")
+    state = set(model.state_dict(keep_vars=True))  # tied aliases (lm_head.weight) included
+    refused = {p.split(":", 1)[0] for p in problems}
+    for name in unloaded(update, lambda n: n in touches or n in refused, state):
+        problems.append(f"{name}: the model's loader takes it into no parameter (not a weight of the served "
+                        "model)")
     return problems, touches
+
+
+def _meta_twin(param: torch.Tensor) -> torch.nn.Parameter:
+    """A meta copy of ``param`` with its attributes (the loader's own excepted)."""
+    meta = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+    for k, v in vars(param).items():
+        if k != "weight_loader":
+            setattr(meta, k, v)
+    return meta
 
 
 def _default_loader() -> Any:

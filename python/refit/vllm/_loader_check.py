@@ -30,6 +30,7 @@ bookkeeping differs) is not checked here (:func:`loader_problems` returns None).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -38,6 +39,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from refit.integration.model import MetaUpdate, first_sentence, known_names, torch_dtype, unloaded
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +67,6 @@ def _vllm_reload() -> SimpleNamespace | None:
         return None
 
 
-def _dtype(name: str) -> torch.dtype | None:
-    dtype = getattr(torch, name, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 def loader_problems(
     model: torch.nn.Module,
     load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
@@ -89,35 +87,15 @@ def loader_problems(
     if not layers or any(info.can_load() for _, _, info in layers):
         return None  # not recorded, or a reload is open: not ours to touch
 
-    problems: list[str] = []
-    tensors: dict[int, str] = {}  # id of a sent meta tensor -> its name
-    weights: list[tuple[str, torch.Tensor]] = []
-    for name, dtype_name, shape in zip(names, dtype_names, shapes):
-        dtype = _dtype(dtype_name)
-        if dtype is None:
-            problems.append(f"{name!r}: dtype {dtype_name!r} is not a torch dtype")
-            continue
-        t = torch.empty([int(d) for d in shape], dtype=dtype, device="meta")
-        tensors[id(t)] = name
-        weights.append((name, t))
-    if problems:
-        return problems
+    update = MetaUpdate(names, dtype_names, shapes)
+    if update.problems:
+        return update.problems
 
-    copied: dict[str, int] = {name: 0 for name, _ in weights}
+    copied: dict[str, int] = {name: 0 for name in update.names}
     wrong_dtype: dict[str, str] = {}
-    layer_of: dict[int, tuple[str, torch.nn.Module]] = {}
     loaded: dict[int, int] = {}  # per layer (id), elements loaded
     filled: dict[int, int] = {}  # per layer tensor (id), elements loaded
-    current: list[str | None] = [None]
-
-    def source_name(args: inspect.BoundArguments) -> str | None:
-        for value in args.arguments.values():
-            base = value
-            while isinstance(base, torch.Tensor) and id(base) not in tensors and base._base is not None:
-                base = base._base
-            if isinstance(base, torch.Tensor) and id(base) in tensors:
-                return tensors[id(base)]
-        return current[0]
+    allowed_extra = {torch_dtype(model_dtype)} if model_dtype else set()
 
     def counting(layer: torch.nn.Module, original: Callable) -> Callable:
         signature = inspect.signature(original)
@@ -126,14 +104,14 @@ def loader_problems(
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             numel, ret = api.get_numel_loaded(original, bound)
-            name = source_name(bound)
+            name = update.source_of(bound.arguments.values())
             param = bound.arguments.get("param")
             if name is not None:
                 copied[name] = copied.get(name, 0) + numel
-                if numel and isinstance(param, torch.Tensor):
-                    sent = sent_by_name.get(name)
-                    allowed = {param.dtype} | ({_dtype(model_dtype)} if model_dtype else set())
-                    if sent is not None and sent.dtype not in allowed:
+                sent = update.by_name.get(name)
+                if numel and isinstance(param, torch.Tensor) and sent is not None:
+                    allowed = {param.dtype} | allowed_extra
+                    if sent.dtype not in allowed:
                         wrong_dtype[name] = " or ".join(sorted(str(d).split(".")[-1] for d in allowed if d))
             loaded[id(layer)] = loaded.get(id(layer), 0) + numel
             if isinstance(param, torch.Tensor):
@@ -142,80 +120,36 @@ def loader_problems(
 
         return load
 
-    sent_by_name = dict(weights)
-
-    def feed() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in weights:
-            current[0] = name
-            yield name, t
-        current[0] = None
-
-    saved: list[tuple[torch.nn.Module, Any, set[str]]] = []
-    attrs: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    sizes: dict[int, int] = {}
-    unfilled: dict[int, list[str]] = {}  # per layer (id), its tensors nothing was loaded into
     refusal: str | None = None
-    try:
-        with torch.no_grad():
-            for qual, layer, info in layers:
-                saved.append((layer, api.get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
-                params, buffers = info.restore_metadata
-                for t in list(params.values()) + list(buffers.values()):
-                    attrs.append((t, dict(t.__dict__)))
-                api.restore_layer_on_meta(layer, info)
-                layer_of[id(layer)] = (qual, layer)
-                for tname, t in api.get_layer_tensors(layer).items():
-                    if tname in api.SKIP_LOAD_TENSORS:
-                        continue  # never loaded (expert maps): read as they are
-                    if not t.is_meta:
-                        # What vLLM's reload loads in place (a bias): a meta twin
-                        # here, so that nothing of the served model is written.
-                        twin = api.to_meta_tensor(t)
-                        if tname in layer._parameters:
-                            layer._parameters[tname] = twin
-                        else:
-                            layer._buffers[tname] = twin
-                        t = twin
-                    # A finished reload leaves its wrappers on the recorded tensors, and they
-                    # load nothing once it closed: vLLM's own unwrapping.
-                    t.weight_loader = counting(layer, api.original_loader(t))
-            try:
-                load_weights(feed())
-            except Exception as e:  # noqa: BLE001 - the loader's refusal, quoted
-                who = current[0]
-                refusal = (f"{who!r}: " if who else "") + f"vLLM's loader refuses it: {type(e).__name__}: " + (
-                    _first_sentence(str(e)))
-            sizes = {id(layer): api.get_layer_size(layer) for _, layer, _ in layers}
-            for qual, layer, _ in layers:
-                unfilled[id(layer)] = [
-                    f"{qual}.{tname}" if qual else tname
-                    for tname, t in api.get_layer_tensors(layer).items()
-                    if tname not in api.SKIP_LOAD_TENSORS and t.numel() > 0 and filled.get(id(t), 0) == 0
-                ]
-    finally:
-        for layer, (params, buffers), non_persistent in saved:
-            for tname in list(api.get_layer_tensors(layer)):
-                delattr(layer, tname)
-            for tname, p in params.items():
-                layer.register_parameter(tname, p)
-            for tname, b in buffers.items():
-                layer.register_buffer(tname, b, persistent=tname not in non_persistent)
-            layer._non_persistent_buffers_set = non_persistent
-        for t, d in attrs:
-            t.__dict__.clear()
-            t.__dict__.update(d)
+    with torch.no_grad(), _on_meta(api, layers, counting):
+        layer_of = {id(layer): (qual, layer) for qual, layer, _ in layers}
+        error = update.run(load_weights)
+        if error is not None:  # the loader's refusal, quoted
+            who = update.current
+            refusal = (f"{who!r}: " if who else "") + f"vLLM's loader refuses it: {type(error).__name__}: " + (
+                first_sentence(str(error)))
+        sizes = {id(layer): api.get_layer_size(layer) for _, layer, _ in layers}
+        unfilled = {  # per layer (id), its tensors nothing was loaded into
+            id(layer): [
+                f"{qual}.{tname}" if qual else tname
+                for tname, t in api.get_layer_tensors(layer).items()
+                if tname not in api.SKIP_LOAD_TENSORS and t.numel() > 0 and filled.get(id(t), 0) == 0
+            ]
+            for qual, layer, _ in layers
+        }
 
     if refusal is not None:
         return [refusal]
-    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    for name, _ in weights:
+    # What the loader ignores as unexpected (AutoWeightsLoader: any ".bias"): the
+    # trainer's model is not the served one.
+    dropped = set(unloaded(update, lambda n: n in wrong_dtype or copied.get(n, 0) > 0,
+                           known_names(model) | set(checkpoint_names)))
+    problems: list[str] = []
+    for name in update.names:
         if name in wrong_dtype:
-            sent = sent_by_name[name].dtype
-            problems.append(f"{name!r}: dtype {str(sent).split('.')[-1]} sent, the model loads {wrong_dtype[name]}")
-        elif copied.get(name, 0) == 0 and name not in known and name not in checkpoint_names:
-            # What the loader ignores as unexpected (AutoWeightsLoader: any ".bias"):
-            # the trainer's model is not the served one.
+            sent = str(update.by_name[name].dtype).split(".")[-1]
+            problems.append(f"{name!r}: dtype {sent} sent, the model loads {wrong_dtype[name]}")
+        elif name in dropped:
             problems.append(
                 f"{name!r} is not a weight of this model: vLLM's loader would drop it unused (the model has no "
                 "parameter of that name and its checkpoint no such tensor)"
@@ -237,11 +171,47 @@ def loader_problems(
     return problems
 
 
-def _first_sentence(text: str, limit: int = 300) -> str:
-    """The loader's message up to its first sentence (vLLM's goes on to list every
-    parameter of the module)."""
-    text = text.splitlines()[0] if text else text
-    end = text.find(". ")
-    if end > 0:
-        text = text[:end]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+@contextlib.contextmanager
+def _on_meta(api: SimpleNamespace, layers: list[tuple[str, torch.nn.Module, Any]],
+             counting: Callable[[torch.nn.Module, Callable], Callable]) -> Iterator[None]:
+    """Every recorded layer on the meta device in its checkpoint format, as during
+    vLLM's reload, each tensor's loader wrapped by ``counting``; on leaving, every
+    layer gets its own tensors (and their attributes) back, whatever happened."""
+    saved: list[tuple[torch.nn.Module, Any, set[str]]] = []
+    attrs: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    try:
+        for _, layer, info in layers:
+            saved.append((layer, api.get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
+            params, buffers = info.restore_metadata
+            for t in list(params.values()) + list(buffers.values()):
+                attrs.append((t, dict(t.__dict__)))
+            api.restore_layer_on_meta(layer, info)
+            for tname, t in api.get_layer_tensors(layer).items():
+                if tname in api.SKIP_LOAD_TENSORS:
+                    continue  # never loaded (expert maps): read as they are
+                if not t.is_meta:
+                    # What vLLM's reload loads in place (a bias): a meta twin here,
+                    # so that nothing of the served model is written.
+                    twin = api.to_meta_tensor(t)
+                    if tname in layer._parameters:
+                        layer._parameters[tname] = twin
+                    else:
+                        layer._buffers[tname] = twin
+                    t = twin
+                # A finished reload leaves its wrappers on the recorded tensors, and
+                # they load nothing once it closed: vLLM's own unwrapping.
+                t.weight_loader = counting(layer, api.original_loader(t))
+        yield
+    finally:
+        for layer, (params, buffers), non_persistent in saved:
+            for tname in list(api.get_layer_tensors(layer)):
+                delattr(layer, tname)
+            for tname, p in params.items():
+                layer.register_parameter(tname, p)
+            for tname, b in buffers.items():
+                layer.register_buffer(tname, b, persistent=tname not in non_persistent)
+            layer._non_persistent_buffers_set = non_persistent
+        for t, d in attrs:
+            t.__dict__.clear()
+            t.__dict__.update(d)
+
