@@ -179,203 +179,248 @@ std::optional<std::string> module_target::model_name(std::string_view incoming) 
   return rules_->resolve(incoming).name;
 }
 
-std::shared_ptr<const module_target::plan> module_target::make_plan(const update_metadata& meta) const {
-  meta.validate();
-  const auto& o = options_;
-  auto p = std::make_shared<plan>();
-  std::vector<std::string> covered(tensors_.size());  // incoming name loading into an unfused tensor
+// make_plan's steps, and what they gather on the way.
+struct module_target::planner {
+  explicit planner(const module_target& m) : m(m), o(m.options_), covered(m.tensors_.size()) {}
 
-  // The components of each fused tensor the update carries: incoming name and the
+  // The components of a fused tensor the update carries: incoming name and the
   // dim-0 length of this rank's slice, by component index.
   struct fused_use {
     const fused_param* param = nullptr;
     std::vector<std::optional<std::pair<std::string, std::int64_t>>> parts;
   };
-  std::unordered_map<std::size_t, fused_use> fused_uses;
 
-  for (const auto& spec : meta.tensors) {
-    placement pl;
-    pl.spec = spec;
-    const auto resolved = rules_->resolve(spec.name);
-    if (!resolved.name) {
-      pl.ignored = true;
-      p->by_name.emplace(spec.name, std::move(pl));
+  // One announced tensor: where it loads, checked against its model tensor.
+  void place(const tensor_spec& spec);
+  // Its dtype: equal to the model tensor's, or a floating-point conversion copy_
+  // makes.
+  void check_dtype(dtype incoming, const at::Tensor& t, const std::string& what, const std::string& into) const;
+  // This rank's slice of it must fit the model tensor (or, for a fused
+  // component, a dim-0 range of it); returns the slice.
+  std::vector<std::int64_t> fit_slice(placement& pl, const std::string& name, bool fused, const at::Tensor& t,
+                                      const std::string& what, const std::string& into) const;
+  // This rank's slice by the model tensor's parallel style (pl's shard).
+  std::vector<std::int64_t> shard(placement& pl, parallel_style style, bool fused, const std::string& what) const;
+  // Each model tensor loads from one update tensor, each fused component too.
+  void use_component(placement& pl, std::int64_t length, const fused_param& f, std::size_t component,
+                     const std::string& into);
+  void cover(const placement& pl, const std::string& into);
+  // A fused tensor's components, whose sizes may differ (GQA), one after another
+  // along dim 0.
+  void stack_components(std::size_t target, const fused_use& use);
+  // target_options::require_complete: every model tensor is covered or optional.
+  void check_complete() const;
+
+  const module_target& m;
+  const target_options& o;
+  std::shared_ptr<plan> out = std::make_shared<plan>();
+  std::vector<std::string> covered;  // incoming name loading into an unfused tensor
+  std::unordered_map<std::size_t, fused_use> fused_uses;
+};
+
+std::shared_ptr<const module_target::plan> module_target::make_plan(const update_metadata& meta) const {
+  meta.validate();
+  planner p(*this);
+  for (const auto& spec : meta.tensors) p.place(spec);
+  for (const auto& [target, use] : p.fused_uses) p.stack_components(target, use);
+  if (options_.require_complete) p.check_complete();
+  return std::move(p.out);
+}
+
+void module_target::planner::place(const tensor_spec& spec) {
+  placement pl;
+  pl.spec = spec;
+  const auto resolved = m.rules_->resolve(spec.name);
+  if (!resolved.name) {
+    pl.ignored = true;
+    out->by_name.emplace(spec.name, std::move(pl));
+    return;
+  }
+  const std::string& name = *resolved.name;
+  const auto it = m.rules_->index.find(name);
+  const std::string what =
+      "update tensor " + in_quotes(spec.name) + (name == spec.name ? "" : " (model name " + in_quotes(name) + ")");
+  if (it == m.rules_->index.end())
+    throw_error(errc::invalid_argument, "module_target: " + what + " is not a tensor of the model");
+  pl.target = it->second;
+  const at::Tensor& t = m.tensors_[pl.target].second;
+  const std::string into = "model tensor " + in_quotes(name);
+  check_dtype(spec.dtype, t, what, into);
+  const std::vector<std::int64_t> slice = fit_slice(pl, name, resolved.fused != nullptr, t, what, into);
+  if (resolved.fused)
+    use_component(pl, slice[0], *resolved.fused, resolved.component, into);
+  else
+    cover(pl, into);
+  out->by_name.emplace(spec.name, std::move(pl));
+}
+
+void module_target::planner::check_dtype(dtype incoming, const at::Tensor& t, const std::string& what,
+                                         const std::string& into) const {
+  const auto model_dtype = to_dtype(t.scalar_type());
+  if (!model_dtype)
+    throw_error(errc::invalid_argument, "module_target: " + into + " has torch dtype " +
+                                            std::string(c10::toString(t.scalar_type())) +
+                                            ", which refit does not move");
+  if (!to_scalar_type(incoming))
+    throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(incoming)) +
+                                            ", which libtorch " + std::string(libtorch_version()) +
+                                            " does not have (float8 types need libtorch 2.1 or later)");
+  if (incoming == *model_dtype) return;
+  if (!o.convert_dtypes)
+    throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(incoming)) + " but " +
+                                            into + " is " + std::string(to_string(*model_dtype)) +
+                                            " (dtype conversion is off)");
+  if (!is_floating(incoming) || !is_floating(*model_dtype))
+    throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(incoming)) + " but " +
+                                            into + " is " + std::string(to_string(*model_dtype)) +
+                                            "; only floating-point dtypes are converted");
+}
+
+std::vector<std::int64_t> module_target::planner::fit_slice(placement& pl, const std::string& name, bool fused,
+                                                            const at::Tensor& t, const std::string& what,
+                                                            const std::string& into) const {
+  const auto model_shape = span_of(t.sizes());
+  const auto& shape = pl.spec.shape;
+  const std::string shapes = what + " " + shape_to_string(shape) + " and " + into + " " + shape_to_string(model_shape);
+  if (shape.size() != model_shape.size())
+    throw_error(errc::invalid_argument, "module_target: " + shapes + " differ in rank");
+  if (fused && shape.empty())
+    throw_error(errc::invalid_argument, "module_target: " + what + " is a scalar; fused components stack along dim 0");
+  const std::vector<std::int64_t> slice = shard(pl, m.rules_->style(name), fused, what);
+  const std::string sliced = pl.shard_dim >= 0
+                                 ? " (rank " + std::to_string(o.tp_rank) + " of " + std::to_string(o.tp_size) +
+                                       " holds " + shape_to_string(slice) + ")"
+                                 : "";
+  for (std::size_t d = fused ? 1 : 0; d < slice.size(); ++d)
+    if (slice[d] != model_shape[d])
+      throw_error(errc::invalid_argument,
+                  "module_target: shapes of " + shapes + sliced + " do not match" + (fused ? " (beyond dim 0)" : ""));
+  return slice;
+}
+
+std::vector<std::int64_t> module_target::planner::shard(placement& pl, parallel_style style, bool fused,
+                                                        const std::string& what) const {
+  const auto& shape = pl.spec.shape;
+  std::vector<std::int64_t> slice(shape.begin(), shape.end());  // this rank's part
+  if (style == parallel_style::vocab && o.tp_size > 1 && !shape.empty()) {
+    // vLLM's VocabParallelEmbedding: rows padded, then split evenly; the last
+    // ranks' rows past the vocabulary are padding the update does not write.
+    if (fused) throw_error(errc::invalid_argument, "module_target: " + what + " is vocab-parallel and fused");
+    const std::int64_t padded = (shape[0] + o.vocab_padding - 1) / o.vocab_padding * o.vocab_padding;
+    if (padded % o.tp_size != 0)
+      throw_error(errc::invalid_argument, "module_target: " + what + " pads to " + std::to_string(padded) +
+                                              " rows, not divisible by tp_size " + std::to_string(o.tp_size));
+    const std::int64_t per = padded / o.tp_size;
+    pl.shard_dim = 0;
+    pl.shard_start = std::min(shape[0], per * o.tp_rank);
+    pl.shard_length = std::min(shape[0], per * (o.tp_rank + 1)) - pl.shard_start;
+    pl.padded = true;
+    slice[0] = per;
+  } else if (style != parallel_style::replicated && o.tp_size > 1) {
+    const int dim = style == parallel_style::column ? 0 : (shape.size() >= 2 ? 1 : -1);
+    if (style == parallel_style::column && shape.empty())
+      throw_error(errc::invalid_argument, "module_target: " + what + " is a scalar and cannot be column-parallel");
+    if (dim >= 0) {
+      if (shape[dim] % o.tp_size != 0)
+        throw_error(errc::invalid_argument, "module_target: " + what + " " + shape_to_string(shape) + " is " +
+                                                style_name(style) + "-parallel but its dim " + std::to_string(dim) +
+                                                " (" + std::to_string(shape[dim]) + ") is not divisible by tp_size " +
+                                                std::to_string(o.tp_size));
+      pl.shard_dim = dim;
+      pl.shard_length = shape[dim] / o.tp_size;
+      pl.shard_start = pl.shard_length * o.tp_rank;
+      slice[dim] = pl.shard_length;
+    }
+  }
+  return slice;
+}
+
+void module_target::planner::use_component(placement& pl, std::int64_t length, const fused_param& f,
+                                           std::size_t component, const std::string& into) {
+  pl.fused = true;
+  pl.length = length;
+  auto& use = fused_uses[pl.target];
+  use.param = &f;
+  use.parts.resize(f.components.size());
+  if (use.parts[component])
+    throw_error(errc::invalid_argument, "module_target: update tensors " + in_quotes(use.parts[component]->first) +
+                                            " and " + in_quotes(pl.spec.name) + " both load into component " +
+                                            in_quotes(f.components[component]) + " of " + into);
+  use.parts[component] = std::pair(pl.spec.name, length);
+}
+
+void module_target::planner::cover(const placement& pl, const std::string& into) {
+  if (!covered[pl.target].empty())
+    throw_error(errc::invalid_argument, "module_target: update tensors " + in_quotes(covered[pl.target]) + " and " +
+                                            in_quotes(pl.spec.name) + " both load into " + into);
+  covered[pl.target] = pl.spec.name;
+}
+
+void module_target::planner::stack_components(std::size_t target, const fused_use& use) {
+  const auto& f = *use.param;
+  const std::string& name = m.tensors_[target].first;
+  const std::string into = "model tensor " + in_quotes(name);
+  const at::Tensor& t = m.tensors_[target].second;
+  const bool dim0_split = o.tp_size > 1 && m.rules_->style(name) == parallel_style::column;
+  std::vector<std::int64_t> lengths(f.components.size(), -1);
+  for (std::size_t c = 0; c < f.components.size(); ++c) {
+    std::int64_t declared = -1;
+    if (!f.sizes.empty()) {
+      if (dim0_split && f.sizes[c] % o.tp_size != 0)
+        throw_error(errc::invalid_argument, "module_target: component " + in_quotes(f.components[c]) + " of " + into +
+                                                " has size " + std::to_string(f.sizes[c]) +
+                                                ", not divisible by tp_size " + std::to_string(o.tp_size));
+      declared = dim0_split ? f.sizes[c] / o.tp_size : f.sizes[c];
+    }
+    if (use.parts[c]) {
+      lengths[c] = use.parts[c]->second;
+      if (declared >= 0 && declared != lengths[c])
+        throw_error(errc::invalid_argument, "module_target: update tensor " + in_quotes(use.parts[c]->first) +
+                                                " gives " + std::to_string(lengths[c]) + " rows of component " +
+                                                in_quotes(f.components[c]) + " of " + into +
+                                                ", its declared size makes " + std::to_string(declared));
       continue;
     }
-    const std::string& name = *resolved.name;
-    const auto it = rules_->index.find(name);
-    const std::string what =
-        "update tensor " + in_quotes(spec.name) + (name == spec.name ? "" : " (model name " + in_quotes(name) + ")");
-    if (it == rules_->index.end())
-      throw_error(errc::invalid_argument, "module_target: " + what + " is not a tensor of the model");
-    pl.target = it->second;
-    const at::Tensor& t = tensors_[pl.target].second;
-    const std::string into = "model tensor " + in_quotes(name);
-    const fused_param* fp = resolved.fused;
-    const std::size_t component = resolved.component;
-
-    // dtype: equal, or a floating-point conversion copy_ makes.
-    const auto model_dtype = to_dtype(t.scalar_type());
-    if (!model_dtype)
-      throw_error(errc::invalid_argument, "module_target: " + into + " has torch dtype " +
-                                              std::string(c10::toString(t.scalar_type())) +
-                                              ", which refit does not move");
-    if (!to_scalar_type(spec.dtype))
-      throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(spec.dtype)) +
-                                              ", which libtorch " + std::string(libtorch_version()) +
-                                              " does not have (float8 types need libtorch 2.1 or later)");
-    if (spec.dtype != *model_dtype) {
-      if (!o.convert_dtypes)
-        throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(spec.dtype)) +
-                                                " but " + into + " is " + std::string(to_string(*model_dtype)) +
-                                                " (dtype conversion is off)");
-      if (!is_floating(spec.dtype) || !is_floating(*model_dtype))
-        throw_error(errc::invalid_argument, "module_target: " + what + " is " + std::string(to_string(spec.dtype)) +
-                                                " but " + into + " is " + std::string(to_string(*model_dtype)) +
-                                                "; only floating-point dtypes are converted");
-    }
-
-    // Shape: this rank's slice of the incoming tensor must fit the model tensor (or,
-    // for a fused component, a dim-0 range of it).
-    const auto model_shape = span_of(t.sizes());
-    const auto& shape = spec.shape;
-    const std::string shapes =
-        what + " " + shape_to_string(shape) + " and " + into + " " + shape_to_string(model_shape);
-    if (shape.size() != model_shape.size())
-      throw_error(errc::invalid_argument, "module_target: " + shapes + " differ in rank");
-    if (fp && shape.empty())
+    if (o.require_complete)
       throw_error(errc::invalid_argument,
-                  "module_target: " + what + " is a scalar; fused components stack along dim 0");
-    const parallel_style style = rules_->style(name);
-    std::vector<std::int64_t> slice(shape.begin(), shape.end());  // this rank's part
-    if (style == parallel_style::vocab && o.tp_size > 1 && !shape.empty()) {
-      // vLLM's VocabParallelEmbedding: rows padded, then split evenly; the last
-      // ranks' rows past the vocabulary are padding the update does not write.
-      if (fp) throw_error(errc::invalid_argument, "module_target: " + what + " is vocab-parallel and fused");
-      const std::int64_t padded = (shape[0] + o.vocab_padding - 1) / o.vocab_padding * o.vocab_padding;
-      if (padded % o.tp_size != 0)
-        throw_error(errc::invalid_argument, "module_target: " + what + " pads to " + std::to_string(padded) +
-                                                " rows, not divisible by tp_size " + std::to_string(o.tp_size));
-      const std::int64_t per = padded / o.tp_size;
-      pl.shard_dim = 0;
-      pl.shard_start = std::min(shape[0], per * o.tp_rank);
-      pl.shard_length = std::min(shape[0], per * (o.tp_rank + 1)) - pl.shard_start;
-      pl.padded = true;
-      slice[0] = per;
-    } else if (style != parallel_style::replicated && o.tp_size > 1) {
-      const int dim = style == parallel_style::column ? 0 : (shape.size() >= 2 ? 1 : -1);
-      if (style == parallel_style::column && shape.empty())
-        throw_error(errc::invalid_argument, "module_target: " + what + " is a scalar and cannot be column-parallel");
-      if (dim >= 0) {
-        if (shape[dim] % o.tp_size != 0)
-          throw_error(errc::invalid_argument, "module_target: " + what + " " + shape_to_string(shape) + " is " +
-                                                  style_name(style) + "-parallel but its dim " + std::to_string(dim) +
-                                                  " (" + std::to_string(shape[dim]) + ") is not divisible by tp_size " +
-                                                  std::to_string(o.tp_size));
-        pl.shard_dim = dim;
-        pl.shard_length = shape[dim] / o.tp_size;
-        pl.shard_start = pl.shard_length * o.tp_rank;
-        slice[dim] = pl.shard_length;
-      }
-    }
-    const std::string sliced = pl.shard_dim >= 0
-                                   ? " (rank " + std::to_string(o.tp_rank) + " of " + std::to_string(o.tp_size) +
-                                         " holds " + shape_to_string(slice) + ")"
-                                   : "";
-    for (std::size_t d = fp ? 1 : 0; d < slice.size(); ++d)
-      if (slice[d] != model_shape[d])
-        throw_error(errc::invalid_argument,
-                    "module_target: shapes of " + shapes + sliced + " do not match" + (fp ? " (beyond dim 0)" : ""));
-
-    if (fp) {
-      pl.fused = true;
-      pl.length = slice[0];
-      auto& use = fused_uses[pl.target];
-      use.param = fp;
-      use.parts.resize(fp->components.size());
-      if (use.parts[component])
-        throw_error(errc::invalid_argument, "module_target: update tensors " + in_quotes(use.parts[component]->first) +
-                                                " and " + in_quotes(spec.name) + " both load into component " +
-                                                in_quotes(fp->components[component]) + " of " + into);
-      use.parts[component] = std::pair(spec.name, slice[0]);
-    } else {
-      if (!covered[pl.target].empty())
-        throw_error(errc::invalid_argument, "module_target: update tensors " + in_quotes(covered[pl.target]) + " and " +
-                                                in_quotes(spec.name) + " both load into " + into);
-      covered[pl.target] = spec.name;
-    }
-    p->by_name.emplace(spec.name, std::move(pl));
+                  "module_target: the update misses component " + in_quotes(f.components[c]) + " of fused " + into);
+    if (declared < 0)
+      throw_error(errc::invalid_argument, "module_target: the update carries only some components of fused " + into +
+                                              " (not " + in_quotes(f.components[c]) +
+                                              "); set fused_param::sizes to place them");
+    lengths[c] = declared;
   }
-
-  // Fused tensors: place the components, whose sizes may differ (GQA), one after
-  // another along dim 0.
-  for (auto& [target, use] : fused_uses) {
-    const auto& f = *use.param;
-    const std::string& name = tensors_[target].first;
-    const std::string into = "model tensor " + in_quotes(name);
-    const at::Tensor& t = tensors_[target].second;
-    const bool dim0_split = o.tp_size > 1 && rules_->style(name) == parallel_style::column;
-    std::vector<std::int64_t> lengths(f.components.size(), -1);
-    for (std::size_t c = 0; c < f.components.size(); ++c) {
-      std::int64_t declared = -1;
-      if (!f.sizes.empty()) {
-        if (dim0_split && f.sizes[c] % o.tp_size != 0)
-          throw_error(errc::invalid_argument, "module_target: component " + in_quotes(f.components[c]) + " of " + into +
-                                                  " has size " + std::to_string(f.sizes[c]) +
-                                                  ", not divisible by tp_size " + std::to_string(o.tp_size));
-        declared = dim0_split ? f.sizes[c] / o.tp_size : f.sizes[c];
-      }
-      if (use.parts[c]) {
-        lengths[c] = use.parts[c]->second;
-        if (declared >= 0 && declared != lengths[c])
-          throw_error(errc::invalid_argument, "module_target: update tensor " + in_quotes(use.parts[c]->first) +
-                                                  " gives " + std::to_string(lengths[c]) + " rows of component " +
-                                                  in_quotes(f.components[c]) + " of " + into +
-                                                  ", its declared size makes " + std::to_string(declared));
-        continue;
-      }
-      if (o.require_complete)
-        throw_error(errc::invalid_argument,
-                    "module_target: the update misses component " + in_quotes(f.components[c]) + " of fused " + into);
-      if (declared < 0)
-        throw_error(errc::invalid_argument, "module_target: the update carries only some components of fused " + into +
-                                                " (not " + in_quotes(f.components[c]) +
-                                                "); set fused_param::sizes to place them");
-      lengths[c] = declared;
-    }
-    std::int64_t offset = 0;
-    for (std::size_t c = 0; c < f.components.size(); ++c) {
-      if (use.parts[c]) p->by_name.find(use.parts[c]->first)->second.offset = offset;
-      offset += lengths[c];
-    }
-    if (offset != t.size(0)) {
-      std::string parts;
-      for (std::size_t c = 0; c < f.components.size(); ++c)
-        parts += (c ? " + " : "") + std::to_string(lengths[c]) + " (" + f.components[c] + ")";
-      throw_error(errc::invalid_argument, "module_target: the components of fused " + into + " stack to " + parts +
-                                              " = " + std::to_string(offset) +
-                                              " rows on this rank, the model tensor has " + std::to_string(t.size(0)));
-    }
+  std::int64_t offset = 0;
+  for (std::size_t c = 0; c < f.components.size(); ++c) {
+    if (use.parts[c]) out->by_name.find(use.parts[c]->first)->second.offset = offset;
+    offset += lengths[c];
   }
-
-  if (o.require_complete) {
-    for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      if (!covered[i].empty() || fused_uses.contains(i)) continue;
-      const auto& name = tensors_[i].first;
-      if (std::any_of(rules_->optional.begin(), rules_->optional.end(),
-                      [&](const std::regex& re) { return std::regex_search(name, re); }))
-        continue;
-      std::size_t more = 0;
-      for (std::size_t j = i + 1; j < tensors_.size(); ++j)
-        if (covered[j].empty() && !fused_uses.contains(j)) ++more;
-      throw_error(errc::invalid_argument,
-                  "module_target: the update misses model tensor " + in_quotes(name) +
-                      (more ? " (and up to " + std::to_string(more) + " more)" : std::string()) +
-                      "; a complete update covers every model tensor (see "
-                      "target_options::require_complete and ::optional)");
-    }
+  if (offset != t.size(0)) {
+    std::string parts;
+    for (std::size_t c = 0; c < f.components.size(); ++c)
+      parts += (c ? " + " : "") + std::to_string(lengths[c]) + " (" + f.components[c] + ")";
+    throw_error(errc::invalid_argument, "module_target: the components of fused " + into + " stack to " + parts +
+                                            " = " + std::to_string(offset) +
+                                            " rows on this rank, the model tensor has " + std::to_string(t.size(0)));
   }
-  return p;
+}
+
+void module_target::planner::check_complete() const {
+  const auto& tensors = m.tensors_;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!covered[i].empty() || fused_uses.contains(i)) continue;
+    const auto& name = tensors[i].first;
+    if (std::any_of(m.rules_->optional.begin(), m.rules_->optional.end(),
+                    [&](const std::regex& re) { return std::regex_search(name, re); }))
+      continue;
+    std::size_t more = 0;
+    for (std::size_t j = i + 1; j < tensors.size(); ++j)
+      if (covered[j].empty() && !fused_uses.contains(j)) ++more;
+    throw_error(errc::invalid_argument, "module_target: the update misses model tensor " + in_quotes(name) +
+                                            (more ? " (and up to " + std::to_string(more) + " more)" : std::string()) +
+                                            "; a complete update covers every model tensor (see "
+                                            "target_options::require_complete and ::optional)");
+  }
 }
 
 void module_target::validate(const update_metadata& meta) const { (void)make_plan(meta); }

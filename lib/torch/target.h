@@ -138,6 +138,7 @@ class module_target final : public model_target {
  private:
   struct compiled;
   struct plan;
+  struct planner;  // make_plan's steps
   std::shared_ptr<const plan> make_plan(const update_metadata& meta) const;
 
   std::vector<named_tensor> tensors_;
