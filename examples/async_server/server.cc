@@ -174,8 +174,8 @@ int run(const server_options& o) {
     served = version;
     std::fprintf(stderr, "[server] serving version %lld\n", static_cast<long long>(version));
   };
-  hooks.on_update_failed = [](const std::string& reason) {
-    std::fprintf(stderr, "[server] update failed: %s\n", reason.c_str());
+  hooks.on_update_failed = [](const std::string& reason, errc kind) {
+    std::fprintf(stderr, "[server] update failed (%s): %s\n", std::string(errc_name(kind)).c_str(), reason.c_str());
   };
   // The target finishes or aborts as the host's state says, then these run.
   host.set_hooks(control::tensor_map_hooks(host, model, std::move(hooks)));

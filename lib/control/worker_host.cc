@@ -90,7 +90,8 @@ update_hooks tensor_map_hooks(const worker_host& host, tensor_map_target& target
     target.finish(version);
     if (then) then(version, stats);
   };
-  hooks.on_update_failed = [&host, &target, then = std::move(also.on_update_failed)](const std::string& reason) {
+  hooks.on_update_failed = [&host, &target, then = std::move(also.on_update_failed)](const std::string& reason,
+                                                                                     errc kind) {
     if (target.updating()) {
       if (host.engine().weights_dirty()) {
         target.abort(reason);
@@ -101,7 +102,7 @@ update_hooks tensor_map_hooks(const worker_host& host, tensor_map_target& target
         target.finish(v.is_number_integer() ? std::optional<std::int64_t>(v.get<std::int64_t>()) : std::nullopt);
       }
     }
-    if (then) then(reason);
+    if (then) then(reason, kind);
   };
   return hooks;
 }

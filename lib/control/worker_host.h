@@ -24,6 +24,7 @@
 
 #include <refit/control/limits.h>
 #include <refit/engine.h>
+#include <refit/error.h>
 #include <refit/factory.h>
 #include <refit/model/tensor_map_target.h>
 #include <refit/session.h>
@@ -81,7 +82,13 @@ struct update_hooks {
   /// tensor_map_hooks() below does so.
   /// rollback_weight_update calls on_update_finished with the version it
   /// returned to (no on_update_started before it).
-  std::function<void(const std::string& reason)> on_update_failed;
+  /// `kind` is what ended it (branch on it, never on the text; weight_info's
+  /// "last_error_kind" is the same where "last_error" records the failure): a
+  /// failed verb's error kind; timeout when its owner fell silent; peer_lost when
+  /// its owner's connection closed; the kind the trainer's abort_weight_update
+  /// named (default cancelled); cancelled when its owner re-initialised the
+  /// engine; invalid_state when it finished with the weights still dirty.
+  std::function<void(const std::string& reason, errc kind)> on_update_failed;
 };
 
 /// What one worker host grants its clients.

@@ -66,6 +66,7 @@ from ._errors import (
     ResourceExhaustedError,
     TimeoutError,
     UnsupportedError,
+    UpdateFailure,
     error_class,
 )
 from ._group import WorkerGroup
@@ -104,6 +105,7 @@ __all__ = [
     "ResourceExhaustedError",
     "TimeoutError",
     "UnsupportedError",
+    "UpdateFailure",
 ]
 
 backends = _refit.backends

@@ -136,12 +136,43 @@ ERRORS = (
 
 _BY_KIND = {cls.kind: cls for cls in ERRORS}
 
-# Public under refit's name (tracebacks say refit.TimeoutError, pickles load from refit).
-for _cls in (Error, *ERRORS):
-    _cls.__module__ = "refit"
-del _cls
-
 
 def error_class(kind):
     """The exception class of refit error kind ``kind`` (Error for an unknown one)."""
     return _BY_KIND.get(kind, Error)
+
+
+class UpdateFailure(str):
+    """Why a weight-update session ended without a clean finish, as a
+    :class:`WorkerHost`'s ``on_update_failed`` hook receives it: the reason's text
+    (a ``str``, as before) with its error kind as a field, so nothing parses the
+    text. ``kind`` is refit's kind ("timeout": its trainer fell silent;
+    "peer_lost": its trainer's connection closed; the kind the trainer's
+    ``abort_weight_update`` named, "cancelled" by default; a failed chunk's or
+    finish's own kind), as ``weight_info()["last_error_kind"]`` says it.
+    ``error()`` is the failure as refit's exception of that kind, to raise.
+    """
+
+    kind: str
+
+    def __new__(cls, reason: str, kind: str) -> "UpdateFailure":
+        self = super().__new__(cls, reason)
+        self.kind = str(kind)
+        return self
+
+    def error(self) -> Error:
+        """The failure as an exception: ``error_class(kind)(str(self))``, e.g. a
+        :class:`refit.TimeoutError` for "timeout"."""
+        return error_class(self.kind)(str(self), self.kind)
+
+    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]  # pickles and copies keep the kind
+        return (str(self), self.kind)
+
+    def __repr__(self) -> str:
+        return f"UpdateFailure({str(self)!r}, kind={self.kind!r})"
+
+
+# Public under refit's name (tracebacks say refit.TimeoutError, pickles load from refit).
+for _cls in (Error, *ERRORS, UpdateFailure):
+    _cls.__module__ = "refit"
+del _cls

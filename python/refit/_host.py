@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import _refit
+from ._errors import UpdateFailure
 from ._scoped import _Scoped
 from ._types import Info, LoadWeights
 
@@ -18,6 +19,13 @@ class WorkerHost(_Scoped):
     Updates land in ``tensors`` (received into directly, readers see whole versions)
     or go to ``load_weights``. The ``on_update_*`` hooks are called on refit's loop
     (keep them short): started(owner), finished(version, stats), failed(reason).
+    failed's ``reason`` is a :class:`refit.UpdateFailure`: the reason's text (a
+    ``str``) whose ``.kind`` says what ended the session ("timeout": the trainer
+    fell silent; "peer_lost": its connection closed; what the trainer's abort
+    named, "cancelled" by default; a failed chunk's own kind) and whose
+    ``.error()`` is that failure as refit's exception (``refit.TimeoutError``, ...).
+    Branch on ``.kind``, never on the text; ``weight_info()["last_error_kind"]``
+    says the same.
 
     A session belongs to the connection that started it and ends, aborted, when
     that connection closes or sends nothing (no request, no chunk being received)
@@ -48,7 +56,7 @@ class WorkerHost(_Scoped):
         framework: str = "auto",
         on_update_started: Callable[[str], None] | None = None,
         on_update_finished: Callable[[int, Info], None] | None = None,
-        on_update_failed: Callable[[str], None] | None = None,
+        on_update_failed: Callable[[UpdateFailure], None] | None = None,
         session_timeout_ms: int | None = None,
         max_stage_bytes: int = 0,
         keep_base: bool = False,

@@ -29,6 +29,15 @@ void call_hook(const char* name, F fn) {
   }
 }
 
+// refit.UpdateFailure(reason, kind): the reason's text with its kind as a field
+// (GIL held). The class is found on first use and never destroyed (a static
+// nb::object would be released after the interpreter is gone).
+nb::object update_failure(const std::string& reason, errc kind) {
+  static nb::object* cls = nullptr;
+  if (!cls) cls = new nb::object(nb::module_::import_("refit._errors").attr("UpdateFailure"));
+  return (*cls)(nb::str(reason.c_str(), reason.size()), nb::str(std::string(errc_name(kind)).c_str()));
+}
+
 class py_worker_host {
  public:
   py_worker_host(const std::string& backend, const std::string& host, int port, nb::handle tensors,
@@ -84,10 +93,10 @@ class py_worker_host {
       nb::gil_scoped_acquire gil;
       call_hook("on_update_finished", [&] { nb::handle(finished.get())(version, to_python(stats)); });
     };
-    hooks.on_update_failed = [failed](const std::string& reason) {
+    hooks.on_update_failed = [failed](const std::string& reason, errc kind) {
       if (!failed || failed.get().is_none()) return;
       nb::gil_scoped_acquire gil;
-      call_hook("on_update_failed", [&] { nb::handle(failed.get())(reason); });
+      call_hook("on_update_failed", [&] { nb::handle(failed.get())(update_failure(reason, kind)); });
     };
     host_ = std::make_unique<worker_host>(config, ctx, std::move(fn), engine_factory::instance(), limits);
     // Received into tensors: they serve what the host holds, then the Python hooks run.

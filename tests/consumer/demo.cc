@@ -83,7 +83,7 @@ int main() {
                                    model.as_load_weights());
   refit::control::update_hooks hooks;
   hooks.on_update_finished = [&model](std::int64_t version, const refit::json&) { model.finish(version); };
-  hooks.on_update_failed = [&model](const std::string& reason) { model.abort(reason); };
+  hooks.on_update_failed = [&model](const std::string& reason, refit::errc) { model.abort(reason); };
   host.set_hooks(std::move(hooks));
   const std::uint16_t port = host.listen("127.0.0.1", 0);
   asio::co_spawn(io, host.serve(), asio::detached);

@@ -34,9 +34,10 @@ class hooks_test : public control_fixture {
   // What the hooks saw, in order; `throw_in` names a hook that throws.
   std::vector<std::string> events_;
   std::vector<json> info_in_hook_;  // host_->weight_info() as each hook saw it
+  std::vector<errc> failed_kinds_;  // the kind of each on_update_failed
   std::string throw_in_;
 
-  void start(weight_transfer_config config = tcp_config()) {
+  void start(weight_transfer_config config = tcp_config(), control::host_limits limits = {}) {
     control::update_hooks hooks;
     hooks.on_update_started = [this](const std::string& owner) {
       events_.push_back("started by " + owner);
@@ -48,12 +49,13 @@ class hooks_test : public control_fixture {
       info_in_hook_.push_back(host_->weight_info());
       if (throw_in_ == "finished") throw_error(errc::io_error, "the KV cache flush failed");
     };
-    hooks.on_update_failed = [this](const std::string& reason) {
+    hooks.on_update_failed = [this](const std::string& reason, errc kind) {
       events_.push_back("failed: " + reason);
+      failed_kinds_.push_back(kind);
       info_in_hook_.push_back(host_->weight_info());
       if (throw_in_ == "failed") throw std::runtime_error("the failure hook failed too");
     };
-    start_host(config, engine_context{io_.get_executor(), {}, {}, &model_}, model_.as_load_weights(), {},
+    start_host(config, engine_context{io_.get_executor(), {}, {}, &model_}, model_.as_load_weights(), limits,
                std::move(hooks));
   }
 
@@ -122,6 +124,10 @@ TEST_F(hooks_test, the_owner_dropping_mid_session_calls_failed_with_the_reason_a
   EXPECT_FALSE(info_in_hook_[1]["session_active"].get<bool>());
   EXPECT_TRUE(info_in_hook_[1]["weight_version"].is_null());
   EXPECT_TRUE(info_in_hook_[1]["session_owner"].is_null());
+  // The kind is a field, in the hook and in weight_info: the trainer is gone.
+  EXPECT_EQ(failed_kinds_, std::vector<errc>{errc::peer_lost});
+  EXPECT_EQ(info_in_hook_[1]["last_error_kind"], "peer_lost") << info_in_hook_[1];
+  EXPECT_EQ(host_->weight_info()["last_error_kind"], "peer_lost");
 }
 
 TEST_F(hooks_test, a_failed_update_calls_failed_and_a_later_full_update_finished) {
@@ -141,6 +147,8 @@ TEST_F(hooks_test, a_failed_update_calls_failed_and_a_later_full_update_finished
   ASSERT_EQ(events_.size(), 2u);
   EXPECT_TRUE(has(events_[1], "failed: update_weights: invalid_argument: ")) << events_[1];
   EXPECT_TRUE(has(events_[1], "no tensor may be named 'forbidden'")) << events_[1];
+  EXPECT_EQ(failed_kinds_, std::vector<errc>{errc::invalid_argument});
+  EXPECT_EQ(info_in_hook_[1]["last_error_kind"], "invalid_argument") << info_in_hook_[1];
   EXPECT_EQ(info_in_hook_[1]["state"], "dirty") << "its first chunk had been applied: " << info_in_hook_[1];
   EXPECT_FALSE(info_in_hook_[1]["session_active"].get<bool>());
 
@@ -161,7 +169,10 @@ TEST_F(hooks_test, a_failed_update_calls_failed_and_a_later_full_update_finished
   full_update(set, 3);
   ASSERT_EQ(events_.size(), 2u);
   EXPECT_EQ(events_[1], "finished 3 tensors=4");
-  EXPECT_EQ(info()["state"], "clean");
+  json after = info();
+  EXPECT_EQ(after["state"], "clean");
+  EXPECT_TRUE(after["last_error"].is_null()) << "a clean finish clears it: " << after;
+  EXPECT_TRUE(after["last_error_kind"].is_null()) << after;
 }
 
 TEST_F(hooks_test, the_owners_re_init_mid_session_calls_failed) {
@@ -176,7 +187,86 @@ TEST_F(hooks_test, the_owners_re_init_mid_session_calls_failed) {
                   "failed: init_weight_transfer_engine: the weight update session was aborted: "
                   "the engine was re-initialised during it"))
       << events_[1];
+  EXPECT_EQ(failed_kinds_, std::vector<errc>{errc::cancelled}) << "its owner gave it up";
   EXPECT_EQ(info_in_hook_[1]["state"], "dirty") << info_in_hook_[1];
+}
+
+// ---- the kind of a failure, a field of its own (never parsed from the text)
+
+TEST_F(hooks_test, a_silent_owners_session_fails_with_timeout) {
+  control::host_limits limits;
+  limits.session_timeout = 300ms;
+  start(tcp_config(5s), limits);
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set, "staged");
+  // The trainer sends nothing more: the session is aborted at its deadline.
+  ASSERT_TRUE(run_until(
+      io_, [&] { return events_.size() >= 2; }, 5s))
+      << "on_update_failed was not called";
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_TRUE(has(events_[1], "sent nothing for")) << events_[1];
+  EXPECT_EQ(failed_kinds_, std::vector<errc>{errc::timeout});
+  EXPECT_EQ(info_in_hook_[1]["last_error_kind"], "timeout") << info_in_hook_[1];
+  json after = info();
+  EXPECT_EQ(after["last_error_kind"], "timeout") << after;
+  EXPECT_TRUE(has(after["last_error"].get<std::string>(), "sent nothing for")) << after;
+  EXPECT_EQ(after["state"], "clean") << "a staged session leaves the weights as they were: " << after;
+}
+
+TEST_F(hooks_test, an_abort_carries_the_kind_the_trainer_names_and_cancelled_by_default) {
+  start();
+  init();
+  tensor_set set = small_set();
+  call(trainer_, "start_weight_update");
+  chunk(set, "staged");
+  json answer =
+      call(trainer_, "abort_weight_update", {{"why", "worker 2 failed its checksum"}, {"kind", "integrity_error"}});
+  EXPECT_TRUE(answer["aborted"].get<bool>()) << answer;
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_TRUE(has(events_[1], "the trainer aborted it: worker 2 failed its checksum")) << events_[1];
+  EXPECT_EQ(failed_kinds_, std::vector<errc>{errc::integrity_error});
+  EXPECT_EQ(info_in_hook_[1]["last_error_kind"], "integrity_error") << info_in_hook_[1];
+  EXPECT_EQ(info()["last_error_kind"], "integrity_error");
+
+  // Without a kind: cancelled.
+  call(trainer_, "start_weight_update");
+  chunk(set, "staged");
+  call(trainer_, "abort_weight_update", {{"why", "the step was cancelled"}});
+  EXPECT_EQ(failed_kinds_, (std::vector<errc>{errc::integrity_error, errc::cancelled}));
+  EXPECT_EQ(info()["last_error_kind"], "cancelled");
+
+  // A kind that is not one is refused like any bad param; the session stays open.
+  call(trainer_, "start_weight_update");
+  auto msg = call_error(trainer_, "abort_weight_update", {{"kind", "oops"}}, errc::invalid_argument);
+  EXPECT_TRUE(has(msg, "abort_weight_update params")) << msg;
+  EXPECT_TRUE(has(msg, "'kind' must name an error kind")) << msg;
+  EXPECT_TRUE(has(msg, "\"oops\"")) << msg;
+  EXPECT_TRUE(info()["session_active"].get<bool>());
+  call_error(trainer_, "abort_weight_update", {{"kind", 3}}, errc::invalid_argument);
+  EXPECT_EQ(failed_kinds_.size(), 2u) << "a refused abort ends nothing";
+  call(trainer_, "abort_weight_update");
+  EXPECT_EQ(failed_kinds_.back(), errc::cancelled);
+}
+
+TEST_F(hooks_test, a_rolled_back_update_says_cancelled) {
+  start();
+  init();
+  tensor_set first = small_set(4, 1), second = small_set(4, 2);
+  full_update(first, 1, "staged");
+  call(trainer_, "start_weight_update", {{"fleet_atomic", true}});
+  chunk(second, "staged");
+  call(trainer_, "prepare_weight_update");
+  call(trainer_, "finish_weight_update", {{"weight_version", 2}});
+  json committed = info();
+  EXPECT_TRUE(committed["last_error_kind"].is_null()) << committed;
+  call(trainer_, "rollback_weight_update");
+  json after = info();
+  EXPECT_EQ(after["weight_version"], 1) << after;
+  EXPECT_TRUE(has(after["last_error"].get<std::string>(), "update 2 was rolled back by the trainer")) << after;
+  EXPECT_EQ(after["last_error_kind"], "cancelled") << after;
+  EXPECT_TRUE(failed_kinds_.empty()) << "a rollback calls on_update_finished";
 }
 
 TEST_F(hooks_test, refusals_that_end_no_session_call_no_hook) {
@@ -206,6 +296,7 @@ TEST_F(hooks_test, a_throwing_started_hook_refuses_the_session) {
   EXPECT_EQ(after["state"], "clean") << after;
   EXPECT_TRUE(has(after["last_hook_error"].get<std::string>(), "on_update_started: ")) << after;
   EXPECT_TRUE(has(after["last_error"].get<std::string>(), "start_weight_update: processing_failed:")) << after;
+  EXPECT_EQ(after["last_error_kind"], "processing_failed") << after;
   EXPECT_EQ(events_.size(), 1u) << "no failed hook for a session the application refused";
   // Once the hook accepts, updates go through.
   throw_in_.clear();
@@ -309,7 +400,7 @@ TEST_F(hooks_test, tensor_map_hooks_serve_the_version_a_failed_commit_loaded_bac
   also.on_update_finished = [this](std::int64_t version, const json&) {
     events_.push_back("finished " + std::to_string(version));
   };
-  also.on_update_failed = [this](const std::string&) { events_.push_back("failed"); };
+  also.on_update_failed = [this](const std::string&, errc) { events_.push_back("failed"); };
   weight_transfer_config config = tcp_config();
   start_host(config, engine_context{io_.get_executor(), {}, {}, &target}, load);
   host_->set_hooks(control::tensor_map_hooks(*host_, target, std::move(also)));

@@ -205,12 +205,66 @@ def test_a_worker_host_aborts_the_session_of_a_silent_trainer():
         assert not info["session_active"], info
         assert info["state"] == "clean" and info["weight_version"] == 1, info
         assert "sent nothing for" in info["last_error"], info
+        assert info["last_error_kind"] == "timeout", info
         assert failed and "sent nothing for" in failed[-1]
+        # The kind is a field of the reason (a str), never parsed from its text.
+        reason = failed[-1]
+        assert isinstance(reason, refit.UpdateFailure) and isinstance(reason, str), repr(reason)
+        assert reason.kind == "timeout", repr(reason)
+        error = reason.error()
+        assert isinstance(error, refit.TimeoutError) and isinstance(error, TimeoutError), repr(error)
+        assert error.kind == "timeout" and error.message == str(reason)
         with pytest.raises(refit.InvalidStateError, match="was aborted"):
             group.call_all("finish_weight_update", {"weight_version": 2})
         assert host.weight_info()["weight_version"] == 1
     sender.shutdown()
     host.stop()
+
+
+def test_a_trainers_abort_names_the_kind_the_hook_receives():
+    """abort_weight_update's "kind" reaches on_update_failed as reason.kind and
+    weight_info as last_error_kind; without one, "cancelled"."""
+    failed = []
+    host = refit.WorkerHost("tcp", load_weights=lambda batch: None, framework="numpy", timeout_ms=10000,
+                            commit="staged", on_update_failed=failed.append)
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([f"127.0.0.1:{host.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        group.call_all("start_weight_update")
+        group.call_all("abort_weight_update", {"why": "x", "kind": "integrity_error"})
+        assert len(failed) == 1, failed
+        reason = failed[0]
+        assert isinstance(reason, refit.UpdateFailure), repr(reason)
+        assert reason.kind == "integrity_error", repr(reason)
+        assert "the trainer aborted it: x" in reason, reason
+        assert isinstance(reason.error(), refit.IntegrityError), repr(reason.error())
+        info = host.weight_info()
+        assert info["last_error_kind"] == "integrity_error", info
+        group.call_all("start_weight_update")
+        group.call_all("abort_weight_update", {"why": "y"})
+        assert failed[-1].kind == "cancelled" and isinstance(failed[-1].error(), refit.CancelledError)
+        assert host.weight_info()["last_error_kind"] == "cancelled"
+        group.call_all("start_weight_update")
+        with pytest.raises(refit.InvalidArgumentError, match="'kind' must name an error kind"):
+            group.call_all("abort_weight_update", {"kind": "no_such_kind"})
+        assert len(failed) == 2, failed
+        group.call_all("abort_weight_update")
+    sender.shutdown()
+    host.stop()
+
+
+def test_an_update_failure_is_a_str_with_its_kind():
+    reason = refit.UpdateFailure("the weight update session was aborted: its owner ...", "peer_lost")
+    assert reason == "the weight update session was aborted: its owner ..." and reason.startswith("the weight")
+    assert reason.kind == "peer_lost"
+    assert isinstance(reason.error(), refit.PeerLostError) and isinstance(reason.error(), ConnectionError)
+    import copy
+    import pickle
+    for again in (pickle.loads(pickle.dumps(reason)), copy.copy(reason)):
+        assert again == reason and again.kind == "peer_lost" and type(again) is refit.UpdateFailure
+    assert "peer_lost" in repr(reason)
+    assert refit.UpdateFailure("?", "not_a_kind").error().kind == "not_a_kind"
 
 
 def test_a_worker_group_sends_deltas_and_a_worker_whose_tensors_changed_gets_the_update_full():

@@ -18,7 +18,7 @@ struct session_owner::watch_state {
 
 session_owner::session_owner(asio::any_io_executor loop, weight_update_session& session,
                              std::chrono::milliseconds timeout, std::function<std::size_t(std::uint64_t)> in_flight,
-                             std::function<void(const std::string&)> aborted)
+                             aborted_fn aborted)
     : loop_(std::move(loop)), session_(session), timeout_(timeout), in_flight_(std::move(in_flight)),
       aborted_(std::move(aborted)) {}
 
@@ -96,7 +96,7 @@ asio::awaitable<void> session_owner::end_after_owner_left() {
     end_watch();
     // No verb failed: the host's last_error says what happened (and dirty_reason,
     // when an in_place chunk of it was applied; staged chunks were discarded).
-    aborted_(why);
+    aborted_(why, errc::peer_lost);
   }
 }
 
@@ -149,7 +149,7 @@ asio::awaitable<void> session_owner::abort_silent_session() {
   }
   silenced_ = owner;
   silenced_why_ = why;
-  aborted_(why);
+  aborted_(why, errc::timeout);
 }
 
 }  // namespace refit::control::internal

@@ -16,17 +16,19 @@
 #include <asio/awaitable.hpp>
 
 #include <refit/control/internal/rpc_server.h>
+#include <refit/error.h>
 #include <refit/session.h>
 
 namespace refit::control::internal {
 
 class session_owner {
  public:
-  /// `in_flight(id)`: requests of connection `id` being handled; `aborted(why)`:
-  /// the session was aborted because its owner left or fell silent (called on the
-  /// loop, after the session ended).
+  /// `in_flight(id)`: requests of connection `id` being handled; `aborted(why,
+  /// kind)`: the session was aborted because its owner left (peer_lost) or fell
+  /// silent (timeout); called on the loop, after the session ended.
+  using aborted_fn = std::function<void(const std::string& why, errc kind)>;
   session_owner(asio::any_io_executor loop, weight_update_session& session, std::chrono::milliseconds timeout,
-                std::function<std::size_t(std::uint64_t)> in_flight, std::function<void(const std::string&)> aborted);
+                std::function<std::size_t(std::uint64_t)> in_flight, aborted_fn aborted);
   ~session_owner() { end_watch(); }
   session_owner(const session_owner&) = delete;
   session_owner& operator=(const session_owner&) = delete;
@@ -76,7 +78,7 @@ class session_owner {
   weight_update_session& session_;
   std::chrono::milliseconds timeout_;
   std::function<std::size_t(std::uint64_t)> in_flight_;
-  std::function<void(const std::string&)> aborted_;
+  aborted_fn aborted_;
   std::optional<std::uint64_t> owner_;  // the connection whose session is open
   std::string owner_peer_;
   bool owner_left_ = false;                            // the owner closed while its chunk was being received

@@ -30,13 +30,27 @@ worker_state::worker_state(weight_transfer_config config_in, engine_context cont
           }),
       owner(
           context.executor, session, limits.session_timeout, [this](std::uint64_t id) { return server.in_flight(id); },
-          [this](const std::string& why) {
-            last_error = "weight update session aborted: " + why;
-            update_failed("the weight update session was aborted: " + why);
+          [this](const std::string& why, errc kind) {
+            set_error("weight update session aborted: " + why, kind);
+            update_failed("the weight update session was aborted: " + why, kind);
           }) {}
 
 void worker_state::note_error(const std::string& method, std::exception_ptr e) {
-  last_error = method + ": " + std::string(errc_name(error_kind_of(e))) + ": " + error_message_of(e);
+  errc kind = error_kind_of(e);
+  // A code of another category, or past refit's kinds (a plugin's): no refit
+  // kind, so what error_kind_of says of anything that is not a refit::error.
+  if (kind == errc{} || kind > last_errc) kind = errc::io_error;
+  set_error(method + ": " + std::string(errc_name(kind)) + ": " + error_message_of(e), kind);
+}
+
+void worker_state::set_error(std::string text, errc kind) {
+  last_error = std::move(text);
+  last_error_kind = kind;
+}
+
+void worker_state::clear_error() noexcept {
+  last_error.clear();
+  last_error_kind = errc{};
 }
 
 std::string worker_state::weight_state() const {
@@ -82,11 +96,11 @@ std::exception_ptr worker_state::update_finished(const json& stats) noexcept {
   return nullptr;
 }
 
-void worker_state::update_failed(const std::string& reason) noexcept {
+void worker_state::update_failed(const std::string& reason, errc kind) noexcept {
   if (!hooks.on_update_failed) return;
   try {
     auto hook = hooks.on_update_failed;
-    hook(reason);
+    hook(reason, kind);
   } catch (...) {
     note_hook_error("on_update_failed", std::current_exception());
   }

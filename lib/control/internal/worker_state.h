@@ -20,8 +20,13 @@ struct worker_state {
   worker_state(const worker_state&) = delete;
   worker_state& operator=(const worker_state&) = delete;
 
-  /// Records a verb's failure as last_error ("<method>: <kind>: <message>").
+  /// Records a verb's failure as last_error ("<method>: <kind>: <message>") and
+  /// its kind as last_error_kind.
   void note_error(const std::string& method, std::exception_ptr e);
+  /// Records what ended a session that no verb's error describes (an abort, a
+  /// rollback), with its kind.
+  void set_error(std::string text, errc kind);
+  void clear_error() noexcept;
   /// "clean", "updating" or "dirty" (weight_info's "state").
   std::string weight_state() const;
   /// The last update's receive stats, with "transport" (what the engine's
@@ -31,7 +36,9 @@ struct worker_state {
   // The hooks: what one throws is recorded (last_hook_error) and returned, never thrown.
   std::exception_ptr update_started() noexcept;
   std::exception_ptr update_finished(const json& stats) noexcept;
-  void update_failed(const std::string& reason) noexcept;
+  void update_failed(const std::string& reason, errc kind) noexcept;
+  /// on_update_failed with what last_error says.
+  void update_failed() noexcept { update_failed(last_error, last_error_kind); }
 
   weight_transfer_config config;
   engine_context context;
@@ -44,6 +51,7 @@ struct worker_state {
   update_hooks hooks;
   std::string last_hook_error;
   std::string last_error;
+  errc last_error_kind{};  // errc{} exactly when last_error is empty
   // Commit modes: of the chunk being received (while session.receiving()) and of
   // the last chunk applied.
   std::optional<commit_mode> receiving_commit;

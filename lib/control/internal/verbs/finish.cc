@@ -19,13 +19,15 @@ asio::awaitable<json> finish_weight_update(worker_state& w, rpc_connection& call
   if (!w.session.active()) w.owner.release();
   if (failure) {
     w.note_error("finish_weight_update", failure);
-    if (!w.session.active()) w.update_failed(w.last_error);  // it closed, unrecorded
+    if (!w.session.active()) w.update_failed();  // it closed, unrecorded
     std::rethrow_exception(failure);
   }
-  w.last_error.clear();
+  w.clear_error();
   json stats = w.update_stats();
   if (w.engine->weights_dirty()) {
-    w.update_failed("finish_weight_update: the session finished with the weights dirty: " + w.engine->dirty_reason());
+    // The update arrived, but the model holds no whole version.
+    w.update_failed("finish_weight_update: the session finished with the weights dirty: " + w.engine->dirty_reason(),
+                    errc::invalid_state);
   } else if (std::exception_ptr failed = w.update_finished(stats)) {
     auto e = std::make_exception_ptr(hook_error("finish_weight_update", "on_update_finished", failed));
     w.note_error("finish_weight_update", e);

@@ -33,6 +33,7 @@ json weight_info_of(const worker_state& w) {
   info["undo_version"] = session.undo_version() ? json(*session.undo_version()) : json(nullptr);
   info["dirty_reason"] = engine.weights_dirty() ? json(engine.dirty_reason()) : json(nullptr);
   info["last_error"] = w.last_error.empty() ? json(nullptr) : json(w.last_error);
+  info["last_error_kind"] = w.last_error_kind == errc{} ? json(nullptr) : json(errc_name(w.last_error_kind));
   info["last_hook_error"] = w.last_hook_error.empty() ? json(nullptr) : json(w.last_hook_error);
   const std::string& refused = w.server.last_refused();
   info["last_refused_connection"] = refused.empty() ? json(nullptr) : json(refused);

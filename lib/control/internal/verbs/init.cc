@@ -30,10 +30,12 @@ asio::awaitable<json> init_weight_transfer_engine(worker_state& w, rpc_connectio
     const bool ends_session = w.session.active();
     co_await w.session.abort_weight_update("the engine was re-initialised during it");
     w.owner.release();
+    // Its owner gave it up (cancelled), as an abort_weight_update does.
     if (ends_session)
       w.update_failed(
           "init_weight_transfer_engine: the weight update session was aborted: the engine was "
-          "re-initialised during it");
+          "re-initialised during it",
+          errc::cancelled);
     co_await w.engine->init_transfer_engine(*info);
   } catch (...) {
     failure = std::current_exception();

@@ -40,7 +40,7 @@ asio::awaitable<json> update_weights(worker_state& w, rpc_connection& caller, js
     const bool was_active = w.session.active();
     co_await w.session.abort_weight_update("its chunk failed: " + error_message_of(failure));
     w.owner.release();
-    if (was_active && !w.session.active()) w.update_failed(w.last_error);
+    if (was_active && !w.session.active()) w.update_failed();
     std::rethrow_exception(failure);
   }
   if (w.owner.left()) co_await w.owner.end_after_owner_left();
