@@ -5,7 +5,7 @@
 #include <limits>
 #include <span>
 
-#include <refit/internal/hex.h>
+#include <refit/backend/hex.h>
 
 namespace refit::cuda_ipc {
 namespace {

@@ -20,6 +20,7 @@
 #include <asio/use_awaitable.hpp>
 
 #include <refit/backend/async/offload.h>
+#include <refit/backend/hex.h>
 #include <refit/cuda/device.h>
 #include <refit/cuda/error.h>
 #include <refit/cuda/memory.h>
@@ -28,7 +29,6 @@
 #include <refit/cuda/stream.h>
 #include <refit/engines/nccl/collective.h>
 #include <refit/engines/nccl/nccl_collective.h>
-#include <refit/internal/hex.h>
 
 namespace refit::nccl {
 namespace {

@@ -14,12 +14,12 @@
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
 #include <refit/backend/delta.h>
+#include <refit/backend/hex.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/net.h>
 #include <refit/backend/shard_io.h>
-#include <refit/internal/hex.h>
 #include <refit/json_reader.h>
 
 namespace refit::tcp {

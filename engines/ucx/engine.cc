@@ -16,12 +16,12 @@
 #include <refit/backend/async/event.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/hex.h>
 #include <refit/backend/links/relay_io.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/net.h>
 #include <refit/engines/ucx/ucx.h>
-#include <refit/internal/hex.h>
 #include "device_memory.h"  // private to this engine
 #include "downstream.h"     // private to this engine
 #include "registry.h"       // private to this engine

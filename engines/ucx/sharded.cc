@@ -14,12 +14,12 @@
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/hex.h>
 #include <refit/backend/links/links.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/backend/links/wire.h>
 #include <refit/backend/net.h>
 #include <refit/backend/shard_io.h>
-#include <refit/internal/hex.h>
 #include "downstream.h"  // private to this engine
 #include "registry.h"    // private to this engine
 #include "ucp.h"         // private to this engine

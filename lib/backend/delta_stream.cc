@@ -5,9 +5,9 @@
 
 #include <refit/backend/async/offload.h>
 #include <refit/backend/checksum.h>
+#include <refit/backend/hex.h>
 #include <refit/backend/send_cursor.h>
 #include <refit/error.h>
-#include <refit/internal/hex.h>
 
 namespace refit::backend {
 

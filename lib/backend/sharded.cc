@@ -7,11 +7,11 @@
 
 #include <refit/backend/async/all_of.h>
 #include <refit/backend/async/offload.h>
+#include <refit/backend/hex.h>
 #include <refit/backend/links/status_io.h>
 #include <refit/config.h>
 #include <refit/engine.h>
 #include <refit/error.h>
-#include <refit/internal/hex.h>
 #include <refit/layout/layout.h>
 #include <refit/metadata.h>
 #include <refit/tensor.h>

@@ -1,5 +1,7 @@
 // Bytes as lowercase hex text and back: how refit writes binary values (handles,
-// ids, digests) into JSON and messages.
+// ids, digests) into JSON and messages. The core's declaration (integrity/ uses it);
+// engines and other backend code include <refit/backend/hex.h>, which declares the
+// same functions for them (tests/lib/hex_test.cc includes both).
 #pragma once
 
 #include <cstddef>

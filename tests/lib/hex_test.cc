@@ -1,3 +1,7 @@
+// Engines reach the helper through the backend API's header, the core through its
+// internal one: both declare the same functions (a difference in a return type or
+// noexcept fails to compile here, one in a parameter fails to link).
+#include <refit/backend/hex.h>
 #include <refit/internal/hex.h>
 
 #include <gtest/gtest.h>
