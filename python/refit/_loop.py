@@ -10,9 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _refit
+from ._scoped import _release_all
 
 # Stop refit's loop before the interpreter goes: nothing may call into Python after.
+# atexit runs the last registered first: live objects are released while the loop
+# still runs (their teardown is a coroutine on it), then the loop stops.
 atexit.register(_refit._shutdown)
+atexit.register(_release_all)
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
