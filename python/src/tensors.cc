@@ -164,6 +164,181 @@ nb::object call(nb::handle o, const nb::object& name) {
   return nb::steal(r);
 }
 
+// from_python's steps, for one item each.
+
+// A mapping's items(), or the iterable of (name, tensor) pairs itself.
+nb::object pairs_of(nb::handle tensors) {
+  if (PyDict_Check(tensors.ptr()) || (nb::hasattr(tensors, "items") && nb::hasattr(tensors, "keys")))
+    return tensors.attr("items")();
+  return nb::borrow(tensors);
+}
+
+// Item `index`'s name (a str) and tensor.
+std::pair<nb::object, nb::object> name_and_tensor(nb::handle pair, const std::string& what, std::size_t index) {
+  nb::object name_obj, obj;
+  if (PyTuple_Check(pair.ptr()) && PyTuple_GET_SIZE(pair.ptr()) == 2) {
+    name_obj = nb::borrow(PyTuple_GET_ITEM(pair.ptr(), 0));
+    obj = nb::borrow(PyTuple_GET_ITEM(pair.ptr(), 1));
+  } else {
+    nb::sequence seq = nb::borrow<nb::sequence>(pair);
+    if (nb::len(seq) != 2)
+      throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) + " is not a (name, tensor) pair");
+    name_obj = seq[0];
+    obj = seq[1];
+  }
+  if (!PyUnicode_Check(name_obj.ptr()))
+    throw_error(errc::invalid_argument,
+                what + ": item " + std::to_string(index) + ": the name is a " + py_type_name(name_obj) + ", not a str");
+  return {std::move(name_obj), std::move(obj)};
+}
+
+// Whether a torch tensor reads as the cache's entry for its place: the same name,
+// dtype, data pointer, device, shape and contiguity.
+bool reads_as(nb::handle name_obj, nb::handle obj, const torch_api& api, const tensor_cache::entry& e) {
+  Py_ssize_t length = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(name_obj.ptr(), &length);
+  if (!utf8) throw nb::python_error();
+  if (!(std::string_view(utf8, static_cast<std::size_t>(length)) == e.name &&
+        get(obj, api.dtype).ptr() == e.torch_dtype && PyLong_AsVoidPtr(call(obj, api.data_ptr).ptr()) == e.data &&
+        get(obj, api.is_cuda).is(nb::handle(e.device.is_cuda() ? Py_True : Py_False))))
+    return false;
+  nb::object shape = get(obj, api.shape);
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+  bool hit = static_cast<std::size_t>(ndim) == e.shape.size();
+  for (Py_ssize_t d = 0; hit && d < ndim; ++d)
+    hit = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d)) == e.shape[static_cast<std::size_t>(d)];
+  return hit && call(obj, api.is_contiguous).is(nb::handle(Py_True));
+}
+
+// What refit reads of a tensor besides its shape.
+struct tensor_facts {
+  refit::dtype type{};
+  refit::device dev;
+  void* data = nullptr;
+  PyObject* torch_dtype = nullptr;  // a torch tensor's (the cache's key); null for others
+};
+
+// A torch tensor, through its own accessors (no detach needed, nothing is
+// exported); its shape into `shape`.
+tensor_facts read_torch(nb::handle obj, const torch_api& api, const std::string& what, const std::string& name,
+                        std::vector<std::int64_t>& shape) {
+  tensor_facts f;
+  if (!get(obj, api.layout).is(api.strided))
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' has layout " +
+                                            nb::cast<std::string>(nb::str(get(obj, api.layout))) +
+                                            "; refit moves dense (strided) tensors");
+  nb::object torch_dtype = get(obj, api.dtype);
+  PyObject* code = PyDict_GetItemWithError(api.dtypes.ptr(), torch_dtype.ptr());
+  if (!code)
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' has a dtype refit does not move (" +
+                                            nb::cast<std::string>(nb::str(torch_dtype)) + ")");
+  f.type = static_cast<refit::dtype>(PyLong_AsLong(code));
+  f.torch_dtype = torch_dtype.ptr();
+  nb::object sizes = get(obj, api.shape);
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(sizes.ptr());
+  shape.reserve(static_cast<std::size_t>(ndim));
+  for (Py_ssize_t d = 0; d < ndim; ++d) shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sizes.ptr(), d)));
+  if (!call(obj, api.is_contiguous).is(nb::handle(Py_True)))
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' of shape " + shape_to_string(shape) +
+                                            " is not contiguous: send tensor.contiguous()");
+  if (get(obj, api.is_cuda).is(nb::handle(Py_True))) {
+    f.dev = refit::device::cuda(static_cast<int>(PyLong_AsLong(call(obj, api.get_device).ptr())));
+  } else if (!get(obj, api.is_cpu).is(nb::handle(Py_True))) {
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' is on " +
+                                            nb::cast<std::string>(nb::str(obj.attr("device"))) +
+                                            "; refit moves host and CUDA tensors");
+  }
+  f.data = PyLong_AsVoidPtr(call(obj, api.data_ptr).ptr());
+  return f;
+}
+
+// Any other tensor, through DLPack; its shape into `shape`.
+tensor_facts read_dlpack(nb::handle obj, const std::string& what, const std::string& name,
+                         std::vector<std::int64_t>& shape) {
+  tensor_facts f;
+  nb::ndarray<> array;
+  if (!nb::try_cast(obj, array, false))
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' is a " + py_type_name(obj) +
+                                            ", which has no DLPack form (__dlpack__): pass torch tensors or "
+                                            "numpy arrays");
+  auto t = refit_dtype(array.dtype());
+  if (!t)
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' has a dtype refit does not move (" +
+                                            dlpack_dtype_name(array.dtype()) + ")");
+  f.type = *t;
+  shape.reserve(array.ndim());
+  std::int64_t expected = 1;
+  bool contiguous = true;
+  for (std::size_t d = array.ndim(); d-- > 0;) {
+    const auto extent = static_cast<std::int64_t>(array.shape(d));
+    if (extent != 1 && array.stride_ptr() && array.stride(d) != expected) contiguous = false;
+    expected *= extent;
+  }
+  for (std::size_t d = 0; d < array.ndim(); ++d) shape.push_back(static_cast<std::int64_t>(array.shape(d)));
+  if (expected == 0) contiguous = true;  // no element: any strides describe it
+  if (!contiguous)
+    throw_error(errc::invalid_argument, what + ": tensor '" + name + "' of shape " + shape_to_string(shape) +
+                                            " is not contiguous: send tensor.contiguous()");
+  switch (array.device_type()) {
+    case nb::device::cpu::value:
+    case nb::device::cuda_host::value:
+      break;
+    case nb::device::cuda::value:
+    case nb::device::cuda_managed::value:
+      f.dev = refit::device::cuda(array.device_id());
+      break;
+    default:
+      throw_error(errc::invalid_argument, what + ": tensor '" + name +
+                                              "' is on a device refit does not know "
+                                              "(DLPack device type " +
+                                              std::to_string(array.device_type()) + ")");
+  }
+  f.data = const_cast<void*>(static_cast<const void*>(array.data()));
+  return f;
+}
+
+// The cache's side of one from_python: the last update's entries (kept alive for
+// the views of hits), and this one's, made only once something differs.
+struct cache_pass {
+  explicit cache_pass(tensor_cache* c) : cache(c), old_entries(c ? c->entries : nullptr), all_hit(c != nullptr) {}
+
+  // The last update's entry for item `index`, if any.
+  const tensor_cache::entry* previous(std::size_t index) const {
+    return old_entries && index < old_entries->size() ? &(*old_entries)[index] : nullptr;
+  }
+  void hit(const tensor_cache::entry& e) {
+    if (new_entries) new_entries->push_back(e);
+    ++cache->hits;
+  }
+  // Item `index` is not as cached: this update's entries start from the earlier ones.
+  void differs(std::size_t index) {
+    all_hit = false;
+    start_new_entries(index);
+  }
+  void miss(const std::string& name, const std::vector<std::int64_t>& shape, const tensor_facts& f) {
+    if (!new_entries) return;
+    auto& e = new_entries->emplace_back();
+    e.name = name;
+    e.torch_dtype = f.torch_dtype;  // null for non-torch: never a hit
+    e.type = f.type;
+    e.shape = shape;
+    e.device = f.dev;
+    e.data = f.data;
+    ++cache->misses;
+  }
+  void start_new_entries(std::size_t upto) {
+    if (new_entries || !cache) return;
+    new_entries = std::make_shared<std::vector<tensor_cache::entry>>();
+    if (old_entries)
+      new_entries->assign(old_entries->begin(), old_entries->begin() + static_cast<std::ptrdiff_t>(upto));
+  }
+
+  tensor_cache* cache;
+  std::shared_ptr<const std::vector<tensor_cache::entry>> old_entries;
+  std::shared_ptr<std::vector<tensor_cache::entry>> new_entries;
+  bool all_hit;
+};
+
 }  // namespace
 
 framework parse_framework(const std::string& name) {
@@ -182,165 +357,41 @@ framework parse_framework(const std::string& name) {
 
 held_tensors held_tensors::from_python(nb::handle tensors, const std::string& what, tensor_cache* cache) {
   held_tensors out;
-  bool all_hit = cache != nullptr;
-  // The last update's entries (kept alive for the views of hits), and this one's,
-  // made only when something differs.
-  std::shared_ptr<const std::vector<tensor_cache::entry>> old_entries = cache ? cache->entries : nullptr;
-  std::shared_ptr<std::vector<tensor_cache::entry>> new_entries;
-  auto start_new_entries = [&](std::size_t upto) {
-    if (new_entries || !cache) return;
-    new_entries = std::make_shared<std::vector<tensor_cache::entry>>();
-    if (old_entries)
-      new_entries->assign(old_entries->begin(), old_entries->begin() + static_cast<std::ptrdiff_t>(upto));
-  };
+  cache_pass pass(cache);
   nb::list owners;
-  nb::object pairs = nb::borrow(tensors);
-  if (PyDict_Check(tensors.ptr()) || (nb::hasattr(tensors, "items") && nb::hasattr(tensors, "keys")))
-    pairs = tensors.attr("items")();
+  nb::object pairs = pairs_of(tensors);
   const torch_api* api = torch_fast();
   std::size_t index = 0;
   for (nb::handle pair : pairs) {
-    nb::object name_obj, obj;
-    if (PyTuple_Check(pair.ptr()) && PyTuple_GET_SIZE(pair.ptr()) == 2) {
-      name_obj = nb::borrow(PyTuple_GET_ITEM(pair.ptr(), 0));
-      obj = nb::borrow(PyTuple_GET_ITEM(pair.ptr(), 1));
-    } else {
-      nb::sequence seq = nb::borrow<nb::sequence>(pair);
-      if (nb::len(seq) != 2)
-        throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) + " is not a (name, tensor) pair");
-      name_obj = seq[0];
-      obj = seq[1];
-    }
-    if (!PyUnicode_Check(name_obj.ptr()))
-      throw_error(errc::invalid_argument, what + ": item " + std::to_string(index) + ": the name is a " +
-                                              py_type_name(name_obj) + ", not a str");
+    auto [name_obj, obj] = name_and_tensor(pair, what, index);
     // A torch tensor as the cache saw it: a handful of reads, nothing rebuilt.
     const bool is_torch = api && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(api->tensor_type.ptr()));
-    if (is_torch && old_entries && index < old_entries->size()) {
-      const auto& e = (*old_entries)[index];
-      Py_ssize_t length = 0;
-      const char* utf8 = PyUnicode_AsUTF8AndSize(name_obj.ptr(), &length);
-      if (!utf8) throw nb::python_error();
-      bool hit = std::string_view(utf8, static_cast<std::size_t>(length)) == e.name &&
-                 get(obj, api->dtype).ptr() == e.torch_dtype &&
-                 PyLong_AsVoidPtr(call(obj, api->data_ptr).ptr()) == e.data &&
-                 get(obj, api->is_cuda).is(nb::handle(e.device.is_cuda() ? Py_True : Py_False));
-      if (hit) {
-        nb::object shape = get(obj, api->shape);
-        const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
-        hit = static_cast<std::size_t>(ndim) == e.shape.size();
-        for (Py_ssize_t d = 0; hit && d < ndim; ++d)
-          hit = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d)) == e.shape[static_cast<std::size_t>(d)];
-        hit = hit && call(obj, api->is_contiguous).is(nb::handle(Py_True));
-      }
-      if (hit) {
-        out.views_.emplace_back(e.name, e.type, std::span<const std::int64_t>(e.shape), e.data, e.device);
-        owners.append(obj);
-        if (new_entries) new_entries->push_back(e);
-        ++cache->hits;
-        ++index;
-        continue;
-      }
+    const tensor_cache::entry* e = is_torch ? pass.previous(index) : nullptr;
+    if (e && reads_as(name_obj, obj, *api, *e)) {
+      out.views_.emplace_back(e->name, e->type, std::span<const std::int64_t>(e->shape), e->data, e->device);
+      owners.append(obj);
+      pass.hit(*e);
+      ++index;
+      continue;
     }
-    all_hit = false;
-    start_new_entries(index);
-    std::string name = nb::cast<std::string>(name_obj);
-    item it{std::move(name), {}};
-    PyObject* seen_dtype = nullptr;
-    refit::dtype type{};
-    refit::device dev;
-    void* data = nullptr;
-    if (is_torch) {
-      // A torch tensor: its own accessors (no detach needed, nothing is exported).
-      if (!get(obj, api->layout).is(api->strided))
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' has layout " +
-                                                nb::cast<std::string>(nb::str(get(obj, api->layout))) +
-                                                "; refit moves dense (strided) tensors");
-      nb::object torch_dtype = get(obj, api->dtype);
-      PyObject* code = PyDict_GetItemWithError(api->dtypes.ptr(), torch_dtype.ptr());
-      if (!code)
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' has a dtype refit does not move (" +
-                                                nb::cast<std::string>(nb::str(torch_dtype)) + ")");
-      type = static_cast<refit::dtype>(PyLong_AsLong(code));
-      seen_dtype = torch_dtype.ptr();
-      nb::object shape = get(obj, api->shape);
-      const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
-      it.shape.reserve(static_cast<std::size_t>(ndim));
-      for (Py_ssize_t d = 0; d < ndim; ++d) it.shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d)));
-      if (!call(obj, api->is_contiguous).is(nb::handle(Py_True)))
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' of shape " + shape_to_string(it.shape) +
-                                                " is not contiguous: send tensor.contiguous()");
-      if (get(obj, api->is_cuda).is(nb::handle(Py_True))) {
-        dev = refit::device::cuda(static_cast<int>(PyLong_AsLong(call(obj, api->get_device).ptr())));
-      } else if (!get(obj, api->is_cpu).is(nb::handle(Py_True))) {
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is on " +
-                                                nb::cast<std::string>(nb::str(obj.attr("device"))) +
-                                                "; refit moves host and CUDA tensors");
-      }
-      data = PyLong_AsVoidPtr(call(obj, api->data_ptr).ptr());
-    } else {
-      nb::ndarray<> array;
-      if (!nb::try_cast(obj, array, false))
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' is a " + py_type_name(obj) +
-                                                ", which has no DLPack form (__dlpack__): pass torch tensors or "
-                                                "numpy arrays");
-      auto t = refit_dtype(array.dtype());
-      if (!t)
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' has a dtype refit does not move (" +
-                                                dlpack_dtype_name(array.dtype()) + ")");
-      type = *t;
-      it.shape.reserve(array.ndim());
-      std::int64_t expected = 1;
-      bool contiguous = true;
-      for (std::size_t d = array.ndim(); d-- > 0;) {
-        const auto extent = static_cast<std::int64_t>(array.shape(d));
-        if (extent != 1 && array.stride_ptr() && array.stride(d) != expected) contiguous = false;
-        expected *= extent;
-      }
-      for (std::size_t d = 0; d < array.ndim(); ++d) it.shape.push_back(static_cast<std::int64_t>(array.shape(d)));
-      if (expected == 0) contiguous = true;  // no element: any strides describe it
-      if (!contiguous)
-        throw_error(errc::invalid_argument, what + ": tensor '" + it.name + "' of shape " + shape_to_string(it.shape) +
-                                                " is not contiguous: send tensor.contiguous()");
-      switch (array.device_type()) {
-        case nb::device::cpu::value:
-        case nb::device::cuda_host::value:
-          break;
-        case nb::device::cuda::value:
-        case nb::device::cuda_managed::value:
-          dev = refit::device::cuda(array.device_id());
-          break;
-        default:
-          throw_error(errc::invalid_argument, what + ": tensor '" + it.name +
-                                                  "' is on a device refit does not know "
-                                                  "(DLPack device type " +
-                                                  std::to_string(array.device_type()) + ")");
-      }
-      data = const_cast<void*>(static_cast<const void*>(array.data()));
-    }
+    pass.differs(index);
+    item it{nb::cast<std::string>(name_obj), {}};
+    const tensor_facts f =
+        is_torch ? read_torch(obj, *api, what, it.name, it.shape) : read_dlpack(obj, what, it.name, it.shape);
     auto& stored = out.items_.emplace_back(std::move(it));
-    out.views_.emplace_back(stored.name, type, std::span<const std::int64_t>(stored.shape), data, dev);
+    out.views_.emplace_back(stored.name, f.type, std::span<const std::int64_t>(stored.shape), f.data, f.dev);
     owners.append(obj);
-    if (new_entries) {
-      auto& e = new_entries->emplace_back();
-      e.name = stored.name;
-      e.torch_dtype = seen_dtype;  // null for non-torch: never a hit
-      e.type = type;
-      e.shape = stored.shape;
-      e.device = dev;
-      e.data = data;
-      ++cache->misses;
-    }
+    pass.miss(stored.name, stored.shape, f);
     ++index;
   }
   out.owners_ = shared_object(std::move(owners));
   if (cache) {
-    out.cached_entries_ = old_entries;  // hits' views point into it
-    if (all_hit && old_entries && old_entries->size() == index && cache->meta) {
+    out.cached_entries_ = pass.old_entries;  // hits' views point into it
+    if (pass.all_hit && pass.old_entries && pass.old_entries->size() == index && cache->meta) {
       out.cached_meta_ = cache->meta;
     } else {
-      start_new_entries(index);  // fewer tensors than last time, all of them hits
-      cache->entries = std::move(new_entries);
+      pass.start_new_entries(index);  // fewer tensors than last time, all of them hits
+      cache->entries = std::move(pass.new_entries);
       cache->meta = std::make_shared<const update_metadata>(out.metadata());
       out.cached_meta_ = cache->meta;
     }
