@@ -300,10 +300,13 @@ asio::awaitable<update_result> worker_group::run_update(weight_sender& sender, u
 // error, as it came.
 asio::awaitable<void> worker_group::abort_all(detail::fleet_state& f, std::int64_t version, bool fleet_atomic) {
   const std::string why = "update " + std::to_string(version) + " failed: " + describe_error(f.first);
+  // What ended the update, as a field: each worker's on_update_failed gets it.
+  json params{{"why", why}};
+  if (const errc kind = error_kind_of(f.first); kind != errc{}) params["kind"] = std::string(errc_name(kind));
   std::vector<std::exception_ptr> abort_errors(clients_.size());
   std::vector<asio::awaitable<void>> ops;
   for (std::size_t i = 0; i < clients_.size(); ++i)
-    ops.push_back(call_keeping(*clients_[i], "abort_weight_update", json{{"why", why}}, &abort_errors[i]));
+    ops.push_back(call_keeping(*clients_[i], "abort_weight_update", params, &abort_errors[i]));
   co_await async::all_of(std::move(ops));
   if (!fleet_atomic) std::rethrow_exception(f.first);
   std::string message = "fleet-atomic update " + std::to_string(version) +

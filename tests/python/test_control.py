@@ -254,6 +254,29 @@ def test_a_trainers_abort_names_the_kind_the_hook_receives():
     host.stop()
 
 
+def test_a_worker_another_worker_failed_learns_the_failures_kind():
+    """A failed update aborts every other worker's session with the failure's kind:
+    worker 0 staged its chunk, worker 1's stage bound refused it; worker 0's hook
+    gets resource_exhausted as a field."""
+    failed = []
+    ok = refit.WorkerHost("tcp", load_weights=lambda batch: None, framework="numpy", timeout_ms=10000,
+                          commit="staged", on_update_failed=failed.append)
+    small = refit.WorkerHost("tcp", load_weights=lambda batch: None, framework="numpy", timeout_ms=10000,
+                             commit="staged", max_stage_bytes=64)
+    sender = refit.Sender("tcp", timeout_ms=10000)
+    with refit.WorkerGroup([f"127.0.0.1:{ok.port}", f"127.0.0.1:{small.port}"], timeout_ms=10000) as group:
+        group.connect()
+        group.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
+        with pytest.raises(refit.ResourceExhaustedError):
+            group.update(sender, model(1), 1, verify=False, commit="staged")
+    assert failed and failed[-1].kind == "resource_exhausted", [(str(f), f.kind) for f in failed]
+    assert isinstance(failed[-1].error(), refit.ResourceExhaustedError)
+    assert ok.weight_info()["last_error_kind"] == "resource_exhausted"
+    sender.shutdown()
+    ok.stop()
+    small.stop()
+
+
 def test_an_update_failure_is_a_str_with_its_kind():
     reason = refit.UpdateFailure("the weight update session was aborted: its owner ...", "peer_lost")
     assert reason == "the weight update session was aborted: its owner ..." and reason.startswith("the weight")
