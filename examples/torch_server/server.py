@@ -11,9 +11,10 @@ the module's parameters behind one lock that forward passes and the apply share.
 
 Every update is staged: its bytes land in refit's stage while the server keeps
 answering; only the apply takes the lock, between two forward passes. An update
-that fails anywhere leaves the old weights and version. ``keep_base`` keeps the
-host copy a fleet-atomic update's undo loads back, so a trainer's
-``WorkerGroup.update(..., fleet_atomic=True)`` lands on every server or on none.
+that fails anywhere leaves the old weights and version. ``keep_base`` is a host
+copy of the weights served (seeded at start), which a fleet-atomic update's undo
+loads back: a trainer's ``WorkerGroup.update(..., fleet_atomic=True)`` lands on
+every server or on none, from the first update on.
 
     python examples/torch_server/server.py --port 8000 --refit-port 4001
 """
@@ -64,8 +65,10 @@ class Server:
         self.model, self.lock = model, threading.Lock()
         self.version: int | None = None
         self.params = dict(model.named_parameters())
+        base = refit.HostCopy()  # what a fleet-atomic undo loads back: the weights served now
+        base.seed({name: p.detach() for name, p in self.params.items()})
         self.refit = refit.WorkerHost(
-            options.engine, host=host, port=refit_port, load_weights=self._apply, commit="staged", keep_base=True,
+            options.engine, host=host, port=refit_port, load_weights=self._apply, commit="staged", keep_base=base,
             timeout_ms=options.timeout_ms, auth_secret_file=options.auth_secret_file,
             max_stage_bytes=max_stage_bytes, on_update_finished=self._finished)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from . import _refit
 from ._errors import UpdateFailure
+from ._engine import HostCopy
 from ._scoped import _Scoped
 from ._types import Info, LoadWeights
 
@@ -34,7 +35,10 @@ class WorkerHost(_Scoped):
     all or nothing (see :class:`Engine`); ``max_stage_bytes`` bounds their stage.
     ``keep_base=True`` (with ``load_weights``) receives into a host copy of every
     tensor, as :class:`Engine`'s does, so a trainer's delta updates decode against
-    it (memory: the model's bytes, on the host).
+    it and a fleet-atomic update's undo reads it back (memory: the model's bytes,
+    on the host). A :class:`HostCopy` given as ``keep_base`` is that copy, seeded
+    by its owner with what the model holds before refit's first update (so that
+    update can be undone too).
 
     ``device`` is the engine's device, as :class:`Engine`'s: ``"cuda:N"`` for the
     GPU engines (nccl, cuda_ipc in a CUDA build), whose buckets land in device
@@ -59,7 +63,7 @@ class WorkerHost(_Scoped):
         on_update_failed: Callable[[UpdateFailure], None] | None = None,
         session_timeout_ms: int | None = None,
         max_stage_bytes: int = 0,
-        keep_base: bool = False,
+        keep_base: bool | HostCopy = False,
         device: Any = "cpu",
     ) -> None:
         self._impl = _refit._WorkerHost(
@@ -79,6 +83,7 @@ class WorkerHost(_Scoped):
             session_timeout_ms=None if session_timeout_ms is None else int(session_timeout_ms),
             max_stage_bytes=int(max_stage_bytes),
             keep_base=bool(keep_base),
+            base=keep_base._impl if isinstance(keep_base, HostCopy) else None,
             device=str(device),
         )
         self._tensors = tensors

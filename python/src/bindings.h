@@ -20,6 +20,7 @@
 #include <refit/engine.h>
 #include <refit/integrity/fingerprint.h>
 #include <refit/metadata.h>
+#include <refit/model/host_copy_target.h>
 #include <refit/model/tensor_map_target.h>
 
 #include "bridge.h"
@@ -53,6 +54,14 @@ struct held_target {
   std::unique_ptr<tensor_map_target> target;
 
   static std::unique_ptr<held_target> make(nb::handle tensors, const std::string& what, refit::device engine_device);
+};
+
+/// _HostCopy: a host_copy_target an Engine's or a WorkerHost's keep_base can be
+/// given, so that what it holds outlives one engine (a vLLM worker builds a new
+/// engine per trainer) and can be seeded with what the model holds before refit's
+/// first update (so that update can be undone too).
+struct py_host_copy {
+  std::shared_ptr<host_copy_target> copy = std::make_shared<host_copy_target>();
 };
 
 // ------------------------------------------------------------------ bindings

@@ -273,12 +273,6 @@ class py_engine {
 
 }  // namespace
 
-/// _HostCopy: a host_copy_target an Engine's keep_base can be given, so that what it
-/// holds outlives one engine (a vLLM worker builds a new engine per trainer).
-struct py_host_copy {
-  std::shared_ptr<host_copy_target> copy = std::make_shared<host_copy_target>();
-};
-
 void bind_engine(nb::module_& m) {
   nb::class_<py_host_copy>(m, "_HostCopy")
       .def(nb::init<>())

@@ -45,7 +45,7 @@ class py_worker_host {
                  const std::optional<std::string>& secret_file, std::size_t processing_threads, const std::string& fw,
                  nb::object on_started, nb::object on_finished, nb::object on_failed,
                  std::optional<std::int64_t> session_timeout_ms, std::uint64_t max_stage_bytes, bool keep_base,
-                 const std::string& device) {
+                 const std::string& device, py_host_copy* base) {
     if (port < 0 || port > 65535) throw_error(errc::invalid_argument, "port: expected 0..65535");
     auto config = make_config(backend, timeout_ms, commit, secret_file, processing_threads, 0, max_stage_bytes);
     control::host_limits limits;
@@ -59,6 +59,7 @@ class py_worker_host {
     ctx.executor = runtime::get().executor();
     ctx.device = parse_device(device);
     load_weights_fn fn;
+    if (base) keep_base = true;
     if (!tensors.is_none() && keep_base)
       throw_error(errc::invalid_argument,
                   "WorkerHost: keep_base= with tensors=: the tensors already hold the bytes deltas decode against");
@@ -73,7 +74,7 @@ class py_worker_host {
       if (keep_base) {
         // Received into a host copy load_weights gets views of: deltas decode
         // against it, and a fleet-atomic commit's undo reads it back.
-        copy_ = std::make_shared<host_copy_target>();
+        copy_ = base ? base->copy : std::make_shared<host_copy_target>();
         ctx.model = copy_.get();
         fn = copy_->loading_through(std::move(fn));
       }
@@ -173,13 +174,14 @@ void bind_worker_host(nb::module_& m) {
   nb::class_<py_worker_host>(m, "_WorkerHost")
       .def(nb::init<const std::string&, const std::string&, int, nb::handle, nb::object, std::int64_t,
                     const std::string&, const std::optional<std::string>&, std::size_t, const std::string&, nb::object,
-                    nb::object, nb::object, std::optional<std::int64_t>, std::uint64_t, bool, const std::string&>(),
+                    nb::object, nb::object, std::optional<std::int64_t>, std::uint64_t, bool, const std::string&,
+                    py_host_copy*>(),
            nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("tensors").none(),
            nb::arg("load_weights").none(), nb::arg("timeout_ms"), nb::arg("commit"), nb::arg("auth_secret_file").none(),
            nb::arg("processing_threads"), nb::arg("framework"), nb::arg("on_update_started").none(),
            nb::arg("on_update_finished").none(), nb::arg("on_update_failed").none(),
            nb::arg("session_timeout_ms").none(), nb::arg("max_stage_bytes"), nb::arg("keep_base") = false,
-           nb::arg("device") = "cpu")
+           nb::arg("device") = "cpu", nb::arg("base").none() = nb::none())
       .def_prop_ro("port", &py_worker_host::port)
       .def("stop", &py_worker_host::stop)
       .def("weight_info", &py_worker_host::weight_info)

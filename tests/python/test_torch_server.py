@@ -77,9 +77,10 @@ def test_updates_serve_the_trainers_weights_token_for_token_and_fleet_atomic_one
     with refit.WorkerGroup([f"127.0.0.1:{a['refit_port']}"], timeout_ms=20000) as only_a:
         only_a.connect()
         only_a.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
-        only_a.update(sender, one.named_parameters(), 1, verify=False)
+        # Fleet-atomic from the first update: the host copy was seeded at start.
+        only_a.update(sender, one.named_parameters(), 1, verify=False, fleet_atomic=True)
         assert served(a["port"]) == {"tokens": expected(one), "version": 1}
-        only_a.update(sender, two.named_parameters(), 2, verify=False, fleet_atomic=True)
+        only_a.update(sender, two.named_parameters(), 2, verify=False)
         assert served(a["port"]) == {"tokens": expected(two), "version": 2}
     sender.shutdown()
 
@@ -91,7 +92,8 @@ def test_updates_serve_the_trainers_weights_token_for_token_and_fleet_atomic_one
         both.init(sender, {"master_address": "127.0.0.1", "master_port": 0})
         with pytest.raises(refit.Error) as e:
             both.update(sender, three.named_parameters(), 3, verify=False, fleet_atomic=True)
-        assert "127.0.0.1:" in str(e.value), e.value
+        assert f"127.0.0.1:{b['refit_port']}" in str(e.value) and "no worker committed" in str(e.value), e.value
+        assert "stage" in str(e.value), e.value  # b's refusal, named
     sender.shutdown()
     assert served(a["port"]) == {"tokens": expected(two), "version": 2}
     assert served(b["port"]) == {"tokens": expected(torch_server.TinyModel(seed=0)), "version": None}
