@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
-import re
 import socket
 import threading
 import uuid
@@ -46,24 +45,9 @@ from verl.checkpoint_engine.base import CheckpointEngine
 from verl.workers.rollout.utils import ensure_async_iterator
 
 import refit
+from refit.integration import GPU_ENGINES, HOST_ENGINES, Options, TrainerLink, route_address
 
-_COMMITS = ("in_place", "staged")
-_HOST_ENGINES = ("tcp", "ucx")
-_GPU_ENGINES = ("nccl", "cuda_ipc")  # CUDA builds: buckets land in the rollout's device memory
-_KINDS = re.compile(
-    r"\b(invalid_argument|invalid_state|timeout|peer_lost|io_error|protocol_error|integrity_error|auth_error|"
-    r"processing_failed|resource_exhausted|unsupported|cancelled)\b"
-)
-
-
-def _error_of(reason: str) -> refit.Error:
-    """The typed refit error a worker's failure reason names (its first error kind)."""
-    m = _KINDS.search(reason)
-    if m:
-        return refit.error_class(m.group(1))(reason)
-    if "connection" in reason or "closed" in reason:
-        return refit.PeerLostError(reason)
-    return refit.Error(reason)
+_ENGINES = HOST_ENGINES + GPU_ENGINES
 
 
 def _bad(what: str) -> refit.InvalidArgumentError:
@@ -123,60 +107,32 @@ class RefitCheckpointEngine(CheckpointEngine):
         delta: bool = False,
         device: str | None = None,
     ) -> None:
-        if not isinstance(bucket_size, int) or bucket_size <= 0:
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise _bad(f"bucket_size: expected a positive number of bytes, got {bucket_size!r}")
-        if device is not None and (not isinstance(device, str) or not re.fullmatch(r"cuda(:[0-9]+)?", device)):
-            raise _bad(f"device: expected \"cuda\" or \"cuda:N\", got {device!r}")
-        if engine not in _HOST_ENGINES + _GPU_ENGINES:
-            raise _bad(f"engine: expected one of {_HOST_ENGINES + _GPU_ENGINES}, got {engine!r}")
-        if engine not in refit.backends():
-            where = " (the GPU engines are in refit's CUDA build)" if engine in _GPU_ENGINES else ""
-            raise _bad(f"engine: {engine!r} is not one of this build's engines {sorted(refit.backends())}{where}")
-        gpu = engine in _GPU_ENGINES
-        if device is not None and not gpu:
-            raise _bad(f"device: {engine!r} moves host tensors; device= is for the GPU engines {_GPU_ENGINES}")
-        if commit not in _COMMITS:
-            raise _bad(f"commit: expected one of {_COMMITS}, got {commit!r}")
-        for name, value, least in (("timeout_ms", timeout_ms, 1), ("buffer_bytes", buffer_bytes, 4096),
-                                   ("num_buffers", num_buffers, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise _bad(f"{name}: expected an integer of at least {least}, got {value!r}")
-        for name, flag in (("checksums", checksums), ("delta", delta)):
-            if not isinstance(flag, bool):
-                raise _bad(f"{name}: expected true or false, got {flag!r}")
-        if gpu:
-            # What these engines cannot do, refused here rather than at the first step.
-            for name, value, why in (
-                ("checksums", checksums, "their bytes cross no byte stream to checksum"),
-                ("commit", commit == "staged", "a staged update is held in host memory; they land in device memory"),
-                ("topology", topology is not None, "the trainer reaches every rollout itself (no relay)"),
-                ("delta", delta, "deltas go over the tcp engine"),
-            ):
-                if value:
-                    raise _bad(f"{name}: {engine!r} does not support it ({why})")
-        if delta and (engine != "tcp" or commit != "in_place"):
-            raise _bad(f"delta: deltas go over the tcp engine, in place (got engine {engine!r}, commit {commit!r})")
-        if topology is not None and not (topology in ("star", "chain") or re.fullmatch(r"tree:[1-9][0-9]*", topology)):
-            raise _bad(f"topology: expected star, chain or tree:K, got {topology!r}")
-        if auth_secret_file is not None and not os.path.isfile(auth_secret_file):
-            raise _bad(f"auth_secret_file: {auth_secret_file!r} is not a file")
+        if engine not in _ENGINES:
+            raise _bad(f"engine: expected one of {_ENGINES}, got {engine!r}")
+        self.options = Options(engine=engine, timeout_ms=timeout_ms, auth_secret_file=auth_secret_file, device=device,
+                               commit=commit, checksums=checksums, buffer_bytes=buffer_bytes, num_buffers=num_buffers,
+                               topology=topology, delta=delta, owner="refit.verl")
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.role = "rollout" if is_master is None else ("master" if is_master else "actor")
         self.engine, self.checksums, self.commit = engine, checksums, commit
         self.timeout_ms, self.buffer_bytes, self.num_buffers = timeout_ms, buffer_bytes, num_buffers
         self.topology, self.auth_secret_file, self.delta = topology, auth_secret_file, delta
-        self._device = device if gpu else "cpu"
-        self.address = address or _host_address()
+        self._device: str | None = None
+        self.address = address or route_address()
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        # master
-        self._key: Any = None
-        self.connects = 0  # topologies this master connected (one while no process came or went)
-        self._group: refit.WorkerGroup | None = None
-        self._sender: refit.Sender | None = None
+        # master: its connections to the rollouts, kept while the topology's key is unchanged
+        self._link = TrainerLink(self.options, address=self.address)
         # rollout
         self._host: refit.WorkerHost | None = None
         self._events: queue.Queue = queue.Queue()
+
+    @property
+    def connects(self) -> int:
+        """Topologies this master connected (one while no process came or went)."""
+        return self._link.connects
 
     # ------------------------------------------------------------------ each step
 
@@ -220,31 +176,8 @@ class RefitCheckpointEngine(CheckpointEngine):
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(self, endpoints: list[tuple[str, int]] | None = None, key: Any = None) -> None:
-        if self.role != "master" or key == self._key:
-            self._key = key
-            return
-        self._close()
-        group = refit.WorkerGroup(
-            [f"{a}:{p}" for a, p in endpoints or []], timeout_ms=self.timeout_ms, auth_secret_file=self.auth_secret_file
-        )
-        sender = refit.Sender(self.engine, device=self.device, timeout_ms=self.timeout_ms,
-                              auth_secret_file=self.auth_secret_file)
-        try:
-            group.connect()
-            args: dict[str, Any] = {"master_address": self.address, "master_port": 0,
-                                    "buffer_bytes": self.buffer_bytes, "num_buffers": self.num_buffers,
-                                    "checksums": self.checksums, "timeout_ms": self.timeout_ms}
-            if self.topology:
-                args["topology"] = self.topology
-            if self.delta:
-                args["delta"] = True
-            group.init(sender, args)
-        except BaseException:
-            group.close()
-            sender.shutdown()
-            raise
-        self._group, self._sender, self._key = group, sender, key
-        self.connects += 1
+        if self.role == "master":
+            self._link.open(endpoints or [], key)
 
     def finalize(self) -> None:
         """Keeps the connections (and the rollout hosts) for the next step."""
@@ -256,9 +189,9 @@ class RefitCheckpointEngine(CheckpointEngine):
             async for _ in ensure_async_iterator(weights):  # collective across the actor ranks
                 pass
             return {}
-        if self._group is None or self._sender is None:
+        group, sender = self._link.group, self._link.sender
+        if group is None or sender is None:
             raise refit.InvalidStateError("refit.verl: send_weights before init_process_group")
-        group, sender = self._group, self._sender
         version = 0 if global_steps is None else int(global_steps)
         sent = chunks = wire = fallbacks = 0
         await group.call_all_async("start_weight_update")
@@ -334,16 +267,14 @@ class RefitCheckpointEngine(CheckpointEngine):
                     raise refit.ProtocolError(f"refit.verl: the master finished version {payload}, not {global_steps}")
                 return
             elif kind == "failed":
-                raise _error_of(payload)
+                raise payload.error()  # a refit.UpdateFailure: the typed error of its kind
 
     @property
     def device(self) -> str:
         """Where this rank's tensors move from or land: ``"cpu"`` for the host
         engines, the GPU engines' ``"cuda:N"``."""
-        if self._device == "cuda" or self._device is None:
-            import torch
-
-            self._device = f"cuda:{torch.cuda.current_device()}"
+        if self._device is None:
+            self._device = self.options.resolved_device()
         return self._device
 
     @property
@@ -363,17 +294,9 @@ class RefitCheckpointEngine(CheckpointEngine):
 
     # ------------------------------------------------------------------ teardown
 
-    def _close(self) -> None:
-        if self._group is not None:
-            self._group.close()
-        if self._sender is not None:
-            self._sender.shutdown()
-        self._group = self._sender = None
-        self._key = None
-
     def close(self) -> None:
         """Closes the master's connections and stops a rollout's host; idempotent."""
-        self._close()
+        self._link.close()
         if self._host is not None:
             self._host.stop()
             self._host = None
@@ -423,12 +346,3 @@ async def _chunks(weights: Iterable[tuple[str, Any]], limit: int,
     if chunk:
         yield chunk
 
-
-def _host_address() -> str:
-    """This host's address as peers reach it (the one its default route uses)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
