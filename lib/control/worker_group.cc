@@ -8,6 +8,7 @@
 #include <asio/steady_timer.hpp>
 #include <asio/use_awaitable.hpp>
 
+#include <refit/control/fleet.h>
 #include <refit/error.h>
 
 namespace refit::control {
@@ -335,41 +336,36 @@ asio::awaitable<void> worker_group::roll_back_committed(detail::fleet_state& f, 
       ops.push_back(call_keeping(*clients_[i], "rollback_weight_update", json::object(), &rollback_errors[i]));
   }
   co_await async::all_of(std::move(ops));
-  // A call that timed out or lost its connection did not say how its commit or
-  // rollback ended: it may still be running, or have ended either way.
-  const auto unknown = [](const std::exception_ptr& e) {
-    const errc k = error_kind_of(e);
-    return k == errc::timeout || k == errc::peer_lost;
-  };
+  std::vector<call_outcome> commits, rollbacks;
+  for (std::size_t i = 0; i < clients_.size(); ++i) {
+    commits.push_back(outcome_of(f.errors[i]));
+    rollbacks.push_back(outcome_of(rollback_errors[i]));
+  }
+  const settlement settled = settle_failed_commit(commits, rollbacks);
   std::string lines;
-  bool fenced = false, in_doubt = false;
   errc kind{};  // the first failed commit's, by worker
   for (std::size_t i = 0; i < clients_.size(); ++i) {
     lines += "\n  " + name(i) + ": ";
-    if (f.errors[i]) {
-      if (unknown(f.errors[i])) {
-        lines += "its commit's outcome is unknown (in doubt): " + describe_error(f.errors[i]);
-        in_doubt = true;
-      } else {
+    switch (settled.phases[i]) {
+      case settled_phase::in_doubt:
+        lines += f.errors[i]
+                     ? "its commit's outcome is unknown (in doubt): " + describe_error(f.errors[i])
+                     : "committed; its rollback's outcome is unknown (in doubt): " + describe_error(rollback_errors[i]);
+        break;
+      case settled_phase::failed:
         lines += "failed at its commit: " + describe_error(f.errors[i]);
-      }
-      if (kind == errc{}) kind = error_kind_of(f.errors[i]);
-    } else if (rollback_errors[i] && unknown(rollback_errors[i])) {
-      lines += "committed; its rollback's outcome is unknown (in doubt): " + describe_error(rollback_errors[i]);
-      in_doubt = true;
-    } else if (rollback_errors[i]) {
-      lines += "committed, and its rollback failed (fenced: dirty, no version): " + describe_error(rollback_errors[i]);
-      fenced = true;
-    } else {
-      lines += "committed, rolled back";
+        break;
+      case settled_phase::fenced:
+        lines +=
+            "committed, and its rollback failed (fenced: dirty, no version): " + describe_error(rollback_errors[i]);
+        break;
+      case settled_phase::rolled_back:
+        lines += "committed, rolled back";
+        break;
     }
+    if (f.errors[i] && kind == errc{}) kind = error_kind_of(f.errors[i]);
   }
-  std::string outcome = "every worker keeps its previous version:";
-  if (in_doubt)
-    outcome = std::string("the workers not ") + (fenced ? "fenced or " : "") +
-              "in doubt keep their previous version; reconcile() brings those in doubt to it once they answer:";
-  else if (fenced)
-    outcome = "the workers not fenced keep their previous version:";
+  const std::string& outcome = settled.summary;
   throw_error(kind, "fleet-atomic update " + std::to_string(version) + ": a commit failed after every worker voted; " +
                         outcome + lines);
 }
@@ -377,76 +373,48 @@ asio::awaitable<void> worker_group::roll_back_committed(detail::fleet_state& f, 
 asio::awaitable<json> worker_group::reconcile() {
   const std::vector<json> infos = co_await call_all("weight_info");
   const std::size_t n = infos.size();
-  json workers = json::array();
-  std::vector<std::optional<std::int64_t>> version(n);
-  std::vector<bool> clean(n, false);
+  std::vector<fleet_member> members(n);
   for (std::size_t i = 0; i < n; ++i) {
     const json& info = infos[i];
-    if (info.value("session_active", false))
-      throw_error(errc::invalid_state, "reconcile: " + name(i) + " has a weight update session open (owner " +
-                                           info.value("session_owner", json("?")).dump() +
-                                           "): a trainer is still updating it; reconcile after its session deadline");
-    clean[i] = info.value("state", std::string()) == "clean";
-    if (info.contains("weight_version") && info["weight_version"].is_number_integer())
-      version[i] = info["weight_version"].get<std::int64_t>();
-    json w = json::object();
-    w["worker"] = name(i);
-    w["weight_version"] = info.contains("weight_version") ? info["weight_version"] : json(nullptr);
-    w["state"] = info.value("state", std::string());
-    w["action"] = clean[i] ? "none" : "fenced";
-    workers.push_back(std::move(w));
+    fleet_member& m = members[i];
+    m.name = name(i);
+    m.session_open = info.value("session_active", false);
+    if (m.session_open) m.name += " (session owner " + info.value("session_owner", json("?")).dump() + ")";
+    m.clean = info.value("state", std::string()) == "clean";
+    m.version = info.contains("weight_version") && info["weight_version"].is_number_integer() ? info["weight_version"]
+                                                                                              : json(nullptr);
+    m.holds_undo =
+        info.value("holds_undo", false) && info.contains("undo_version") && info["undo_version"].is_number_integer();
+    if (m.holds_undo) m.undo_version = info["undo_version"];
   }
-  // The version every clean worker is at, or can roll back to.
-  auto undo_of = [&](std::size_t i) -> std::optional<std::int64_t> {
-    const json& info = infos[i];
-    if (!info.value("holds_undo", false) || !info.contains("undo_version") || !info["undo_version"].is_number_integer())
-      return std::nullopt;
-    return info["undo_version"].get<std::int64_t>();
-  };
-  std::vector<std::size_t> clean_ones;
-  for (std::size_t i = 0; i < n; ++i)
-    if (clean[i]) clean_ones.push_back(i);
-  std::optional<std::int64_t> target;
-  bool found = true;  // every clean worker at one version (or none clean)
-  if (!clean_ones.empty()) {
-    target = version[clean_ones.front()];
-    for (std::size_t i : clean_ones) found = found && version[i] == target;
-  }
-  if (!found) {
-    target.reset();
-    for (std::size_t c : clean_ones) {
-      if (!version[c]) continue;
-      bool all = true;
-      for (std::size_t i : clean_ones) all = all && (version[i] == version[c] || undo_of(i) == version[c]);
-      if (all) {
-        target = version[c];
-        found = true;
-        break;
-      }
-    }
-  }
-  if (!found) {
-    std::string lines;
-    for (std::size_t i = 0; i < n; ++i)
-      lines += "\n  " + name(i) + ": " + infos[i].value("state", std::string()) + " at " +
-               infos[i].value("weight_version", json(nullptr)).dump() + ", undo to " +
-               infos[i].value("undo_version", json(nullptr)).dump();
-    throw_error(
-        errc::invalid_state,
-        "reconcile: no version every worker holds or can roll back to; a full update brings them together:" + lines);
-  }
+  const reconcile_plan plan = plan_reconcile(members);
+  json workers = json::array();
   std::vector<std::exception_ptr> errors(n);
   std::vector<asio::awaitable<void>> ops;
   for (std::size_t i = 0; i < n; ++i) {
-    if (!clean[i] || version[i] == target) continue;
-    workers[i]["action"] = "rolled back";
-    ops.push_back(call_keeping(*clients_[i], "rollback_weight_update", json::object(), &errors[i]));
+    json w = json::object();
+    w["worker"] = name(i);
+    w["weight_version"] = infos[i].contains("weight_version") ? infos[i]["weight_version"] : json(nullptr);
+    w["state"] = infos[i].value("state", std::string());
+    switch (plan.actions[i]) {
+      case reconcile_action::none:
+        w["action"] = "none";
+        break;
+      case reconcile_action::fence:
+        w["action"] = "fenced";
+        break;  // dirty already: it claims no version
+      case reconcile_action::roll_back:
+        w["action"] = "rolled back";
+        ops.push_back(call_keeping(*clients_[i], "rollback_weight_update", json::object(), &errors[i]));
+        break;
+    }
+    workers.push_back(std::move(w));
   }
   co_await async::all_of(std::move(ops));
   for (std::size_t i = 0; i < n; ++i)
     if (errors[i]) rethrow_named(errors[i], name(i));
   json out = json::object();
-  out["version"] = target ? json(*target) : json(nullptr);
+  out["version"] = plan.version;
   out["workers"] = std::move(workers);
   co_return out;
 }

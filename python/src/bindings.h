@@ -69,6 +69,7 @@ struct py_host_copy {
 void bind_engine(nb::module_& m);        // _Engine (engine.cc)
 void bind_sender(nb::module_& m);        // _Sender (sender.cc)
 void bind_worker_group(nb::module_& m);  // _WorkerGroup (group.cc)
+void bind_fleet(nb::module_& m);         // the fleet protocol's rules (group.cc)
 void bind_worker_host(nb::module_& m);   // _WorkerHost (host.cc)
 
 }  // namespace refit::py

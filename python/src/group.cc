@@ -1,5 +1,6 @@
 // _WorkerGroup, which refit/_group.py wraps: the trainer's control client of many
 // workers (init, update, calls and fingerprints), sending through a _Sender.
+#include <refit/control/fleet.h>
 #include <refit/control/worker_group.h>
 #include <refit/error.h>
 #include <refit/integrity/auth.h>
@@ -222,6 +223,62 @@ void bind_worker_group(nb::module_& m) {
             return start<json>(py_worker_group::reconcile(&g.group()), to_py, std::move(done));
           },
           nb::arg("done"));
+}
+
+namespace {
+
+control::call_outcome parse_outcome(const std::string& s) {
+  if (s == "ok") return control::call_outcome::ok;
+  if (s == "failed") return control::call_outcome::failed;
+  if (s == "unknown") return control::call_outcome::unknown;
+  throw_error(errc::invalid_argument,
+              "fleet: a call's outcome is \"ok\", \"failed\" or \"unknown\", got \"" + s + "\"");
+}
+
+}  // namespace
+
+// refit.integration.fleet: the fleet protocol's rules (lib/control/fleet.h) for
+// drivers written in Python (refit.vllm's FleetClient).
+void bind_fleet(nb::module_& m) {
+  m.def(
+      "_fleet_settle_failed_commit",
+      [](const std::vector<std::string>& commits, const std::vector<std::string>& rollbacks) {
+        std::vector<control::call_outcome> c, r;
+        for (const auto& s : commits) c.push_back(parse_outcome(s));
+        for (const auto& s : rollbacks) r.push_back(parse_outcome(s));
+        const control::settlement settled = control::settle_failed_commit(c, r);
+        json out = json::object();
+        out["phases"] = json::array();
+        for (auto p : settled.phases) out["phases"].push_back(std::string(control::to_string(p)));
+        out["summary"] = settled.summary;
+        return to_python(out);
+      },
+      nb::arg("commits"), nb::arg("rollbacks"));
+  m.def(
+      "_fleet_plan_reconcile",
+      [](nb::handle members_in) {
+        const json members_json = to_json(members_in);
+        if (!members_json.is_array()) throw_error(errc::invalid_argument, "fleet: members must be a list of dicts");
+        std::vector<control::fleet_member> members;
+        for (const json& j : members_json) {
+          if (!j.is_object()) throw_error(errc::invalid_argument, "fleet: each member is a dict, got " + j.dump());
+          control::fleet_member mem;
+          mem.name = j.value("name", std::string("member ") + std::to_string(members.size()));
+          mem.session_open = j.value("session_open", false);
+          mem.clean = j.value("clean", false);
+          mem.version = j.value("version", json(nullptr));
+          mem.holds_undo = j.value("holds_undo", false);
+          mem.undo_version = j.value("undo_version", json(nullptr));
+          members.push_back(std::move(mem));
+        }
+        const control::reconcile_plan plan = control::plan_reconcile(members);
+        json out = json::object();
+        out["version"] = plan.version;
+        out["actions"] = json::array();
+        for (auto a : plan.actions) out["actions"].push_back(std::string(control::to_string(a)));
+        return to_python(out);
+      },
+      nb::arg("members"));
 }
 
 }  // namespace refit::py

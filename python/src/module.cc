@@ -89,5 +89,6 @@ NB_MODULE(_refit, m) {
   bind_engine(m);
   bind_sender(m);
   bind_worker_group(m);
+  bind_fleet(m);
   bind_worker_host(m);
 }

@@ -16,7 +16,12 @@ drives refit's two phases, so that the fleet ends every update at one version:
    ``/weight_info`` is set back to the version it had); a replica whose own commit
    failed loads its previous version back itself. :class:`FleetUpdateError` names
    every replica with its phase and error. A replica whose rollback failed is
-   fenced: its ``/weight_info`` says ``"refit-fenced"``, never a version.
+   fenced: its ``/weight_info`` says ``"refit-fenced"``, never a version; one
+   whose commit or rollback did not answer is in doubt.
+
+Where each replica stands after a failed commit, and what :meth:`reconcile` does,
+are the fleet protocol's rules (:mod:`refit.integration.fleet`), the functions
+refit's C++ ``worker_group`` runs: one protocol, whatever carries its calls.
 
 A trainer lost between two replicas' commits leaves them at two versions; a new
 trainer's :meth:`FleetClient.reconcile` brings them back to one.
@@ -32,6 +37,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import refit
+from refit.integration import fleet
+
 from ._trainer import InferenceServerError, error_text
 
 __all__ = ["FENCED", "FleetClient", "FleetUpdateError"]
@@ -45,7 +53,9 @@ class FleetUpdateError(InferenceServerError):
     ``"failed"`` with ``error`` (the replica's own failure and its phase in
     ``at``), ``"rolled_back"`` (it had committed and is back at ``version``),
     ``"aborted"`` (its staged update was dropped), ``"fenced"`` (it holds no
-    whole version; ``error`` says why)."""
+    whole version; ``error`` says why), ``"in_doubt"`` (its commit or rollback,
+    named in ``at``, did not answer: it may still run; :meth:`FleetClient.reconcile`
+    brings it to the fleet's version once it answers)."""
 
     def __init__(self, message: str, outcomes: dict[str, dict[str, Any]]) -> None:
         super().__init__(message)
@@ -178,7 +188,12 @@ class FleetClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Every replica commits. In a fleet-atomic update, a commit that fails on
-        any replica rolls back every replica that committed (see the module)."""
+        any replica rolls back every replica that committed (see the module); where
+        each replica stands then is the fleet protocol's rule
+        (:func:`refit.integration.fleet.settle_failed_commit`), the same as
+        refit's C++ ``worker_group``: a replica whose commit or rollback did not
+        answer is ``in_doubt`` (it may still run; :meth:`reconcile` brings it to
+        the fleet's version once it answers), never reported at a version."""
         body = {"weight_version": weight_version} if weight_version is not None else None
         _, failed = self._each(lambda url: self._post(url, "finish_weight_update", body))
         if not failed:
@@ -186,11 +201,26 @@ class FleetClient:
         if not self._fleet_atomic:  # no undo: each replica is left as its commit left it
             self._raise_failed("commit", failed)
         why = "; ".join(f"{u}: {e}" for u, e in failed.items())
-        outcomes = {url: self._settle_failed(url, str(failed[url])) if url in failed else self._roll_back(url)
-                    for url in self.urls}
+        rollbacks = {url: self._roll_back_call(url) for url in self.urls if url not in failed}
+        settled = fleet.settle_failed_commit([fleet.outcome_of(failed.get(u)) for u in self.urls],
+                                             [fleet.outcome_of(rollbacks.get(u)) for u in self.urls])
+        outcomes = {url: self._settled(url, phase, failed.get(url), rollbacks.get(url))
+                    for url, phase in zip(self.urls, settled["phases"])}
         raise FleetUpdateError(
-            f"the commit failed on {len(failed)} of {len(self.urls)} replicas ({why}); " +
+            f"the commit failed on {len(failed)} of {len(self.urls)} replicas ({why}); {settled['summary']} " +
             ", ".join(f"{u}: {o['phase']}" for u, o in outcomes.items()), outcomes) from next(iter(failed.values()))
+
+    def _settled(self, url: str, phase: str, commit_error: BaseException | None,
+                 rollback_error: BaseException | None) -> dict[str, Any]:
+        """What the rule's ``phase`` for ``url`` does and reports."""
+        if phase == "failed":
+            return self._settle_failed(url, str(commit_error))
+        if phase == "fenced":
+            return self._fence(url, {"phase": "failed", "at": "rollback", "error": str(rollback_error)})
+        if phase == "in_doubt":
+            at, error = ("commit", commit_error) if commit_error is not None else ("rollback", rollback_error)
+            return {"phase": "in_doubt", "at": at, "error": str(error)}
+        return {"phase": "rolled_back", "version": self._versions.get(url)}
 
     def _settle_failed(self, url: str, error: str) -> dict[str, Any]:
         """A replica whose own commit failed: its refit engine loaded the previous
@@ -206,15 +236,23 @@ class FleetClient:
             return self._fence(url, dict(outcome, error=f"{error}; not back at one version: {dirty[0]}"))
         return outcome
 
-    def _roll_back(self, url: str) -> dict[str, Any]:
+    def _roll_back_call(self, url: str) -> BaseException | None:
+        """Rolls ``url`` back to its version before the update (and says that
+        version again in ``/weight_info``); the error, if any."""
         before = self._versions.get(url)
         try:
             self._rpc(url, "refit_rollback_weight_update")
             if before is not None:
                 self._post(url, "update_weight_version", {"new_version": before})
-        except BaseException as e:  # noqa: BLE001 - reported, and the replica fenced
-            return self._fence(url, {"phase": "failed", "at": "rollback", "error": str(e)})
-        return {"phase": "rolled_back", "version": before}
+        except BaseException as e:  # noqa: BLE001 - settled by the rule
+            return e
+        return None
+
+    def _roll_back(self, url: str) -> dict[str, Any]:
+        error = self._roll_back_call(url)
+        if error is not None:
+            return self._fence(url, {"phase": "failed", "at": "rollback", "error": str(error)})
+        return {"phase": "rolled_back", "version": self._versions.get(url)}
 
     def _fence(self, url: str, outcome: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -234,20 +272,19 @@ class FleetClient:
     def reconcile(self) -> dict[str, dict[str, Any]]:
         """Brings the replicas back to one version after a trainer was lost in the
         middle of a fleet-atomic update (call it from the new trainer before its
-        first update). The rule:
-
-        1. an update still open on a replica (its trainer is gone: prepared, or not
-           yet) is aborted; staged, so nothing of it reached the model;
-        2. if some replicas committed the lost update (they hold its undo and
-           report another version than the rest) and others did not, the
-           committed ones roll back to the version the others hold, and
-           ``/weight_info`` says it again;
-        3. a replica whose workers are dirty, or whose rollback fails, is fenced.
+        first update). First, an update still open on a replica (its trainer is
+        gone: prepared, or not yet) is aborted; staged, so nothing of it reached
+        the model. Then the fleet protocol's rule
+        (:func:`refit.integration.fleet.plan_reconcile`, the same as refit's C++
+        ``worker_group``): the replicas that committed the lost update (they hold
+        the undo, at another version than the rest) roll back to the version the
+        others hold, and ``/weight_info`` says it again; a replica whose workers
+        are dirty, or whose rollback fails, is fenced.
 
         Returns {url: {"action": "none" | "aborted" | "rolled_back" | "fenced",
-        "version": ...}}. Raises :class:`FleetUpdateError` when the replicas that
-        did not commit disagree on their version (a full update brings them
-        together)."""
+        "version": ...}}. Raises :class:`FleetUpdateError` when no version every
+        replica holds or can roll back to exists (the replicas that did not commit
+        disagree: a full update brings them together)."""
         states = self._all("refit_weight_state", lambda url: self._rpc(url, "refit_weight_state"))
         versions = {url: self.weight_version(url) for url in self.urls}
         report: dict[str, dict[str, Any]] = {}
@@ -255,29 +292,30 @@ class FleetClient:
             if any(w.get("update_open") or w.get("session_active") for w in workers):
                 self._rpc(url, "refit_abort_weight_update", "reconcile: the trainer that opened this update is gone")
                 report[url] = {"action": "aborted", "version": versions[url]}
-        committed = [u for u, ws in states.items() if u not in report and ws and all(w.get("holds_undo") for w in ws)]
-        others = [u for u in self.urls if u not in committed]
-        targets = {versions[u] for u in others}
-        if committed and others:
-            if len(targets) != 1:
-                raise FleetUpdateError(
-                    "reconcile: the replicas that did not commit are at different versions (" +
-                    ", ".join(f"{u}: {versions[u]}" for u in others) + "); a full update brings them together",
-                    {u: {"action": "none", "version": versions[u]} for u in self.urls})
-            target = next(iter(targets))
-            for u in committed:
-                if versions[u] == target:
-                    continue  # its undo is an earlier, whole update's
-                self._versions[u] = target
-                outcome = self._roll_back(u)
-                report[u] = {"action": "rolled_back" if outcome["phase"] == "rolled_back" else "fenced",
-                             "version": target if outcome["phase"] == "rolled_back" else FENCED, **outcome}
-        for url, workers in states.items():
-            if url in report:
-                continue
-            dirty = [w.get("dirty_reason") for w in workers if w.get("weights_dirty")]
-            report[url] = self._fence(url, {"action": "fenced", "error": dirty[0]}) if dirty else \
-                {"action": "none", "version": versions[url]}
+        members = [{
+            "name": url,
+            "clean": not any(w.get("weights_dirty") for w in states[url]),
+            "version": versions[url],
+            # vLLM's labels: a replica's undo does not know the label it goes back to.
+            "holds_undo": url not in report and bool(states[url]) and all(w.get("holds_undo") for w in states[url]),
+        } for url in self.urls]
+        try:
+            plan = fleet.plan_reconcile(members)
+        except refit.InvalidStateError as e:
+            raise FleetUpdateError(f"reconcile: {e.message}",
+                                   {u: {"action": "none", "version": versions[u]} for u in self.urls}) from e
+        for url, action in zip(self.urls, plan["actions"]):
+            if action == "roll_back":
+                self._versions[url] = plan["version"]
+                outcome = self._roll_back(url)
+                rolled = outcome["phase"] == "rolled_back"
+                report[url] = {**outcome, "action": "rolled_back" if rolled else "fenced",
+                               "version": plan["version"] if rolled else FENCED}
+            elif action == "fence":
+                dirty = [w.get("dirty_reason") for w in states[url] if w.get("weights_dirty")]
+                report[url] = self._fence(url, {"action": "fenced", "error": dirty[0] if dirty else "dirty"})
+            elif url not in report:
+                report[url] = {"action": "none", "version": versions[url]}
         return report
 
     def release_weight_undo(self) -> None:
