@@ -46,7 +46,7 @@ done
 
 disk=$cache/refit/bazel-disk
 min_free_kb=$((${REFIT_CI_MIN_FREE_GB:-15} * 1024 * 1024))
-free_kb=$(df -Pk "$cache" 2>/dev/null | awk 'NR == 2 {print $4}')
+free_kb=$(df -Pk "$cache" 2>/dev/null | awk 'NR == 2 {print $4}' || true)
 if [ -d "$disk" ] && [ -n "$free_kb" ] && [ "$free_kb" -lt "$min_free_kb" ]; then
   size_kb=$(du -sk "$disk" | cut -f1)
   target_kb=$((size_kb * 7 / 10))
@@ -56,5 +56,8 @@ if [ -d "$disk" ] && [ -n "$free_kb" ] && [ "$free_kb" -lt "$min_free_kb" ]; the
     while IFS= read -r f; do rm -f -- "$f"; done
   freed=$((freed + size_kb - $(du -sk "$disk" | cut -f1)))
 fi
-echo "prune_caches: freed $((freed / 1024)) MiB; $(($(df -Pk "$cache" | awk 'NR == 2 {print $4}') / 1024)) MiB free"
+# A fresh machine has no cache folder yet: the free space of the nearest folder that exists.
+where=$cache
+while [ ! -d "$where" ] && [ "$where" != / ]; do where=$(dirname "$where"); done
+echo "prune_caches: freed $((freed / 1024)) MiB; $(($(df -Pk "$where" | awk 'NR == 2 {print $4}') / 1024)) MiB free"
 exit 0
