@@ -68,9 +68,8 @@ class Server:
         base = refit.HostCopy()  # what a fleet-atomic undo loads back: the weights served now
         base.seed({name: p.detach() for name, p in self.params.items()})
         self.refit = refit.WorkerHost(
-            options.engine, host=host, port=refit_port, load_weights=self._apply, commit="staged", keep_base=base,
-            timeout_ms=options.timeout_ms, auth_secret_file=options.auth_secret_file,
-            max_stage_bytes=max_stage_bytes, on_update_finished=self._finished)
+            **options.replace(commit="staged").worker_args(), host=host, port=refit_port, load_weights=self._apply,
+            keep_base=base, max_stage_bytes=max_stage_bytes, on_update_finished=self._finished)
 
     def _apply(self, batch: list[tuple[str, Any]]) -> None:
         """refit's load_weights, at the commit (or the undo) of a staged update:

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import _refit
-from ._errors import UpdateFailure
 from ._engine import HostCopy
+from ._errors import UpdateFailure
 from ._scoped import _Scoped
 from ._types import Info, LoadWeights
 

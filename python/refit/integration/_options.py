@@ -36,6 +36,9 @@ class Options:
     * ``checksums``, ``buffer_bytes``, ``num_buffers``, ``topology`` (``star``,
       ``chain``, ``tree:K``), ``delta``: the trainer's wire options
       (:meth:`trainer_args`), None for the engine's default.
+
+    :meth:`worker_args` and :meth:`trainer_args` hand them to refit's worker
+    (``WorkerHost``, ``Engine``) and trainer (``Sender.prepare``) sides.
     """
 
     engine: str = "tcp"
@@ -121,6 +124,13 @@ class Options:
         import torch
 
         return f"cuda:{torch.cuda.current_device()}"
+
+    def worker_args(self) -> dict[str, Any]:
+        """What :class:`refit.WorkerHost` and :class:`refit.Engine` take of these
+        options: ``backend``, ``timeout_ms``, ``commit``, ``auth_secret_file``,
+        ``device``."""
+        return {"backend": self.engine, "timeout_ms": self.timeout_ms, "commit": self.commit,
+                "auth_secret_file": self.auth_secret_file, "device": self.resolved_device()}
 
     def trainer_args(self, address: str, **more: Any) -> dict[str, Any]:
         """``Sender.prepare``'s trainer_args: where the workers reach the trainer

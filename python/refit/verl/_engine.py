@@ -139,15 +139,11 @@ class RefitCheckpointEngine(CheckpointEngine):
     def prepare(self) -> dict[str, Any]:
         if self.role == "rollout" and self._host is None:
             self._host = refit.WorkerHost(
-                self.engine,
+                **self.options.worker_args(),
                 host=self.address,
                 port=0,
                 load_weights=self._load,
-                timeout_ms=self.timeout_ms,
-                commit=self.commit,
-                auth_secret_file=self.auth_secret_file,
                 keep_base=self.delta,  # what deltas decode against
-                device=self.device,
                 on_update_started=lambda owner: self._events.put(("started", owner)),
                 on_update_finished=lambda version, stats: self._events.put(("finished", version)),
                 on_update_failed=lambda reason: self._events.put(("failed", reason)),

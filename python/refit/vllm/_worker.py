@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import refit
+from refit.integration import COMMITS, Options
 
 from . import _reload
 from ._checkpoint import CheckpointIndex, refuse
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("refit.vllm")
 
-COMMIT_MODES = ("in_place", "staged")
+COMMIT_MODES = COMMITS
 
 
 def secret_file(explicit: str | None) -> str | None:
@@ -115,12 +116,9 @@ class RefitInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         if not isinstance(self.init_info, dict):
             raise ValueError(f"`init_info` must be a dict (refit's init info), got {type(self.init_info).__name__}")
-        if not isinstance(self.refit_backend, str) or not self.refit_backend:
-            raise ValueError(f"`refit_backend` must name one of refit's engines, got {self.refit_backend!r}")
-        if self.commit not in COMMIT_MODES:
-            raise ValueError(f"`commit` must be 'in_place' or 'staged', got {self.commit!r}")
-        if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, int) or self.timeout_ms <= 0:
-            raise ValueError(f"`timeout_ms` must be a positive int, got {self.timeout_ms!r}")
+        # refit's own options, checked as every integration checks them (the
+        # device is vLLM's worker's, not an engine option here).
+        Options(engine=self.refit_backend, timeout_ms=self.timeout_ms, commit=self.commit, owner="refit.vllm")
         if not isinstance(self.validate, bool):
             raise ValueError(f"`validate` must be a bool, got {self.validate!r}")
         if not isinstance(self.keep_base, bool):
