@@ -40,12 +40,12 @@ from typing import Any
 import torch
 
 import refit
+from refit.integration import Options
 from refit.integration.model import MetaUpdate, Undo, unloaded
 
 logger = logging.getLogger("refit.sglang")
 
 TICKET = "refit:"
-GPU_ENGINES = ("nccl", "cuda_ipc")
 _MISSING = object()
 
 
@@ -116,19 +116,19 @@ class _Rank:
     def _connect(self, model: torch.nn.Module, t: dict) -> dict:
         rank, size = _tp()
         key = (t.get("engine", "tcp"), t.get("address"), t.get("timeout_ms"), t.get("auth_secret_file"))
-        # The GPU engines land buckets in this rank's GPU memory; what is received
-        # is still kept on the host until the apply (_received).
-        device = f"cuda:{torch.cuda.current_device()}" if key[0] in GPU_ENGINES else "cpu"
         if self.host is None or key != self.host_key:
             if self.host is not None:
                 self.host.stop()
+            # The client's options, checked here as there. The GPU engines land
+            # buckets in this rank's GPU memory (torch's current device); what is
+            # received is still kept on the host until the apply (_received).
+            options = Options(engine=key[0], timeout_ms=int(t.get("timeout_ms") or 60000),
+                              auth_secret_file=t.get("auth_secret_file"), owner="refit.sglang")
             self.host = refit.WorkerHost(
-                key[0], host=t.get("address") or "127.0.0.1", port=0, load_weights=self._received,
-                timeout_ms=int(t.get("timeout_ms") or 60000), auth_secret_file=t.get("auth_secret_file"),
+                **options.worker_args(), host=t.get("address") or "127.0.0.1", port=0, load_weights=self._received,
                 on_update_started=lambda owner: self._started(),
                 on_update_finished=lambda version, stats: self._finished(version),
                 on_update_failed=lambda reason: self._failed(),
-                device=device,
             )
             self.host.add_method("refit_sglang_outcome", self._outcome)
             self.host.add_method("refit_sglang_guard", self._guard)
