@@ -15,7 +15,7 @@ from __future__ import annotations
 import builtins
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from .. import _refit
 
@@ -38,7 +38,7 @@ def settle_failed_commit(commits: Iterable[str], rollbacks: Iterable[str]) -> di
     """``commits[i]``: member i's commit (``"ok"``, ``"failed"``, ``"unknown"``);
     ``rollbacks[i]``: its rollback, for the members that committed. Returns
     ``{"phases": [...], "summary": "..."}``."""
-    return dict(_refit._fleet_settle_failed_commit(commits=list(commits), rollbacks=list(rollbacks)))
+    return cast(dict[str, Any], _refit._fleet_settle_failed_commit(commits=list(commits), rollbacks=list(rollbacks)))
 
 
 def plan_reconcile(members: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -47,4 +47,4 @@ def plan_reconcile(members: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     ``{"version", "actions": [...]}``; raises :class:`refit.InvalidStateError`
     while a session is open, or when no version every member holds or can roll
     back to exists (naming each member)."""
-    return dict(_refit._fleet_plan_reconcile(members=[dict(m) for m in members]))
+    return cast(dict[str, Any], _refit._fleet_plan_reconcile(members=[dict(m) for m in members]))
