@@ -272,4 +272,3 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

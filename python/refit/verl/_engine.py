@@ -117,9 +117,6 @@ class RefitCheckpointEngine(CheckpointEngine):
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.role = "rollout" if is_master is None else ("master" if is_master else "actor")
-        self.engine, self.checksums, self.commit = engine, checksums, commit
-        self.timeout_ms, self.buffer_bytes, self.num_buffers = timeout_ms, buffer_bytes, num_buffers
-        self.topology, self.auth_secret_file, self.delta = topology, auth_secret_file, delta
         self._device: str | None = None
         self.address = address or route_address()
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -143,7 +140,7 @@ class RefitCheckpointEngine(CheckpointEngine):
                 host=self.address,
                 port=0,
                 load_weights=self._load,
-                keep_base=self.delta,  # what deltas decode against
+                keep_base=self.options.delta,  # what deltas decode against
                 on_update_started=lambda owner: self._events.put(("started", owner)),
                 on_update_finished=lambda version, stats: self._events.put(("finished", version)),
                 on_update_failed=lambda reason: self._events.put(("failed", reason)),
@@ -193,7 +190,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         await group.call_all_async("start_weight_update")
         # Deltas are taken against the previous send of the same tensors: with
         # them on, a step is one chunk (the master holds the step's tensors).
-        produced = _chunks(weights, 1 << 62 if self.delta else self.bucket_size, self.device).__aiter__()
+        produced = _chunks(weights, 1 << 62 if self.options.delta else self.bucket_size, self.device).__aiter__()
         upcoming: asyncio.Future | None = None
         try:
             # The next chunk is produced (verl's generator gathers each tensor)
@@ -205,7 +202,7 @@ class RefitCheckpointEngine(CheckpointEngine):
                 except StopAsyncIteration:
                     break
                 upcoming = asyncio.ensure_future(produced.__anext__())
-                info = dict(refit.describe(chunk), commit=self.commit)
+                info = dict(refit.describe(chunk), commit=self.options.commit)
                 await _both(group.call_all_async("update_weights", {"update_info": info}),
                             sender.send_weights_async(chunk))
                 sent += sum(t.numel() * t.element_size() for _, t in chunk)
@@ -227,7 +224,7 @@ class RefitCheckpointEngine(CheckpointEngine):
                 pass
             raise
         out = {"refit/bytes": sent, "refit/chunks": chunks}
-        if self.delta:
+        if self.options.delta:
             out.update({"refit/delta_bytes": wire, "refit/full_fallbacks": fallbacks})
         return out
 
@@ -235,14 +232,14 @@ class RefitCheckpointEngine(CheckpointEngine):
         if self._host is None:
             raise refit.InvalidStateError("refit.verl: receive_weights before prepare (or on an actor rank)")
         loop = asyncio.get_running_loop()
-        deadline = self.timeout_ms / 1000
+        deadline = self.options.timeout_ms / 1000
 
         async def next_event():
             try:
                 return await loop.run_in_executor(None, lambda: self._events.get(timeout=deadline))
             except queue.Empty:
                 raise refit.TimeoutError(
-                    f"refit.verl: no word of the update from the master within {self.timeout_ms} ms"
+                    f"refit.verl: no word of the update from the master within {self.options.timeout_ms} ms"
                 ) from None
 
         # This step's session starts with its owner's start; what came before (a
@@ -283,9 +280,9 @@ class RefitCheckpointEngine(CheckpointEngine):
         # and waits until its consumer is past them (bounded memory, views valid).
         done = threading.Event()
         self._events.put(("batch", (batch, done)))
-        if not done.wait(self.timeout_ms / 1000):
+        if not done.wait(self.options.timeout_ms / 1000):
             raise refit.TimeoutError(
-                f"refit.verl: receive_weights did not take a bucket within {self.timeout_ms} ms"
+                f"refit.verl: receive_weights did not take a bucket within {self.options.timeout_ms} ms"
             )
 
     # ------------------------------------------------------------------ teardown
@@ -341,4 +338,3 @@ async def _chunks(weights: Iterable[tuple[str, Any]], limit: int,
         size += n
     if chunk:
         yield chunk
-
