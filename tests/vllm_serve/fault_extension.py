@@ -10,9 +10,12 @@ from refit.vllm import RefitWorkerExtension
 
 
 class FaultExtension(RefitWorkerExtension):
-    def refit_test_fail_next_load(self) -> dict[str, Any]:
+    def refit_test_fail_next_load(self, only_rank: str = "") -> dict[str, Any]:
         """The next ``model.load_weights`` loads the first half of its tensors, then
-        raises (once; later loads are the model's own)."""
+        raises (once; later loads are the model's own). With ``only_rank``, on
+        that rank of the server only."""
+        if only_rank and int(only_rank) != self.rank:
+            return {"armed": False, "rank": self.rank}
         model = self.get_model()
 
         def failing(weights: Any) -> Any:
@@ -22,4 +25,4 @@ class FaultExtension(RefitWorkerExtension):
             raise RuntimeError("refit test: load_weights failed half-way on purpose")
 
         model.load_weights = failing
-        return {"armed": True, "model": type(model).__name__}
+        return {"armed": True, "rank": self.rank, "model": type(model).__name__}

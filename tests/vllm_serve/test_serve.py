@@ -63,11 +63,13 @@ def state(env):
 
 def vllm_trainer(env, tensors, source=None, refit_backend="tcp", trainer_args=None, **worker_options):
     """vLLM's own trainer path: WeightTransferTrainerFactory.trainer_init with refit's
-    init info, vLLM's HTTP client, a WeightSource (over `tensors` by default)."""
+    init info, vLLM's HTTP client, a WeightSource (over `tensors` by default). The
+    server has ``env["ranks"]`` workers (1 unless said)."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
     info = RefitTrainerInitInfo(
-        master_address="127.0.0.1", world_size=2, rank=0, timeout_ms=TRAINER_TIMEOUT_MS, refit_backend=refit_backend,
+        master_address="127.0.0.1", world_size=1 + env.get("ranks", 1), rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
+        refit_backend=refit_backend,
         trainer_args=dict(trainer_args or {}),
         auth_secret_file=worker_options.pop("auth_secret_file", env["secret"]),
         worker_options={"timeout_ms": DEADLINE_MS, **worker_options},

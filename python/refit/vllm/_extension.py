@@ -54,12 +54,16 @@ class RefitWorkerExtension:
             out["aborted"] = True
         return out
 
-    def refit_rollback_weight_update(self) -> dict[str, Any]:
-        """Loads the version before the last fleet-atomic finish back."""
+    def refit_rollback_weight_update(self, held_only: str = "") -> dict[str, Any]:
+        """Loads the version before the last fleet-atomic finish back. With
+        ``held_only`` ("1"), only on the ranks that hold that undo (the ranks of a
+        server that committed a lost update when the others did not); the other
+        ranks answer their state."""
         from vllm.config import set_current_vllm_config
 
+        engine = self._refit_engine()
         with set_current_vllm_config(self.vllm_config):
-            return self._refit_engine().rollback_weight_update()
+            return engine.rollback_weight_update(held_only=bool(held_only))
 
     def refit_release_weight_undo(self) -> dict[str, Any]:
         """Drops the previous version the last fleet-atomic finish kept."""

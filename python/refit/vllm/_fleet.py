@@ -236,20 +236,21 @@ class FleetClient:
             return self._fence(url, dict(outcome, error=f"{error}; not back at one version: {dirty[0]}"))
         return outcome
 
-    def _roll_back_call(self, url: str) -> BaseException | None:
+    def _roll_back_call(self, url: str, held_only: bool = False) -> BaseException | None:
         """Rolls ``url`` back to its version before the update (and says that
-        version again in ``/weight_info``); the error, if any."""
+        version again in ``/weight_info``); the error, if any. ``held_only``: only
+        its ranks that hold the undo (the others did not commit)."""
         before = self._versions.get(url)
         try:
-            self._rpc(url, "refit_rollback_weight_update")
+            self._rpc(url, "refit_rollback_weight_update", *(("1",) if held_only else ()))
             if before is not None:
                 self._post(url, "update_weight_version", {"new_version": before})
         except BaseException as e:  # noqa: BLE001 - settled by the rule
             return e
         return None
 
-    def _roll_back(self, url: str) -> dict[str, Any]:
-        error = self._roll_back_call(url)
+    def _roll_back(self, url: str, held_only: bool = False) -> dict[str, Any]:
+        error = self._roll_back_call(url, held_only)
         if error is not None:
             return self._fence(url, {"phase": "failed", "at": "rollback", "error": str(error)})
         return {"phase": "rolled_back", "version": self._versions.get(url)}
@@ -297,7 +298,10 @@ class FleetClient:
             "clean": not any(w.get("weights_dirty") for w in states[url]),
             "version": versions[url],
             # vLLM's labels: a replica's undo does not know the label it goes back to.
-            "holds_undo": url not in report and bool(states[url]) and all(w.get("holds_undo") for w in states[url]),
+            # Each rank is a unit: a replica counts as holding the lost update's
+            # undo when any of its ranks does (those ranks committed it; the
+            # rollback below rolls back exactly them).
+            "holds_undo": url not in report and any(w.get("holds_undo") for w in states[url]),
         } for url in self.urls]
         try:
             plan = fleet.plan_reconcile(members)
@@ -307,7 +311,7 @@ class FleetClient:
         for url, action in zip(self.urls, plan["actions"]):
             if action == "roll_back":
                 self._versions[url] = plan["version"]
-                outcome = self._roll_back(url)
+                outcome = self._roll_back(url, held_only=True)
                 rolled = outcome["phase"] == "rolled_back"
                 report[url] = {**outcome, "action": "rolled_back" if rolled else "fenced",
                                "version": plan["version"] if rolled else FENCED}

@@ -29,7 +29,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 import refit
 from refit.integration import COMMITS, Options
 
-from . import _reload
+from . import _ranks, _reload
 from ._checkpoint import CheckpointIndex, refuse
 from ._loader_check import loader_problems
 
@@ -278,7 +282,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         trainer accepted it (the trainer's ``connect_workers`` runs meanwhile). A
         session still open (its trainer is gone: a new one is taking over) is
         aborted first; the model keeps its weights (staged) or stays as that
-        session left it (in_place)."""
+        session left it (in_place). At more than one rank, every rank's engine
+        connects or none does (see ``_ranks``)."""
+        self._step("init_weight_transfer_engine", lambda: self._init_engine(init_info), settle=self._release)
+
+    def _init_engine(self, init_info: RefitInitInfo) -> None:
         if self._session is not None:
             logger.warning("refit: a new trainer initialises the engine during an open weight update; aborting it")
             self._fail("a new trainer initialised the engine")
@@ -373,6 +381,12 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def start_weight_update(self) -> None:
         """Opens refit's update session. The model is not touched yet."""
+        self._step("start_weight_update", self._start, settle=self._drop_session)
+
+    def _drop_session(self) -> None:
+        self._session = None
+
+    def _start(self) -> None:
         engine = self._engine()
         if self._session is not None:
             # vLLM's worker refuses a second start itself, so a session still open
@@ -395,12 +409,18 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         (in_place), complete either way when this returns. A failed chunk aborts
         the session (the model as the module's documentation says), so the next
         ``start_weight_update`` starts clean (vLLM's worker does not call finish
-        after a failed update)."""
-        try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except BaseException as e:
-            self._fail(f"update_weights failed: {e!r}")
-            raise
+        after a failed update). At more than one rank, a chunk that fails on
+        one rank fails on all (``_ranks``)."""
+
+        def receive() -> None:
+            try:
+                self.receive_weights(self.parse_update_info(update_info))
+            except BaseException as e:
+                self._fail(f"update_weights failed: {e!r}")
+                raise
+
+        self._step("update_weights", receive, settle=lambda: self._fail("another rank of the server failed the chunk"),
+                   ends_session=True)
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         """Receives the chunk ``update_info`` describes. Within a session
@@ -468,7 +488,25 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         """refit's ``finish_weight_update``: a staged session's stage is loaded into
         the model here (inside vLLM's layerwise reload, closed before this
         returns); raises what failed. vLLM records the version only when this
-        returns."""
+        returns, and a failed finish ends vLLM's session too (vLLM's worker
+        would otherwise refuse every later start). At more than one rank, a
+        fleet-atomic finish that fails on one rank is undone on the ranks that
+        committed it, so that every rank serves the old version."""
+        self._step("finish_weight_update", self._finish, settle=self._undo_committed, ends_session=True)
+
+    def _undo_committed(self) -> None:
+        """(A rank whose finish committed while another's failed.)"""
+        if self._refit is not None and self._refit.state().get("holds_undo"):
+            try:
+                self._rollback()
+                logger.warning("refit: another rank of the server failed its commit; this rank rolled back")
+                return
+            except BaseException:  # noqa: BLE001
+                logger.exception("refit: rolling this rank back after another rank's failed commit failed")
+        logger.error("refit: another rank of the server failed its commit and this rank holds no undo: the server's "
+                     "ranks now hold different versions (send the update again; fleet_atomic updates roll back)")
+
+    def _finish(self) -> None:
         engine = self._engine()
         session = self._session
         if session is None:
@@ -491,7 +529,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def prepare_weight_update(self) -> dict[str, Any]:
         """The vote of a fleet-atomic update: the whole update staged, nothing of it
-        applied, no chunk failed; raises (refit's InvalidStateError, why) otherwise."""
+        applied, no chunk failed; raises (refit's InvalidStateError, why) otherwise.
+        At more than one rank, the server votes yes only if every rank does."""
+        return self._step("prepare_weight_update", self._prepare)
+
+    def _prepare(self) -> dict[str, Any]:
         engine = self._engine()
         session = self._session
         if session is None or not session.started:
@@ -510,9 +552,19 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             self._fail(why or "the trainer aborted the update")
         return {"aborted": aborted, "state": self.refit_state()}
 
-    def rollback_weight_update(self) -> dict[str, Any]:
+    def rollback_weight_update(self, held_only: bool = False) -> dict[str, Any]:
         """Loads the version before the last fleet-atomic finish back, through the
-        model's load_weights in a fresh layerwise reload."""
+        model's load_weights in a fresh layerwise reload. ``held_only``: a rank
+        that holds no undo keeps its weights (and answers its state)."""
+
+        def rollback() -> dict[str, Any]:
+            if held_only and not self._engine().state().get("holds_undo"):
+                return self.refit_state()
+            return self._rollback()
+
+        return self._step("rollback_weight_update", rollback)
+
+    def _rollback(self) -> dict[str, Any]:
         engine = self._engine()
         if self._session is not None:
             raise refit.InvalidStateError("rollback_weight_update: a weight update is open; abort it first")
@@ -559,6 +611,76 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return {**engine.state(), "update_open": getattr(self, "_session", None) is not None}
 
     # -- internals -------------------------------------------------------------------
+
+    def _step(self, step: str, run: Callable[[], Any], settle: Callable[[], None] | None = None,
+              ends_session: bool = False) -> Any:
+        """Runs one step of an update on this rank. At more than one rank the
+        ranks then agree on its outcome (``_ranks``): if any failed, the ranks
+        that succeeded ``settle`` (follow the failed ones), and only the server's
+        last rank raises, naming every failure. ``ends_session``: a failure
+        ends vLLM's worker session on every rank."""
+        ranks = self._rank_group()
+        error: BaseException | None = None
+        result: Any = None
+        try:
+            result = run()
+        except BaseException as e:
+            error = e
+        if ranks is None:
+            if error is None:
+                return result
+            if ends_session:
+                self._end_vllm_session()
+            raise error
+        outcomes = ranks.outcomes(None if error is None else f"{type(error).__name__}: {error}")
+        if all(o is None for o in outcomes):
+            return result
+        if error is None and settle is not None:
+            settle()
+        if ends_session:
+            self._end_vllm_session()
+        why = _ranks.describe(step, outcomes)
+        if not ranks.last:
+            logger.warning("refit: %s (the server's last rank reports it)", why)
+            return None
+        if error is None:
+            raise RuntimeError(why)
+        try:
+            combined = type(error)(why)
+        except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+            combined = RuntimeError(why)
+        raise combined from error
+
+    def _rank_group(self) -> _ranks.ServerRanks | None:
+        if not hasattr(self, "_server_ranks"):
+            self._server_ranks = _ranks.of_server(self.parallel_config)
+        return self._server_ranks
+
+    def _end_vllm_session(self) -> None:
+        """Ends vLLM's worker session (its ``_weight_update_active``), as vLLM's
+        worker does itself when ``update_weights`` raises but not when
+        ``finish_weight_update`` does (then every later start would be refused)."""
+        worker = self._vllm_worker()
+        if worker is not None and getattr(worker, "_weight_update_active", False):
+            worker._weight_update_active = False
+            self.reset_weight_update_target()
+
+    def _vllm_worker(self) -> Any:
+        """The vLLM worker that holds this engine: found once, in the frames of
+        the worker's call into it (vLLM keeps no reference back)."""
+        ref = getattr(self, "_worker_ref", None)
+        worker = ref() if ref is not None else None
+        if worker is not None:
+            return worker
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if candidate is not self and getattr(candidate, "weight_transfer_engine", None) is self:
+                self._worker_ref = weakref.ref(candidate)
+                return candidate
+            frame = frame.f_back
+        logger.warning("refit: cannot find the vLLM worker that holds this engine; its session may stay open")
+        return None
 
     def _fail(self, why: str) -> None:
         """Ends the open session after a failure: refit's session aborted (a staged
