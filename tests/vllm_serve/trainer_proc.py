@@ -29,10 +29,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--secret")
     ap.add_argument("--timeout-ms", type=int, default=30000)
+    ap.add_argument("--workers", type=int, default=1, help="the server's ranks")
     args = ap.parse_args()
     tensors = checkpoint_tensors(args.model, seed=args.seed)
     with refit.Sender("tcp", timeout_ms=args.timeout_ms, auth_secret_file=args.secret) as sender:
-        say({"init_info": sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 2})})
+        init = sender.prepare({"master_address": "127.0.0.1", "master_port": 0, "world_size": 1 + args.workers})
+        say({"init_info": init})
         sender.connect_workers()
         say({"connected": True})
         sys.stdin.readline()
