@@ -127,7 +127,15 @@ class Client:
             return self._http("GET", "/get_server_info")
 
     def weight_version(self) -> str | None:
-        """The ``weight_version`` the server reports (what its answers carry)."""
+        """The ``weight_version`` the server's answers carry now: ``/model_info``'s
+        (``/server_info`` reports the startup setting, not the live version, so a
+        rollback that read it set the server back to "default")."""
+        try:
+            info = self._http("GET", "/model_info")
+        except ServerError:
+            info = None
+        if isinstance(info, dict) and "weight_version" in info:
+            return info["weight_version"]
         return self.server_info().get("weight_version")
 
     def _ticket(self, op: str, *, weight_version: str | None = None, flush_cache: bool = False,
