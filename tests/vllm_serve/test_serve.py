@@ -475,6 +475,38 @@ def test_in_place_failure_keeps_serving(env, state):
         t.shutdown()
 
 
+def test_a_staged_commit_whose_load_fails_is_reported_dirty_and_the_next_update_lands(env, state):
+    """The model's load raises half-way through a staged commit (fault_extension's
+    switch, on every rank; not fleet-atomic, so no undo): the finish fails naming
+    it, ``/weight_info`` stays at the old version, every rank's refit state says
+    dirty (the layers processed before the failure hold the new weights), and
+    the next update, through the same trainer, lands and is clean. vLLM's worker
+    leaves its session open after a failed finish; refit ends it, else every
+    later start is refused ("already active")."""
+    server = env["server"]
+    other = checkpoint_tensors(env["model"], seed=45)
+    r = requests.post(server.url + "/collective_rpc", json={"method": "refit_test_fail_next_load"}, timeout=60)
+    assert r.status_code == 200, r.text[:500]
+    trainer = vllm_trainer(env, other)
+    try:
+        with pytest.raises(Exception, match="half-way on purpose"):
+            trainer.send_weights("failed-commit")
+        assert server.weight_version() == state["now"].version, "/weight_info moved on a failed commit"
+        states = requests.post(server.url + "/collective_rpc", json={"method": "refit_weight_state"},
+                               timeout=60).json()["results"]
+        assert states and all(st["weights_dirty"] for st in states), states
+        trainer.send_weights("after-failed-commit")
+        landed(env, state, other, "after-failed-commit")
+        states = requests.post(server.url + "/collective_rpc", json={"method": "refit_weight_state"},
+                               timeout=60).json()["results"]
+        assert not any(st["weights_dirty"] for st in states), states
+        trainer.source = DictSource.make(state["original"])
+        trainer.send_weights("original-after-failed-commit")
+        landed(env, state, state["original"], "original-after-failed-commit")
+    finally:
+        trainer.shutdown()
+
+
 def test_server_is_still_healthy(env):
     assert env["server"].alive()
     assert requests.get(env["server"].url + "/health", timeout=10).status_code == 200
