@@ -45,17 +45,23 @@ def negated(tensors: dict) -> dict:
     return {n: (-t if ".mlp." in n else t) for n, t in tensors.items()}
 
 
-def test_an_update_changes_greedy_output_and_weight_version_and_the_original_restores_it(served):
+def update_then_restore(served, client) -> None:
+    """Other weights change greedy output and weight_version; the original weights
+    give the first answer's tokens back (this module's and test_sglang_tp's)."""
     s, original = served["server"], served["original"]
-    with refit.sglang.Client(s.url, timeout_ms=30000) as client:
-        client.update(negated(original), 11)
-        changed = s.generate()
-        assert changed.weight_version == "11"
-        assert changed.tokens != served["first"].tokens, "the update did not reach the model"
-        client.update(original, 12)
-        back = s.generate()
+    client.update(negated(original), 11)
+    changed = s.generate()
+    assert changed.weight_version == "11"
+    assert changed.tokens != served["first"].tokens, "the update did not reach the model"
+    client.update(original, 12)
+    back = s.generate()
     assert back.weight_version == "12"
     assert back.tokens == served["first"].tokens, "the original weights do not give the original tokens"
+
+
+def test_an_update_changes_greedy_output_and_weight_version_and_the_original_restores_it(served):
+    with refit.sglang.Client(served["server"].url, timeout_ms=30000) as client:
+        update_then_restore(served, client)
 
 
 @pytest.mark.parametrize("bad, says", [

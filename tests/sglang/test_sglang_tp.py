@@ -29,7 +29,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from server import SGLangServer, checkpoint, make_model  # noqa: E402
-from test_sglang import negated  # noqa: E402
+from test_sglang import negated, update_then_restore  # noqa: E402
 
 ROUNDS = int(os.environ.get("REFIT_SGLANG_TP_ROUNDS", "20"))
 LOAD_FORMAT = "fault_loader.load_weights"
@@ -64,16 +64,8 @@ def served_tp(tmp_path_factory):
 
 
 def test_an_update_lands_on_both_ranks_and_the_original_restores_the_output(served_tp):
-    s, original = served_tp["server"], served_tp["original"]
-    with client(s) as c:
-        c.update(negated(original), 11)
-        changed = s.generate()
-        assert changed.weight_version == "11"
-        assert changed.tokens != served_tp["first"].tokens, "the update did not reach the model"
-        c.update(original, 12)
-        back = s.generate()
-    assert back.weight_version == "12"
-    assert back.tokens == served_tp["first"].tokens, "the original weights do not give the original tokens"
+    with client(served_tp["server"]) as c:
+        update_then_restore(served_tp, c)
 
 
 def test_a_refused_update_then_a_good_one_lands_every_time(served_tp):

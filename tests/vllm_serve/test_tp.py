@@ -34,7 +34,7 @@ import requests
 import torch
 
 import refit
-from refit.vllm import FleetClient, FleetUpdateError, RefitTrainerInitInfo
+from refit.vllm import FleetUpdateError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -49,8 +49,9 @@ from test_families import (  # noqa: E402
     same,
     state_dict_of,
 )
+from test_fleet import send  # noqa: E402 - FleetClient over the replicas, fleet-atomic
 from test_serve import DEADLINE_MS, TRAINER_TIMEOUT_MS, vllm_trainer  # noqa: E402
-from weights import DictSource, update_info  # noqa: E402
+from weights import update_info  # noqa: E402
 
 RANKS = 2
 FAMILIES = [f for f in (os.environ.get("REFIT_VLLM_TP_FAMILIES") or "llama_tied,qwen2").split(",") if f]
@@ -160,23 +161,9 @@ def test_a_refused_update_then_a_good_one_lands_every_time(tp):
         trainer.shutdown()
 
 
-def fleet_trainer(tp, tensors):
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-    info = RefitTrainerInitInfo(
-        master_address="127.0.0.1", world_size=1 + RANKS, rank=0, timeout_ms=TRAINER_TIMEOUT_MS,
-        auth_secret_file=tp["secret"], fleet_atomic=True, worker_options={"timeout_ms": DEADLINE_MS},
-    )
-    return WeightTransferTrainerFactory.trainer_init(info, client=FleetClient([tp["server"].url]),
-                                                     source=DictSource.make(tensors))
-
-
 def fleet_send(tp, tensors, version):
-    t = fleet_trainer(tp, tensors)
-    try:
-        t.send_weights(version)
-    finally:
-        t.shutdown()
+    """test_fleet's fleet-atomic send, over this one replica of RANKS ranks."""
+    send({**tp, "servers": [tp["server"]]}, tensors, version)
 
 
 def test_a_fleet_atomic_commit_that_fails_on_one_rank_leaves_every_rank_at_the_old_version(tp):
